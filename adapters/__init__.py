@@ -1,0 +1,1 @@
+"""Framework adapters (verl, OpenRLHF). Importing :mod:`tangram` never imports this package."""

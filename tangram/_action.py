@@ -1,0 +1,26 @@
+"""An action's identity: what it is, whose it is, what it asks for and how long it should take."""
+
+from __future__ import annotations
+
+import attrs
+
+from ._demand import Demand
+from ._estimator import Estimate
+
+__all__ = ["Action"]
+
+
+@attrs.frozen
+class Action:
+    """One external call of a rollout: a tool run, a reward computation, an API request.
+
+    ``kind`` groups actions whose durations are alike (``"run_tests"``, ``"judge"``); the
+    estimator learns per kind. ``trajectory`` names the rollout the action belongs to, for
+    accounting and for executors that keep per-trajectory state (a sandbox).
+    """
+
+    id: int
+    kind: str
+    trajectory: str | None
+    demand: Demand
+    estimate: Estimate

@@ -1,0 +1,125 @@
+"""A lease: the units one action holds, how they change, and when things happened."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+import anyio
+
+from ._action import Action
+from ._policy import RUNNING, Entry
+
+if TYPE_CHECKING:
+    from ._runtime import Runtime
+
+__all__ = ["Lease"]
+
+
+class Lease:
+    """What ``async with tangram.acquire(...) as lease:`` gives the body.
+
+    ``grant`` is what the action holds now; for an elastic demand ``units`` is its share of
+    the elastic kind. A resizable action learns of changes with :meth:`wait_resized`.
+    Times come from the event loop's clock (``anyio.current_time()``): ``queued_at`` when
+    the acquire arrived, ``admitted_at`` when the scheduler granted it, ``started_at`` when
+    the body began (the gap is overhead: waking the task, applying the grant) and
+    ``finished_at`` when the units went back.
+    """
+
+    __slots__ = (
+        "_entry",
+        "_error",
+        "_ready",
+        "_resized",
+        "_runtime",
+        "admitted_at",
+        "finished_at",
+        "queued_at",
+        "resizes",
+        "started_at",
+    )
+
+    def __init__(self, runtime: Runtime, entry: Entry, now: float) -> None:
+        self._runtime = runtime
+        self._entry = entry
+        self._ready: anyio.Event | None = None
+        self._resized: anyio.Event | None = None
+        self._error: BaseException | None = None
+        self.queued_at = now
+        self.admitted_at = math.nan
+        self.started_at = math.nan
+        self.finished_at = math.nan
+        self.resizes = 0
+
+    def __repr__(self) -> str:
+        action = self._entry.action
+        return f"<tangram.Lease #{action.id} kind={action.kind!r} grant={dict(self.grant)!r}>"
+
+    @property
+    def action(self) -> Action:
+        return self._entry.action
+
+    @property
+    def units(self) -> int | None:
+        """Elastic units held now, or ``None`` for a demand with no elastic kind."""
+        if self._entry.action.demand.elastic is None:
+            return None
+        return self._entry.units
+
+    @property
+    def grant(self) -> Mapping[str, float]:
+        """Amount held per resource kind now (rate kinds: what was taken at the start)."""
+        demand = self._entry.action.demand
+        grant = dict(demand.rigid)
+        if demand.elastic_kind is not None:
+            grant[demand.elastic_kind] = float(self._entry.units)
+        return MappingProxyType(grant)
+
+    @property
+    def active(self) -> bool:
+        """Whether the units are still held."""
+        return self._entry.state == RUNNING
+
+    @property
+    def queue_seconds(self) -> float:
+        return self.admitted_at - self.queued_at
+
+    @property
+    def overhead_seconds(self) -> float:
+        return self.started_at - self.admitted_at
+
+    @property
+    def exec_seconds(self) -> float:
+        return self.finished_at - self.started_at
+
+    async def wait_resized(self) -> int:
+        """Wait until the scheduler changes this action's elastic units; return the new count.
+
+        Only resizable elastic demands (``Elastic(..., resizable=True)``) are ever resized;
+        for others this waits until cancelled.
+        """
+        if self._resized is None:
+            self._resized = anyio.Event()
+        await self._resized.wait()
+        return self._entry.units
+
+    # -- called by the runtime --------------------------------------------------------
+
+    def _admit(self, now: float) -> None:
+        self.admitted_at = now
+        if self._ready is not None:
+            self._ready.set()
+
+    def _fail(self, error: BaseException) -> None:
+        self._error = error
+        if self._ready is not None:
+            self._ready.set()
+
+    def _notify_resize(self) -> None:
+        self.resizes += 1
+        event, self._resized = self._resized, None
+        if event is not None:
+            event.set()

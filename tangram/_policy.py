@@ -1,0 +1,504 @@
+"""Scheduling decisions as pure functions of the scheduler's state.
+
+No clock, no I/O, no awaits: the live runtime and the virtual-clock driver hand the same
+state to the same :meth:`Policy.plan` and apply what it returns, which is how a simulated
+step and a live one make the same decisions.
+
+:class:`ElasticPolicy` is the paper's action-level scheduler with the gaps it leaves filled:
+
+1. *Admission* walks the queue in arrival order (FCFS) and admits each action whose minimum
+   demand fits, counting units that resizable running actions hold above their minimum as
+   available (they can be shrunk). The first action that does not fit is the *head*; later
+   ones may pass it (backfill) only when the estimate says they end before the head could
+   start anyway, or use units the head will not need. An action that has waited longer
+   than ``starvation_bound`` is never passed again.
+2. *Distribution*: per elastic kind, the units not needed at minimum go one at a time to
+   the action whose estimated completion time drops most (a heap of marginal gains; with
+   concave speedups this greedy split is optimal for the sum of completion times).
+   Resizable running actions take part, so they grow when units free up and shrink when
+   that lowers the estimated total.
+3. *Greedy eviction*: when elastic newcomers split scarce units, try leaving the last one
+   queued and giving its units to the others; keep that while the estimated total ACT,
+   including the evicted action's wait from a completion-time walk, improves.
+
+Every pass looks at no more than ``window`` queued actions, so its cost does not grow with
+the length of the queue.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import Literal, Protocol
+
+import attrs
+
+from ._action import Action
+
+__all__ = ["ElasticPolicy", "Entry", "FcfsPolicy", "Plan", "Policy", "State", "View"]
+
+WAITING, RUNNING, DONE = 0, 1, 2
+_EPS = 1e-9
+# Keeping a unit where it is counts this much more than moving it: without it two
+# running actions with nearly equal gains would trade a unit back and forth at every event.
+_STICKINESS = 1.1
+# Remaining work never drops below this share of the estimate, so an action that runs past
+# its estimate still looks like it needs some time.
+_REMAINING_FLOOR = 0.05
+
+
+class Entry:
+    """The scheduler's mutable record of one action, shared by the policy and the ledger."""
+
+    __slots__ = (
+        "action",
+        "admitted_at",
+        "arrival",
+        "deadline",
+        "mark",
+        "rem",
+        "seq",
+        "speedup",
+        "state",
+        "t1",
+        "unit_time",
+        "units",
+    )
+
+    def __init__(self, action: Action, seq: int, arrival: float) -> None:
+        self.action = action
+        self.seq = seq
+        self.arrival = arrival
+        self.state = WAITING
+        self.units = 0
+        estimate = action.estimate
+        elastic = action.demand.elastic
+        self.t1 = estimate.seconds_at_1
+        efficiency = elastic.efficiency if elastic and elastic.efficiency else estimate.efficiency
+        self.speedup: Callable[[float], float] = efficiency.speedup
+        self.rem = self.t1
+        self.mark = arrival
+        self.admitted_at = math.nan
+        self.unit_time = 0.0
+        self.deadline = math.inf
+
+    def __repr__(self) -> str:
+        return f"<Entry #{self.action.id} {self.action.kind} state={self.state} units={self.units}>"
+
+    @property
+    def elastic(self) -> bool:
+        return self.action.demand.elastic is not None
+
+    def speed(self, units: int) -> float:
+        return self.speedup(units) if units > 0 else 1.0
+
+    def remaining(self, now: float) -> float:
+        """Estimated work left, in seconds at one unit."""
+        if self.state != RUNNING:
+            return self.rem
+        left = self.rem - (now - self.mark) * self.speed(self.units)
+        return max(left, _REMAINING_FLOOR * self.t1)
+
+    def seconds_left(self, now: float) -> float:
+        return self.remaining(now) / self.speed(self.units)
+
+
+class State(Protocol):
+    """What a policy reads. The ledger provides it; nothing in it is changed by the policy."""
+
+    @property
+    def now(self) -> float: ...
+
+    @property
+    def totals(self) -> Mapping[str, float]:
+        """Capacity of each held kind (counts and sizes)."""
+
+    @property
+    def free(self) -> Mapping[str, float]:
+        """Capacity minus units held, per held kind; below zero after a capacity cut."""
+
+    @property
+    def tokens(self) -> Mapping[str, float]:
+        """Units left now in each rate budget."""
+
+    @property
+    def rates(self) -> Mapping[str, float]:
+        """Refill per second of each rate budget."""
+
+    @property
+    def surplus(self) -> Mapping[str, float]:
+        """Units resizable running actions hold above their minimum, per kind."""
+
+    @property
+    def headroom(self) -> Mapping[str, float]:
+        """Units resizable running actions could still grow by, per kind."""
+
+    def waiting(self) -> Iterable[Entry]: ...
+
+    @property
+    def running(self) -> Collection[Entry]: ...
+
+    def resizable(self, kind: str) -> Collection[Entry]: ...
+
+
+View = State
+
+
+@attrs.define
+class Plan:
+    """What to do now: admit these with these elastic units, resize those; wake at ``wake_at``."""
+
+    admits: list[tuple[Entry, int]] = attrs.Factory(list)
+    resizes: list[tuple[Entry, int]] = attrs.Factory(list)
+    wake_at: float | None = None
+    evicted: int = 0
+
+
+class Policy(Protocol):
+    """A scheduling policy: one pure method from state to decisions."""
+
+    def plan(self, state: State) -> Plan: ...
+
+
+def _positive(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"`{attribute.name}` must be > 0 (got {value!r})")
+
+
+def _count(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"`{attribute.name}` must be a whole number >= 0 (got {value!r})")
+
+
+class _Scan:
+    """Working copy of free units for one pass."""
+
+    __slots__ = ("free", "surplus", "tokens")
+
+    def __init__(self, state: State) -> None:
+        self.free = dict(state.free)
+        self.surplus = dict(state.surplus)
+        self.tokens = dict(state.tokens)
+
+    def fits(self, need: Iterable[tuple[str, float]]) -> bool:
+        for kind, amount in need:
+            have = self.tokens.get(kind)
+            if have is None:
+                have = self.free[kind] + self.surplus.get(kind, 0.0)
+            if amount > have + _EPS:
+                return False
+        return True
+
+    def take(self, need: Iterable[tuple[str, float]]) -> None:
+        for kind, amount in need:
+            if kind in self.tokens:
+                self.tokens[kind] -= amount
+                continue
+            free = self.free[kind]
+            if amount <= free:
+                self.free[kind] = free - amount
+            else:  # the rest comes from shrinking resizable actions (free may be < 0)
+                self.free[kind] = 0.0
+                self.surplus[kind] -= amount - free
+
+    def exhausted(self) -> bool:
+        for kind, free in self.free.items():
+            if free + self.surplus.get(kind, 0.0) > _EPS:
+                return False
+        return all(level < 1.0 for level in self.tokens.values())
+
+
+def _rate_wait(state: State, scan: _Scan, need: Iterable[tuple[str, float]]) -> float | None:
+    """When the rate budgets alone would let ``need`` start, if a rate is what blocks it."""
+    wake: float | None = None
+    for kind, amount in need:
+        level = scan.tokens.get(kind)
+        if level is not None and amount > level + _EPS:
+            # A microsecond past the exact refill time, so float rounding cannot leave the
+            # budget a hair short when the timer fires.
+            at = state.now + (amount - level) / state.rates[kind] + 1e-6
+            wake = at if wake is None else max(wake, at)
+    return wake
+
+
+@attrs.frozen(kw_only=True)
+class ElasticPolicy:
+    """Action-level elastic scheduling (see the module docstring for the three steps).
+
+    :param starvation_bound: seconds after which a waiting action is never passed again.
+    :param window: queued actions looked at per pass; bounds the cost of a decision.
+    :param eviction_depth: newcomers the greedy eviction may leave queued per pass.
+    """
+
+    starvation_bound: float = attrs.field(default=30.0, validator=_positive)
+    window: int = attrs.field(default=128, validator=_count)
+    eviction_depth: int = attrs.field(default=4, validator=_count)
+
+    def plan(self, state: State) -> Plan:
+        now = state.now
+        scan = _Scan(state)
+        plan = Plan()
+        newcomers: list[Entry] = []
+        head: Entry | None = None
+        shadow: tuple[float, dict[str, float]] | None = None
+        scanned = 0
+        for entry in state.waiting():
+            if scanned >= self.window:
+                break
+            scanned += 1
+            need = entry.action.demand.minimum
+            fits = scan.fits(need)
+            protected = now - entry.arrival > self.starvation_bound
+            if head is None:
+                if fits:
+                    scan.take(need)
+                    newcomers.append(entry)
+                    if scan.exhausted():
+                        break
+                    continue
+                head = entry
+                wake = _rate_wait(state, scan, need)
+                if wake is not None:
+                    plan.wake_at = wake
+                if protected:
+                    break
+                continue
+            if not fits:
+                if protected:
+                    break
+                continue
+            if shadow is None:
+                shadow = _shadow(state, scan, head)
+            start, extra = shadow
+            end = now + entry.t1 / entry.speed(int(_min_units(entry)))
+            if end <= start:
+                scan.take(need)
+                newcomers.append(entry)
+            elif all(amount <= extra.get(kind, math.inf) + _EPS for kind, amount in need):
+                scan.take(need)
+                for kind, amount in need:
+                    if kind in extra:
+                        extra[kind] -= amount
+                newcomers.append(entry)
+            if scan.exhausted():
+                break
+        self._distribute(state, scan, newcomers, head, plan)
+        return plan
+
+    def _distribute(
+        self,
+        state: State,
+        scan: _Scan,
+        newcomers: list[Entry],
+        head: Entry | None,
+        plan: Plan,
+    ) -> None:
+        now = state.now
+        by_kind: dict[str, list[Entry]] = {}
+        for entry in newcomers:
+            kind = entry.action.demand.elastic_kind
+            if kind is None:
+                plan.admits.append((entry, 0))
+            else:
+                by_kind.setdefault(kind, []).append(entry)
+        for kind in state.surplus:
+            if kind in by_kind:
+                continue
+            spare = scan.free[kind]
+            reclaimed = state.surplus[kind] - scan.surplus[kind]
+            if reclaimed > _EPS or spare < -_EPS or (spare >= 1.0 and state.headroom[kind] > 0):
+                by_kind[kind] = []
+        for kind, fresh in by_kind.items():
+            running = list(state.resizable(kind))
+            held = sum(e.units for e in running)
+            # Units the members may share: what they hold, what is free after this pass's
+            # other admissions, minus what the blocked head will need of this kind.
+            pool = scan.free[kind] + sum(_bounds(e)[0] for e in fresh)
+            pool += held - (state.surplus.get(kind, 0.0) - scan.surplus.get(kind, 0.0))
+            if head is not None:
+                reserve = head.action.demand.amount(kind, 0)
+                if head.action.demand.elastic_kind == kind:
+                    reserve += _bounds(head)[0]
+                floors = sum(_bounds(e)[0] for e in running) + sum(_bounds(e)[0] for e in fresh)
+                pool -= min(reserve, max(0.0, pool - floors))
+            units = math.floor(pool + _EPS)
+            members = running + fresh
+            alloc = _allocate(members, units, now)
+            dropped: list[Entry] = []
+            if len(fresh) > 0 and self.eviction_depth > 0 and len(members) > 1:
+                best = _total_act(members, alloc, [], units, now)
+                candidates = [e for e in fresh if now - e.arrival <= self.starvation_bound]
+                for _ in range(self.eviction_depth):
+                    if not candidates:
+                        break
+                    victim = candidates.pop()
+                    trial_members = [e for e in members if e is not victim]
+                    trial_alloc = _allocate(trial_members, units, now)
+                    trial_dropped = [victim, *dropped]
+                    trial = _total_act(trial_members, trial_alloc, trial_dropped, units, now)
+                    if trial >= best * (1.0 - 1e-6):
+                        break
+                    best, members, alloc, dropped = trial, trial_members, trial_alloc, trial_dropped
+                plan.evicted += len(dropped)
+            for entry, target in zip(members, alloc, strict=True):
+                if entry.state == RUNNING:
+                    if target != entry.units:
+                        plan.resizes.append((entry, target))
+                else:
+                    plan.admits.append((entry, target))
+
+
+def _bounds(entry: Entry) -> tuple[int, int]:
+    elastic = entry.action.demand.elastic
+    assert elastic is not None
+    return elastic.min, elastic.max
+
+
+def _min_units(entry: Entry) -> float:
+    elastic = entry.action.demand.elastic
+    return float(elastic.min) if elastic is not None else 0.0
+
+
+def _allocate(members: list[Entry], units: int, now: float) -> list[int]:
+    """Split ``units`` among ``members``: each its minimum, the rest by marginal gain."""
+    alloc = [_bounds(e)[0] for e in members]
+    spare = units - sum(alloc)
+    if spare <= 0 or not members:
+        return alloc
+    rems = [e.remaining(now) for e in members]
+    caps = [_bounds(e)[1] for e in members]
+    currents = [e.units if e.state == RUNNING else 0 for e in members]
+    heap: list[tuple[float, int]] = []
+    for i, entry in enumerate(members):
+        if alloc[i] < caps[i]:
+            heap.append((-_gain(entry, rems[i], alloc[i], currents[i]), i))
+    heapq.heapify(heap)
+    while spare > 0 and heap:
+        gain, i = heapq.heappop(heap)
+        if -gain <= _EPS:
+            break
+        alloc[i] += 1
+        spare -= 1
+        if alloc[i] < caps[i]:
+            heapq.heappush(heap, (-_gain(members[i], rems[i], alloc[i], currents[i]), i))
+    return alloc
+
+
+def _gain(entry: Entry, rem: float, units: int, current: int) -> float:
+    gain = rem / entry.speedup(units) - rem / entry.speedup(units + 1)
+    return gain * _STICKINESS if units < current else gain
+
+
+def _total_act(
+    members: list[Entry], alloc: list[int], dropped: list[Entry], units: int, now: float
+) -> float:
+    """Estimated sum of completion times (from now) of members and evicted newcomers.
+
+    Evicted newcomers start, in arrival order, when the members' completions have freed
+    their minimum, and run on the units freed by then (up to their maximum).
+    """
+    ends = [e.remaining(now) / e.speedup(a) for e, a in zip(members, alloc, strict=True)]
+    total = sum(ends)
+    if not dropped:
+        return total
+    free = float(units - sum(alloc))
+    heap = list(zip(ends, alloc, strict=True))
+    heapq.heapify(heap)
+    clock = 0.0
+    for entry in sorted(dropped, key=lambda e: e.seq):
+        elastic = entry.action.demand.elastic
+        assert elastic is not None
+        while free + _EPS < elastic.min and heap:
+            clock, freed = heapq.heappop(heap)
+            free += freed
+        if free + _EPS < elastic.min:
+            return math.inf
+        got = min(elastic.max, int(free + _EPS))
+        free -= got
+        end = clock + entry.t1 / entry.speedup(got)
+        total += end
+        heapq.heappush(heap, (end, got))
+    return total
+
+
+def _shadow(state: State, scan: _Scan, head: Entry) -> tuple[float, dict[str, float]]:
+    """When the blocked head could start at the latest estimate, and what it leaves spare.
+
+    Walks running actions by estimated completion, adding up what each frees, until the
+    head's minimum fits (EASY backfilling's reservation).
+    """
+    need = head.action.demand.minimum
+    deficit: dict[str, float] = {}
+    start = state.now
+    for kind, amount in need:
+        if kind in scan.tokens:
+            level = scan.tokens[kind]
+            if amount > level:
+                start = max(start, state.now + (amount - level) / state.rates[kind])
+            continue
+        deficit[kind] = amount - (scan.free[kind] + scan.surplus.get(kind, 0.0))
+    if any(d > _EPS for d in deficit.values()):
+        ends = sorted(
+            ((e.seconds_left(state.now), e) for e in state.running), key=lambda pair: pair[0]
+        )
+        reached = math.inf
+        for left, entry in ends:
+            demand = entry.action.demand
+            for kind in deficit:
+                deficit[kind] -= demand.amount(kind, entry.units)
+            if all(d <= _EPS for d in deficit.values()):
+                reached = state.now + left
+                break
+        start = max(start, reached)
+    extra = {kind: max(0.0, -d) for kind, d in deficit.items()}
+    return start, extra
+
+
+@attrs.frozen(kw_only=True)
+class FcfsPolicy:
+    """Strict first-come first-served with a fixed degree of parallelism: the baseline.
+
+    Each elastic action gets ``dop`` units (clamped to its range; ``"min"`` or ``"max"``
+    for its bounds) at start and keeps them. Nothing passes a blocked head. This is the
+    paper's fixed-DoP ablation, kept to measure what elasticity buys.
+    """
+
+    dop: int | Literal["min", "max"] = "min"
+
+    def __attrs_post_init__(self) -> None:
+        if self.dop not in ("min", "max") and (
+            isinstance(self.dop, bool) or not isinstance(self.dop, int) or self.dop < 1
+        ):
+            raise ValueError(
+                f"`dop` must be 'min', 'max' or a whole number >= 1 (got {self.dop!r})"
+            )
+
+    def units_for(self, entry: Entry, total: float) -> int:
+        elastic = entry.action.demand.elastic
+        assert elastic is not None
+        if self.dop == "min":
+            want = elastic.min
+        elif self.dop == "max":
+            want = elastic.max
+        else:
+            want = min(max(self.dop, elastic.min), elastic.max)
+        return max(elastic.min, min(want, int(total + _EPS)))
+
+    def plan(self, state: State) -> Plan:
+        scan = _Scan(state)
+        scan.surplus = {}
+        plan = Plan()
+        for entry in state.waiting():
+            demand = entry.action.demand
+            units = 0
+            need = demand.rigid
+            if demand.elastic_kind is not None:
+                units = self.units_for(entry, state.totals[demand.elastic_kind])
+                need = (*need, (demand.elastic_kind, float(units)))
+            if not scan.fits(need):
+                plan.wake_at = _rate_wait(state, scan, need)
+                break
+            scan.take(need)
+            plan.admits.append((entry, units))
+        return plan

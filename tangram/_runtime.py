@@ -1,0 +1,497 @@
+"""The live scheduler: ``Runtime``, ``acquire`` and the current-runtime context variable.
+
+Decisions are made synchronously inside ``acquire`` and ``release`` (a pure policy pass
+over bounded state), so a release wakes the next action in the same loop iteration, the
+way a bare ``anyio.CapacityLimiter`` does. The one background task only handles time:
+it wakes the scheduler when a rate budget has refilled enough for the blocked head.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import enum
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from types import TracebackType
+from typing import Any, TypeVar
+
+import anyio
+import anyio.lowlevel
+
+from ._action import Action
+from ._demand import Demand, build_demand
+from ._efficiency import Efficiency
+from ._estimator import Estimate, Estimator
+from ._lease import Lease
+from ._ledger import Ledger
+from ._policy import RUNNING, WAITING, ElasticPolicy, Entry, Policy
+from ._resources import Capacity, Resource, parse_capacity
+from ._stats import Outcome, Recorder, ResourceStats, Stats
+from .errors import (
+    CapacityExceededError,
+    DemandTypeError,
+    InvalidDemandError,
+    NoCurrentRuntimeError,
+    RuntimeClosedError,
+    WaitTimeoutError,
+)
+
+__all__ = ["AcquireContext", "Runtime", "acquire", "current_runtime"]
+
+logger = logging.getLogger("tangram")
+T = TypeVar("T")
+
+_current: contextvars.ContextVar[Runtime] = contextvars.ContextVar("tangram.runtime")
+_DEMAND_CACHE_SIZE = 256
+
+
+class _State(enum.Enum):
+    NEW = "new"
+    RUNNING = "running"
+    CLOSED = "closed"
+
+
+def _check_seconds(name: str, value: object, *, allow_none: bool = True) -> float | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise DemandTypeError(f"`{name}` must be a number of seconds (got {value!r})")
+    if math.isnan(value) or value < 0:
+        raise InvalidDemandError(f"`{name}` must be >= 0 seconds (got {value!r})")
+    return float(value)
+
+
+class Runtime:
+    """A scheduler for one event loop: capacities, a policy and the actions in flight.
+
+    ``async with Runtime(capacity={"cpu": 64, "mem": "256GiB", "search": "50/s"}):``
+    starts it and makes it current, so ``tangram.acquire(...)`` anywhere below (in this
+    task and the tasks it starts) reaches it. A runtime is entered once; actions still
+    waiting when it closes fail with :class:`~tangram.errors.RuntimeClosedError`, while
+    actions already running keep their units until their ``async with`` block ends.
+
+    :param capacity: units per resource kind: numbers for counts, ``"16GiB"`` for sizes,
+        ``"50/s"`` or :class:`tangram.Rate` for refilling budgets.
+    :param policy: the scheduling policy (default :class:`tangram.ElasticPolicy`).
+    :param estimator: learns durations online (default :class:`tangram.Estimator`).
+    :raises InvalidCapacityError: a capacity that makes no sense.
+    """
+
+    def __init__(
+        self,
+        capacity: Mapping[str, object] | Capacity,
+        *,
+        policy: Policy | None = None,
+        estimator: Estimator | None = None,
+    ) -> None:
+        self._capacity = parse_capacity(capacity)
+        self._policy = policy if policy is not None else ElasticPolicy()
+        if not callable(getattr(self._policy, "plan", None)):
+            raise TypeError(f"`policy` must have a plan(state) method (got {policy!r})")
+        self._estimator = estimator if estimator is not None else Estimator()
+        self._ledger = Ledger(self._capacity, self._policy, self._estimator)
+        self._recorder = Recorder()
+        self._state = _State.NEW
+        self._leases: dict[Entry, Lease] = {}
+        self._ids = 0
+        self._planning = False
+        self._decisions = 0
+        self._decision_seconds = 0.0
+        self._wake_at: float | None = None
+        self._poke: anyio.Event | None = None
+        self._task_group: anyio.abc.TaskGroup | None = None
+        self._token: contextvars.Token[Runtime] | None = None
+        self._demands: dict[tuple[tuple[str, object], ...], Demand] = {}
+
+    def __repr__(self) -> str:
+        totals = {name: res.total for name, res in self._capacity.items()}
+        return f"<tangram.Runtime {self._state.value} capacity={totals!r}>"
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    async def __aenter__(self) -> Runtime:
+        if self._state is not _State.NEW:
+            raise RuntimeClosedError(
+                f"a Runtime can be entered once (this one is {self._state.value})"
+            )
+        task_group = anyio.create_task_group()
+        await task_group.__aenter__()
+        self._task_group = task_group
+        self._state = _State.RUNNING
+        self._ledger.now = anyio.current_time()
+        task_group.start_soon(self._timer)
+        self._token = _current.set(self)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        self._close()
+        if self._token is not None:
+            # Exited from another context: leave that context's value alone.
+            with contextlib.suppress(ValueError):
+                _current.reset(self._token)
+            self._token = None
+        task_group = self._task_group
+        assert task_group is not None
+        task_group.cancel_scope.cancel()
+        return await task_group.__aexit__(exc_type, exc, tb)
+
+    def _close(self) -> None:
+        if self._state is _State.CLOSED:
+            return
+        self._state = _State.CLOSED
+        error = RuntimeClosedError("the runtime closed while this action was waiting")
+        for entry, lease in list(self._leases.items()):
+            if entry.state == WAITING:
+                self._ledger.withdraw(entry)
+                lease._fail(error)
+
+    async def _timer(self) -> None:
+        while True:
+            self._poke = poke = anyio.Event()
+            wake = self._wake_at
+            with anyio.CancelScope(deadline=math.inf if wake is None else wake):
+                await poke.wait()
+            self._wake_at = None
+            self._reschedule()
+
+    # -- acquiring ---------------------------------------------------------------------
+
+    @property
+    def capacity(self) -> Capacity:
+        return self._capacity
+
+    def acquire(
+        self,
+        demand: Mapping[str, object] | None = None,
+        /,
+        *,
+        kind: str = "action",
+        trajectory: str | None = None,
+        estimate: float | None = None,
+        wait_timeout: float | None = None,
+        **amounts: object,
+    ) -> AcquireContext:
+        """Ask for ``demand`` (or keyword amounts) for the duration of an ``async with``.
+
+        ``async with runtime.acquire(cpu=tangram.Elastic(1, 16), mem="2GiB",
+        kind="run_tests") as lease:`` waits until the scheduler grants it, then holds the
+        grant until the block ends, however it ends: return, exception or cancellation.
+
+        :param kind: groups actions of alike duration; the estimator learns per kind.
+        :param trajectory: the rollout this action belongs to.
+        :param estimate: seconds the action takes on one unit, when the caller knows
+            better than the estimator.
+        :param wait_timeout: seconds to wait in the queue before failing with
+            :class:`~tangram.errors.WaitTimeoutError`.
+        :raises InvalidDemandError: (and its subclasses) for a demand that cannot be
+            served, raised here, before anything is queued.
+        """
+        action = self._action(demand, amounts, kind, trajectory, estimate)
+        timeout = _check_seconds("wait_timeout", wait_timeout)
+        return AcquireContext(self, action, timeout)
+
+    async def run(
+        self,
+        demand: Mapping[str, object],
+        fn: Callable[..., Awaitable[T]],
+        *args: Any,
+        kind: str = "action",
+        trajectory: str | None = None,
+        estimate: float | None = None,
+        wait_timeout: float | None = None,
+    ) -> T:
+        """``await fn(*args)`` holding ``demand``: ``acquire`` without ``async with``."""
+        if not callable(fn):
+            raise TypeError(f"`fn` must be an async callable (got {fn!r})")
+        context = self.acquire(
+            demand, kind=kind, trajectory=trajectory, estimate=estimate, wait_timeout=wait_timeout
+        )
+        async with context:
+            return await fn(*args)
+
+    def _action(
+        self,
+        demand: Mapping[str, object] | None,
+        amounts: Mapping[str, object],
+        kind: str,
+        trajectory: str | None,
+        estimate: float | None,
+    ) -> Action:
+        if demand is not None:
+            if not isinstance(demand, Mapping):
+                raise DemandTypeError(
+                    f"`demand` must be a mapping of resource to amount (got {demand!r})"
+                )
+            if amounts:
+                raise TypeError("give the demand either as a mapping or as keywords, not both")
+            amounts = demand
+        if not isinstance(kind, str):
+            raise DemandTypeError(f"`kind` must be a string (got {kind!r})")
+        if trajectory is not None and not isinstance(trajectory, str):
+            raise DemandTypeError(f"`trajectory` must be a string or None (got {trajectory!r})")
+        built = self._demand(amounts)
+        seconds = _check_seconds("estimate", estimate)
+        if seconds is None:
+            guess = self._estimator.predict(kind)
+        else:
+            elastic = built.elastic
+            efficiency: Efficiency = (
+                elastic.efficiency
+                if elastic is not None and elastic.efficiency is not None
+                else self._estimator.predict(kind).efficiency
+            )
+            guess = Estimate(max(seconds, 1e-9), efficiency)
+        self._ids += 1
+        return Action(self._ids, kind, trajectory, built, guess)
+
+    def _demand(self, amounts: Mapping[str, object]) -> Demand:
+        try:
+            key = tuple(amounts.items())
+            cached = self._demands.get(key)
+        except TypeError:  # an unhashable amount: validate without caching
+            return build_demand(amounts, self._capacity)
+        if cached is None:
+            cached = build_demand(amounts, self._capacity)
+            if len(self._demands) >= _DEMAND_CACHE_SIZE:
+                self._demands.clear()
+            self._demands[key] = cached
+        return cached
+
+    async def _enter(self, action: Action, wait_timeout: float | None) -> Lease:
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        if self._state is not _State.RUNNING:
+            raise RuntimeClosedError(f"the runtime is {self._state.value}, not running")
+        now = anyio.current_time()
+        entry = self._ledger.submit(action, now)
+        lease = Lease(self, entry, now)
+        self._leases[entry] = lease
+        if not self._ledger.could_ever_fit(entry):
+            self._drop(lease, Outcome.CANCELLED)
+            raise CapacityExceededError(
+                f"demand no longer fits the lowered capacity: {action.demand}"
+            )
+        self._reschedule()
+        if entry.state == RUNNING:
+            await anyio.lowlevel.cancel_shielded_checkpoint()
+        else:
+            lease._ready = anyio.Event()
+            try:
+                if wait_timeout is None:
+                    await lease._ready.wait()
+                else:
+                    with anyio.fail_after(wait_timeout):
+                        await lease._ready.wait()
+            except BaseException as exc:
+                self._drop(lease, Outcome.CANCELLED)
+                if isinstance(exc, TimeoutError) and wait_timeout is not None:
+                    raise WaitTimeoutError(
+                        f"waited {wait_timeout:g} s for {dict(action.demand.minimum)!r} "
+                        f"(kind {action.kind!r}) without a grant"
+                    ) from exc
+                raise
+            if lease._error is not None:
+                raise lease._error
+        lease.started_at = anyio.current_time()
+        return lease
+
+    def _release(self, lease: Lease, exc_type: type[BaseException] | None) -> None:
+        if exc_type is None:
+            outcome = Outcome.COMPLETED
+        elif issubclass(exc_type, Exception) and not issubclass(
+            exc_type, anyio.get_cancelled_exc_class()
+        ):
+            outcome = Outcome.FAILED
+        else:
+            outcome = Outcome.CANCELLED
+        self._drop(lease, outcome)
+
+    def _drop(self, lease: Lease, outcome: Outcome) -> None:
+        """Give back whatever ``lease`` holds or stop it waiting; record how it ended."""
+        entry = lease._entry
+        if self._leases.pop(entry, None) is None:
+            return
+        now = anyio.current_time()
+        lease.finished_at = now
+        if math.isnan(lease.started_at):
+            lease.started_at = now
+        if entry.state == RUNNING:
+            exec_seconds = now - lease.started_at
+            self._ledger.finish(entry, now, exec_seconds, ok=outcome is Outcome.COMPLETED)
+            if math.isnan(lease.admitted_at):
+                lease.admitted_at = entry.admitted_at
+            self._recorder.record(
+                entry.action.kind,
+                outcome,
+                lease.queue_seconds,
+                lease.overhead_seconds,
+                exec_seconds,
+            )
+        else:
+            self._ledger.withdraw(entry)
+            self._recorder.record(entry.action.kind, outcome, now - lease.queued_at, 0.0, 0.0)
+        self._reschedule()
+
+    def _reschedule(self) -> None:
+        if self._state is not _State.RUNNING or self._planning:
+            return
+        self._planning = True
+        try:
+            started = time.perf_counter()
+            plan = self._ledger.step(anyio.current_time())
+            self._decisions += 1
+            self._decision_seconds += time.perf_counter() - started
+        finally:
+            self._planning = False
+        leases = self._leases
+        now = self._ledger.now
+        for entry, _ in plan.admits:
+            leases[entry]._admit(now)
+        for entry, units in plan.resizes:
+            logger.debug("resized action %d to %d units", entry.action.id, units)
+            leases[entry]._notify_resize()
+        if plan.wake_at != self._wake_at:
+            self._wake_at = plan.wake_at
+            if self._poke is not None:
+                self._poke.set()
+
+    # -- run-time changes and introspection --------------------------------------------
+
+    def set_capacity(
+        self, capacity: Mapping[str, object] | None = None, /, **amounts: object
+    ) -> None:
+        """Change capacities while running (a node joined or left).
+
+        Kinds not named keep their capacity. Running resizable actions above a lowered
+        capacity are shrunk; rigid grants finish normally and nothing new is admitted
+        until use is back under the capacity. Waiting actions that can no longer fit
+        fail with :class:`~tangram.errors.CapacityExceededError`.
+        """
+        updates = dict(capacity or {}, **amounts)
+        self._capacity = self._capacity.with_updates(updates)
+        self._demands.clear()
+        now = anyio.current_time() if self._state is _State.RUNNING else self._ledger.now
+        impossible = self._ledger.set_capacity(self._capacity, now)
+        for entry in impossible:
+            lease = self._leases.pop(entry)
+            need = dict(entry.action.demand.minimum)
+            lease._fail(CapacityExceededError(f"capacity lowered below this demand {need!r}"))
+            self._recorder.record(
+                entry.action.kind, Outcome.CANCELLED, now - lease.queued_at, 0.0, 0.0
+            )
+        for name, held in self._ledger.held.items():
+            if held > self._ledger.totals[name] + 1e-9:
+                logger.warning(
+                    "capacity of %r lowered to %g below the %g units held; admitting nothing "
+                    "of it until running actions finish",
+                    name,
+                    self._ledger.totals[name],
+                    held,
+                )
+        self._reschedule()
+
+    def stats(self) -> Stats:
+        """Utilisation per kind, queue lengths and per-kind time splits, as of now."""
+        ledger = self._ledger
+        if self._state is _State.RUNNING:
+            ledger._account(anyio.current_time())
+        resources: dict[str, ResourceStats] = {}
+        for name, res in self._capacity.items():
+            resources[name] = _resource_stats(ledger, name, res)
+        return Stats(
+            resources=resources,
+            waiting=ledger.waiting_count,
+            running=len(ledger.running),
+            kinds=self._recorder.kinds(),
+            decisions=self._decisions,
+            decision_seconds=self._decision_seconds,
+            resizes=ledger.resizes,
+            evictions=ledger.evictions,
+        )
+
+
+def _resource_stats(ledger: Ledger, name: str, res: Resource) -> ResourceStats:
+    if name in ledger.rates:
+        level = ledger.tokens[name]
+        return ResourceStats(res.total, res.burst - level, 1.0 - level / res.burst, 0.0, 0.0)
+    held = ledger.held[name]
+    return ResourceStats(
+        total=res.total,
+        held=held,
+        utilisation=held / res.total if res.total > 0 else 0.0,
+        unit_seconds=ledger.unit_seconds[name],
+        peak=ledger.peak[name],
+    )
+
+
+class AcquireContext:
+    """The async context manager ``acquire`` returns; enter it once."""
+
+    __slots__ = ("_action", "_lease", "_runtime", "_wait_timeout")
+
+    def __init__(self, runtime: Runtime, action: Action, wait_timeout: float | None) -> None:
+        self._runtime = runtime
+        self._action = action
+        self._wait_timeout = wait_timeout
+        self._lease: Lease | None = None
+
+    @property
+    def action(self) -> Action:
+        return self._action
+
+    async def __aenter__(self) -> Lease:
+        if self._lease is not None:
+            raise RuntimeError("an acquire context can be entered only once")
+        self._lease = await self._runtime._enter(self._action, self._wait_timeout)
+        return self._lease
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        assert self._lease is not None
+        self._runtime._release(self._lease, exc_type)
+
+
+def current_runtime() -> Runtime:
+    """The runtime of the innermost ``async with Runtime(...)`` around this task.
+
+    :raises NoCurrentRuntimeError: there is none.
+    """
+    try:
+        return _current.get()
+    except LookupError:
+        raise NoCurrentRuntimeError(
+            "tangram.acquire needs a running runtime: wrap the rollout in "
+            "`async with tangram.Runtime(capacity={...}):`"
+        ) from None
+
+
+def acquire(
+    demand: Mapping[str, object] | None = None,
+    /,
+    *,
+    kind: str = "action",
+    trajectory: str | None = None,
+    estimate: float | None = None,
+    wait_timeout: float | None = None,
+    **amounts: object,
+) -> AcquireContext:
+    """``current_runtime().acquire(...)``: see :meth:`Runtime.acquire`."""
+    return current_runtime().acquire(
+        demand,
+        kind=kind,
+        trajectory=trajectory,
+        estimate=estimate,
+        wait_timeout=wait_timeout,
+        **amounts,
+    )

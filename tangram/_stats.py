@@ -1,0 +1,153 @@
+"""Bounded accounting of what the scheduler did: per-kind time splits and resource use.
+
+Quantiles come from the most recent ``window`` samples of each action kind and means from
+running sums, so memory stays flat over millions of actions. Pure: callers pass times in.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict, deque
+from collections.abc import Mapping
+
+import attrs
+
+__all__ = ["KindStats", "Outcome", "Recorder", "ResourceStats", "Stats", "Summary"]
+
+
+class Outcome(enum.Enum):
+    """How an action ended: its body returned, raised, or was cancelled or timed out."""
+
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+@attrs.frozen
+class Summary:
+    """Mean and quantiles of a duration, in seconds (NaN when there is no sample)."""
+
+    count: int
+    mean: float
+    p50: float
+    p95: float
+    p99: float
+
+    @classmethod
+    def of(cls, samples: deque[float], count: int, total: float) -> Summary:
+        if count == 0:
+            nan = float("nan")
+            return cls(0, nan, nan, nan, nan)
+        ordered = sorted(samples)
+        last = len(ordered) - 1
+
+        def pick(q: float) -> float:
+            return ordered[min(last, int(q * len(ordered)))]
+
+        return cls(count, total / count, pick(0.50), pick(0.95), pick(0.99))
+
+
+@attrs.frozen
+class KindStats:
+    """What happened to actions of one kind. ``act`` is queue + overhead + exec."""
+
+    completed: int
+    failed: int
+    cancelled: int
+    queue: Summary
+    exec: Summary
+    overhead: Summary
+    act: Summary
+
+
+@attrs.frozen
+class ResourceStats:
+    """Use of one resource kind. ``unit_seconds`` integrates units held over time: the bill."""
+
+    total: float
+    held: float
+    utilisation: float
+    unit_seconds: float
+    peak: float
+
+
+@attrs.frozen
+class Stats:
+    """A snapshot from :meth:`tangram.Runtime.stats`."""
+
+    resources: Mapping[str, ResourceStats]
+    waiting: int
+    running: int
+    kinds: Mapping[str, KindStats]
+    decisions: int
+    decision_seconds: float
+    resizes: int
+    evictions: int
+
+
+class _Series:
+    __slots__ = ("count", "recent", "total")
+
+    def __init__(self, window: int) -> None:
+        self.recent: deque[float] = deque(maxlen=window)
+        self.count = 0
+        self.total = 0.0
+
+    def add(self, value: float) -> None:
+        self.recent.append(value)
+        self.count += 1
+        self.total += value
+
+    def summary(self) -> Summary:
+        return Summary.of(self.recent, self.count, self.total)
+
+
+class _KindRecord:
+    __slots__ = ("act", "exec", "outcomes", "overhead", "queue")
+
+    def __init__(self, window: int) -> None:
+        self.outcomes = dict.fromkeys(Outcome, 0)
+        self.queue = _Series(window)
+        self.exec = _Series(window)
+        self.overhead = _Series(window)
+        self.act = _Series(window)
+
+
+class Recorder:
+    """Collects per-kind outcomes and durations; keeps at most ``max_kinds`` kinds."""
+
+    def __init__(self, *, window: int = 2048, max_kinds: int = 1024) -> None:
+        self._window = window
+        self._max_kinds = max_kinds
+        self._kinds: OrderedDict[str, _KindRecord] = OrderedDict()
+
+    def record(
+        self, kind: str, outcome: Outcome, queue: float, overhead: float, exec_: float
+    ) -> None:
+        rec = self._kinds.get(kind)
+        if rec is None:
+            rec = self._kinds[kind] = _KindRecord(self._window)
+            if len(self._kinds) > self._max_kinds:
+                self._kinds.popitem(last=False)
+        else:
+            self._kinds.move_to_end(kind)
+        rec.outcomes[outcome] += 1
+        rec.queue.add(queue)
+        if outcome is not Outcome.CANCELLED or exec_ > 0:
+            rec.overhead.add(overhead)
+            rec.exec.add(exec_)
+            rec.act.add(queue + overhead + exec_)
+
+    def kinds(self) -> dict[str, KindStats]:
+        return {
+            kind: KindStats(
+                completed=rec.outcomes[Outcome.COMPLETED],
+                failed=rec.outcomes[Outcome.FAILED],
+                cancelled=rec.outcomes[Outcome.CANCELLED],
+                queue=rec.queue.summary(),
+                exec=rec.exec.summary(),
+                overhead=rec.overhead.summary(),
+                act=rec.act.summary(),
+            )
+            for kind, rec in self._kinds.items()
+        }

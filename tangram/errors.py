@@ -1,0 +1,87 @@
+"""Every error tangram raises on purpose, in one place.
+
+Each leaf is named for what happened and also subclasses the builtin a caller would
+already catch, so ``except ValueError`` around a bad demand keeps working::
+
+    TangramError
+    ├── InvalidDemandError (ValueError)      the demand can never be served as written
+    │   ├── DemandTypeError (TypeError)      a value of the wrong type
+    │   ├── UnknownResourceError (LookupError)  names a resource the runtime lacks
+    │   └── CapacityExceededError            asks for more than the whole capacity
+    ├── InvalidCapacityError (ValueError)    a capacity or setting that makes no sense
+    ├── WaitTimeoutError (TimeoutError)      queued for longer than ``wait_timeout``
+    ├── RuntimeClosedError (RuntimeError)    your code used a runtime that is not running
+    └── NoCurrentRuntimeError (RuntimeError) ``tangram.acquire`` outside ``async with runtime``
+
+Bad arguments fail at the call that made them, before anything is queued: a demand that
+cannot be served never waits in the queue to fail later.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CapacityExceededError",
+    "DemandTypeError",
+    "InvalidCapacityError",
+    "InvalidDemandError",
+    "NoCurrentRuntimeError",
+    "RuntimeClosedError",
+    "TangramError",
+    "UnknownResourceError",
+    "WaitTimeoutError",
+]
+
+
+class TangramError(Exception):
+    """Base of every error tangram raises on purpose."""
+
+
+class InvalidDemandError(TangramError, ValueError):
+    """A demand (or an efficiency model inside it) that no capacity could serve."""
+
+
+class DemandTypeError(InvalidDemandError, TypeError):
+    """A demand value of the wrong type, such as ``cpu="four"`` or ``cpu=True``."""
+
+
+class UnknownResourceError(InvalidDemandError, LookupError):
+    """The demand names a resource kind the runtime was not given."""
+
+
+class CapacityExceededError(InvalidDemandError):
+    """The demand needs more than the runtime's whole capacity of some kind.
+
+    Raised at the call when the demand arrives, and given to actions still waiting when
+    ``Runtime.set_capacity`` lowers a capacity below what they need.
+    """
+
+
+class InvalidCapacityError(TangramError, ValueError):
+    """A capacity or runtime setting that makes no sense (negative, NaN, wrong unit)."""
+
+
+class WaitTimeoutError(TangramError, TimeoutError):
+    """The action waited in the queue longer than its ``wait_timeout``.
+
+    Nothing was granted: the action left the queue and holds no units.
+    """
+
+
+class RuntimeClosedError(TangramError, RuntimeError):
+    """The runtime is not running: not entered yet, or already closed.
+
+    This is a mistake in the calling code, as opposed to an outside failure.
+    """
+
+
+class NoCurrentRuntimeError(TangramError, RuntimeError):
+    """``tangram.acquire`` was called outside ``async with runtime:``.
+
+    The current runtime is a context variable; tasks started inside the ``async with``
+    block inherit it, tasks started elsewhere do not.
+    """
+
+
+for _name in __all__:
+    globals()[_name].__module__ = "tangram.errors"
+del _name
