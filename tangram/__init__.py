@@ -6,14 +6,14 @@ for as long as it runs, grows and shrinks elastic actions, and keeps every traje
 moving.
 """
 
-from __future__ import annotations
-
 import contextlib as _contextlib
 
 from . import errors as errors
 from ._action import Action as Action
 from ._demand import Demand as Demand
 from ._demand import Elastic as Elastic
+from ._docker import DockerBackend as DockerBackend
+from ._docker import DockerConfig as DockerConfig
 from ._efficiency import Amdahl as Amdahl
 from ._efficiency import Efficiency as Efficiency
 from ._efficiency import Linear as Linear
@@ -22,6 +22,7 @@ from ._efficiency import Table as Table
 from ._estimator import Estimate as Estimate
 from ._estimator import Estimator as Estimator
 from ._lease import Lease as Lease
+from ._local import LocalBackend as LocalBackend
 from ._policy import ElasticPolicy as ElasticPolicy
 from ._policy import FcfsPolicy as FcfsPolicy
 from ._policy import Plan as Plan
@@ -32,6 +33,14 @@ from ._runtime import AcquireContext as AcquireContext
 from ._runtime import Runtime as Runtime
 from ._runtime import acquire as acquire
 from ._runtime import current_runtime as current_runtime
+from ._sandbox import ExecRequest as ExecRequest
+from ._sandbox import ExecResult as ExecResult
+from ._sandbox import Host as Host
+from ._sandbox import RunResult as RunResult
+from ._sandbox import Sandbox as Sandbox
+from ._sandbox import SandboxBackend as SandboxBackend
+from ._sandbox import SandboxHandle as SandboxHandle
+from ._sandbox import SandboxPool as SandboxPool
 from ._simulate import ActionRecord as ActionRecord
 from ._simulate import SimulationResult as SimulationResult
 from ._simulate import Step as Step
@@ -51,22 +60,33 @@ __all__ = [
     "Amdahl",
     "Capacity",
     "Demand",
+    "DockerBackend",
+    "DockerConfig",
     "Efficiency",
     "Elastic",
     "ElasticPolicy",
     "Estimate",
     "Estimator",
+    "ExecRequest",
+    "ExecResult",
     "FcfsPolicy",
+    "Host",
     "KindStats",
     "Lease",
     "Linear",
+    "LocalBackend",
     "Outcome",
     "Plan",
     "Policy",
     "Power",
     "Rate",
     "ResourceStats",
+    "RunResult",
     "Runtime",
+    "Sandbox",
+    "SandboxBackend",
+    "SandboxHandle",
+    "SandboxPool",
     "SimulationResult",
     "Stats",
     "Step",
@@ -74,8 +94,8 @@ __all__ = [
     "Table",
     "acquire",
     "current_runtime",
-    "simulate",
     "errors",
+    "simulate",
 ]
 
 # Tracebacks and reprs say ``tangram.Runtime``, not the private module it lives in.

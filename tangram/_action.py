@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 
 from ._demand import Demand
-from ._estimator import Estimate
+from ._efficiency import Estimate
 
 __all__ = ["Action"]
 

@@ -115,10 +115,13 @@ def build_demand(amounts: Mapping[str, object], capacity: Capacity) -> Demand:
     """Validate ``amounts`` against ``capacity`` and return the :class:`Demand`.
 
     :raises UnknownResourceError: a name that is not in ``capacity``.
+    :raises DemandTypeError: ``amounts`` is not a mapping, or holds a value of the wrong type.
     :raises InvalidDemandError: a negative, NaN or infinite amount, an empty demand, more
         than one elastic kind, or an elastic rate.
     :raises CapacityExceededError: more than the total of some kind.
     """
+    if not isinstance(amounts, Mapping):  # the simulator's steps come here unchecked
+        raise DemandTypeError(f"a demand must be a mapping of resource to amount (got {amounts!r})")
     rigid: list[tuple[str, float]] = []
     elastic_kind: str | None = None
     elastic: Elastic | None = None

@@ -17,7 +17,7 @@ import attrs
 
 from .errors import DemandTypeError, InvalidDemandError
 
-__all__ = ["Amdahl", "Efficiency", "Linear", "Power", "Table", "efficiency_from_dict"]
+__all__ = ["Amdahl", "Efficiency", "Estimate", "Linear", "Power", "Table", "efficiency_from_dict"]
 
 
 @runtime_checkable
@@ -93,6 +93,22 @@ class Table:
         if index < 0:
             return self.speedups[0] * units
         return self.speedups[index]
+
+
+@attrs.frozen
+class Estimate:
+    """A duration model: ``seconds_at_1`` on one unit, sped up by ``efficiency``.
+
+    Part of the model layer (an action carries one) although the estimator is what usually
+    makes it: keeping it here lets :mod:`tangram._action` describe an action without
+    importing the policy layer that learns estimates.
+    """
+
+    seconds_at_1: float
+    efficiency: Efficiency
+
+    def seconds(self, units: float) -> float:
+        return self.seconds_at_1 / self.efficiency.speedup(max(units, 1.0))
 
 
 def efficiency_from_dict(spec: Mapping[str, object]) -> Efficiency:

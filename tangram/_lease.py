@@ -8,6 +8,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 import anyio
+import anyio.lowlevel
 
 from ._action import Action
 from ._policy import RUNNING, Entry
@@ -23,6 +24,8 @@ class Lease:
 
     ``grant`` is what the action holds now; for an elastic demand ``units`` is its share of
     the elastic kind. A resizable action learns of changes with :meth:`wait_resized`.
+    Once the ``async with`` block has ended both keep what was held last, so the body's
+    caller can still log what it ran with.
     Times come from the event loop's clock (``anyio.current_time()``): ``queued_at`` when
     the acquire arrived, ``admitted_at`` when the scheduler granted it, ``started_at`` when
     the body began (the gap is overhead: waking the task, applying the grant) and
@@ -32,9 +35,11 @@ class Lease:
     __slots__ = (
         "_entry",
         "_error",
+        "_final_units",
         "_ready",
         "_resized",
         "_runtime",
+        "_seen",
         "admitted_at",
         "finished_at",
         "queued_at",
@@ -48,6 +53,8 @@ class Lease:
         self._ready: anyio.Event | None = None
         self._resized: anyio.Event | None = None
         self._error: BaseException | None = None
+        self._final_units: int | None = None
+        self._seen = 0
         self.queued_at = now
         self.admitted_at = math.nan
         self.started_at = math.nan
@@ -64,9 +71,11 @@ class Lease:
 
     @property
     def units(self) -> int | None:
-        """Elastic units held now, or ``None`` for a demand with no elastic kind."""
+        """Elastic units held now (last held, once released), or ``None`` if none is elastic."""
         if self._entry.action.demand.elastic is None:
             return None
+        if self._final_units is not None:
+            return self._final_units
         return self._entry.units
 
     @property
@@ -74,8 +83,9 @@ class Lease:
         """Amount held per resource kind now (rate kinds: what was taken at the start)."""
         demand = self._entry.action.demand
         grant = dict(demand.rigid)
-        if demand.elastic_kind is not None:
-            grant[demand.elastic_kind] = float(self._entry.units)
+        units = self.units
+        if demand.elastic_kind is not None and units is not None:
+            grant[demand.elastic_kind] = float(units)
         return MappingProxyType(grant)
 
     @property
@@ -98,15 +108,37 @@ class Lease:
     async def wait_resized(self) -> int:
         """Wait until the scheduler changes this action's elastic units; return the new count.
 
+        Changes are counted, not just signalled: a resize that lands while the body is busy
+        elsewhere (between two calls, or between the body starting and the first call)
+        makes the next call return at once instead of being lost, so a body that does
+        ``units = await lease.wait_resized()`` in a loop always ends up on the current
+        grant.
+
         Only resizable elastic demands (``Elastic(..., resizable=True)``) are ever resized;
         for others this waits until cancelled.
         """
-        if self._resized is None:
-            self._resized = anyio.Event()
-        await self._resized.wait()
+        if self.resizes == self._seen:
+            if self._resized is None:
+                self._resized = anyio.Event()
+            await self._resized.wait()
+        else:
+            await anyio.lowlevel.checkpoint()
+        self._seen = self.resizes
         return self._entry.units
 
     # -- called by the runtime --------------------------------------------------------
+
+    def _start(self, now: float) -> None:
+        """The body begins: it sees the grant as it is now, resizes so far included."""
+        self.started_at = now
+        self._seen = self.resizes
+
+    def _finish(self, now: float) -> None:
+        """The units go back (or the wait ends); keep what was held for later reads."""
+        self._final_units = self._entry.units
+        self.finished_at = now
+        if math.isnan(self.started_at):
+            self.started_at = now
 
     def _admit(self, now: float) -> None:
         self.admitted_at = now

@@ -7,7 +7,7 @@ with it every rule about accounting: units held always equal the sum of live gra
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Collection, Iterator
 
 from ._action import Action
@@ -21,34 +21,32 @@ _GONE = 3
 
 
 class _Fifo:
-    """Arrival-ordered queue with O(1) removal from anywhere (lazy deletion + compaction)."""
+    """Arrival-ordered queue of waiting entries with O(1) removal from anywhere.
 
-    __slots__ = ("_items", "_live")
+    An :class:`~collections.OrderedDict` is a hash table threaded on a linked list, and
+    its iterator follows the list, so a pass that looks at the first ``window`` entries
+    costs ``window`` steps however many entries left from the middle before. (A deque with
+    lazy deletion, the earlier design, made every pass walk the dead entries left behind
+    by backfills and cancellations until a compaction: up to half the queue.)
+    """
+
+    __slots__ = ("_items",)
 
     def __init__(self) -> None:
-        self._items: deque[Entry] = deque()
-        self._live = 0
+        self._items: OrderedDict[Entry, None] = OrderedDict()
 
     def __len__(self) -> int:
-        return self._live
+        return len(self._items)
 
     def append(self, entry: Entry) -> None:
-        self._items.append(entry)
-        self._live += 1
+        self._items[entry] = None
 
-    def removed(self) -> None:
-        """Note that an entry left the WAITING state; compact when mostly dead."""
-        self._live -= 1
-        items = self._items
-        while items and items[0].state != WAITING:
-            items.popleft()
-        if len(items) > 64 and len(items) > 2 * self._live:
-            self._items = deque(e for e in items if e.state == WAITING)
+    def remove(self, entry: Entry) -> None:
+        """Take ``entry`` out (it left the WAITING state); a no-op when it is not queued."""
+        self._items.pop(entry, None)
 
     def __iter__(self) -> Iterator[Entry]:
-        for entry in self._items:
-            if entry.state == WAITING:
-                yield entry
+        return iter(self._items)
 
 
 class Ledger:
@@ -112,7 +110,7 @@ class Ledger:
         """Take a waiting entry out of the queue (cancelled, timed out, impossible)."""
         if entry.state == WAITING:
             entry.state = _GONE
-            self._queue.removed()
+            self._queue.remove(entry)
 
     def finish(
         self, entry: Entry, now: float, seconds: float | None = None, ok: bool = True
@@ -144,6 +142,12 @@ class Ledger:
         plan = self.policy.plan(self)
         if plan.admits or plan.resizes:
             self._account(now)
+        # Shrinks before grows and admissions: applied in the plan's order, a grow listed
+        # before the shrink that makes room for it would briefly hold more than the
+        # capacity (and count it in ``peak``).
+        for entry, units in plan.resizes:
+            if units < entry.units:
+                self._resize(entry, units, now)
         for entry, units in plan.resizes:
             self._resize(entry, units, now)
         for entry, units in plan.admits:
@@ -156,7 +160,7 @@ class Ledger:
         self._account(now)
         self._refill(now)
         self._install(capacity, now)
-        impossible = [e for e in self._queue if not self.could_ever_fit(e)]
+        impossible = [e for e in self._queue if not self.could_ever_fit(e)]  # a rare O(n)
         for entry in impossible:
             self.withdraw(entry)
         return impossible
@@ -209,7 +213,7 @@ class Ledger:
                 self.held[kind] += amount
                 self.free[kind] -= amount
         entry.state = RUNNING
-        self._queue.removed()
+        self._queue.remove(entry)
         entry.admitted_at = now
         entry.mark = now
         entry.rem = entry.t1

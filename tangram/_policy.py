@@ -14,12 +14,24 @@ step and a live one make the same decisions.
    than ``starvation_bound`` is never passed again.
 2. *Distribution*: per elastic kind, the units not needed at minimum go one at a time to
    the action whose estimated completion time drops most (a heap of marginal gains; with
-   concave speedups this greedy split is optimal for the sum of completion times).
-   Resizable running actions take part, so they grow when units free up and shrink when
-   that lowers the estimated total.
-3. *Greedy eviction*: when elastic newcomers split scarce units, try leaving the last one
-   queued and giving its units to the others; keep that while the estimated total ACT,
-   including the evicted action's wait from a completion-time walk, improves.
+   concave speedups this greedy split minimises the sum of completion times *if every
+   grant were held to the end*; it ignores that a finished action's units go to the
+   others, which would favour actions with less work left). Resizable running actions
+   take part, so they grow when units free up and shrink when that lowers the estimated
+   total.
+3. *Greedy eviction*: when elastic newcomers split scarce units, try leaving the last
+   non-resizable one queued and giving its units to the others; keep that while the
+   estimated total ACT, including the evicted action's wait from a completion-time walk,
+   improves. The walk holds every grant until its action ends, so eviction is tried only
+   while no resizable action of the kind runs, and resizable newcomers are never evicted:
+   admitted at their minimum they grow as units free up, which waiting in the queue
+   cannot beat, while the walk (the evicted action starts later with every unit freed by
+   then, and nothing else arrives) makes waiting look better than it is. Measured on
+   random workloads (Pareto work, Amdahl, power and linear speedups, 16 cores): evicting
+   resizable actions raised the mean ACT by 5-15%, and up to 45% for ``Elastic(4, 16)``;
+   evicting non-resizable ones beside resizable running ones raised it by 6%; evicting
+   non-resizable ones among themselves, which would otherwise keep a minimum grant for
+   life, lowered it by up to 15%.
 
 Every pass looks at no more than ``window`` queued actions, so its cost does not grow with
 the length of the queue.
@@ -28,6 +40,7 @@ the length of the queue.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Literal, Protocol
@@ -171,6 +184,12 @@ def _count(instance: object, attribute: attrs.Attribute[int], value: int) -> Non
         raise ValueError(f"`{attribute.name}` must be a whole number >= 0 (got {value!r})")
 
 
+def _window(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    # A window of 0 looks at nothing and so admits nothing, ever.
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"`{attribute.name}` must be a whole number >= 1 (got {value!r})")
+
+
 class _Scan:
     """Working copy of free units for one pass."""
 
@@ -203,10 +222,15 @@ class _Scan:
                 self.surplus[kind] -= amount - free
 
     def exhausted(self) -> bool:
-        for kind, free in self.free.items():
-            if free + self.surplus.get(kind, 0.0) > _EPS:
-                return False
-        return all(level < 1.0 for level in self.tokens.values())
+        """Whether no later action can start in this pass, so the scan may stop.
+
+        Never true while there are rate budgets: an action that needs only a budget still
+        has to be seen, to book the scheduler's wake-up for when the budget refills.
+        """
+        if self.tokens:
+            return False
+        surplus = self.surplus
+        return all(free + surplus.get(kind, 0.0) <= _EPS for kind, free in self.free.items())
 
 
 def _rate_wait(state: State, scan: _Scan, need: Iterable[tuple[str, float]]) -> float | None:
@@ -232,7 +256,7 @@ class ElasticPolicy:
     """
 
     starvation_bound: float = attrs.field(default=30.0, validator=_positive)
-    window: int = attrs.field(default=128, validator=_count)
+    window: int = attrs.field(default=128, validator=_window)
     eviction_depth: int = attrs.field(default=4, validator=_count)
 
     def plan(self, state: State) -> Plan:
@@ -242,11 +266,8 @@ class ElasticPolicy:
         newcomers: list[Entry] = []
         head: Entry | None = None
         shadow: tuple[float, dict[str, float]] | None = None
-        scanned = 0
-        for entry in state.waiting():
-            if scanned >= self.window:
-                break
-            scanned += 1
+        # islice stops before pulling entry window + 1: the queue is never touched past it.
+        for entry in itertools.islice(state.waiting(), self.window):
             need = entry.action.demand.minimum
             fits = scan.fits(need)
             protected = now - entry.arrival > self.starvation_bound
@@ -261,15 +282,20 @@ class ElasticPolicy:
                 wake = _rate_wait(state, scan, need)
                 if wake is not None:
                     plan.wake_at = wake
-                if protected:
+                if protected or scan.exhausted():
                     break
                 continue
             if not fits:
                 if protected:
                     break
+                if scan.tokens:
+                    # Blocked by a budget alone? Wake when it refills, to backfill then.
+                    wake = _rate_wait(state, scan, need)
+                    if wake is not None and (plan.wake_at is None or wake < plan.wake_at):
+                        plan.wake_at = wake
                 continue
             if shadow is None:
-                shadow = _shadow(state, scan, head)
+                shadow = _shadow(state, scan, head, newcomers)
             start, extra = shadow
             end = now + entry.t1 / entry.speed(int(_min_units(entry)))
             if end <= start:
@@ -284,6 +310,9 @@ class ElasticPolicy:
             if scan.exhausted():
                 break
         self._distribute(state, scan, newcomers, head, plan)
+        # Shrinks first: whoever applies the plan in order (the ledger, executors changing
+        # cgroup quotas) never holds more than the capacity on the way.
+        plan.resizes.sort(key=lambda item: item[1] - item[0].units)
         return plan
 
     def _distribute(
@@ -326,9 +355,15 @@ class ElasticPolicy:
             members = running + fresh
             alloc = _allocate(members, units, now)
             dropped: list[Entry] = []
-            if len(fresh) > 0 and self.eviction_depth > 0 and len(members) > 1:
+            # The eviction walk holds every member's grant until it ends, which is only
+            # true when no resizable action of this kind runs (see the module docstring).
+            if self.eviction_depth > 0 and fresh and len(members) > 1 and not running:
                 best = _total_act(members, alloc, [], units, now)
-                candidates = [e for e in fresh if now - e.arrival <= self.starvation_bound]
+                candidates = [
+                    e
+                    for e in fresh
+                    if now - e.arrival <= self.starvation_bound and not _resizable(e)
+                ]
                 for _ in range(self.eviction_depth):
                     if not candidates:
                         break
@@ -353,6 +388,11 @@ def _bounds(entry: Entry) -> tuple[int, int]:
     elastic = entry.action.demand.elastic
     assert elastic is not None
     return elastic.min, elastic.max
+
+
+def _resizable(entry: Entry) -> bool:
+    elastic = entry.action.demand.elastic
+    return elastic is not None and elastic.resizable
 
 
 def _min_units(entry: Entry) -> float:
@@ -422,33 +462,45 @@ def _total_act(
     return total
 
 
-def _shadow(state: State, scan: _Scan, head: Entry) -> tuple[float, dict[str, float]]:
+def _shadow(
+    state: State, scan: _Scan, head: Entry, newcomers: list[Entry]
+) -> tuple[float, dict[str, float]]:
     """When the blocked head could start at the latest estimate, and what it leaves spare.
 
-    Walks running actions by estimated completion, adding up what each frees, until the
-    head's minimum fits (EASY backfilling's reservation).
+    Walks running actions, and those admitted earlier in this pass, by estimated
+    completion, adding up what each frees, until the head's minimum fits (EASY
+    backfilling's reservation). Units resizable actions hold above their minimum are
+    already counted as available in ``scan``, so an ending one adds only its minimum.
     """
+    now = state.now
     need = head.action.demand.minimum
     deficit: dict[str, float] = {}
-    start = state.now
+    start = now
     for kind, amount in need:
         if kind in scan.tokens:
             level = scan.tokens[kind]
             if amount > level:
-                start = max(start, state.now + (amount - level) / state.rates[kind])
+                start = max(start, now + (amount - level) / state.rates[kind])
             continue
         deficit[kind] = amount - (scan.free[kind] + scan.surplus.get(kind, 0.0))
     if any(d > _EPS for d in deficit.values()):
-        ends = sorted(
-            ((e.seconds_left(state.now), e) for e in state.running), key=lambda pair: pair[0]
-        )
+        # Without the newcomers, a head blocked only by actions admitted in this same pass
+        # would look unreachable (start = inf) and anything that fits would pass it.
+        ends = [(e.seconds_left(now), e.seq, e, e.units) for e in state.running]
+        ends += [
+            (e.t1 / e.speed(int(_min_units(e))), e.seq, e, int(_min_units(e))) for e in newcomers
+        ]
+        ends.sort(key=lambda item: (item[0], item[1]))
         reached = math.inf
-        for left, entry in ends:
+        for left, _, entry, units in ends:
             demand = entry.action.demand
+            elastic = demand.elastic
+            if elastic is not None and elastic.resizable and entry.state == RUNNING:
+                units = elastic.min
             for kind in deficit:
-                deficit[kind] -= demand.amount(kind, entry.units)
+                deficit[kind] -= demand.amount(kind, units)
             if all(d <= _EPS for d in deficit.values()):
-                reached = state.now + left
+                reached = now + left
                 break
         start = max(start, reached)
     extra = {kind: max(0.0, -d) for kind, d in deficit.items()}

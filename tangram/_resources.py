@@ -18,7 +18,7 @@ from collections.abc import Mapping
 
 import attrs
 
-from ._units import is_rate_text, parse_rate, parse_size
+from ._units import is_count_text, is_rate_text, parse_rate, parse_size
 from .errors import InvalidCapacityError
 
 __all__ = ["Capacity", "Rate", "Resource", "Shape", "parse_capacity"]
@@ -37,6 +37,16 @@ def _check_rate(instance: Rate, attribute: attrs.Attribute[float], value: float)
         raise InvalidCapacityError(f"`{attribute.name}` must be > 0 and finite (got {value!r})")
 
 
+def _default_burst(self: Rate) -> float:
+    # The default runs before the validators, so it must not trip over a bad
+    # ``per_second`` (``float("fast")`` would raise a bare ValueError): leave that value
+    # alone and let the validator report it as InvalidCapacityError.
+    value: object = self.per_second
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return 1.0
+    return max(1.0, float(value))
+
+
 @attrs.frozen
 class Rate:
     """A refilling budget: ``per_second`` units a second, at most ``burst`` saved up.
@@ -48,7 +58,7 @@ class Rate:
 
     per_second: float = attrs.field(validator=_check_rate)
     burst: float = attrs.field(
-        default=attrs.Factory(lambda self: max(1.0, float(self.per_second)), takes_self=True),
+        default=attrs.Factory(_default_burst, takes_self=True),
         validator=_check_rate,
     )
 
@@ -69,20 +79,33 @@ def _resource(name: str, value: object) -> Resource:
     if isinstance(value, Rate):
         return Resource(name, Shape.RATE, float(value.per_second), float(value.burst))
     if isinstance(value, str):
-        if is_rate_text(value):
-            rate = parse_rate(value)
-            if rate <= 0:
-                raise InvalidCapacityError(f"capacity {name!r} must be > 0 (got {value!r})")
-            return Resource(name, Shape.RATE, rate, max(1.0, rate))
-        return Resource(name, Shape.SIZE, parse_size(value))
+        if is_count_text(value):
+            # A bare number in text (an environment variable, a YAML string) is a count,
+            # as the same number unquoted would be; a size carries a unit ("16GiB").
+            return _count(name, float(value), value)
+        # Parse errors are re-raised naming the capacity: "not a size: '16 bananas'" alone
+        # does not say which entry of a long config is wrong.
+        try:
+            if is_rate_text(value):
+                rate = parse_rate(value)
+                if rate <= 0:
+                    raise InvalidCapacityError(f"must be > 0 (got {value!r})")
+                return Resource(name, Shape.RATE, rate, max(1.0, rate))
+            return Resource(name, Shape.SIZE, parse_size(value))
+        except InvalidCapacityError as exc:
+            raise InvalidCapacityError(f"capacity {name!r}: {exc}") from None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidCapacityError(
             f"capacity {name!r} must be a number, a size like '16GiB', a rate like '50/s' "
             f"or tangram.Rate (got {value!r})"
         )
-    if not math.isfinite(value) or value < 0:
-        raise InvalidCapacityError(f"capacity {name!r} must be >= 0 and finite (got {value!r})")
-    return Resource(name, Shape.COUNT, float(value))
+    return _count(name, float(value), value)
+
+
+def _count(name: str, amount: float, written: object) -> Resource:
+    if not math.isfinite(amount) or amount < 0:
+        raise InvalidCapacityError(f"capacity {name!r} must be >= 0 and finite (got {written!r})")
+    return Resource(name, Shape.COUNT, amount)
 
 
 @attrs.frozen

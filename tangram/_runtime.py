@@ -54,13 +54,14 @@ class _State(enum.Enum):
     CLOSED = "closed"
 
 
-def _check_seconds(name: str, value: object, *, allow_none: bool = True) -> float | None:
-    if value is None and allow_none:
+def _check_seconds(name: str, value: object, *, finite: bool = False) -> float | None:
+    if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise DemandTypeError(f"`{name}` must be a number of seconds (got {value!r})")
-    if math.isnan(value) or value < 0:
-        raise InvalidDemandError(f"`{name}` must be >= 0 seconds (got {value!r})")
+    if math.isnan(value) or value < 0 or (finite and math.isinf(value)):
+        bound = ">= 0 and finite" if finite else ">= 0"
+        raise InvalidDemandError(f"`{name}` must be {bound} seconds (got {value!r})")
     return float(value)
 
 
@@ -104,7 +105,7 @@ class Runtime:
         self._poke: anyio.Event | None = None
         self._task_group: anyio.abc.TaskGroup | None = None
         self._token: contextvars.Token[Runtime] | None = None
-        self._demands: dict[tuple[tuple[str, object], ...], Demand] = {}
+        self._demands: dict[tuple[tuple[str, type, object], ...], Demand] = {}
 
     def __repr__(self) -> str:
         totals = {name: res.total for name, res in self._capacity.items()}
@@ -131,27 +132,40 @@ class Runtime:
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> bool | None:
+    ) -> None:
         self._close()
         if self._token is not None:
             # Exited from another context: leave that context's value alone.
             with contextlib.suppress(ValueError):
                 _current.reset(self._token)
             self._token = None
-        task_group = self._task_group
-        assert task_group is not None
+        task_group, self._task_group = self._task_group, None
+        if task_group is None:
+            return
         task_group.cancel_scope.cancel()
-        return await task_group.__aexit__(exc_type, exc, tb)
+        # The task group holds only the timer. The body's exception is not handed to it:
+        # a task group would wrap it in an ExceptionGroup, and ``except ValueError`` around
+        # ``async with Runtime(...)`` would stop catching a ValueError raised inside.
+        await task_group.__aexit__(None, None, None)
 
     def _close(self) -> None:
         if self._state is _State.CLOSED:
             return
         self._state = _State.CLOSED
-        error = RuntimeClosedError("the runtime closed while this action was waiting")
+        now = anyio.current_time()
         for entry, lease in list(self._leases.items()):
             if entry.state == WAITING:
-                self._ledger.withdraw(entry)
-                lease._fail(error)
+                error = RuntimeClosedError("the runtime closed while this action was waiting")
+                self._fail_waiting(lease, error, now)
+
+    def _fail_waiting(self, lease: Lease, error: BaseException, now: float) -> None:
+        """Take a waiting action out of the queue and wake it with ``error``."""
+        entry = lease._entry
+        del self._leases[entry]
+        self._ledger.withdraw(entry)
+        lease._finish(now)
+        self._recorder.record(entry.action.kind, Outcome.CANCELLED, now - lease.queued_at, 0.0, 0.0)
+        lease._fail(error)
 
     async def _timer(self) -> None:
         while True:
@@ -231,14 +245,18 @@ class Runtime:
                     f"`demand` must be a mapping of resource to amount (got {demand!r})"
                 )
             if amounts:
-                raise TypeError("give the demand either as a mapping or as keywords, not both")
+                raise DemandTypeError(
+                    "give the demand either as a mapping or as keywords, not both "
+                    f"(got {dict(demand)!r} and {dict(amounts)!r})"
+                )
             amounts = demand
         if not isinstance(kind, str):
             raise DemandTypeError(f"`kind` must be a string (got {kind!r})")
         if trajectory is not None and not isinstance(trajectory, str):
             raise DemandTypeError(f"`trajectory` must be a string or None (got {trajectory!r})")
         built = self._demand(amounts)
-        seconds = _check_seconds("estimate", estimate)
+        # An infinite estimate would turn the policy's completion-time sums into NaN.
+        seconds = _check_seconds("estimate", estimate, finite=True)
         if seconds is None:
             guess = self._estimator.predict(kind)
         else:
@@ -253,8 +271,11 @@ class Runtime:
         return Action(self._ids, kind, trajectory, built, guess)
 
     def _demand(self, amounts: Mapping[str, object]) -> Demand:
+        # The key holds each amount's type: True == 1 and hash(True) == hash(1), so without
+        # it ``cpu=True`` would be served the demand cached for ``cpu=1`` and skip the check
+        # that rejects booleans.
         try:
-            key = tuple(amounts.items())
+            key = tuple((name, type(value), value) for name, value in amounts.items())
             cached = self._demands.get(key)
         except TypeError:  # an unhashable amount: validate without caching
             return build_demand(amounts, self._capacity)
@@ -280,7 +301,13 @@ class Runtime:
             )
         self._reschedule()
         if entry.state == RUNNING:
-            await anyio.lowlevel.cancel_shielded_checkpoint()
+            try:
+                await anyio.lowlevel.cancel_shielded_checkpoint()
+            except BaseException:
+                # A shield keeps out anyio cancellation, not a native ``Task.cancel()``
+                # (``asyncio.timeout``, ``wait_for``): give the grant back before leaving.
+                self._drop(lease, Outcome.CANCELLED)
+                raise
         else:
             lease._ready = anyio.Event()
             try:
@@ -299,7 +326,7 @@ class Runtime:
                 raise
             if lease._error is not None:
                 raise lease._error
-        lease.started_at = anyio.current_time()
+        lease._start(anyio.current_time())
         return lease
 
     def _release(self, lease: Lease, exc_type: type[BaseException] | None) -> None:
@@ -319,9 +346,7 @@ class Runtime:
         if self._leases.pop(entry, None) is None:
             return
         now = anyio.current_time()
-        lease.finished_at = now
-        if math.isnan(lease.started_at):
-            lease.started_at = now
+        lease._finish(now)
         if entry.state == RUNNING:
             exec_seconds = now - lease.started_at
             self._ledger.finish(entry, now, exec_seconds, ok=outcome is Outcome.COMPLETED)
@@ -380,12 +405,9 @@ class Runtime:
         now = anyio.current_time() if self._state is _State.RUNNING else self._ledger.now
         impossible = self._ledger.set_capacity(self._capacity, now)
         for entry in impossible:
-            lease = self._leases.pop(entry)
             need = dict(entry.action.demand.minimum)
-            lease._fail(CapacityExceededError(f"capacity lowered below this demand {need!r}"))
-            self._recorder.record(
-                entry.action.kind, Outcome.CANCELLED, now - lease.queued_at, 0.0, 0.0
-            )
+            error = CapacityExceededError(f"capacity lowered below this demand {need!r}")
+            self._fail_waiting(self._leases[entry], error, now)
         for name, held in self._ledger.held.items():
             if held > self._ledger.totals[name] + 1e-9:
                 logger.warning(
@@ -400,11 +422,13 @@ class Runtime:
     def stats(self) -> Stats:
         """Utilisation per kind, queue lengths and per-kind time splits, as of now."""
         ledger = self._ledger
+        now = ledger.now
         if self._state is _State.RUNNING:
-            ledger._account(anyio.current_time())
+            now = anyio.current_time()
+            ledger._account(now)
         resources: dict[str, ResourceStats] = {}
         for name, res in self._capacity.items():
-            resources[name] = _resource_stats(ledger, name, res)
+            resources[name] = _resource_stats(ledger, name, res, now)
         return Stats(
             resources=resources,
             waiting=ledger.waiting_count,
@@ -417,9 +441,12 @@ class Runtime:
         )
 
 
-def _resource_stats(ledger: Ledger, name: str, res: Resource) -> ResourceStats:
+def _resource_stats(ledger: Ledger, name: str, res: Resource, now: float) -> ResourceStats:
     if name in ledger.rates:
-        level = ledger.tokens[name]
+        # The budget as of now, refilled since the scheduler last looked (which may be long
+        # ago when nothing happened), without changing the ledger.
+        idle = max(0.0, now - ledger._refilled_at)
+        level = min(res.burst, ledger.tokens[name] + idle * ledger.rates[name])
         return ResourceStats(res.total, res.burst - level, 1.0 - level / res.burst, 0.0, 0.0)
     held = ledger.held[name]
     return ResourceStats(

@@ -17,25 +17,45 @@ import attrs
 
 from ._action import Action
 from ._demand import build_demand
-from ._efficiency import Efficiency, Linear
-from ._estimator import Estimate, Estimator
+from ._efficiency import Efficiency, Estimate, Linear
+from ._estimator import Estimator
 from ._ledger import Ledger
 from ._policy import RUNNING, ElasticPolicy, Entry, Policy
 from ._resources import Capacity, parse_capacity
+from ._stats import nearest_rank
 
 __all__ = ["ActionRecord", "SimulationResult", "Step", "simulate"]
 
 _ARRIVE, _FINISH, _WAKE = 0, 1, 2
 
 
+def _seconds(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
+    # A negative or NaN time would move the virtual clock backwards or stall it.
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"`{attribute.name}` must be a number of seconds (got {value!r})")
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"`{attribute.name}` must be >= 0 and finite (got {value!r})")
+
+
+def _step_efficiency(
+    instance: object, attribute: attrs.Attribute[Efficiency], value: object
+) -> None:
+    if not isinstance(value, Efficiency):
+        raise TypeError(f"`efficiency` must have a speedup(units) method (got {value!r})")
+
+
 @attrs.frozen(kw_only=True)
 class Step:
-    """One action of a simulated trajectory, issued ``gap`` seconds after the previous ends."""
+    """One action of a simulated trajectory, issued ``gap`` seconds after the previous ends.
+
+    :raises TypeError, ValueError: a time that is not a finite number >= 0, or an
+        efficiency without ``speedup``. The demand is checked when :func:`simulate` starts.
+    """
 
     demand: Mapping[str, object]
-    seconds_at_1: float
-    efficiency: Efficiency = attrs.field(factory=Linear)
-    gap: float = 0.0
+    seconds_at_1: float = attrs.field(validator=_seconds)
+    efficiency: Efficiency = attrs.field(factory=Linear, validator=_step_efficiency)
+    gap: float = attrs.field(default=0.0, validator=_seconds)
     kind: str = "action"
 
 
@@ -81,8 +101,7 @@ class SimulationResult:
         return sum(r.act for r in self.records) / len(self.records) if self.records else math.nan
 
     def act_quantile(self, q: float) -> float:
-        acts = sorted(r.act for r in self.records)
-        return acts[min(len(acts) - 1, int(q * len(acts)))] if acts else math.nan
+        return nearest_rank(sorted(r.act for r in self.records), q)
 
 
 class _Run:
@@ -136,8 +155,13 @@ def simulate(
     decisions = 0
     now = 0.0
     wake_pending: float | None = None
+    last = 0.0
     while events:
         now = events[0][0]
+        # Decide only when something happened: a stale completion (superseded by a resize)
+        # is not an event for the live runtime either, and an extra pass would re-split
+        # units as estimates age, making decisions the live runtime never makes.
+        changed = False
         while events and events[0][0] == now:
             _, _, kind, payload = heapq.heappop(events)
             if kind == _ARRIVE:
@@ -150,6 +174,7 @@ def simulate(
                     guess = learner.predict(step.kind)
                 action = Action(ids, step.kind, name, demands[(name, index)], guess)
                 runs[ledger.submit(action, now)] = _Run(name, index, step)
+                changed = True
             elif kind == _FINISH:
                 entry, version = cast("tuple[Entry, int]", payload)
                 run = runs.get(entry)
@@ -159,6 +184,7 @@ def simulate(
                 units = entry.unit_time + entry.units * (now - entry.mark)
                 ledger.finish(entry, now)
                 del runs[entry]
+                changed = True
                 records.append(
                     ActionRecord(
                         run.trajectory,
@@ -175,6 +201,10 @@ def simulate(
                     push(now + steps[run.index + 1].gap, _ARRIVE, (run.trajectory, run.index + 1))
             elif wake_pending == now:
                 wake_pending = None
+                changed = True
+        if not changed:
+            continue
+        last = now
         plan = ledger.step(now)
         decisions += 1
         for entry, _ in (*plan.resizes, *plan.admits):
@@ -183,10 +213,10 @@ def simulate(
             wake_pending = plan.wake_at
             push(plan.wake_at, _WAKE, None)
     records.sort(key=lambda r: (r.arrival, r.trajectory, r.index))
-    ledger._account(now)
+    ledger._account(last)
     return SimulationResult(
         records=tuple(records),
-        step_seconds=now,
+        step_seconds=last,
         unit_seconds=dict(ledger.unit_seconds),
         peak_units=dict(ledger.peak),
         resizes=ledger.resizes,

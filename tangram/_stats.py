@@ -7,12 +7,25 @@ running sums, so memory stays flat over millions of actions. Pure: callers pass 
 from __future__ import annotations
 
 import enum
+import math
 from collections import OrderedDict, deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import attrs
 
 __all__ = ["KindStats", "Outcome", "Recorder", "ResourceStats", "Stats", "Summary"]
+
+
+def nearest_rank(ordered: Sequence[float], q: float) -> float:
+    """The smallest sample with at least a share ``q`` of samples at or below it.
+
+    So p50 of [1, 2, 3, 4] is 2, not 3, and p99 of 100 samples is the 99th, not the
+    largest. The epsilon keeps 0.95 * 20 from rounding up to 20. NaN when empty.
+    """
+    n = len(ordered)
+    if n == 0:
+        return math.nan
+    return ordered[min(n - 1, max(0, math.ceil(q * n - 1e-9) - 1))]
 
 
 class Outcome(enum.Enum):
@@ -39,12 +52,14 @@ class Summary:
             nan = float("nan")
             return cls(0, nan, nan, nan, nan)
         ordered = sorted(samples)
-        last = len(ordered) - 1
 
-        def pick(q: float) -> float:
-            return ordered[min(last, int(q * len(ordered)))]
-
-        return cls(count, total / count, pick(0.50), pick(0.95), pick(0.99))
+        return cls(
+            count,
+            total / count,
+            nearest_rank(ordered, 0.50),
+            nearest_rank(ordered, 0.95),
+            nearest_rank(ordered, 0.99),
+        )
 
 
 @attrs.frozen

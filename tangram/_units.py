@@ -34,7 +34,14 @@ _RATE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*/\s*([a-zA-Z
 
 
 def is_rate_text(text: str) -> bool:
+    """Whether ``text`` is written as a rate (``"50/s"``) rather than a size."""
     return "/" in text
+
+
+def is_count_text(text: str) -> bool:
+    """Whether ``text`` is a bare number with no unit (``"8"``, ``" 2.5 "``)."""
+    match = _SIZE_RE.match(text)
+    return match is not None and not match.group(2)
 
 
 def parse_size(text: str) -> float:

@@ -11,7 +11,10 @@ already catch, so ``except ValueError`` around a bad demand keeps working::
     ├── InvalidCapacityError (ValueError)    a capacity or setting that makes no sense
     ├── WaitTimeoutError (TimeoutError)      queued for longer than ``wait_timeout``
     ├── RuntimeClosedError (RuntimeError)    your code used a runtime that is not running
-    └── NoCurrentRuntimeError (RuntimeError) ``tangram.acquire`` outside ``async with runtime``
+    ├── NoCurrentRuntimeError (RuntimeError) ``tangram.acquire`` outside ``async with runtime``
+    └── SandboxError                         a CPU sandbox could not run the action
+        ├── SandboxBrokenError (RuntimeError)  it died (an outside cause, see ``__cause__``)
+        └── SandboxClosedError (RuntimeError)  your code used it after it closed
 
 Bad arguments fail at the call that made them, before anything is queued: a demand that
 cannot be served never waits in the queue to fail later.
@@ -26,6 +29,9 @@ __all__ = [
     "InvalidDemandError",
     "NoCurrentRuntimeError",
     "RuntimeClosedError",
+    "SandboxBrokenError",
+    "SandboxClosedError",
+    "SandboxError",
     "TangramError",
     "UnknownResourceError",
     "WaitTimeoutError",
@@ -80,6 +86,22 @@ class NoCurrentRuntimeError(TangramError, RuntimeError):
     The current runtime is a context variable; tasks started inside the ``async with``
     block inherit it, tasks started elsewhere do not.
     """
+
+
+class SandboxError(TangramError):
+    """A CPU sandbox could not run the action (a failing command is a result, not this)."""
+
+
+class SandboxBrokenError(SandboxError, RuntimeError):
+    """The sandbox died or stopped answering (an outside cause; detail in ``__cause__``).
+
+    Its units went back to the runtime and the pool replaced it with a fresh one; the
+    trajectory's files in it are gone, so the sandbox refuses further actions.
+    """
+
+
+class SandboxClosedError(SandboxError, RuntimeError):
+    """The sandbox or pool was used after it closed (a mistake in the calling code)."""
 
 
 for _name in __all__:

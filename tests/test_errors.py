@@ -1,0 +1,96 @@
+"""The error tree: every error is a TangramError and the builtin the tree says it is.
+
+The tree is read from the ``tangram.errors`` docstring, so the picture users read and the
+classes they catch cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import builtins
+import pickle
+import re
+
+import pytest
+
+import tangram
+from tangram import errors
+
+# "    │   ├── DemandTypeError (TypeError)      a value of the wrong type"
+_LINE = re.compile(r"^(?P<indent>[\s│]*)(?:[├└]── )?(?P<name>\w+Error)(?: \((?P<builtin>\w+)\))?")
+
+
+def _tree() -> dict[str, tuple[str | None, str | None]]:
+    """Map each error in the docstring tree to (its parent in the tree, its named builtin)."""
+    assert errors.__doc__ is not None
+    tree: dict[str, tuple[str | None, str | None]] = {}
+    stack: list[tuple[int, str]] = []
+    for line in errors.__doc__.splitlines():
+        match = _LINE.match(line)
+        if match is None or not line.strip().lstrip("│├└─ ").startswith(match["name"]):
+            continue
+        depth = len(match["indent"]) + (4 if "──" in line else 0)
+        while stack and stack[-1][0] >= depth:
+            stack.pop()
+        parent = stack[-1][1] if stack else None
+        tree[match["name"]] = (parent, match["builtin"])
+        stack.append((depth, match["name"]))
+    return tree
+
+
+TREE = _tree()
+
+
+def test_the_tree_names_every_error_and_nothing_else() -> None:
+    assert set(TREE) == set(errors.__all__)
+    assert TREE["TangramError"] == (None, None)
+
+
+@pytest.mark.parametrize("name", sorted(TREE))
+def test_error_matches_its_place_in_the_tree(name: str) -> None:
+    error = getattr(errors, name)
+    parent, builtin = TREE[name]
+    assert issubclass(error, errors.TangramError)
+    assert issubclass(error, Exception)
+    if parent is not None:
+        assert issubclass(error, getattr(errors, parent)), f"{name} is not a {parent}"
+    if builtin is not None:
+        assert issubclass(error, getattr(builtins, builtin)), f"{name} is not a {builtin}"
+    assert error.__doc__, f"{name} needs a docstring saying when it is raised"
+
+
+@pytest.mark.parametrize(
+    ("name", "builtin"),
+    [
+        ("InvalidDemandError", ValueError),
+        ("DemandTypeError", TypeError),
+        ("DemandTypeError", ValueError),
+        ("UnknownResourceError", LookupError),
+        ("CapacityExceededError", ValueError),
+        ("InvalidCapacityError", ValueError),
+        ("WaitTimeoutError", TimeoutError),
+        ("RuntimeClosedError", RuntimeError),
+        ("NoCurrentRuntimeError", RuntimeError),
+    ],
+)
+def test_the_builtins_callers_catch(name: str, builtin: type[Exception]) -> None:
+    """Spelled out as well, so a tree that lost its annotations cannot pass silently."""
+    assert issubclass(getattr(errors, name), builtin)
+
+
+def test_no_error_is_a_cancellation_or_base_exception_only() -> None:
+    for name in errors.__all__:
+        error = getattr(errors, name)
+        assert not issubclass(error, (KeyboardInterrupt, SystemExit, GeneratorExit))
+
+
+@pytest.mark.parametrize("name", errors.__all__)
+def test_errors_pickle_with_their_message(name: str) -> None:
+    """Errors cross process boundaries (Ray workers): they must survive pickling."""
+    error = getattr(errors, name)("what happened")
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is type(error)
+    assert str(copy) == "what happened"
+
+
+def test_errors_are_reachable_from_the_package() -> None:
+    assert tangram.errors is errors

@@ -1,0 +1,68 @@
+"""The public surface: ``tangram.__all__`` lists exactly what is public, named ``tangram.X``.
+
+Like httpx's ``tests/test_exported_members.py``: code lives in private modules and the
+package re-exports it, so a name added to a private module and forgotten in ``__all__``
+(or exported without its ``__module__`` fixed) shows up here.
+"""
+
+from __future__ import annotations
+import __future__
+
+import importlib.metadata
+import inspect
+import types
+
+import pytest
+
+import tangram
+import tangram.errors
+
+
+def public_names(module: types.ModuleType) -> set[str]:
+    """Public attributes of ``module``, not counting other modules and __future__ flags.
+
+    Submodules are attributes of their package only once something imports them (an
+    optional extra such as ``tangram.quota``), so they are left to ``__all__`` itself.
+    """
+    return {
+        name
+        for name, value in vars(module).items()
+        if not name.startswith("_")
+        and not isinstance(value, (types.ModuleType, __future__._Feature))
+    }
+
+
+def test_all_lists_every_public_name_once() -> None:
+    assert len(tangram.__all__) == len(set(tangram.__all__))
+    modules = {name for name in tangram.__all__ if inspect.ismodule(getattr(tangram, name))}
+    assert modules == {"errors"}
+    assert set(tangram.__all__) - modules == public_names(tangram)
+
+
+def test_errors_all_lists_every_error_once() -> None:
+    names = tangram.errors.__all__
+    assert len(names) == len(set(names))
+    assert set(names) == public_names(tangram.errors)
+
+
+@pytest.mark.parametrize("name", sorted(set(tangram.__all__) - {"errors"}))
+def test_exported_objects_say_they_are_from_tangram(name: str) -> None:
+    obj = getattr(tangram, name)
+    assert obj.__module__ == "tangram"
+    assert obj.__name__ == name
+    assert obj.__qualname__ == name
+
+
+@pytest.mark.parametrize("name", tangram.errors.__all__)
+def test_errors_say_they_are_from_tangram_errors(name: str) -> None:
+    error = getattr(tangram.errors, name)
+    assert error.__module__ == "tangram.errors"
+    assert repr(error) == f"<class 'tangram.errors.{name}'>"
+
+
+def test_errors_module_is_the_public_one() -> None:
+    assert tangram.errors.__name__ == "tangram.errors"
+
+
+def test_version_matches_the_distribution() -> None:
+    assert tangram.__version__ == importlib.metadata.version("tangram")

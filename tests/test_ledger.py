@@ -1,0 +1,314 @@
+import math
+
+import pytest
+from strategies import make_action
+
+from tangram import Amdahl, Elastic, ElasticPolicy, Estimator, FcfsPolicy, Linear, Plan, Rate
+from tangram._ledger import Ledger, held_matches_grants
+from tangram._policy import DONE, RUNNING, WAITING, Policy
+from tangram._resources import parse_capacity
+
+
+def ledger_for(capacity: dict[str, object], policy: Policy | None = None) -> Ledger:
+    return Ledger(
+        parse_capacity(capacity), policy if policy is not None else ElasticPolicy(), Estimator()
+    )
+
+
+# -- queue and accounting ------------------------------------------------------------------
+
+
+def test_submit_step_finish() -> None:
+    cap = {"cpu": 4}
+    ledger = ledger_for(cap)
+    a = ledger.submit(make_action({"cpu": 3}, cap), 0.0)
+    b = ledger.submit(make_action({"cpu": 2}, cap), 0.5)
+    assert (a.state, b.state) == (WAITING, WAITING)
+    assert list(ledger.waiting()) == [a, b] and ledger.waiting_count == 2
+    plan = ledger.step(1.0)
+    assert plan.admits == [(a, 0)]
+    assert a.state == RUNNING and a.admitted_at == 1.0
+    assert ledger.held["cpu"] == 3 and ledger.free["cpu"] == 1
+    assert list(ledger.waiting()) == [b] and list(ledger.running) == [a]
+    ledger.finish(a, 3.0)
+    assert a.state == DONE and ledger.held["cpu"] == 0
+    assert ledger.unit_seconds["cpu"] == pytest.approx(3 * 2.0)
+    assert ledger.peak["cpu"] == 3
+    ledger.step(3.0)
+    assert b.state == RUNNING
+
+
+def test_finish_twice_or_before_running_is_a_no_op() -> None:
+    cap = {"cpu": 4}
+    ledger = ledger_for(cap)
+    waiting = ledger.submit(make_action({"cpu": 8 // 2}, cap), 0.0)
+    other = ledger.submit(make_action({"cpu": 1}, cap), 0.0)
+    ledger.step(0.0)
+    ledger.finish(other, 1.0)  # still waiting: nothing to give back
+    assert other.state == WAITING and ledger.held["cpu"] == 4
+    ledger.finish(waiting, 1.0)
+    ledger.finish(waiting, 2.0)
+    assert ledger.held["cpu"] == 0 and ledger.free["cpu"] == 4
+
+
+def test_withdraw_from_the_middle() -> None:
+    cap = {"cpu": 1}
+    ledger = ledger_for(cap, FcfsPolicy())
+    entries = [ledger.submit(make_action({"cpu": 1}, cap), float(i)) for i in range(5)]
+    ledger.withdraw(entries[2])
+    ledger.withdraw(entries[2])  # twice is harmless
+    assert list(ledger.waiting()) == [entries[i] for i in (0, 1, 3, 4)]
+    assert ledger.waiting_count == 4
+    admitted = []
+    now = 0.0
+    while ledger.waiting_count:
+        now += 1.0
+        for entry, _ in ledger.step(now).admits:
+            admitted.append(entry)
+            ledger.finish(entry, now + 0.5)
+    assert admitted == [entries[i] for i in (0, 1, 3, 4)]
+
+
+def test_withdraw_a_running_entry_is_a_no_op() -> None:
+    cap = {"cpu": 2}
+    ledger = ledger_for(cap)
+    entry = ledger.submit(make_action({"cpu": 2}, cap), 0.0)
+    ledger.step(0.0)
+    ledger.withdraw(entry)
+    assert entry.state == RUNNING and ledger.held["cpu"] == 2
+
+
+def test_queue_iteration_skips_removed_entries_cheaply() -> None:
+    # Entries removed from the middle must not be walked again by later passes.
+    cap = {"cpu": 1}
+    ledger = ledger_for(cap)
+    head = ledger.submit(make_action({"cpu": 1}, cap), 0.0)
+    middle = [ledger.submit(make_action({"cpu": 1}, cap), 0.0) for _ in range(1000)]
+    tail = ledger.submit(make_action({"cpu": 1}, cap), 0.0)
+    for entry in middle:
+        ledger.withdraw(entry)
+    assert list(ledger.waiting()) == [head, tail]
+
+
+def test_finish_teaches_the_estimator() -> None:
+    cap = {"cpu": 8}
+    ledger = ledger_for(cap)
+    entry = ledger.submit(make_action({"cpu": Elastic(4, 4)}, cap, kind="build", seconds=1.0), 0.0)
+    ledger.step(0.0)
+    ledger.finish(entry, 10.0)
+    learned = ledger.estimator.predict("build")
+    assert learned.seconds(4) > 4.0  # it moved towards the 10 s seen on 4 units
+
+
+def test_failed_actions_do_not_teach() -> None:
+    cap = {"cpu": 8}
+    ledger = ledger_for(cap)
+    entry = ledger.submit(make_action({"cpu": 1}, cap, kind="flaky"), 0.0)
+    ledger.step(0.0)
+    ledger.finish(entry, 0.001, ok=False)
+    assert len(ledger.estimator) == 0
+
+
+def test_unit_seconds_follow_resizes() -> None:
+    cap = {"cpu": 8}
+    ledger = ledger_for(cap)
+    a = ledger.submit(make_action({"cpu": Elastic(1, 8, resizable=True)}, cap, seconds=80.0), 0.0)
+    ledger.step(0.0)
+    assert a.units == 8
+    b = ledger.submit(make_action({"cpu": 4}, cap, seconds=1.0), 2.0)
+    ledger.step(2.0)  # the rigid newcomer takes 4 units from the elastic one
+    assert b.state == RUNNING and a.units == 4 and ledger.resizes == 1
+    ledger.finish(b, 3.0)
+    ledger.step(3.0)
+    assert a.units == 8
+    ledger.finish(a, 5.0)
+    # 8 units for 2 s, 4 + 4 for 1 s, 8 for 2 s.
+    assert ledger.unit_seconds["cpu"] == pytest.approx(16 + 8 + 16)
+    assert ledger.held["cpu"] == 0 and held_matches_grants(ledger)
+
+
+# -- rate budgets --------------------------------------------------------------------------
+
+
+def test_rate_tokens_refill_up_to_burst() -> None:
+    cap = {"api": Rate(2.0, burst=3.0)}
+    ledger = ledger_for(cap)
+    assert ledger.tokens["api"] == 3.0  # a budget starts full
+    for _ in range(3):
+        ledger.submit(make_action({"api": 1}, cap), 0.0)
+    ledger.step(0.0)
+    assert ledger.tokens["api"] == pytest.approx(0.0)
+    ledger.step(0.25)
+    assert ledger.tokens["api"] == pytest.approx(0.5)
+    ledger.step(1.0)
+    assert ledger.tokens["api"] == pytest.approx(2.0)
+    ledger.step(100.0)
+    assert ledger.tokens["api"] == 3.0  # never more than the burst
+
+
+def test_rate_units_are_never_given_back() -> None:
+    cap = {"api": Rate(1.0, burst=2.0)}
+    ledger = ledger_for(cap)
+    entry = ledger.submit(make_action({"api": 2}, cap), 0.0)
+    ledger.step(0.0)
+    ledger.finish(entry, 0.1)
+    ledger.step(0.1)
+    assert ledger.tokens["api"] == pytest.approx(0.1)
+    assert "api" not in ledger.held
+
+
+@pytest.mark.parametrize("policy", [ElasticPolicy(), FcfsPolicy()])
+def test_blocked_rate_head_wakes_at_refill_time(policy: Policy) -> None:
+    cap = {"api": Rate(2.0, burst=2.0), "cpu": 4}
+    ledger = ledger_for(cap, policy)
+    entries = [ledger.submit(make_action({"api": 1, "cpu": 1}, cap), 0.0) for _ in range(3)]
+    plan = ledger.step(10.0)
+    assert [e for e, _ in plan.admits] == entries[:2]
+    # One token short at 2 per second: the third can start half a second later.
+    assert plan.wake_at == pytest.approx(10.5, abs=1e-5)
+    assert plan.wake_at is not None and plan.wake_at >= 10.5
+    early = ledger.step(10.4)
+    assert early.admits == [] and early.wake_at == pytest.approx(10.5, abs=1e-5)
+    late = ledger.step(plan.wake_at)
+    assert late.admits == [(entries[2], 0)] and late.wake_at is None
+
+
+def test_no_wake_when_blocked_by_a_count() -> None:
+    cap = {"api": Rate(5.0), "cpu": 1}
+    ledger = ledger_for(cap)
+    ledger.submit(make_action({"cpu": 1}, cap), 0.0)
+    ledger.submit(make_action({"cpu": 1, "api": 1}, cap), 0.0)
+    plan = ledger.step(0.0)
+    assert len(plan.admits) == 1 and plan.wake_at is None  # a completion will wake it
+
+
+# -- capacity changes -----------------------------------------------------------------------
+
+
+def test_lowering_capacity_withdraws_what_can_never_fit() -> None:
+    cap = {"cpu": 8, "api": Rate(5.0, burst=5.0)}
+    ledger = ledger_for(cap)
+    running = ledger.submit(make_action({"cpu": 8}, cap), 0.0)
+    ledger.step(0.0)
+    big = ledger.submit(make_action({"cpu": 6}, cap), 1.0)
+    small = ledger.submit(make_action({"cpu": 4}, cap), 1.0)
+    elastic = ledger.submit(make_action({"cpu": Elastic(5, 8)}, cap), 1.0)
+    greedy = ledger.submit(make_action({"api": 5}, cap), 1.0)
+    gone = ledger.set_capacity(parse_capacity({"cpu": 4, "api": Rate(5.0, burst=3.0)}), 2.0)
+    assert gone == [big, elastic, greedy]
+    assert list(ledger.waiting()) == [small]
+    assert running.state == RUNNING  # a running grant is never taken away
+    assert ledger.free["cpu"] == -4 and ledger.tokens["api"] == 3.0
+    ledger.finish(running, 3.0)
+    assert ledger.step(3.0).admits == [(small, 0)]
+
+
+def test_lowered_capacity_shrinks_resizable_and_admits_nothing_while_over() -> None:
+    cap = {"cpu": 16}
+    ledger = ledger_for(cap)
+    rigid = ledger.submit(make_action({"cpu": 10}, cap, seconds=100.0), 0.0)
+    elastic = ledger.submit(
+        make_action({"cpu": Elastic(2, 6, resizable=True)}, cap, seconds=100.0), 0.0
+    )
+    fixed = ledger.submit(make_action({"cpu": Elastic(1, 6)}, cap, seconds=100.0), 0.0)
+    ledger.step(0.0)
+    assert ledger.held["cpu"] == 16 and elastic.units + fixed.units == 6
+    before_fixed = fixed.units
+    late = ledger.submit(make_action({"cpu": 1}, cap, seconds=1.0), 1.0)
+    ledger.set_capacity(parse_capacity({"cpu": 8}), 2.0)
+    plan = ledger.step(2.0)
+    # Shrinking the resizable action to its minimum is all that can be done; the rigid
+    # and the non-resizable grants stay, so use is still over capacity: admit nothing.
+    assert plan.resizes == [(elastic, 2)] and plan.admits == []
+    assert fixed.units == before_fixed
+    assert ledger.held["cpu"] == 10 + 2 + before_fixed
+    assert late.state == WAITING
+    ledger.finish(rigid, 5.0)
+    plan = ledger.step(5.0)
+    assert late.state == RUNNING
+    assert ledger.held["cpu"] <= 8
+    assert held_matches_grants(ledger)
+
+
+def test_lowered_capacity_shrink_makes_room() -> None:
+    # When shrinking resizable actions brings use back under the new capacity, the room
+    # left over is used in the same pass, never more.
+    cap = {"cpu": 16}
+    ledger = ledger_for(cap)
+    elastic = ledger.submit(
+        make_action({"cpu": Elastic(1, 16, resizable=True)}, cap, seconds=100.0), 0.0
+    )
+    ledger.step(0.0)
+    assert elastic.units == 16
+    waiting = ledger.submit(make_action({"cpu": 2}, cap, seconds=100.0), 1.0)
+    ledger.set_capacity(parse_capacity({"cpu": 6}), 1.0)
+    ledger.step(1.0)
+    assert waiting.state == RUNNING
+    assert elastic.units == 4 and ledger.held["cpu"] == 6
+
+
+def test_raising_capacity_grows_resizable() -> None:
+    cap = {"cpu": 4}
+    ledger = ledger_for(cap)
+    entry = ledger.submit(
+        make_action({"cpu": Elastic(1, 16, resizable=True)}, cap, seconds=100.0), 0.0
+    )
+    ledger.step(0.0)
+    assert entry.units == 4
+    ledger.set_capacity(parse_capacity({"cpu": 12}), 1.0)
+    ledger.step(1.0)
+    assert entry.units == 12 and ledger.free["cpu"] == 0
+
+
+class FixedPlan:
+    """A policy that returns whatever plan the test sets."""
+
+    def __init__(self) -> None:
+        self.next = Plan()
+
+    def plan(self, state: object) -> Plan:
+        return self.next
+
+
+def test_plan_applies_shrinks_before_grows() -> None:
+    # A policy may list a grow before the shrink that makes room for it; the ledger still
+    # never holds more than the capacity, not even for a moment (the peak would show it).
+    cap = {"cpu": 8}
+    ledger = ledger_for(cap)
+    demand = {"cpu": Elastic(1, 8, resizable=True)}
+    a = ledger.submit(make_action(demand, cap, seconds=10.0, efficiency=Amdahl(0.9)), 0.0)
+    b = ledger.submit(make_action(demand, cap, seconds=10.0, efficiency=Amdahl(0.9)), 0.0)
+    ledger.step(0.0)
+    assert (a.units, b.units) == (4, 4) and ledger.peak["cpu"] == 8
+    fixed = FixedPlan()
+    fixed.next = Plan(resizes=[(a, 6), (b, 2)])
+    ledger.policy = fixed
+    ledger.step(1.0)
+    assert (a.units, b.units) == (6, 2)
+    assert ledger.peak["cpu"] == 8 and held_matches_grants(ledger)
+    assert ledger.resizes == 2
+
+
+def test_held_matches_grants_detects_drift() -> None:
+    cap = {"cpu": 8}
+    ledger = ledger_for(cap)
+    ledger.submit(make_action({"cpu": Elastic(1, 4)}, cap), 0.0)
+    ledger.step(0.0)
+    assert held_matches_grants(ledger)
+    ledger.held["cpu"] += 1
+    assert not held_matches_grants(ledger)
+
+
+def test_elastic_grant_prefers_the_efficient_action() -> None:
+    # Two elastic newcomers share 8 units; the one that scales gets the spare units.
+    cap = {"cpu": 8}
+    ledger = ledger_for(cap)
+    serial = ledger.submit(
+        make_action({"cpu": Elastic(1, 8)}, cap, seconds=10.0, efficiency=Amdahl(0.0)), 0.0
+    )
+    parallel = ledger.submit(
+        make_action({"cpu": Elastic(1, 8)}, cap, seconds=10.0, efficiency=Linear()), 0.0
+    )
+    ledger.step(0.0)
+    assert (serial.units, parallel.units) == (1, 7)
+    assert math.isclose(ledger.held["cpu"], 8)

@@ -1,0 +1,451 @@
+"""Properties of the policies, checked on random states built through the ledger."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Collection, Iterable, Iterator, Mapping
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import CAPACITY, ledger_ops, make_action, workloads
+
+from tangram import Amdahl, Elastic, ElasticPolicy, Estimator, FcfsPolicy, Linear, Plan, simulate
+from tangram._ledger import Ledger, held_matches_grants
+from tangram._policy import RUNNING, WAITING, Entry, Policy
+from tangram._resources import parse_capacity
+
+PROPERTY = settings(deadline=None, max_examples=100, derandomize=True)
+EPS = 1e-6
+
+policies = st.one_of(
+    st.builds(
+        ElasticPolicy,
+        starvation_bound=st.sampled_from([0.5, 5.0, 30.0]),
+        window=st.sampled_from([1, 3, 128]),
+        eviction_depth=st.sampled_from([0, 1, 4]),
+    ),
+    st.builds(FcfsPolicy, dop=st.sampled_from(["min", "max", 1, 4])),
+)
+
+
+def check_plan(
+    ledger: Ledger, plan: Plan, waiting_before: set[Entry], units_before: dict[Entry, int]
+) -> None:
+    """What must hold after any step, whatever the policy decided."""
+    for kind, total in ledger.totals.items():
+        assert ledger.held[kind] <= total + EPS, (kind, ledger.held[kind], total)
+        assert ledger.free[kind] >= -EPS
+        # Never over capacity on the way either (the peak is taken at every change).
+        assert ledger.peak[kind] <= total + EPS, (kind, ledger.peak[kind], total)
+    for kind, level in ledger.tokens.items():
+        assert level >= -EPS, (kind, level)
+        assert level <= ledger.bursts[kind] + EPS
+    assert held_matches_grants(ledger)
+    for entry, units in plan.admits:
+        assert entry in waiting_before
+        assert entry.state == RUNNING
+        elastic = entry.action.demand.elastic
+        if elastic is None:
+            assert units == 0
+        else:
+            assert elastic.min <= units <= elastic.max
+    for entry, units in plan.resizes:
+        elastic = entry.action.demand.elastic
+        assert elastic is not None and elastic.resizable, "a non-resizable action was resized"
+        assert elastic.min <= units <= elastic.max
+    # Shrinks come first, so that applying the plan in order never exceeds the capacity.
+    grew = False
+    for entry, units in plan.resizes:
+        if units > units_before[entry]:
+            grew = True
+        else:
+            assert not grew, "a shrink listed after a grow"
+    admitted = [e for e, _ in plan.admits]
+    resized = [e for e, _ in plan.resizes]
+    assert len(set(admitted)) == len(admitted) and len(set(resized)) == len(resized)
+    assert not set(admitted) & set(resized)
+    surplus: dict[str, float] = dict.fromkeys(ledger.surplus, 0.0)
+    headroom: dict[str, float] = dict.fromkeys(ledger.headroom, 0.0)
+    for entry in ledger.running:
+        demand = entry.action.demand
+        elastic = demand.elastic
+        if elastic is not None:
+            assert elastic.min <= entry.units <= elastic.max
+            assert demand.elastic_kind is not None
+            if elastic.resizable:
+                surplus[demand.elastic_kind] += entry.units - elastic.min
+                headroom[demand.elastic_kind] += elastic.max - entry.units
+    for kind in surplus:
+        assert ledger.surplus[kind] == pytest.approx(surplus[kind], abs=EPS)
+        assert ledger.headroom[kind] == pytest.approx(headroom[kind], abs=EPS)
+    if not ledger.running and ledger.waiting_count:
+        # Idle with work queued is only allowed while waiting for a rate budget.
+        assert plan.wake_at is not None and plan.wake_at > ledger.now
+
+
+def drive(policy: Policy, ops: list[tuple[str, Any]]) -> list[tuple[int, str, int]]:
+    """Run a script against a ledger, checking every step; return what was decided."""
+    cap = parse_capacity(CAPACITY)
+    ledger = Ledger(cap, policy, Estimator())
+    now = 0.0
+    log: list[tuple[int, str, int]] = []
+    for op, arg in ops:
+        if op == "submit":
+            amounts, seconds, efficiency = arg
+            ledger.submit(make_action(amounts, cap, seconds=seconds, efficiency=efficiency), now)
+        elif op == "advance":
+            now += arg
+        elif op == "finish":
+            running = sorted(ledger.running, key=lambda e: e.seq)
+            if running:
+                ledger.finish(running[arg % len(running)], now)
+        elif op == "withdraw":
+            waiting = list(ledger.waiting())
+            if waiting:
+                ledger.withdraw(waiting[arg % len(waiting)])
+        waiting_before = set(ledger.waiting())
+        units_before = {e: e.units for e in ledger.running}
+        plan = ledger.step(now)
+        check_plan(ledger, plan, waiting_before, units_before)
+        log += [(e.seq, "admit", u) for e, u in plan.admits]
+        log += [(e.seq, "resize", u) for e, u in plan.resizes]
+    return log
+
+
+@PROPERTY
+@given(policies, ledger_ops())
+def test_invariants_on_random_states(policy: Policy, ops: list[tuple[str, Any]]) -> None:
+    drive(policy, ops)
+
+
+@PROPERTY
+@given(policies, ledger_ops())
+def test_decisions_are_deterministic(policy: Policy, ops: list[tuple[str, Any]]) -> None:
+    assert drive(policy, ops) == drive(policy, ops)  # fresh ledgers, same script
+
+
+@PROPERTY
+@given(
+    policies,
+    st.sampled_from([{"cpu": 3}, {"cpu": 1, "gpu": 1}, {"gpu": 0.5}, {"api": 1, "cpu": 2}]),
+    st.data(),
+)
+def test_fcfs_among_equal_rigid_demands(
+    policy: Policy, amounts: dict[str, object], data: st.DataObject
+) -> None:
+    # Equal rigid demands: nobody fits where an earlier one did not, so nobody passes,
+    # whatever the durations (which backfilling would otherwise use to reorder).
+    workload = data.draw(workloads(demand=st.just(amounts), max_trajectories=10))
+    records = simulate(workload, CAPACITY, policy=policy).records
+    for a, b in itertools.combinations(records, 2):
+        if a.arrival < b.arrival:
+            assert a.admitted <= b.admitted, (a, b)
+
+
+def test_fcfs_policy_passes_nobody() -> None:
+    cap = parse_capacity({"cpu": 4})
+    ledger = Ledger(cap, FcfsPolicy(), Estimator())
+    ledger.submit(make_action({"cpu": 3}, cap), 0.0)
+    big = ledger.submit(make_action({"cpu": 4}, cap), 0.0)
+    small = ledger.submit(make_action({"cpu": 1}, cap, seconds=0.01), 0.0)
+    plan = ledger.step(0.0)
+    assert len(plan.admits) == 1
+    assert big.state == WAITING and small.state == WAITING
+
+
+@pytest.mark.parametrize(("dop", "units"), [("min", 2), ("max", 12), (4, 4), (1, 2), (64, 12)])
+def test_fcfs_fixed_dop(dop: int | str, units: int) -> None:
+    cap = parse_capacity({"cpu": 16})
+    ledger = Ledger(cap, FcfsPolicy(dop=dop), Estimator())  # type: ignore[arg-type]
+    entry = ledger.submit(make_action({"cpu": Elastic(2, 12, resizable=True)}, cap), 0.0)
+    ledger.step(0.0)
+    assert entry.units == units
+    ledger.submit(make_action({"cpu": 1}, cap), 1.0)
+    plan = ledger.step(1.0)
+    assert plan.resizes == []  # a fixed DoP never changes
+
+
+def test_fcfs_dop_clamped_to_capacity() -> None:
+    cap = parse_capacity({"cpu": 6})
+    ledger = Ledger(cap, FcfsPolicy(dop="max"), Estimator())
+    entry = ledger.submit(make_action({"cpu": Elastic(2, 12)}, cap), 0.0)
+    ledger.step(0.0)
+    assert entry.units == 6
+
+
+@pytest.mark.parametrize("dop", [0, -1, True, 2.5, "all", None])
+def test_fcfs_rejects_bad_dop(dop: object) -> None:
+    with pytest.raises(ValueError, match="dop"):
+        FcfsPolicy(dop=dop)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"starvation_bound": 0},
+        {"starvation_bound": -1.0},
+        {"starvation_bound": True},
+        {"window": -1},
+        {"window": 0},
+        {"window": 2.5},
+        {"eviction_depth": -1},
+    ],
+)
+def test_elastic_policy_rejects_bad_settings(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        ElasticPolicy(**kwargs)  # type: ignore[arg-type]
+
+
+# -- the elastic policy's decisions -----------------------------------------------------------
+
+
+def test_backfill_only_when_the_head_is_not_delayed() -> None:
+    cap = parse_capacity({"cpu": 16})
+    ledger = Ledger(cap, ElasticPolicy(), Estimator())
+    first = ledger.submit(make_action({"cpu": 10}, cap, seconds=10.0), 0.0)
+    head = ledger.submit(make_action({"cpu": 12}, cap, seconds=10.0), 0.0)
+    # Ends at t=5, before the head can start at t=10: it may pass.
+    short = ledger.submit(make_action({"cpu": 5}, cap, seconds=5.0), 0.0)
+    ledger.step(0.0)
+    assert first.state == RUNNING and short.state == RUNNING and head.state == WAITING
+
+
+def test_no_backfill_that_delays_a_head_blocked_by_this_pass() -> None:
+    # The head is blocked by an action admitted in the same pass. Ignoring that one, the
+    # head looked unreachable and anything that fit passed it: here a long action that
+    # would hold 5 units past t=10, when the head needs 12 of the 16.
+    cap = parse_capacity({"cpu": 16})
+    ledger = Ledger(cap, ElasticPolicy(), Estimator())
+    first = ledger.submit(make_action({"cpu": 10}, cap, seconds=10.0), 0.0)
+    head = ledger.submit(make_action({"cpu": 12}, cap, seconds=10.0), 0.0)
+    long = ledger.submit(make_action({"cpu": 5}, cap, seconds=100.0), 0.0)
+    ledger.step(0.0)
+    assert first.state == RUNNING
+    assert head.state == WAITING and long.state == WAITING
+
+
+def test_no_backfill_counting_shrinkable_units_twice() -> None:
+    # A resizable action holding 4 units (minimum 2) can give 2 now; when it ends it
+    # frees only its other 2. Counting all 4 again made the head look like it would have
+    # 2 units to spare and let a long action take them.
+    cap = parse_capacity({"cpu": 8})
+    ledger = Ledger(cap, ElasticPolicy(), Estimator())
+    ledger.submit(make_action({"cpu": 4}, cap, seconds=20.0), 0.0)
+    grower = ledger.submit(
+        make_action({"cpu": Elastic(2, 4, resizable=True)}, cap, seconds=40.0), 0.0
+    )
+    ledger.step(0.0)
+    assert grower.units == 4
+    head = ledger.submit(make_action({"cpu": 8}, cap, seconds=1.0), 1.0)
+    long = ledger.submit(make_action({"cpu": 2}, cap, seconds=100.0), 1.0)
+    plan = ledger.step(1.0)
+    assert head.state == WAITING and long.state == WAITING
+    assert plan.resizes == [] and grower.units == 4
+
+
+def test_backfill_into_units_the_head_leaves_spare() -> None:
+    cap = parse_capacity({"cpu": 16})
+    ledger = Ledger(cap, ElasticPolicy(), Estimator())
+    ledger.submit(make_action({"cpu": 10}, cap, seconds=10.0), 0.0)
+    head = ledger.submit(make_action({"cpu": 12}, cap, seconds=10.0), 0.0)
+    # When the head starts at t=10, 4 units stay free: a long 4-unit action fits there.
+    long = ledger.submit(make_action({"cpu": 4}, cap, seconds=100.0), 0.0)
+    ledger.step(0.0)
+    assert head.state == WAITING and long.state == RUNNING
+
+
+def test_a_starved_head_is_never_passed() -> None:
+    cap = parse_capacity({"cpu": 16})
+    ledger = Ledger(cap, ElasticPolicy(starvation_bound=5.0), Estimator())
+    ledger.submit(make_action({"cpu": 10}, cap, seconds=10.0), 0.0)
+    head = ledger.submit(make_action({"cpu": 12}, cap, seconds=10.0), 0.0)
+    ledger.step(0.0)
+    short = ledger.submit(make_action({"cpu": 1}, cap, seconds=0.1), 6.0)
+    ledger.step(6.0)  # the head has waited 6 s > 5 s: nothing passes it any more
+    assert head.state == WAITING and short.state == WAITING
+
+
+def test_resizable_actions_share_units() -> None:
+    cap = parse_capacity({"cpu": 16})
+    ledger = Ledger(cap, ElasticPolicy(), Estimator())
+    demand = {"cpu": Elastic(1, 16, resizable=True)}
+    a = ledger.submit(make_action(demand, cap, seconds=100.0, efficiency=Amdahl(0.9)), 0.0)
+    ledger.step(0.0)
+    assert a.units == 16
+    b = ledger.submit(make_action(demand, cap, seconds=100.0, efficiency=Amdahl(0.9)), 1.0)
+    plan = ledger.step(1.0)
+    assert plan.resizes == [(a, a.units)] and plan.admits == [(b, b.units)]
+    assert a.units + b.units == 16 and min(a.units, b.units) >= 6
+
+
+def test_greedy_eviction_runs_linear_work_one_at_a_time() -> None:
+    # Two non-resizable actions with perfect scaling arrive together: split, each would
+    # keep a part of the units for life; run one after the other, the short one is done
+    # in 0.625 s and the long one loses nothing. The later one is left queued.
+    cap = parse_capacity({"cpu": 16})
+    demand = {"cpu": Elastic(1, 16)}
+    ledger = Ledger(cap, ElasticPolicy(), Estimator())
+    short = ledger.submit(make_action(demand, cap, seconds=10.0), 0.0)
+    long = ledger.submit(make_action(demand, cap, seconds=100.0), 0.0)
+    plan = ledger.step(0.0)
+    assert plan.evicted == 1 and plan.admits == [(short, 16)]
+    assert long.state == WAITING and ledger.evictions == 1
+    ledger.finish(short, 0.625)
+    assert ledger.step(0.625).admits == [(long, 16)]
+
+    no_eviction = Ledger(cap, ElasticPolicy(eviction_depth=0), Estimator())
+    a = no_eviction.submit(make_action(demand, cap, seconds=10.0), 0.0)
+    b = no_eviction.submit(make_action(demand, cap, seconds=100.0), 0.0)
+    no_eviction.step(0.0)
+    assert a.state == b.state == RUNNING and a.units + b.units == 16
+
+
+def test_resizable_newcomers_are_never_evicted() -> None:
+    # Even where running one after the other would be best (perfect scaling), a resizable
+    # newcomer starts at once: it grows when the other ends.
+    cap = parse_capacity({"cpu": 16})
+    demand = {"cpu": Elastic(1, 16, resizable=True)}
+    ledger = Ledger(cap, ElasticPolicy(eviction_depth=4), Estimator())
+    a = ledger.submit(make_action(demand, cap, seconds=10.0), 0.0)
+    b = ledger.submit(make_action(demand, cap, seconds=100.0), 0.0)
+    plan = ledger.step(0.0)
+    assert plan.evicted == 0 and a.state == b.state == RUNNING
+
+
+def test_no_eviction_beside_resizable_running_actions() -> None:
+    cap = parse_capacity({"cpu": 16})
+    ledger = Ledger(cap, ElasticPolicy(eviction_depth=4), Estimator())
+    grower = ledger.submit(
+        make_action({"cpu": Elastic(1, 16, resizable=True)}, cap, seconds=100.0), 0.0
+    )
+    ledger.step(0.0)
+    assert grower.units == 16
+    fixed = [
+        ledger.submit(make_action({"cpu": Elastic(1, 16)}, cap, seconds=s), 1.0)
+        for s in (10.0, 90.0)
+    ]
+    plan = ledger.step(1.0)
+    assert plan.evicted == 0 and all(e.state == RUNNING for e in fixed)
+    assert held_matches_grants(ledger) and ledger.held["cpu"] == 16
+
+
+def test_no_resize_churn_between_events() -> None:
+    # Stepping again without any event changes nothing: no units traded back and forth.
+    cap = parse_capacity({"cpu": 16})
+    ledger = Ledger(cap, ElasticPolicy(), Estimator())
+    for i in range(3):
+        ledger.submit(
+            make_action(
+                {"cpu": Elastic(1, 16, resizable=True)},
+                cap,
+                seconds=10.0 + i,
+                efficiency=Amdahl(0.9),
+            ),
+            0.0,
+        )
+    ledger.step(0.0)
+    for t in (0.5, 1.0, 2.0):
+        plan = ledger.step(t)
+        assert plan.resizes == [] and plan.admits == []
+
+
+def test_elastic_newcomer_does_not_wait_behind_idle_units() -> None:
+    cap = parse_capacity({"cpu": 8})
+    ledger = Ledger(cap, ElasticPolicy(), Estimator())
+    entry = ledger.submit(
+        make_action({"cpu": Elastic(2, 6)}, cap, seconds=12.0, efficiency=Linear()), 0.0
+    )
+    ledger.step(0.0)
+    assert entry.units == 6  # everything it can use, since nobody else wants it
+
+
+# -- cost of a pass ---------------------------------------------------------------------------
+
+
+class CountingState:
+    """A state that counts how many queued entries a policy pulls from the queue."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self._ledger = ledger
+        self.pulled = 0
+
+    def waiting(self) -> Iterator[Entry]:
+        for entry in self._ledger.waiting():
+            self.pulled += 1
+            yield entry
+
+    def resizable(self, kind: str) -> Collection[Entry]:
+        return self._ledger.resizable(kind)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ledger, name)
+
+
+def crowded_ledger(policy: Policy, n: int = 100_000) -> Ledger:
+    cap = parse_capacity({"cpu": 4, "gpu": 1})
+    ledger = Ledger(cap, policy, Estimator())
+    running = ledger.submit(make_action({"gpu": 1}, cap, seconds=1e6), 0.0)
+    ledger.step(0.0)
+    assert running.state == RUNNING
+    # No waiting action fits (the GPU is taken) while cores stay free, so a pass has a
+    # reason to look at every one of them: only the window stops it.
+    action = make_action({"cpu": Elastic(1, 2), "gpu": 1}, cap, seconds=1.0)
+    for i in range(n):
+        ledger.submit(action, 1.0 + i * 1e-6)
+    return ledger
+
+
+@pytest.mark.parametrize("window", [1, 128, 1000])
+def test_pass_inspects_at_most_window_entries(window: int) -> None:
+    policy = ElasticPolicy(window=window)
+    ledger = crowded_ledger(policy)
+    state = CountingState(ledger)
+    plan = policy.plan(state)  # type: ignore[arg-type]
+    assert state.pulled == window
+    assert plan.admits == []
+
+
+def test_pass_cost_does_not_grow_with_queue_length() -> None:
+    policy = ElasticPolicy(window=64)
+    counts = []
+    for n in (1_000, 100_000):
+        ledger = crowded_ledger(policy, n)
+        # Leave a hole in the middle of the queue, as backfills and cancellations do.
+        for entry in list(itertools.islice(ledger.waiting(), 10, n // 2)):
+            ledger.withdraw(entry)
+        state = CountingState(ledger)
+        policy.plan(state)  # type: ignore[arg-type]
+        counts.append(state.pulled)
+    assert counts[0] == counts[1] == 64
+
+
+def test_policy_reads_no_more_than_the_state_protocol() -> None:
+    # The policy only reads: planning twice from the same state gives the same plan and
+    # leaves the ledger as it was.
+    cap = parse_capacity(CAPACITY)
+    ledger = Ledger(cap, ElasticPolicy(), Estimator())
+    for amounts in ({"cpu": Elastic(2, 8, resizable=True)}, {"cpu": 10}, {"gpu": 4}):
+        ledger.submit(make_action(amounts, cap, seconds=3.0), 0.0)
+    ledger.step(0.0)
+    for amounts in ({"cpu": Elastic(1, 8)}, {"cpu": 12}, {"api": 2}):
+        ledger.submit(make_action(amounts, cap, seconds=3.0), 1.0)
+    snapshot = _snapshot(ledger)
+    first = ledger.policy.plan(ledger)
+    second = ledger.policy.plan(ledger)
+    assert first == second
+    assert _snapshot(ledger) == snapshot
+
+
+def _snapshot(ledger: Ledger) -> tuple[Any, ...]:
+    entries: Iterable[Entry] = [*ledger.running, *ledger.waiting()]
+    per_entry = sorted((e.seq, e.state, e.units, e.rem, e.mark) for e in entries)
+    maps: list[Mapping[str, float]] = [
+        ledger.free,
+        ledger.held,
+        ledger.tokens,
+        ledger.surplus,
+        ledger.headroom,
+    ]
+    return (tuple(per_entry), *(tuple(sorted(m.items())) for m in maps))

@@ -1,0 +1,391 @@
+"""The sandbox pool on the embedded local backend: grants, state, containment, failures.
+
+These run real subprocesses. Coordination between a running command and the test goes
+through a file the command writes (``ready``), polled with a deadline; nothing waits a
+fixed time for something to happen.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+import tangram
+from tangram._local import LocalBackend
+from tangram._sandbox import (
+    CoreSet,
+    RunResult,
+    Sandbox,
+    SandboxBrokenError,
+    SandboxClosedError,
+    SandboxPool,
+    format_cpu_list,
+    parse_cpu_list,
+)
+
+pytestmark = pytest.mark.anyio
+
+ROOT = os.geteuid() == 0
+CORES = tuple(sorted(os.sched_getaffinity(0)))
+
+
+@pytest.fixture(params=[pytest.param("asyncio", id="asyncio"), pytest.param("trio", id="trio")])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return request.param  # type: ignore[no-any-return]
+
+
+def workdir(sbx: Sandbox) -> Path:
+    path = sbx._handle.workdir  # type: ignore[attr-defined]
+    assert isinstance(path, Path)
+    return path
+
+
+async def wait_for_file(path: Path, seconds: float = 20.0) -> None:
+    """Poll for a file a command writes to say it reached a point (with a deadline).
+
+    The command is another process: no event of ours can tell us, so this polls.
+    """
+    target = anyio.Path(path)
+    with anyio.fail_after(seconds):
+        while not await target.exists():  # noqa: ASYNC110
+            await anyio.sleep(0.005)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_bytes().rpartition(b")")[2].split()[0]
+    except OSError:
+        return False
+    return state != b"Z"
+
+
+async def test_run_reports_output_exit_code_and_grant() -> None:
+    async with (
+        SandboxPool(LocalBackend()) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+        pool.sandbox("t") as sbx,
+    ):
+        result = await sbx.run("echo out; echo err >&2; exit 3", cpu=1)
+        assert (result.exit_code, result.stdout, result.stderr) == (3, b"out\n", b"err\n")
+        assert not result.ok and not result.truncated and not result.timed_out
+        assert result.units == 1 and len(result.cores) == 1
+        probe = "import os; print(os.environ['TANGRAM_CPUS'], sorted(os.sched_getaffinity(0)))"
+        result = await sbx.run(code=probe, cpu=len(CORES))
+        assert result.ok
+        assert result.stdout.decode().strip() == f"{len(CORES)} {sorted(CORES)}"
+        assert result.cores == CORES
+        result = await sbx.run(["cat"], stdin="fed", env={"X": "1"})
+        assert result.stdout == b"fed"
+        result = await sbx.run("echo $X", env={"X": "y"})
+        assert result.stdout == b"y\n"
+        missing = await sbx.run(["/no/such/program"])
+        assert missing.exit_code == 127
+
+
+async def test_state_persists_within_a_trajectory_and_never_leaks() -> None:
+    async with (
+        SandboxPool(LocalBackend(), warm=1) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+    ):
+        async with pool.sandbox("one") as one:
+            await one.run("echo kept > state.txt")
+            assert (await one.run("cat state.txt")).stdout == b"kept\n"
+            await one.put("dir/data.bin", b"\x00\x01")
+            assert await one.get("dir/data.bin") == b"\x00\x01"
+            first = workdir(one)
+            async with pool.sandbox("two") as two:
+                assert workdir(two) != first
+                result = await two.run("cat state.txt")
+                assert result.exit_code != 0 and b"kept" not in result.stdout
+                with pytest.raises(FileNotFoundError):
+                    await two.get("dir/data.bin")
+        assert not first.exists()
+        with pytest.raises(SandboxClosedError):
+            await one.run("true")
+
+
+async def test_paths_cannot_leave_the_work_dir() -> None:
+    async with (
+        SandboxPool(LocalBackend()) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+        pool.sandbox("t") as sbx,
+    ):
+        for bad in ("../x", "/etc/passwd", "a/../../x", ""):
+            with pytest.raises((ValueError, TypeError)):
+                await sbx.get(bad)
+        await sbx.run("ln -s /etc/passwd link")
+        with pytest.raises(PermissionError):
+            await sbx.get("link")
+
+
+async def test_concurrent_actions_get_disjoint_cores_and_units_return() -> None:
+    if len(CORES) < 2:
+        pytest.skip("needs two cores")
+    probe = (
+        "import os, pathlib, time\n"
+        "pathlib.Path('ready').write_text('')\n"
+        "end = time.monotonic() + 20\n"
+        "while not pathlib.Path('go').exists() and time.monotonic() < end: pass\n"
+        "print(sorted(os.sched_getaffinity(0)))\n"
+    )
+    async with (
+        SandboxPool(LocalBackend()) as pool,
+        tangram.Runtime(capacity=pool.capacity()) as runtime,
+    ):
+        async with pool.sandbox("a") as a, pool.sandbox("b") as b:
+            results: dict[str, RunResult] = {}
+
+            async def run(name: str, sbx: Sandbox) -> None:
+                results[name] = await sbx.run(code=probe, cpu=1, timeout=30)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run, "a", a)
+                tg.start_soon(run, "b", b)
+                await wait_for_file(workdir(a) / "ready")
+                await wait_for_file(workdir(b) / "ready")
+                assert runtime.stats().resources["cpu"].held == 2
+                (workdir(a) / "go").write_text("")
+                (workdir(b) / "go").write_text("")
+            assert set(results["a"].cores).isdisjoint(results["b"].cores)
+            for name in "ab":
+                assert results[name].stdout.decode().strip() == str(list(results[name].cores))
+        assert runtime.stats().resources["cpu"].held == 0
+        assert not pool._hosts["local"].cores.free ^ set(CORES)
+
+
+RESIZE_PROBE = r"""
+import os, time, pathlib
+seen = [len(os.sched_getaffinity(0))]
+pathlib.Path("ready").write_text("")
+end = time.monotonic() + 20
+while time.monotonic() < end and len(seen) < 3:
+    n = len(os.sched_getaffinity(0))
+    if n != seen[-1]:
+        seen.append(n)
+print(seen)
+"""
+
+
+async def test_resize_is_visible_inside_the_running_action() -> None:
+    if len(CORES) < 2:
+        pytest.skip("needs two cores")
+    backend = LocalBackend(cores=CORES[:2])
+    async with (
+        SandboxPool(backend) as pool,
+        tangram.Runtime(capacity=pool.capacity()) as runtime,
+        pool.sandbox("a") as a,
+        pool.sandbox("b") as b,
+    ):
+        results: dict[str, Any] = {}
+
+        async def elastic() -> None:
+            results["a"] = await a.run(
+                code=RESIZE_PROBE, cpu=tangram.Elastic(1, 2, resizable=True), timeout=30
+            )
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(elastic)
+            await wait_for_file(workdir(a) / "ready")
+            # A rigid newcomer makes the scheduler shrink the elastic action, then give
+            # the core back when it is done.
+            results["b"] = await b.run("nproc", cpu=1)
+        assert results["b"].stdout == b"1\n"
+        assert results["a"].stdout == b"[2, 1, 2]\n"
+        assert results["a"].resizes == 2 and results["a"].max_units == 2
+        assert runtime.stats().resources["cpu"].held == 0
+
+
+async def test_endless_loop_times_out_with_a_clear_result() -> None:
+    async with (
+        SandboxPool(LocalBackend()) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+        pool.sandbox("t") as sbx,
+    ):
+        result = await sbx.run("while :; do :; done", timeout=0.5)
+        assert result.timed_out and result.exit_code is None and not result.ok
+        assert result.exec_seconds < 5
+        assert (await sbx.run("echo next")).stdout == b"next\n"
+
+
+async def test_orphaned_background_processes_are_killed() -> None:
+    async with (
+        SandboxPool(LocalBackend()) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+        pool.sandbox("t") as sbx,
+    ):
+        # One child stays in the session; one leaves it with setsid.
+        result = await sbx.run(
+            "sleep 300 & echo $! > a.pid; setsid sleep 301 & echo $! > b.pid; echo done",
+        )
+        assert result.ok and result.stdout == b"done\n"
+        assert result.leftovers_killed >= 1
+        for name in ("a.pid", "b.pid"):
+            pid = int((await sbx.get(name)).decode())
+            assert not pid_alive(pid), f"{name} survived the action"
+
+
+async def test_output_flood_is_capped() -> None:
+    async with (
+        SandboxPool(LocalBackend(), output_limit=1000) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+        pool.sandbox("t") as sbx,
+    ):
+        result = await sbx.run("yes | head -c 50000000; yes >&2", timeout=3)
+        assert len(result.stdout) == 1000 and result.stdout_truncated
+        assert len(result.stderr) == 1000 and result.stderr_truncated
+        assert result.timed_out and result.truncated
+
+
+async def test_memory_bomb_fails_inside_its_limit() -> None:
+    async with (
+        SandboxPool(LocalBackend(memory="256MiB")) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+        pool.sandbox("t") as sbx,
+    ):
+        bomb = "chunks = []\nwhile True:\n    chunks.append(bytearray(16 << 20))\n"
+        result = await sbx.run(code=bomb, timeout=20)
+        assert result.exit_code != 0 and not result.timed_out
+        assert b"MemoryError" in result.stderr
+        assert (await sbx.run("echo next")).ok
+
+
+@pytest.mark.skipif(not ROOT, reason="RLIMIT_NPROC needs a dedicated user (run as root)")
+async def test_fork_bomb_is_bounded() -> None:
+    async with (
+        SandboxPool(LocalBackend(processes=64)) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+        pool.sandbox("t") as sbx,
+    ):
+        result = await sbx.run("b() { b | b & }; b; wait", timeout=2)
+        # Forks fail at the process limit and the bomb dies out; the timeout would kill
+        # the group otherwise. Either way it is bounded and the sandbox still works.
+        assert result.exec_seconds < 10
+        assert (await sbx.run("echo next")).stdout == b"next\n"
+
+
+@pytest.mark.skipif(not ROOT, reason="commands run as `nobody` only when the caller is root")
+async def test_writes_outside_the_work_dir_fail(tmp_path: Path) -> None:
+    target = tmp_path / "host-file"
+    async with (
+        SandboxPool(LocalBackend()) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+        pool.sandbox("t") as sbx,
+    ):
+        result = await sbx.run(f"echo x > {target}; touch {Path.cwd() / 'escaped'}")
+        assert result.exit_code != 0
+        assert b"Permission denied" in result.stderr
+        assert not target.exists() and not (Path.cwd() / "escaped").exists()
+        assert (await sbx.run("echo inside > f; cat f")).stdout == b"inside\n"
+
+
+async def test_cancelling_an_action_kills_it_and_returns_units() -> None:
+    async with (
+        SandboxPool(LocalBackend()) as pool,
+        tangram.Runtime(capacity=pool.capacity()) as runtime,
+        pool.sandbox("t") as sbx,
+    ):
+        with anyio.move_on_after(20):
+            async with anyio.create_task_group() as tg:
+
+                async def victim() -> None:
+                    await sbx.run("echo $$ > pid; touch ready; sleep 300", timeout=60)
+
+                tg.start_soon(victim)
+                await wait_for_file(workdir(sbx) / "ready")
+                tg.cancel_scope.cancel()
+        pid = int((await sbx.get("pid")).decode())
+        assert not pid_alive(pid)
+        assert runtime.stats().resources["cpu"].held == 0
+        assert (await sbx.run("echo next")).ok
+
+
+async def test_a_broken_sandbox_fails_clearly_and_is_replaced() -> None:
+    async with (
+        SandboxPool(LocalBackend(), warm=1) as pool,
+        tangram.Runtime(capacity=pool.capacity()) as runtime,
+    ):
+        async with pool.sandbox("t") as sbx:
+            await sbx.run("true")
+            shutil.rmtree(workdir(sbx))
+            with pytest.raises(SandboxBrokenError):
+                await sbx.run("true")
+            assert runtime.stats().resources["cpu"].held == 0
+            assert pool.replaced == 1
+            with pytest.raises(SandboxBrokenError):
+                await sbx.run("true")
+        async with pool.sandbox("u") as fresh:
+            assert (await fresh.run("echo ok")).ok
+
+
+async def test_bad_arguments_fail_at_the_call() -> None:
+    async with (
+        SandboxPool(LocalBackend()) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+        pool.sandbox("t") as sbx,
+    ):
+        with pytest.raises(TypeError):
+            await sbx.run()
+        with pytest.raises(TypeError):
+            await sbx.run("true", code="pass")
+        with pytest.raises(ValueError):
+            await sbx.run("true", timeout=0)
+        with pytest.raises(TypeError):
+            await sbx.run("true", cpu="two")  # type: ignore[arg-type]
+        with pytest.raises(tangram.errors.CapacityExceededError):
+            await sbx.run("true", cpu=len(CORES) + 1)
+    pool = SandboxPool(LocalBackend())
+    with pytest.raises(SandboxClosedError):
+        pool.capacity()
+    with pytest.raises(ValueError):
+        SandboxPool(LocalBackend(), warm=-1)
+
+
+async def test_warm_sandboxes_are_ready_ahead_of_demand() -> None:
+    async with SandboxPool(LocalBackend(), warm=3) as pool:
+        await pool.wait_warm()
+        assert len(pool._warm) == 3
+        async with pool.sandbox("t"):
+            await pool.wait_warm()  # topped up again behind the checkout
+            assert len(pool._warm) == 3
+    assert not pool._live
+
+
+def test_core_set_keeps_actions_together_and_never_lends_twice() -> None:
+    cores = CoreSet([(0, 1, 2, 3), (4, 5, 6, 7)])
+    a = cores.take(3)
+    assert len({c // 4 for c in a}) == 1
+    b = cores.take(2)
+    assert set(a).isdisjoint(b) and len({c // 4 for c in b}) == 1
+    grown = cores.resize(b, 4)
+    assert grown[:2] == b and set(grown).isdisjoint(a)
+    assert len({c // 4 for c in grown}) == 1
+    shrunk = cores.resize(grown, 1)
+    assert shrunk == b[:1]
+    with pytest.raises(RuntimeError):
+        cores.give(b[1:2])
+    with pytest.raises(tangram.errors.InvalidCapacityError):
+        cores.take(9)
+
+
+def test_cpu_lists_round_trip() -> None:
+    assert parse_cpu_list("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+    assert format_cpu_list([11, 0, 1, 2, 3, 8, 10]) == "0-3,8,10-11"
+
+
+def test_signal_is_reported() -> None:
+    async def main() -> RunResult:
+        async with (
+            SandboxPool(LocalBackend()) as pool,
+            tangram.Runtime(capacity=pool.capacity()),
+            pool.sandbox("t") as sbx,
+        ):
+            return await sbx.run("kill -TERM $$")
+
+    result = anyio.run(main)
+    assert result.signal == signal.SIGTERM and result.exit_code is None
