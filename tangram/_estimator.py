@@ -27,6 +27,9 @@ from ._efficiency import Amdahl, Estimate
 
 __all__ = ["Estimate", "Estimator"]
 
+_EAGER_SAMPLES = 32
+_REFIT_EVERY = 16
+
 
 class _KindStats:
     """Decayed sufficient statistics of the regression ``t = a + b * x`` with ``x = 1/m``."""
@@ -113,10 +116,14 @@ class Estimator:
         else:
             self._kinds.move_to_end(kind)
         stats.add(1.0 / units, seconds, self._decay)
-        self._cache.pop(kind, None)
-        estimate = self.predict(kind)
-        self._mean_weight = self._mean_weight * self._decay + 1.0
-        self._mean_t1 += (estimate.seconds_at_1 - self._mean_t1) / self._mean_weight
+        # Refit on every sample while a kind is young, then on every 16th: at thousands of
+        # completions a second, a refit per sample was 15% of an acquire/release cycle,
+        # and one sample more moves a well-fed fit by well under a percent.
+        if stats.count <= _EAGER_SAMPLES or stats.count % _REFIT_EVERY == 0:
+            self._cache.pop(kind, None)
+            estimate = self.predict(kind)
+            self._mean_weight = self._mean_weight * self._decay + 1.0
+            self._mean_t1 += (estimate.seconds_at_1 - self._mean_t1) / self._mean_weight
 
     def predict(self, kind: str) -> Estimate:
         """The current estimate for ``kind`` (the prior when it was never observed)."""

@@ -135,6 +135,15 @@ class Ledger:
             units = entry.unit_time / ran if demand.elastic and ran > 0 else max(entry.units, 1)
             self.estimator.observe(entry.action.kind, units, seconds)
 
+    def may_admit(self, entry: Entry) -> bool:
+        """Whether a pass right after ``entry`` arrived could change anything.
+
+        Asked by the policy when it knows (``may_admit``); otherwise always yes. Skipping
+        the pass for an arrival that cannot start halves the passes of a saturated queue.
+        """
+        check = getattr(self.policy, "may_admit", None)
+        return True if check is None else bool(check(self, entry))
+
     def step(self, now: float) -> Plan:
         """Ask the policy what to do now and apply it."""
         self.now = now

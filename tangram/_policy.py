@@ -233,6 +233,24 @@ class _Scan:
         return all(free + surplus.get(kind, 0.0) <= _EPS for kind, free in self.free.items())
 
 
+def may_admit(state: State, entry: Entry) -> bool:
+    """False only when ``entry``'s minimum cannot fit even by shrinking resizable actions.
+
+    Then a pass run for its arrival admits nothing and changes no other decision: it joins
+    the queue's tail. A demand on a rate budget always gets its pass, which books the
+    wake-up for the refill.
+    """
+    free, surplus = state.free, state.surplus
+    fits = True
+    for kind, amount in entry.action.demand.minimum:
+        have = free.get(kind)
+        if have is None:
+            return True
+        if amount > have + surplus.get(kind, 0.0) + _EPS:
+            fits = False
+    return fits
+
+
 def _rate_wait(state: State, scan: _Scan, need: Iterable[tuple[str, float]]) -> float | None:
     """When the rate budgets alone would let ``need`` start, if a rate is what blocks it."""
     wake: float | None = None
@@ -258,6 +276,9 @@ class ElasticPolicy:
     starvation_bound: float = attrs.field(default=30.0, validator=_positive)
     window: int = attrs.field(default=128, validator=_window)
     eviction_depth: int = attrs.field(default=4, validator=_count)
+
+    def may_admit(self, state: State, entry: Entry) -> bool:
+        return may_admit(state, entry)
 
     def plan(self, state: State) -> Plan:
         now = state.now
@@ -525,6 +546,9 @@ class FcfsPolicy:
             raise ValueError(
                 f"`dop` must be 'min', 'max' or a whole number >= 1 (got {self.dop!r})"
             )
+
+    def may_admit(self, state: State, entry: Entry) -> bool:
+        return may_admit(state, entry)
 
     def units_for(self, entry: Entry, total: float) -> int:
         elastic = entry.action.demand.elastic

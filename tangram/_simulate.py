@@ -173,8 +173,9 @@ def simulate(
                 else:
                     guess = learner.predict(step.kind)
                 action = Action(ids, step.kind, name, demands[(name, index)], guess)
-                runs[ledger.submit(action, now)] = _Run(name, index, step)
-                changed = True
+                entry = ledger.submit(action, now)
+                runs[entry] = _Run(name, index, step)
+                changed = changed or ledger.may_admit(entry)
             elif kind == _FINISH:
                 entry, version = cast("tuple[Entry, int]", payload)
                 run = runs.get(entry)

@@ -12,6 +12,7 @@ already catch, so ``except ValueError`` around a bad demand keeps working::
     ├── WaitTimeoutError (TimeoutError)      queued for longer than ``wait_timeout``
     ├── RuntimeClosedError (RuntimeError)    your code used a runtime that is not running
     ├── NoCurrentRuntimeError (RuntimeError) ``tangram.acquire`` outside ``async with runtime``
+    ├── QuotaDeadlineError (TimeoutError)    an API request cannot be sent before its deadline
     └── SandboxError                         a CPU sandbox could not run the action
         ├── SandboxBrokenError (RuntimeError)  it died (an outside cause, see ``__cause__``)
         └── SandboxClosedError (RuntimeError)  your code used it after it closed
@@ -28,6 +29,7 @@ __all__ = [
     "InvalidCapacityError",
     "InvalidDemandError",
     "NoCurrentRuntimeError",
+    "QuotaDeadlineError",
     "RuntimeClosedError",
     "SandboxBrokenError",
     "SandboxClosedError",
@@ -85,6 +87,15 @@ class NoCurrentRuntimeError(TangramError, RuntimeError):
 
     The current runtime is a context variable; tasks started inside the ``async with``
     block inherit it, tasks started elsewhere do not.
+    """
+
+
+class QuotaDeadlineError(TangramError, TimeoutError):
+    """The request could not be sent before its deadline.
+
+    Raised as soon as that is known (the key's budget refills too late, every key is set
+    aside, or the provider's ``Retry-After`` reaches past it), not when the deadline
+    passes. Nothing is held when it is raised.
     """
 
 

@@ -122,7 +122,8 @@ async def test_runtime_stats_while_running() -> None:
             assert stats.resources["cpu"].held == 3
             assert stats.resources["cpu"].utilisation == 0.75
             assert stats.resources["gpu"].utilisation == 0.5
-            assert stats.decisions >= 4
+            # Two arrivals that could start, two passes; the two that cannot fit cost none.
+            assert stats.decisions == 2
             assert stats.decision_seconds >= 0
             assert "build" not in stats.kinds  # nothing of it has ended yet
             gate.set()
