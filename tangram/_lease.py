@@ -14,7 +14,7 @@ from ._action import Action
 from ._policy import RUNNING, Entry
 
 if TYPE_CHECKING:
-    from ._runtime import Runtime
+    from ._runtime import Runtime, _Waitable
 
 __all__ = ["Lease"]
 
@@ -50,7 +50,7 @@ class Lease:
     def __init__(self, runtime: Runtime, entry: Entry, now: float) -> None:
         self._runtime = runtime
         self._entry = entry
-        self._ready: anyio.Event | None = None
+        self._ready: _Waitable | None = None
         self._resized: anyio.Event | None = None
         self._error: BaseException | None = None
         self._final_units: int | None = None

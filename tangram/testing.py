@@ -1,0 +1,356 @@
+"""Test support for suites that use tangram: an invariant checker and a pytest plugin.
+
+:class:`InvariantChecker` watches a :class:`tangram.Runtime` from the inside: it wraps the
+runtime's bookkeeping so that every scheduling decision, every release and every capacity
+change is followed by the checks that make a scheduler trustworthy (units held equal the
+sum of live grants, no kind over its capacity unless a capacity cut left it there, every
+elastic grant within its range, no lease left behind by a task that ended). A violation is
+recorded where it happened and raised by :meth:`InvariantChecker.verify`, so it is found
+at the decision that caused it, not when a later test happens to trip over it.
+
+:func:`check_idle` says a runtime is back at rest: nothing held, waiting or leased.
+
+The pytest plugin (this module; enable it with ``pytest_plugins = ["tangram.testing"]``
+in a ``conftest.py``, or let the ``tangram`` entry point load it) gives async tests::
+
+    async def test_rollout(tangram_runtime):
+        async with tangram_runtime(capacity={"cpu": 4}) as runtime:
+            ...  # every decision of this runtime is checked; at the end it must be idle
+
+pytest is imported only if it is installed: the checker works without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import types
+import weakref
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from ._ledger import held_matches_grants
+from ._policy import RUNNING, WAITING
+from ._runtime import Runtime
+
+if TYPE_CHECKING:
+    from ._action import Action
+    from ._lease import Lease
+
+__all__ = ["InvariantChecker", "InvariantViolation", "check_idle"]
+
+_EPS = 1e-6
+
+
+class InvariantViolation(AssertionError):
+    """A scheduler invariant did not hold; the message says which, and after what call.
+
+    An ``AssertionError`` so that pytest shows it as a failed check, not a crash.
+    """
+
+
+def _task_finished(task: object) -> bool:
+    """Whether the task that acquired a lease has ended (asyncio or trio task objects).
+
+    Both keep their coroutine; a coroutine that has returned or raised has no frame.
+    """
+    done = getattr(task, "done", None)
+    if callable(done):
+        return bool(done())
+    coro = getattr(task, "coro", None)
+    return coro is not None and getattr(coro, "cr_frame", 1) is None
+
+
+def _current_task() -> object | None:
+    """The running task object of whichever event loop is running, or ``None``."""
+    asyncio = sys.modules.get("asyncio")
+    if asyncio is not None:
+        try:
+            return asyncio.current_task()
+        except RuntimeError:
+            pass
+    trio = sys.modules.get("trio")
+    if trio is not None:
+        try:
+            return trio.lowlevel.current_task()
+        except RuntimeError:
+            pass
+    return None
+
+
+class InvariantChecker:
+    """Check a runtime's invariants after every decision, release and capacity change.
+
+    ``checker = InvariantChecker(runtime)`` before or after ``async with runtime:``; run
+    the workload; ``checker.verify()`` raises :class:`InvariantViolation` for the first
+    violation seen (all of them are in :attr:`violations`). Checked after each call:
+
+    - units held per kind equal the sum of the live grants, and none is negative;
+    - no kind holds more than its capacity, unless a capacity cut left it there, and then
+      the excess only shrinks (nothing is admitted or grown into a cut);
+    - every running elastic grant lies within its ``[min, max]``;
+    - every running action has a registered lease, and every registered lease belongs to
+      a waiting or running action whose acquiring task is still alive;
+    - a lease is gone once its ``async with`` block has exited.
+
+    Each check walks the running actions: O(running) per decision. It patches the
+    runtime instance, not the class, so other runtimes are untouched; :meth:`detach`
+    restores it.
+
+    :param raise_immediately: raise from inside the runtime call that broke an invariant
+        (the traceback then points at it) instead of only recording it.
+    """
+
+    def __init__(self, runtime: Runtime, *, raise_immediately: bool = False) -> None:
+        if not isinstance(runtime, Runtime):
+            raise TypeError(f"`runtime` must be a tangram.Runtime (got {runtime!r})")
+        self.runtime = runtime
+        self.raise_immediately = raise_immediately
+        self.violations: list[str] = []
+        self.checks = 0
+        self.submitted = 0
+        self.released = 0
+        self._depth = 0
+        self._ceiling: dict[str, float] = {}
+        self._holders: weakref.WeakKeyDictionary[Action, object] = weakref.WeakKeyDictionary()
+        self._patched: dict[tuple[object, str], object] = {}
+        ledger = runtime._ledger
+        for name in ("step", "finish", "withdraw", "set_capacity"):
+            self._wrap(ledger, name, self._checked(name, getattr(ledger, name)))
+        self._wrap(ledger, "submit", self._counting_submit(ledger.submit))
+        self._wrap(runtime, "_enter", self._recording_enter(runtime._enter))
+        self._wrap(runtime, "_release", self._checked_release(runtime._release))
+
+    def __repr__(self) -> str:
+        return (
+            f"<tangram.testing.InvariantChecker checks={self.checks} "
+            f"violations={len(self.violations)}>"
+        )
+
+    # -- patching ----------------------------------------------------------------------
+
+    def _wrap(self, target: object, name: str, replacement: object) -> None:
+        self._patched[(target, name)] = target.__dict__.get(name, _MISSING)
+        setattr(target, name, replacement)
+
+    def detach(self) -> None:
+        """Stop checking: put the runtime's own methods back."""
+        for (target, name), old in self._patched.items():
+            if old is _MISSING:
+                with contextlib.suppress(AttributeError):
+                    delattr(target, name)
+            else:
+                setattr(target, name, old)
+        self._patched.clear()
+
+    def _checked(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self._depth += 1
+            try:
+                result = method(*args, **kwargs)
+            finally:
+                self._depth -= 1
+            # A capacity change withdraws the entries that can no longer fit before the
+            # runtime fails their leases: check the registry only on the outer call.
+            self._check(f"after ledger.{name}", leases=self._depth == 0 and name == "step")
+            if name == "set_capacity":
+                self._note_cut()
+            return result
+
+        return call
+
+    def _counting_submit(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        def submit(action: Action, now: float) -> Any:
+            self.submitted += 1
+            self._holders[action] = _current_task()
+            return method(action, now)
+
+        return submit
+
+    def _recording_enter(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        async def enter(action: Action, wait_timeout: float | None) -> Lease:
+            return await method(action, wait_timeout)  # type: ignore[no-any-return]
+
+        return enter
+
+    def _checked_release(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        def release(lease: Lease, exc_type: type[BaseException] | None) -> None:
+            try:
+                method(lease, exc_type)
+            finally:
+                self.released += 1
+                entry = lease._entry
+                if entry in self.runtime._leases or entry.state == RUNNING:
+                    self._fail(
+                        f"lease of action #{entry.action.id} still registered after its "
+                        "`async with` exited"
+                    )
+
+        return release
+
+    # -- checks ------------------------------------------------------------------------
+
+    def _fail(self, message: str) -> None:
+        self.violations.append(message)
+        if self.raise_immediately:
+            raise InvariantViolation(message)
+
+    def _note_cut(self) -> None:
+        ledger = self.runtime._ledger
+        for kind, held in ledger.held.items():
+            total = ledger.totals[kind]
+            if held > total + _EPS:
+                # A cut below what is held: the excess may stay until it drains.
+                self._ceiling[kind] = min(self._ceiling.get(kind, math.inf), held)
+                self._ceiling[kind] = max(self._ceiling[kind], held)
+
+    def _check(self, where: str, *, leases: bool) -> None:
+        self.checks += 1
+        ledger = self.runtime._ledger
+        if not held_matches_grants(ledger):
+            self._fail(f"{where}: units held {dict(ledger.held)!r} != sum of live grants")
+        for kind, held in ledger.held.items():
+            if held < -_EPS:
+                self._fail(f"{where}: {kind!r} holds a negative {held:g} units")
+            total = ledger.totals[kind]
+            if held <= total + _EPS:
+                self._ceiling.pop(kind, None)
+                continue
+            ceiling = self._ceiling.get(kind)
+            if ceiling is None:
+                self._fail(f"{where}: {kind!r} holds {held:g} > capacity {total:g}")
+            elif held > ceiling + _EPS:
+                self._fail(
+                    f"{where}: {kind!r} grew to {held:g} above its cut capacity {total:g} "
+                    f"(it held {ceiling:g} when cut)"
+                )
+            else:
+                self._ceiling[kind] = held
+        registry = self.runtime._leases
+        for entry in ledger.running:
+            if entry.state != RUNNING:
+                self._fail(f"{where}: running action #{entry.action.id} in state {entry.state}")
+            elastic = entry.action.demand.elastic
+            if elastic is not None and not elastic.min <= entry.units <= elastic.max:
+                self._fail(
+                    f"{where}: action #{entry.action.id} granted {entry.units} units outside "
+                    f"[{elastic.min}, {elastic.max}]"
+                )
+            if leases and entry not in registry:
+                self._fail(f"{where}: running action #{entry.action.id} has no lease")
+        if not leases:
+            return
+        for entry in registry:
+            if entry.state not in (WAITING, RUNNING):
+                self._fail(
+                    f"{where}: lease of action #{entry.action.id} registered in state "
+                    f"{entry.state}"
+                )
+            holder = self._holders.get(entry.action)
+            if holder is not None and _task_finished(holder):
+                self._fail(
+                    f"{where}: lease of action #{entry.action.id} outlived the task "
+                    f"{holder!r} that acquired it"
+                )
+
+    def check(self) -> None:
+        """Run every check now (the registry included) and :meth:`verify`."""
+        self._check("on demand", leases=True)
+        self.verify()
+
+    def verify(self) -> None:
+        """Raise :class:`InvariantViolation` for the first violation seen, if any."""
+        if self.violations:
+            more = len(self.violations) - 1
+            tail = f" (and {more} more)" if more else ""
+            raise InvariantViolation(self.violations[0] + tail)
+
+    def accounted(self) -> int:
+        """Actions that ended as completed, failed or cancelled, per the runtime's stats."""
+        kinds = self.runtime.stats().kinds.values()
+        return sum(k.completed + k.failed + k.cancelled for k in kinds)
+
+
+_MISSING = object()
+
+
+def check_idle(runtime: Runtime) -> None:
+    """Raise :class:`InvariantViolation` unless ``runtime`` holds, queues and leases nothing.
+
+    Rate kinds are budgets, not holdings, and are not checked.
+    """
+    ledger = runtime._ledger
+    problems: list[str] = []
+    for kind, held in ledger.held.items():
+        if abs(held) > _EPS:
+            problems.append(f"{kind!r} still holds {held:g} units")
+    if ledger.waiting_count:
+        problems.append(f"{ledger.waiting_count} actions still waiting")
+    if ledger.running:
+        problems.append(f"{len(ledger.running)} actions still running")
+    if runtime._leases:
+        problems.append(f"{len(runtime._leases)} leases still registered")
+    if not held_matches_grants(ledger):
+        problems.append("units held differ from the sum of live grants")
+    if problems:
+        raise InvariantViolation("runtime not idle: " + "; ".join(problems))
+
+
+# -- the pytest plugin ------------------------------------------------------------------
+
+RuntimeFactory = Callable[..., contextlib.AbstractAsyncContextManager[Runtime]]
+
+
+@contextlib.asynccontextmanager
+async def checked_runtime(
+    capacity: Mapping[str, object], **kwargs: Any
+) -> AsyncIterator[Runtime]:
+    """``async with checked_runtime(capacity) as rt:``: a running runtime under a checker.
+
+    At the end of the block (when it ended without an exception) the runtime must be idle
+    and no invariant may have been broken; the runtime is closed either way.
+    """
+    runtime = Runtime(capacity, **kwargs)
+    checker = InvariantChecker(runtime)
+    runtime.checker = checker  # type: ignore[attr-defined]
+    async with runtime:
+        yield runtime
+        check_idle(runtime)
+    checker.verify()
+
+
+try:
+    import pytest as _pytest
+except ImportError:  # pragma: no cover - the checker works without pytest
+    _pytest = None  # type: ignore[assignment]
+
+if _pytest is not None:
+
+    @_pytest.fixture
+    def tangram_runtime() -> RuntimeFactory:
+        """A factory of checked runtimes: ``async with tangram_runtime(capacity={...}) as rt``.
+
+        Keyword arguments go to :class:`tangram.Runtime`; ``rt.checker`` is its
+        :class:`InvariantChecker`. Needs an async test (anyio's or pytest-asyncio's).
+        """
+
+        def factory(
+            capacity: Mapping[str, object], **kwargs: Any
+        ) -> contextlib.AbstractAsyncContextManager[Runtime]:
+            return checked_runtime(capacity, **kwargs)
+
+        return factory
+
+    @_pytest.fixture
+    def tangram_invariants() -> types.SimpleNamespace:
+        """``tangram_invariants.attach(runtime)``: check any runtime; verified at teardown."""
+        checkers: list[InvariantChecker] = []
+
+        def attach(runtime: Runtime) -> InvariantChecker:
+            checker = InvariantChecker(runtime)
+            checkers.append(checker)
+            return checker
+
+        namespace = types.SimpleNamespace(attach=attach, checkers=checkers)
+        return namespace
