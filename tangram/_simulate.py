@@ -48,8 +48,10 @@ def _step_efficiency(
 class Step:
     """One action of a simulated trajectory, issued ``gap`` seconds after the previous ends.
 
-    :raises TypeError, ValueError: a time that is not a finite number >= 0, or an
-        efficiency without ``speedup``. The demand is checked when :func:`simulate` starts.
+    The demand is checked when :func:`simulate` starts.
+
+    :raises TypeError: a time that is not a number, or an efficiency without ``speedup``.
+    :raises ValueError: a time that is not finite and >= 0.
     """
 
     demand: Mapping[str, object]

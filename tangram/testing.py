@@ -23,11 +23,9 @@ pytest is imported only if it is installed: the checker works without it.
 from __future__ import annotations
 
 import contextlib
-import math
 import sys
-import types
 import weakref
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ._ledger import held_matches_grants
@@ -37,10 +35,18 @@ from ._runtime import Runtime
 if TYPE_CHECKING:
     from ._action import Action
     from ._lease import Lease
+    from ._policy import Entry
 
-__all__ = ["InvariantChecker", "InvariantViolation", "check_idle"]
+__all__ = [
+    "InvariantChecker",
+    "InvariantViolation",
+    "check_idle",
+    "checked_runtime",
+    "checker_of",
+]
 
 _EPS = 1e-6
+_FULL_SCAN_EVERY = 64
 
 
 class InvariantViolation(AssertionError):
@@ -67,15 +73,18 @@ def _current_task() -> object | None:
     asyncio = sys.modules.get("asyncio")
     if asyncio is not None:
         try:
-            return asyncio.current_task()
+            task: object = asyncio.current_task()
         except RuntimeError:
             pass
+        else:
+            return task
     trio = sys.modules.get("trio")
     if trio is not None:
         try:
-            return trio.lowlevel.current_task()
+            trio_task: object = trio.lowlevel.current_task()
         except RuntimeError:
-            pass
+            return None
+        return trio_task
     return None
 
 
@@ -112,14 +121,14 @@ class InvariantChecker:
         self.submitted = 0
         self.released = 0
         self._depth = 0
+        self._decisions = 0
         self._ceiling: dict[str, float] = {}
-        self._holders: weakref.WeakKeyDictionary[Action, object] = weakref.WeakKeyDictionary()
+        self._holders: dict[Entry, object] = {}
         self._patched: dict[tuple[object, str], object] = {}
         ledger = runtime._ledger
         for name in ("step", "finish", "withdraw", "set_capacity"):
             self._wrap(ledger, name, self._checked(name, getattr(ledger, name)))
         self._wrap(ledger, "submit", self._counting_submit(ledger.submit))
-        self._wrap(runtime, "_enter", self._recording_enter(runtime._enter))
         self._wrap(runtime, "_release", self._checked_release(runtime._release))
 
     def __repr__(self) -> str:
@@ -151,28 +160,26 @@ class InvariantChecker:
                 result = method(*args, **kwargs)
             finally:
                 self._depth -= 1
-            # A capacity change withdraws the entries that can no longer fit before the
-            # runtime fails their leases: check the registry only on the outer call.
-            self._check(f"after ledger.{name}", leases=self._depth == 0 and name == "step")
-            if name == "set_capacity":
+            if name in ("finish", "withdraw"):
+                self._holders.pop(args[0], None)
+            elif name == "set_capacity":
                 self._note_cut()
+            # A capacity change withdraws the entries that can no longer fit before the
+            # runtime fails their leases, and a release drops the lease before the units:
+            # the lease registry is checked at decisions only, when both are settled.
+            self._check(f"after ledger.{name}", leases=self._depth == 0 and name == "step")
             return result
 
         return call
 
     def _counting_submit(self, method: Callable[..., Any]) -> Callable[..., Any]:
-        def submit(action: Action, now: float) -> Any:
+        def submit(action: Action, now: float) -> Entry:
             self.submitted += 1
-            self._holders[action] = _current_task()
-            return method(action, now)
+            entry: Entry = method(action, now)
+            self._holders[entry] = _current_task()
+            return entry
 
         return submit
-
-    def _recording_enter(self, method: Callable[..., Any]) -> Callable[..., Any]:
-        async def enter(action: Action, wait_timeout: float | None) -> Lease:
-            return await method(action, wait_timeout)  # type: ignore[no-any-return]
-
-        return enter
 
     def _checked_release(self, method: Callable[..., Any]) -> Callable[..., Any]:
         def release(lease: Lease, exc_type: type[BaseException] | None) -> None:
@@ -201,9 +208,9 @@ class InvariantChecker:
         for kind, held in ledger.held.items():
             total = ledger.totals[kind]
             if held > total + _EPS:
-                # A cut below what is held: the excess may stay until it drains.
-                self._ceiling[kind] = min(self._ceiling.get(kind, math.inf), held)
-                self._ceiling[kind] = max(self._ceiling[kind], held)
+                # A cut below what is held: the excess may stay until it drains, and
+                # only shrink meanwhile (held never changes inside a capacity change).
+                self._ceiling[kind] = held
 
     def _check(self, where: str, *, leases: bool) -> None:
         self.checks += 1
@@ -227,6 +234,9 @@ class InvariantChecker:
                 )
             else:
                 self._ceiling[kind] = held
+        for kind, level in ledger.tokens.items():
+            if level < -_EPS:
+                self._fail(f"{where}: rate {kind!r} budget overdrawn to {level:g}")
         registry = self.runtime._leases
         for entry in ledger.running:
             if entry.state != RUNNING:
@@ -241,13 +251,19 @@ class InvariantChecker:
                 self._fail(f"{where}: running action #{entry.action.id} has no lease")
         if not leases:
             return
-        for entry in registry:
+        self._decisions += 1
+        # The registry holds the queue too: walk all of it every few decisions only, so a
+        # check stays O(running) and a long queue does not make every decision O(queue).
+        if self._decisions % _FULL_SCAN_EVERY and len(registry) > len(ledger.running):
+            scan: Iterable[Entry] = ledger.running
+        else:
+            scan = registry
+        for entry in scan:
             if entry.state not in (WAITING, RUNNING):
                 self._fail(
-                    f"{where}: lease of action #{entry.action.id} registered in state "
-                    f"{entry.state}"
+                    f"{where}: lease of action #{entry.action.id} registered in state {entry.state}"
                 )
-            holder = self._holders.get(entry.action)
+            holder = self._holders.get(entry)
             if holder is not None and _task_finished(holder):
                 self._fail(
                     f"{where}: lease of action #{entry.action.id} outlived the task "
@@ -273,6 +289,15 @@ class InvariantChecker:
 
 
 _MISSING = object()
+_CHECKERS: weakref.WeakKeyDictionary[Runtime, InvariantChecker] = weakref.WeakKeyDictionary()
+
+
+def checker_of(runtime: Runtime) -> InvariantChecker:
+    """The checker :func:`checked_runtime` (the ``tangram_runtime`` fixture) attached."""
+    try:
+        return _CHECKERS[runtime]
+    except KeyError:
+        raise LookupError(f"no InvariantChecker attached to {runtime!r}") from None
 
 
 def check_idle(runtime: Runtime) -> None:
@@ -303,9 +328,7 @@ RuntimeFactory = Callable[..., contextlib.AbstractAsyncContextManager[Runtime]]
 
 
 @contextlib.asynccontextmanager
-async def checked_runtime(
-    capacity: Mapping[str, object], **kwargs: Any
-) -> AsyncIterator[Runtime]:
+async def checked_runtime(capacity: Mapping[str, object], **kwargs: Any) -> AsyncIterator[Runtime]:
     """``async with checked_runtime(capacity) as rt:``: a running runtime under a checker.
 
     At the end of the block (when it ended without an exception) the runtime must be idle
@@ -313,7 +336,7 @@ async def checked_runtime(
     """
     runtime = Runtime(capacity, **kwargs)
     checker = InvariantChecker(runtime)
-    runtime.checker = checker  # type: ignore[attr-defined]
+    _CHECKERS[runtime] = checker
     async with runtime:
         yield runtime
         check_idle(runtime)
@@ -331,7 +354,7 @@ if _pytest is not None:
     def tangram_runtime() -> RuntimeFactory:
         """A factory of checked runtimes: ``async with tangram_runtime(capacity={...}) as rt``.
 
-        Keyword arguments go to :class:`tangram.Runtime`; ``rt.checker`` is its
+        Keyword arguments go to :class:`tangram.Runtime`; :func:`checker_of` finds its
         :class:`InvariantChecker`. Needs an async test (anyio's or pytest-asyncio's).
         """
 
@@ -343,8 +366,8 @@ if _pytest is not None:
         return factory
 
     @_pytest.fixture
-    def tangram_invariants() -> types.SimpleNamespace:
-        """``tangram_invariants.attach(runtime)``: check any runtime; verified at teardown."""
+    def tangram_invariants() -> Iterator[Callable[[Runtime], InvariantChecker]]:
+        """``tangram_invariants(runtime)`` attaches a checker; all are verified at teardown."""
         checkers: list[InvariantChecker] = []
 
         def attach(runtime: Runtime) -> InvariantChecker:
@@ -352,5 +375,6 @@ if _pytest is not None:
             checkers.append(checker)
             return checker
 
-        namespace = types.SimpleNamespace(attach=attach, checkers=checkers)
-        return namespace
+        yield attach
+        for checker in checkers:
+            checker.verify()
