@@ -50,6 +50,9 @@ from ._stats import Outcome as Outcome
 from ._stats import ResourceStats as ResourceStats
 from ._stats import Stats as Stats
 from ._stats import Summary as Summary
+from ._trace import Trace as Trace
+from ._trace import TraceAction as TraceAction
+from ._trace import read_trace as read_trace
 
 __version__ = "0.1.0"
 
@@ -92,9 +95,12 @@ __all__ = [
     "Step",
     "Summary",
     "Table",
+    "Trace",
+    "TraceAction",
     "acquire",
     "current_runtime",
     "errors",
+    "read_trace",
     "simulate",
 ]
 

@@ -211,7 +211,7 @@ class Ledger:
         if elapsed > 0:
             for kind, held in self.held.items():
                 self.unit_seconds[kind] += held * elapsed
-        self._accounted_at = max(self._accounted_at, now)
+            self._accounted_at = now
 
     def _admit(self, entry: Entry, units: int, now: float) -> None:
         demand = entry.action.demand

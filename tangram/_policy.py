@@ -333,7 +333,8 @@ class ElasticPolicy:
         self._distribute(state, scan, newcomers, head, plan)
         # Shrinks first: whoever applies the plan in order (the ledger, executors changing
         # cgroup quotas) never holds more than the capacity on the way.
-        plan.resizes.sort(key=lambda item: item[1] - item[0].units)
+        if len(plan.resizes) > 1:
+            plan.resizes.sort(key=_growth)
         return plan
 
     def _distribute(
@@ -403,6 +404,10 @@ class ElasticPolicy:
                         plan.resizes.append((entry, target))
                 else:
                     plan.admits.append((entry, target))
+
+
+def _growth(item: tuple[Entry, int]) -> int:
+    return item[1] - item[0].units
 
 
 def _bounds(entry: Entry) -> tuple[int, int]:

@@ -111,6 +111,7 @@ class Runtime:
         self._new_event: Callable[[], _Waitable] = anyio.Event
         self._cancelled: type[BaseException] = BaseException
         self._deferred = False
+        self._epoch = 0  # bumped by set_capacity: demands built before may no longer fit
 
     def __repr__(self) -> str:
         totals = {name: res.total for name, res in self._capacity.items()}
@@ -298,7 +299,7 @@ class Runtime:
             self._demands[key] = cached
         return cached
 
-    async def _enter(self, action: Action, wait_timeout: float | None) -> Lease:
+    async def _enter(self, action: Action, wait_timeout: float | None, epoch: int) -> Lease:
         await anyio.lowlevel.checkpoint_if_cancelled()
         if self._state is not _State.RUNNING:
             raise RuntimeClosedError(f"the runtime is {self._state.value}, not running")
@@ -306,7 +307,9 @@ class Runtime:
         entry = self._ledger.submit(action, now)
         lease = Lease(self, entry, now)
         self._leases[entry] = lease
-        if not self._ledger.could_ever_fit(entry):
+        # Checked against the capacity when the demand was built; again only if the
+        # capacity changed since (a set_capacity between acquire() and entering).
+        if epoch != self._epoch and not self._ledger.could_ever_fit(entry):
             self._drop(lease, Outcome.CANCELLED)
             raise CapacityExceededError(
                 f"demand no longer fits the lowered capacity: {action.demand}"
@@ -426,6 +429,7 @@ class Runtime:
         updates = dict(capacity or {}, **amounts)
         self._capacity = self._capacity.with_updates(updates)
         self._demands.clear()
+        self._epoch += 1
         now = self._now() if self._state is _State.RUNNING else self._ledger.now
         impossible = self._ledger.set_capacity(self._capacity, now)
         for entry in impossible:
@@ -485,12 +489,13 @@ def _resource_stats(ledger: Ledger, name: str, res: Resource, now: float) -> Res
 class AcquireContext:
     """The async context manager ``acquire`` returns; enter it once."""
 
-    __slots__ = ("_action", "_lease", "_runtime", "_wait_timeout")
+    __slots__ = ("_action", "_epoch", "_lease", "_runtime", "_wait_timeout")
 
     def __init__(self, runtime: Runtime, action: Action, wait_timeout: float | None) -> None:
         self._runtime = runtime
         self._action = action
         self._wait_timeout = wait_timeout
+        self._epoch = runtime._epoch
         self._lease: Lease | None = None
 
     @property
@@ -500,7 +505,7 @@ class AcquireContext:
     async def __aenter__(self) -> Lease:
         if self._lease is not None:
             raise RuntimeError("an acquire context can be entered only once")
-        self._lease = await self._runtime._enter(self._action, self._wait_timeout)
+        self._lease = await self._runtime._enter(self._action, self._wait_timeout, self._epoch)
         return self._lease
 
     async def __aexit__(

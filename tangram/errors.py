@@ -13,6 +13,7 @@ already catch, so ``except ValueError`` around a bad demand keeps working::
     ├── RuntimeClosedError (RuntimeError)    your code used a runtime that is not running
     ├── NoCurrentRuntimeError (RuntimeError) ``tangram.acquire`` outside ``async with runtime``
     ├── QuotaDeadlineError (TimeoutError)    an API request cannot be sent before its deadline
+    ├── TraceFormatError (ValueError)        a malformed tangram-trace/1 line (``.line``)
     └── SandboxError                         a CPU sandbox could not run the action
         ├── SandboxBrokenError (RuntimeError)  it died (an outside cause, see ``__cause__``)
         └── SandboxClosedError (RuntimeError)  your code used it after it closed
@@ -35,6 +36,7 @@ __all__ = [
     "SandboxClosedError",
     "SandboxError",
     "TangramError",
+    "TraceFormatError",
     "UnknownResourceError",
     "WaitTimeoutError",
 ]
@@ -97,6 +99,21 @@ class QuotaDeadlineError(TangramError, TimeoutError):
     aside, or the provider's ``Retry-After`` reaches past it), not when the deadline
     passes. Nothing is held when it is raised.
     """
+
+
+class TraceFormatError(TangramError, ValueError):
+    """A trace line that is not valid tangram-trace/1; ``line`` is its 1-based number.
+
+    Line 0 stands for the whole file (an empty trace).
+    """
+
+    def __init__(self, reason: str, line: int = 0) -> None:
+        super().__init__(reason, line)
+        self.reason = reason
+        self.line = line
+
+    def __str__(self) -> str:
+        return f"line {self.line}: {self.reason}" if self.line else self.reason
 
 
 class SandboxError(TangramError):

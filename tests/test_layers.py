@@ -35,6 +35,7 @@ KNOWN: dict[str, str] = {
     "_runtime": "runtime",
     "_lease": "runtime",
     "_simulate": "runtime",
+    "_trace": "runtime",
     # The package facade re-exports the core (model to runtime) and nothing that needs an
     # extra; executors with optional dependencies have their own public modules.
     "__init__": "package",
