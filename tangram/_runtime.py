@@ -106,7 +106,7 @@ class Runtime:
         self._poke: anyio.Event | None = None
         self._task_group: anyio.abc.TaskGroup | None = None
         self._token: contextvars.Token[Runtime] | None = None
-        self._demands: dict[tuple[tuple[str, type, object], ...], Demand] = {}
+        self._demands: dict[tuple[tuple[str, object], ...], tuple[Demand, tuple[type, ...]]] = {}
         self._now: Callable[[], float] = anyio.current_time
         self._new_event: Callable[[], _Waitable] = anyio.Event
         self._cancelled: type[BaseException] = BaseException
@@ -284,20 +284,22 @@ class Runtime:
         return Action(self._ids, kind, trajectory, built, guess)
 
     def _demand(self, amounts: Mapping[str, object]) -> Demand:
-        # The key holds each amount's type: True == 1 and hash(True) == hash(1), so without
-        # it ``cpu=True`` would be served the demand cached for ``cpu=1`` and skip the check
-        # that rejects booleans.
+        # A hit must also match each amount's type: True == 1 and hash(True) == hash(1), so
+        # ``cpu=True`` would otherwise be served the demand cached for ``cpu=1`` and skip
+        # the check that rejects booleans.
         try:
-            key = tuple((name, type(value), value) for name, value in amounts.items())
-            cached = self._demands.get(key)
+            key = tuple(amounts.items())
+            hit = self._demands.get(key)
         except TypeError:  # an unhashable amount: validate without caching
             return build_demand(amounts, self._capacity)
-        if cached is None:
-            cached = build_demand(amounts, self._capacity)
-            if len(self._demands) >= _DEMAND_CACHE_SIZE:
-                self._demands.clear()
-            self._demands[key] = cached
-        return cached
+        types = tuple(map(type, amounts.values()))
+        if hit is not None and hit[1] == types:
+            return hit[0]
+        built = build_demand(amounts, self._capacity)
+        if len(self._demands) >= _DEMAND_CACHE_SIZE:
+            self._demands.clear()
+        self._demands[key] = (built, types)
+        return built
 
     async def _enter(self, action: Action, wait_timeout: float | None, epoch: int) -> Lease:
         await anyio.lowlevel.checkpoint_if_cancelled()
