@@ -82,6 +82,8 @@ class QuotaServer:
     :param limits: per-key quotas.
     :param latency: seconds each accepted request takes, unless it sends ``X-Delay``.
     :param failing: keys answered with ``500`` (change it while running to heal a key).
+    :param refuse_with: the status past a limit: ``429``, or ``503`` as providers that
+        shed load answer (both carry ``Retry-After``).
     """
 
     def __init__(
@@ -91,14 +93,18 @@ class QuotaServer:
         limits: Mapping[str, Limit] | None = None,
         latency: float = 0.0,
         failing: Collection[str] = (),
+        refuse_with: int = 429,
     ) -> None:
+        if refuse_with not in (429, 503):
+            raise ValueError(f"`refuse_with` must be 429 or 503 (got {refuse_with!r})")
+        self.refuse_with = refuse_with
         self.limit = limit if limit is not None else Limit()
         self.limits = dict(limits or {})
         self.latency = latency
         self.failing: set[str] = set(failing)
         #: ``(time, key, tokens)`` of every accepted request, in arrival order.
         self.accepted: list[tuple[float, str, int]] = []
-        #: ``(time, key)`` of every request answered 429.
+        #: ``(time, key)`` of every request refused past a limit (429 or 503).
         self.rejected: list[tuple[float, str]] = []
         #: ``(time, key)`` of every request answered 500 because its key was failing.
         self.failed: list[tuple[float, str]] = []
@@ -205,7 +211,7 @@ class QuotaServer:
         if wait > 0:
             self.rejected.append((now, key))
             retry = {"Retry-After": str(math.ceil(wait)), "retry-after-ms": f"{wait * 1000:.0f}"}
-            return 429, retry, b'{"error": "rate limited"}'
+            return self.refuse_with, retry, b'{"error": "rate limited"}'
         if state.requests is not None:
             state.requests.level -= 1.0
         if state.tokens is not None:
@@ -223,4 +229,9 @@ class QuotaServer:
         return 200, {}, body
 
 
-_REASONS = {200: "OK", 429: "Too Many Requests", 500: "Internal Server Error"}
+_REASONS = {
+    200: "OK",
+    429: "Too Many Requests",
+    500: "Internal Server Error",
+    503: "Service Unavailable",
+}

@@ -250,6 +250,22 @@ async def test_retry_after_is_honoured() -> None:
     assert quota.stats()["k"].limited == len(server.rejected)
 
 
+async def test_503_with_retry_after_is_retried_and_adapted_like_429() -> None:
+    # A provider that sheds load with 503 + Retry-After instead of 429: every request
+    # still completes, and the rate converges below the real limit as it does for 429.
+    quota = Quota([_key("k", requests=90)])
+    async with (
+        QuotaServer(Limit(requests=30, requests_burst=5), latency=0.005, refuse_with=503) as server,
+        AsyncExitStack() as stack,
+    ):
+        _, client = await _open(stack, server, quota, cpu=1)
+        codes = await _burst(client, 120)
+    assert codes == [200] * 120
+    assert server.rejected, "the configured rate is 3x the real one: some must be refused"
+    assert quota.stats()["k"].limited == len(server.rejected)
+    assert quota.stats()["k"].rate_share * 90 * 0.97 < 30
+
+
 async def test_cancelling_a_request_returns_its_slot() -> None:
     quota = Quota([_key("k", concurrency=1)])
     async with (
