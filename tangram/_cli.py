@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ._demo import ArmResult, DemoConfig, DemoResult, run_demo
+from ._report import add_commands as _add_simulate_commands
+from ._report import dispatch as _dispatch_simulate
 from .errors import TangramError
 
 __all__ = ["main"]
@@ -58,6 +60,7 @@ def _parser() -> argparse.ArgumentParser:
         help="multiply every modelled duration (smaller runs faster)",
     )
     demo.add_argument("--json", type=Path, help="also write the figures to this file")
+    _add_simulate_commands(commands)
     return parser
 
 
@@ -116,6 +119,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             figures = _report(run_demo(config))
             if args.json is not None:
                 args.json.write_text(json.dumps(figures, indent=2) + "\n")
+        else:
+            code = _dispatch_simulate(args)
+            if code is not None:
+                return code
     except TangramError as exc:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

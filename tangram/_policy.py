@@ -69,6 +69,8 @@ class Entry:
         "admitted_at",
         "arrival",
         "deadline",
+        "emax",
+        "emin",
         "mark",
         "rem",
         "seq",
@@ -87,6 +89,7 @@ class Entry:
         self.units = 0
         estimate = action.estimate
         elastic = action.demand.elastic
+        self.emin, self.emax = (elastic.min, elastic.max) if elastic is not None else (0, 0)
         self.t1 = estimate.seconds_at_1
         efficiency = elastic.efficiency if elastic and elastic.efficiency else estimate.efficiency
         self.speedup: Callable[[float], float] = efficiency.speedup
@@ -427,33 +430,80 @@ def _min_units(entry: Entry) -> float:
 
 
 def _allocate(members: list[Entry], units: int, now: float) -> list[int]:
-    """Split ``units`` among ``members``: each its minimum, the rest by marginal gain."""
-    alloc = [_bounds(e)[0] for e in members]
-    spare = units - sum(alloc)
-    if spare <= 0 or not members:
+    """Split ``units`` among ``members``, each within its [min, max], by marginal gain.
+
+    Starts from what each member holds now (a newcomer from its minimum), adds or takes
+    back the difference one unit at a time where it gains most or costs least, then moves
+    single units from the member that loses least to the one that gains most while the gain
+    beats the loss by ``_STICKINESS``. With concave speedups no single move improving is
+    what optimality means, so this lands where a split from scratch would (up to the
+    hysteresis), but a pass costs O(n + changes x log n) instead of O(units x log n): on
+    thousands of cores the split from scratch handed out every unit again at each event.
+    """
+    n = len(members)
+    lows = [e.emin for e in members]
+    highs = [e.emax for e in members]
+    alloc = [min(max(e.units, e.emin), e.emax) if e.state == RUNNING else e.emin for e in members]
+    if n == 0:
         return alloc
     rems = [e.remaining(now) for e in members]
-    caps = [_bounds(e)[1] for e in members]
-    currents = [e.units if e.state == RUNNING else 0 for e in members]
-    heap: list[tuple[float, int]] = []
-    for i, entry in enumerate(members):
-        if alloc[i] < caps[i]:
-            heap.append((-_gain(entry, rems[i], alloc[i], currents[i]), i))
-    heapq.heapify(heap)
-    while spare > 0 and heap:
-        gain, i = heapq.heappop(heap)
-        if -gain <= _EPS:
-            break
+    speedups = [e.speedup for e in members]
+
+    def gain(i: int, m: int) -> float:  # completion time saved by unit m + 1
+        s = speedups[i]
+        return rems[i] * (1.0 / s(m) - 1.0 / s(m + 1))
+
+    spare = units - sum(alloc)
+    if spare < 0:
+        shrink = [(gain(i, alloc[i] - 1), i) for i in range(n) if alloc[i] > lows[i]]
+        heapq.heapify(shrink)
+        while spare < 0 and shrink:
+            _, i = heapq.heappop(shrink)
+            alloc[i] -= 1
+            spare += 1
+            if alloc[i] > lows[i]:
+                heapq.heappush(shrink, (gain(i, alloc[i] - 1), i))
+        if spare < 0:  # over capacity even at every minimum: nothing to rebalance
+            return alloc
+    # Heap entries carry the allocation they were computed at; an entry whose member has
+    # moved since is stale and skipped, so one heap serves handing out and rebalancing.
+    give = [(-gain(i, alloc[i]), i, alloc[i]) for i in range(n) if alloc[i] < highs[i]]
+    heapq.heapify(give)
+    while spare > 0 and give:
+        best, i, at = heapq.heappop(give)
+        if at != alloc[i]:
+            continue
+        if -best <= _EPS:
+            return alloc
         alloc[i] += 1
         spare -= 1
-        if alloc[i] < caps[i]:
-            heapq.heappush(heap, (-_gain(members[i], rems[i], alloc[i], currents[i]), i))
+        if alloc[i] < highs[i]:
+            heapq.heappush(give, (-gain(i, alloc[i]), i, alloc[i]))
+    if n < 2 or not give:
+        return alloc
+    take = [(gain(i, alloc[i] - 1), i, alloc[i]) for i in range(n) if alloc[i] > lows[i]]
+    heapq.heapify(take)
+    for _ in range(units):
+        while give and give[0][2] != alloc[give[0][1]]:
+            heapq.heappop(give)
+        while take and take[0][2] != alloc[take[0][1]]:
+            heapq.heappop(take)
+        if not give or not take:
+            break
+        best, to, _ = give[0]
+        least, frm, _ = take[0]
+        if to == frm or -best <= least * _STICKINESS + _EPS:
+            break
+        heapq.heappop(give)
+        heapq.heappop(take)
+        alloc[to] += 1
+        alloc[frm] -= 1
+        for i in (to, frm):
+            if alloc[i] < highs[i]:
+                heapq.heappush(give, (-gain(i, alloc[i]), i, alloc[i]))
+            if alloc[i] > lows[i]:
+                heapq.heappush(take, (gain(i, alloc[i] - 1), i, alloc[i]))
     return alloc
-
-
-def _gain(entry: Entry, rem: float, units: int, current: int) -> float:
-    gain = rem / entry.speedup(units) - rem / entry.speedup(units + 1)
-    return gain * _STICKINESS if units < current else gain
 
 
 def _total_act(

@@ -36,11 +36,14 @@ KNOWN: dict[str, str] = {
     "_lease": "runtime",
     "_simulate": "runtime",
     "_trace": "runtime",
+    "_generate": "runtime",
+    "_baselines": "runtime",
     # The package facade re-exports the core (model to runtime) and nothing that needs an
     # extra; executors with optional dependencies have their own public modules.
     "__init__": "package",
     "_cli": "edges",
     "_demo": "edges",
+    "_report": "edges",
 }
 
 # Modules added by later work land in a layer by name; anything else must be listed above.
@@ -57,6 +60,7 @@ PREFIXES: list[tuple[str, str]] = [
     ("_nvml", "executors"),
     ("_docker", "executors"),
     ("_gpu", "executors"),
+    ("gpu", "executors"),
     ("_cpu", "executors"),
     ("_api", "executors"),
     ("_cli", "edges"),

@@ -1,0 +1,263 @@
+"""Synthetic tangram-trace/1 workloads shaped after the paper's three evaluations.
+
+No rollout traces were published with the paper, so the simulator and the baselines need
+workloads whose *shape* matches what it reports: a coding sandbox busy about 47% of a
+trajectory's life with elastic builds and tests, a search agent whose calls hit a rate- and
+concurrency-limited API and end in a GPU judge, and on-policy distillation against nine
+teachers of skewed popularity. Every number below is a documented guess anchored on a
+figure of PAPER.md (see docs/simulate.md, "Distributions"); the traces are for comparing
+policies on the same input, not for predicting a real cluster.
+
+Output is deterministic: one :class:`random.Random` seeded by the caller, draws in a fixed
+order, floats rounded, keys in a fixed order, so a seed gives byte-identical files.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
+
+import attrs
+
+from ._trace import FORMAT
+
+__all__ = ["WORKLOADS", "GenerateConfig", "generate", "generate_lines"]
+
+Workload = Literal["coding", "deepsearch", "mopd"]
+WORKLOADS: tuple[Workload, ...] = ("coding", "deepsearch", "mopd")
+
+# Pareto shape of --pareto-burst sizes: below 2 the variance is infinite, which is the
+# point (a few huge actions behind which FCFS stalls); above 1 the mean stays finite.
+PARETO_ALPHA = 1.5
+
+
+def _workload(instance: object, attribute: attrs.Attribute[str], value: str) -> None:
+    if value not in WORKLOADS:
+        raise ValueError(f"`workload` must be one of {', '.join(WORKLOADS)} (got {value!r})")
+
+
+def _at_least_one(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"`{attribute.name}` must be a whole number >= 1 (got {value!r})")
+
+
+@attrs.frozen(kw_only=True)
+class GenerateConfig:
+    """What to generate. ``turns`` is actions per trajectory (coding) or search calls
+    (deepsearch) or scoring chunks (mopd); ``None`` takes the workload's default.
+
+    :raises ValueError: an unknown workload, or a batch or turn count below 1.
+    """
+
+    workload: str = attrs.field(validator=_workload)
+    batch: int = attrs.field(validator=_at_least_one)
+    seed: int = 0
+    turns: int | None = attrs.field(
+        default=None,
+        validator=attrs.validators.optional(_at_least_one),
+    )
+    pareto_burst: bool = False
+
+
+def _r(value: float) -> float:
+    # Four decimals (0.1 ms) keep files small and the text independent of float repr
+    # subtleties; no duration in these workloads is shorter than a few milliseconds.
+    return round(value, 4)
+
+
+class _Sizes:
+    """Heavy-tailed action durations: lognormal by default, Pareto under --pareto-burst.
+
+    The Pareto draw keeps the lognormal's median, so the two variants differ in the tail
+    only (Pareto median = xm * 2^(1/alpha)).
+    """
+
+    def __init__(self, rng: random.Random, pareto: bool) -> None:
+        self.rng = rng
+        self.pareto = pareto
+
+    def __call__(self, median: float, sigma: float) -> float:
+        if self.pareto:
+            xm = median / 2 ** (1 / PARETO_ALPHA)
+            return xm * self.rng.paretovariate(PARETO_ALPHA)
+        return median * math.exp(sigma * self.rng.gauss(0.0, 1.0))
+
+
+def _gap(rng: random.Random, median: float, sigma: float = 0.6) -> float:
+    """LLM generation time between actions: lognormal, as decode lengths are."""
+    return median * math.exp(sigma * rng.gauss(0.0, 1.0))
+
+
+def _name(config: GenerateConfig) -> str:
+    suffix = "-pareto-burst" if config.pareto_burst else ""
+    return f"{config.workload}-{config.batch}{suffix}"
+
+
+def _coding(config: GenerateConfig, rng: random.Random) -> tuple[dict[str, Any], Iterator[Any]]:
+    # One core per trajectory by default: the per-trajectory sandbox frameworks reserve.
+    header: dict[str, Any] = {"capacity": {"cpu": config.batch}}
+    turns = config.turns or 20
+    size = _Sizes(rng, config.pareto_burst)
+
+    def lines() -> Iterator[dict[str, Any]]:
+        for t in range(config.batch):
+            for index in range(turns):
+                # First gap: the prompt's first generation; the burst variant issues every
+                # trajectory's first action at once.
+                if index == 0:
+                    gap = 0.0 if config.pareto_burst else _gap(rng, 6.0)
+                else:
+                    gap = _gap(rng, 3.7)
+                draw = rng.random()
+                line: dict[str, Any] = {"trajectory": f"t{t:05d}", "index": index, "gap": _r(gap)}
+                if draw < 0.5:
+                    # Shell commands (ls, cat, grep, edits): rigid, one core, sub-second.
+                    line.update(kind="shell", resource="cpu", units=1)
+                    line["seconds"] = _r(size(0.4, 0.8))
+                elif draw < 0.85:
+                    line.update(kind="run_tests", resource="cpu", min=1, max=16)
+                    line["seconds_at_1"] = _r(size(4.0, 1.0))
+                    fraction = 0.85 + 0.12 * rng.random()
+                    line["efficiency"] = {"model": "amdahl", "parallel_fraction": _r(fraction)}
+                else:
+                    line.update(kind="build", resource="cpu", min=1, max=16)
+                    line["seconds_at_1"] = _r(size(8.0, 0.8))
+                    fraction = 0.9 + 0.08 * rng.random()
+                    line["efficiency"] = {"model": "amdahl", "parallel_fraction": _r(fraction)}
+                line["mem_gib"] = 2
+                yield line
+
+    return header, lines()
+
+
+def _deepsearch(config: GenerateConfig, rng: random.Random) -> tuple[dict[str, Any], Iterator[Any]]:
+    batch = config.batch
+    header: dict[str, Any] = {
+        "capacity": {
+            # A search provider's quota: requests per second and open connections. A
+            # quarter of the batch per second keeps the API the bottleneck it is in the
+            # paper's DeepSearch runs, without making it the only thing that matters.
+            "search_api": max(4, batch // 4),
+            "search_api_concurrency": max(8, batch // 2),
+            "gpu": max(1, batch // 128),
+        },
+        "services": {
+            "judge": {
+                "gpus": 1,
+                "gpu_mem_gib": 40,
+                "restore_seconds": 1.5,
+                "cold_start_seconds": 30,
+            }
+        },
+    }
+    mean_calls = config.turns or 6
+    size = _Sizes(rng, config.pareto_burst)
+
+    def lines() -> Iterator[dict[str, Any]]:
+        for t in range(batch):
+            # Search calls per trajectory: 1 + geometric, mean ``mean_calls``.
+            calls = 1
+            while calls < 4 * mean_calls and rng.random() > 1 / mean_calls:
+                calls += 1
+            name = f"t{t:05d}"
+            for index in range(calls):
+                first = index == 0
+                gap = 0.0 if first and config.pareto_burst else _gap(rng, 4.0 if first else 2.5)
+                yield {
+                    "trajectory": name,
+                    "index": index,
+                    "gap": _r(gap),
+                    "kind": "search",
+                    "resource": "search_api",
+                    "units": 1,
+                    "seconds": _r(size(1.2, 0.7)),
+                }
+            yield {
+                "trajectory": name,
+                "index": calls,
+                "gap": _r(_gap(rng, 5.0)),
+                "kind": "judge",
+                "resource": "gpu",
+                "units": 1,
+                "seconds": _r(size(0.6, 0.5)),
+                "service": "judge",
+            }
+
+    return header, lines()
+
+
+def _zipf(rng: random.Random, weights: list[float]) -> int:
+    return rng.choices(range(len(weights)), weights=weights)[0]
+
+
+def _mopd(config: GenerateConfig, rng: random.Random) -> tuple[dict[str, Any], Iterator[Any]]:
+    teachers = 9
+    # Zipf, s = 1.1: the most popular teacher gets ~36% of the trajectories, the least ~4%.
+    weights = [1 / (rank + 1) ** 1.1 for rank in range(teachers)]
+    # Two teachers are large (2 GPUs a replica), the rest fit one GPU.
+    gpus = [2 if rank in (0, 4) else 1 for rank in range(teachers)]
+    services = {
+        f"teacher{rank}": {
+            "gpus": gpus[rank],
+            "gpu_mem_gib": 70 * gpus[rank],
+            "restore_seconds": 2.0 * gpus[rank],
+            "cold_start_seconds": 40,
+        }
+        for rank in range(teachers)
+    }
+    # The paper's baseline gives each teacher 4 GPUs (36); tangram served at ~10.
+    header: dict[str, Any] = {"capacity": {"gpu": 16}, "services": services}
+    chunks = config.turns or 3
+    size = _Sizes(rng, config.pareto_burst)
+
+    def lines() -> Iterator[dict[str, Any]]:
+        for t in range(config.batch):
+            teacher = _zipf(rng, weights)
+            name = f"t{t:05d}"
+            for index in range(chunks):
+                first = index == 0
+                gap = 0.0 if first and config.pareto_burst else _gap(rng, 20.0 if first else 6.0)
+                yield {
+                    "trajectory": name,
+                    "index": index,
+                    "gap": _r(gap),
+                    "kind": f"teacher{teacher}",
+                    "resource": "gpu",
+                    "units": gpus[teacher],
+                    "seconds": _r(size(0.6, 0.5)),
+                    "service": f"teacher{teacher}",
+                }
+
+    return header, lines()
+
+
+_BUILDERS: dict[
+    str, Callable[[GenerateConfig, random.Random], tuple[dict[str, Any], Iterator[Any]]]
+] = {"coding": _coding, "deepsearch": _deepsearch, "mopd": _mopd}
+
+
+def generate_lines(config: GenerateConfig) -> Iterator[str]:
+    """The trace as lines of text (each ending in a newline), header first."""
+    rng = random.Random(config.seed)
+    body, actions = _BUILDERS[config.workload](config, rng)
+    header = {"format": FORMAT, "name": _name(config), **body}
+    generator = {
+        "workload": config.workload,
+        "batch": config.batch,
+        "seed": config.seed,
+        "pareto_burst": config.pareto_burst,
+    }
+    if config.turns is not None:
+        generator["turns"] = config.turns
+    header["generator"] = generator
+    yield json.dumps(header, sort_keys=True) + "\n"
+    for line in actions:
+        yield json.dumps(line, separators=(", ", ": ")) + "\n"
+
+
+def generate(config: GenerateConfig) -> str:
+    """The whole trace as one string; same config, same bytes."""
+    return "".join(generate_lines(config))

@@ -1,0 +1,102 @@
+"""Synthetic traces: they read back, keep their documented shape, and repeat byte for byte."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import tangram
+from tangram._cli import main
+from tangram._generate import WORKLOADS, GenerateConfig, generate
+
+
+@pytest.mark.parametrize("workload", WORKLOADS)
+@pytest.mark.parametrize("burst", [False, True])
+def test_generated_traces_read_back(workload: str, burst: bool) -> None:
+    config = GenerateConfig(workload=workload, batch=24, seed=5, pareto_burst=burst)
+    trace = tangram.read_trace(generate(config).splitlines())
+    assert len(trace.trajectories) == 24
+    assert trace.name == f"{workload}-24" + ("-pareto-burst" if burst else "")
+    assert tangram.simulate(trace.workload(), trace.runtime_capacity()).records
+    if burst:
+        assert all(actions[0].gap == 0 for actions in trace.trajectories.values())
+
+
+@pytest.mark.parametrize("workload", WORKLOADS)
+def test_same_seed_same_bytes(workload: str) -> None:
+    first = generate(GenerateConfig(workload=workload, batch=16, seed=11))
+    assert first == generate(GenerateConfig(workload=workload, batch=16, seed=11))
+    assert first != generate(GenerateConfig(workload=workload, batch=16, seed=12))
+
+
+def test_coding_shape_matches_the_paper() -> None:
+    # PAPER.md: the environment is busy ~47% of a coding trajectory's life.
+    trace = tangram.read_trace(
+        generate(GenerateConfig(workload="coding", batch=200, seed=0)).splitlines()
+    )
+    busy = sum(a.seconds_at_1 for acts in trace.trajectories.values() for a in acts)
+    gaps = sum(a.gap for acts in trace.trajectories.values() for a in acts)
+    assert 0.4 < busy / (busy + gaps) < 0.56
+    assert trace.capacity == {"cpu": 200}
+    assert all(len(actions) == 20 for actions in trace.trajectories.values())
+    kinds = {a.kind for acts in trace.trajectories.values() for a in acts}
+    assert kinds == {"shell", "run_tests", "build"}
+
+
+def test_deepsearch_and_mopd_shapes() -> None:
+    search = tangram.read_trace(
+        generate(GenerateConfig(workload="deepsearch", batch=32, seed=0)).splitlines()
+    )
+    assert "search_api_concurrency" in search.capacity
+    for actions in search.trajectories.values():
+        assert [a.kind for a in actions][-1] == "judge"
+        assert actions[-1].service == "judge"
+        assert {a.resource for a in actions[:-1]} == {"search_api"}
+    mopd = tangram.read_trace(
+        generate(GenerateConfig(workload="mopd", batch=300, seed=0)).splitlines()
+    )
+    assert len(mopd.services) == 9
+    counts: dict[str, int] = {}
+    for actions in mopd.trajectories.values():
+        counts[actions[0].service or ""] = counts.get(actions[0].service or "", 0) + 1
+    # Zipf popularity: the first teacher is the most used, by a wide margin.
+    assert counts["teacher0"] > 3 * counts.get("teacher8", 0)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"workload": "chess", "batch": 4},
+        {"workload": "coding", "batch": 0},
+        {"workload": "coding", "batch": 4, "turns": 0},
+    ],
+)
+def test_bad_config_is_rejected(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        GenerateConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_cli_writes_the_same_bytes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "t.jsonl"
+    argv = ["trace", "generate", "--workload", "mopd", "--batch", "8", "--seed", "3"]
+    assert main([*argv, "--out", str(out)]) == 0
+    expected = generate(GenerateConfig(workload="mopd", batch=8, seed=3))
+    assert out.read_bytes() == expected.encode()
+    assert main(argv) == 0
+    assert capsys.readouterr().out == expected
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["trace", "generate", "--workload", "chess", "--batch", "4"],
+        ["trace", "generate", "--workload", "coding", "--batch", "0"],
+        ["trace", "generate", "--workload", "coding"],
+        ["trace"],
+    ],
+)
+def test_cli_bad_args_exit_2(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2

@@ -1,0 +1,146 @@
+"""``tangram simulate`` in-process: the table, the JSON of TRACES.md, plots and errors."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tangram._cli import main
+from tangram._generate import GenerateConfig, generate
+
+KEYS = {
+    "avg_act",
+    "p50_act",
+    "p95_act",
+    "p99_act",
+    "avg_queue",
+    "avg_exec",
+    "avg_overhead",
+    "step_seconds",
+    "unit_seconds",
+    "peak_units",
+    "actions",
+}
+
+
+@pytest.fixture
+def trace(tmp_path: Path) -> Path:
+    path = tmp_path / "coding.jsonl"
+    path.write_text(generate(GenerateConfig(workload="coding", batch=16, seed=4, turns=5)))
+    return path
+
+
+def test_json_has_the_documented_keys(
+    trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "r.json"
+    argv = ["simulate", "--trace", str(trace), "--json", str(out)]
+    assert main([*argv, "--policy", "tangram,static,fixed-dop-4,bound"]) == 0
+    printed = capsys.readouterr().out
+    for name in ("tangram", "static", "fixed-dop-4", "bound", "avg ACT"):
+        assert name in printed
+    document = json.loads(out.read_text())
+    assert document["trace"] == "coding-16"
+    assert set(document["policies"]) == {"tangram", "static", "fixed-dop-4", "bound"}
+    for summary in document["policies"].values():
+        assert set(summary) == KEYS
+        assert summary["actions"] == 80
+        assert set(summary["unit_seconds"]) == {"cpu"}
+    assert document["policies"]["bound"]["avg_act"] <= document["policies"]["tangram"]["avg_act"]
+
+
+def test_same_trace_same_bytes(trace: Path, tmp_path: Path) -> None:
+    outs = [tmp_path / "a.json", tmp_path / "b.json"]
+    for out in outs:
+        assert main(["simulate", "--trace", str(trace), "--json", str(out)]) == 0
+    assert outs[0].read_bytes() == outs[1].read_bytes()
+
+
+def test_capacity_and_static_units_change_the_run(trace: Path, tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    argv = ["simulate", "--trace", str(trace), "--policy", "static", "--json", str(out)]
+    assert main([*argv, "--capacity", "cpu=4", "--static-units", "1"]) == 0
+    squeezed = json.loads(out.read_text())["policies"]["static"]
+    assert squeezed["peak_units"] == {"cpu": 4}
+    assert squeezed["avg_queue"] > 0
+
+
+def test_plot_is_a_png(trace: Path, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "acts.png"
+    assert main(["simulate", "--trace", str(trace), "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sweep_writes_ratios_and_a_png(trace: Path, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    png, out = tmp_path / "sweep.png", tmp_path / "sweep.json"
+    argv = ["simulate", "--trace", str(trace), "--policy", "tangram,static"]
+    argv += ["--sweep", "capacity.cpu=8,16", "--plot", str(png), "--json", str(out)]
+    assert main(argv) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    sweep = json.loads(out.read_text())["sweep"]
+    assert sweep["parameter"] == "capacity.cpu"
+    assert sweep["values"] == [8, 16]
+    assert sweep["reference"] == "tangram"
+    assert len(sweep["avg_act_ratio"]["static"]) == 2
+    assert set(sweep["points"][0]["policies"]["static"]) == KEYS
+
+
+def test_missing_matplotlib_says_how_to_install(
+    trace: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    png = tmp_path / "acts.png"
+    assert main(["simulate", "--trace", str(trace), "--plot", str(png)]) == 1
+    assert "pip install 'tangram[plot]'" in capsys.readouterr().err
+    assert not png.exists()
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--policy", "k9s"],
+        ["--policy", "fixed-dop-0"],
+        ["--capacity", "cpu"],
+        ["--capacity", "cpu=-1"],
+        ["--static-units", "0"],
+        ["--sweep", "cpu=1,2"],
+        ["--sweep", "capacity.cpu="],
+    ],
+)
+def test_bad_args_exit_2(trace: Path, extra: list[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["simulate", "--trace", str(trace), *extra])
+    assert info.value.code == 2
+
+
+def test_missing_trace_argument_exits_2() -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["simulate"])
+    assert info.value.code == 2
+
+
+def test_malformed_trace_exits_1_with_the_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(
+        '{"format": "tangram-trace/1", "capacity": {"cpu": 4}}\n'
+        '{"trajectory": "a", "index": 0, "gap": 0, "kind": "k", "resource": "gpu",'
+        ' "units": 1, "seconds": 1}\n'
+    )
+    assert main(["simulate", "--trace", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("TraceFormatError: line 2: ")
+
+
+def test_unreadable_trace_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--trace", str(tmp_path / "absent.jsonl")]) == 1
+    assert "cannot read" in capsys.readouterr().err
