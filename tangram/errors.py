@@ -12,6 +12,10 @@ already catch, so ``except ValueError`` around a bad demand keeps working::
     ├── WaitTimeoutError (TimeoutError)      queued for longer than ``wait_timeout``
     ├── RuntimeClosedError (RuntimeError)    your code used a runtime that is not running
     ├── NoCurrentRuntimeError (RuntimeError) ``tangram.acquire`` outside ``async with runtime``
+    ├── GpuError                             a GPU model service could not serve the action
+    │   ├── GpuOutOfMemoryError (MemoryError)  a restore or load ran out of device memory
+    │   ├── GpuServiceError (RuntimeError)     the service failed (an outside cause)
+    │   └── GpuPoolClosedError (RuntimeError)  your code used the pool outside its block
     ├── QuotaDeadlineError (TimeoutError)    an API request cannot be sent before its deadline
     ├── TraceFormatError (ValueError)        a malformed tangram-trace/1 line (``.line``)
     └── SandboxError                         a CPU sandbox could not run the action
@@ -27,6 +31,10 @@ from __future__ import annotations
 __all__ = [
     "CapacityExceededError",
     "DemandTypeError",
+    "GpuError",
+    "GpuOutOfMemoryError",
+    "GpuPoolClosedError",
+    "GpuServiceError",
     "InvalidCapacityError",
     "InvalidDemandError",
     "NoCurrentRuntimeError",
@@ -99,6 +107,27 @@ class QuotaDeadlineError(TangramError, TimeoutError):
     aside, or the provider's ``Retry-After`` reaches past it), not when the deadline
     passes. Nothing is held when it is raised.
     """
+
+
+class GpuError(TangramError):
+    """A GPU model service could not serve the action."""
+
+
+class GpuOutOfMemoryError(GpuError, MemoryError):
+    """A restore or cold load ran out of device memory, or the service fits no device.
+
+    The replica went back to evicted (nothing of it stays on the device), its memory grant
+    went back to the runtime and the pool's books are as before the attempt; a later action
+    tries again.
+    """
+
+
+class GpuServiceError(GpuError, RuntimeError):
+    """The service failed to load, restore, evict or run (an outside cause: ``__cause__``)."""
+
+
+class GpuPoolClosedError(GpuError, RuntimeError):
+    """The pool was used before ``async with pool:`` or after it closed."""
 
 
 class TraceFormatError(TangramError, ValueError):

@@ -1,0 +1,1272 @@
+"""GPU model services with evict-on-execution: a pool of devices, a service protocol, torch.
+
+The paper's GPU manager deploys every model service up front with its state backed up in
+host memory. A service is *resident* (on a device) or *evicted* (host memory only); an
+action on an evicted service first restores it, evicting least-recently-used idle services
+when memory is short. Restoring from host memory takes a fraction of a cold load.
+
+How it maps onto the runtime: every device is one resource kind, ``gpu_mem:<device>``
+(bytes), and :meth:`GpuPool.capacity` hands those to ``Runtime(capacity=...)``. A
+*replica* (a service on a device, or on an NVLink chunk of devices for a multi-GPU
+service) holds ``runtime.acquire({"gpu_mem:<device>": memory})`` while actions use it, so
+the runtime only ever grants memory that running replicas can hold. Idle resident replicas
+hold no lease: they are a cache the pool evicts (LRU) to make room for a granted one, which
+is why a granted replica always fits once the idle ones are gone, and why a replica with a
+running action is never evicted.
+
+Torch is imported lazily (inside :class:`TorchService`), so the pool, the protocol and the
+placement logic import without it; NVML (``pynvml`` from nvidia-ml-py) is optional and
+guarded at every call, since it imports fine on a machine without a GPU but fails to init.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import copy
+import enum
+import itertools
+import logging
+import math
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.abc
+import attrs
+
+from ._runtime import Runtime, current_runtime
+from ._units import parse_size
+from .errors import (
+    GpuError,
+    GpuOutOfMemoryError,
+    GpuPoolClosedError,
+    GpuServiceError,
+    TangramError,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "DEFAULT_RESTORE_BANDWIDTH",
+    "Device",
+    "GpuError",
+    "GpuOutOfMemoryError",
+    "GpuPool",
+    "GpuPoolClosedError",
+    "GpuServiceError",
+    "ModelService",
+    "ServiceHandle",
+    "TorchService",
+    "discover_devices",
+    "nvlink_groups",
+    "nvml_nvlink_pairs",
+    "place",
+]
+
+logger = logging.getLogger("tangram.gpu")
+
+#: The resource-kind prefix of one device's memory in the runtime's capacity.
+KIND_PREFIX = "gpu_mem:"
+#: Host-to-device bandwidth assumed for a restore before one was measured (bytes/s).
+DEFAULT_RESTORE_BANDWIDTH = 20e9
+_EWMA = 0.3
+
+
+# -- errors (to move into tangram/errors.py) ----------------------------------------------
+
+
+# -- devices and topology ------------------------------------------------------------------
+
+
+def _to_bytes(value: object) -> int:
+    if isinstance(value, str):
+        return int(parse_size(value))
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"`memory` must be bytes or a size like '16GiB' (got {value!r})")
+    return int(value)
+
+
+def _check_memory(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if value <= 0:
+        raise ValueError(f"`memory` must be > 0 bytes (got {value!r})")
+
+
+@attrs.frozen
+class Device:
+    """One device the pool places services on, with the memory it may fill.
+
+    ``Device("cuda:0", memory="80GiB")`` is a GPU; ``Device("cpu:0", memory="64MiB")``
+    is a simulated budget on the host (tests, and the benchmark without a GPU), which runs
+    the very same code with torch's ``"cpu"`` device.
+    """
+
+    name: str
+    memory: int = attrs.field(converter=_to_bytes, validator=_check_memory)
+    index: int | None = None
+
+    @property
+    def kind(self) -> str:
+        """The runtime resource kind of this device's memory."""
+        return KIND_PREFIX + self.name
+
+    @property
+    def torch_device(self) -> str:
+        """What torch calls it: ``"cpu"`` for a simulated ``cpu:N`` device.
+
+        A ``/part`` suffix (``"cuda:0/1"``) names a slice of one physical device, each
+        slice its own budget: a benchmark on a single GPU can then stand for several.
+        """
+        physical = self.name.split("/")[0]
+        return "cpu" if physical.split(":")[0] == "cpu" else physical
+
+    @property
+    def cuda_index(self) -> int | None:
+        """The CUDA ordinal of the physical device, or ``None`` for the host."""
+        if not self.is_cuda:
+            return None
+        _, _, number = self.torch_device.partition(":")
+        return int(number) if number.isdigit() else 0
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.name.startswith("cuda")
+
+
+def _nvml() -> Any:
+    """The initialised ``pynvml`` module, or ``None`` where NVML is missing or has no GPU."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # NVMLError_LibraryNotFound / DriverNotLoaded on a GPU-less host
+        return None
+    return pynvml
+
+
+def discover_devices(*, fraction: float = 1.0) -> list[Device]:
+    """The visible CUDA devices with their memory: NVML first, torch's counters otherwise.
+
+    ``fraction`` leaves headroom (activations, the CUDA context). NVML numbers devices
+    by PCI order and ignores ``CUDA_VISIBLE_DEVICES``; set ``CUDA_DEVICE_ORDER=PCI_BUS_ID``
+    so the two agree, or pass devices explicitly.
+    """
+    nvml = _nvml()
+    if nvml is not None:
+        try:
+            count = nvml.nvmlDeviceGetCount()
+            devices = []
+            for i in range(count):
+                info = nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(i))
+                devices.append(Device(f"cuda:{i}", int(info.total * fraction), i))
+            return devices
+        except Exception:
+            logger.warning("NVML could not list devices; asking torch", exc_info=True)
+        finally:
+            with contextlib.suppress(Exception):
+                nvml.nvmlShutdown()
+    try:
+        import torch
+    except ImportError:
+        return []
+    if not torch.cuda.is_available():
+        return []
+    devices = []
+    for i in range(torch.cuda.device_count()):
+        _, total = torch.cuda.mem_get_info(i)
+        devices.append(Device(f"cuda:{i}", int(total * fraction), i))
+    return devices
+
+
+def device_memory_used(device: Device) -> int | None:
+    """Bytes in use on ``device`` as the driver sees them (NVML, else torch), if known."""
+    index = device.cuda_index
+    if index is None:
+        return None
+    nvml = _nvml()
+    if nvml is not None:
+        try:
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            return int(nvml.nvmlDeviceGetMemoryInfo(handle).used)
+        except Exception:
+            logger.debug("NVML memory query failed", exc_info=True)
+        finally:
+            with contextlib.suppress(Exception):
+                nvml.nvmlShutdown()
+    try:
+        import torch
+
+        free, total = torch.cuda.mem_get_info(index)
+    except Exception:
+        return None
+    return int(total - free)
+
+
+def nvml_nvlink_pairs() -> list[tuple[int, int]]:
+    """Pairs of device indices NVML reports as NVLink peers; empty where NVML cannot tell."""
+    nvml = _nvml()
+    if nvml is None:
+        return []
+    pairs: list[tuple[int, int]] = []
+    try:
+        count = nvml.nvmlDeviceGetCount()
+        handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+        for i, j in itertools.combinations(range(count), 2):
+            status = nvml.nvmlDeviceGetP2PStatus(
+                handles[i], handles[j], nvml.NVML_P2P_CAPS_INDEX_NVLINK
+            )
+            if status == nvml.NVML_P2P_STATUS_OK:
+                pairs.append((i, j))
+    except Exception:
+        logger.debug("NVML topology query failed; treating devices as unlinked", exc_info=True)
+    finally:
+        with contextlib.suppress(Exception):
+            nvml.nvmlShutdown()
+    return pairs
+
+
+def nvlink_groups(
+    devices: Iterable[int], links: Iterable[tuple[int, int]]
+) -> list[tuple[int, ...]]:
+    """Split device indices into NVLink-connected groups (connected components, sorted).
+
+    A device with no link is a group of its own. Pure, so a fake topology tests it.
+    """
+    parent = {d: d for d in devices}
+
+    def root(d: int) -> int:
+        while parent[d] != d:
+            parent[d] = parent[parent[d]]
+            d = parent[d]
+        return d
+
+    for a, b in links:
+        if a in parent and b in parent:
+            ra, rb = root(a), root(b)
+            if ra != rb:
+                parent[max(ra, rb)] = min(ra, rb)
+    groups: dict[int, list[int]] = {}
+    for d in parent:
+        groups.setdefault(root(d), []).append(d)
+    return sorted(tuple(sorted(g)) for g in groups.values())
+
+
+def place(
+    groups: Sequence[Sequence[int]], free: Mapping[int, float], count: int
+) -> tuple[int, ...] | None:
+    """Pick ``count`` devices among ``free`` (device -> score, higher is better) for one replica.
+
+    Topology first, score second, as the paper's NVLink-local chunks of 1/2/4/8: an aligned
+    chunk of a power-of-two size inside one NVLink group; else any ``count`` devices of one
+    group; else (no group has room) ``count`` devices across groups, which still runs but
+    talks over PCIe. Among equals, the set with the highest total score wins, so a replica
+    lands where memory is freest. ``None`` when fewer than ``count`` devices are free.
+    """
+    if count < 1:
+        raise ValueError(f"`count` must be >= 1 (got {count})")
+    best: tuple[tuple[int, float], tuple[int, ...]] | None = None
+
+    def consider(tier: int, chosen: Sequence[int]) -> None:
+        nonlocal best
+        key = (-tier, sum(free[d] for d in chosen))
+        if best is None or key > best[0]:
+            best = (key, tuple(sorted(chosen)))
+
+    aligned = count & (count - 1) == 0
+    for group in groups:
+        members = sorted(group)
+        if aligned:
+            for start in range(0, len(members) - count + 1, count):
+                chunk = members[start : start + count]
+                if all(d in free for d in chunk):
+                    consider(0, chunk)
+        inside = sorted((d for d in members if d in free), key=lambda d: -free[d])
+        if len(inside) >= count:
+            consider(1, inside[:count])
+    if best is None:
+        anywhere = sorted(free, key=lambda d: -free[d])
+        if len(anywhere) >= count:
+            consider(2, anywhere[:count])
+    return None if best is None else best[1]
+
+
+# -- the service protocol ------------------------------------------------------------------
+
+
+class ModelService(abc.ABC):
+    """One model behind the pool: load cold once, then restore, run, evict, many times.
+
+    The seam for any way of serving a model. ``replica`` numbers a copy of the service on
+    its own devices (elastic replicas); a service that runs one copy only sets
+    ``max_replicas = 1``. ``run`` gets the batches of every action the pool merged into
+    one run (one element when ``batching`` is off) and returns one result per batch.
+
+    :param name: what actions name: ``pool.use(name)``.
+    :param memory: device bytes one replica holds on each of its devices while resident.
+    :param gpus: devices per replica (a tensor-parallel server spans several).
+    :param max_replicas: copies the pool may run at once when actions queue up.
+    :param batching: whether waiting actions may be merged into one ``run``.
+    :param max_batch: most actions merged into one run (``None``: no limit).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        memory: int | str | None = None,
+        gpus: int = 1,
+        max_replicas: int = 1,
+        batching: bool = True,
+        max_batch: int | None = None,
+    ) -> None:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"`name` must be a non-empty string (got {name!r})")
+        for label, value in (("gpus", gpus), ("max_replicas", max_replicas)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{label}` must be a whole number >= 1 (got {value!r})")
+        if max_batch is not None and (
+            isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1
+        ):
+            raise ValueError(f"`max_batch` must be None or a whole number >= 1 (got {max_batch!r})")
+        self.name = name
+        self.memory: int | None = None if memory is None else _to_bytes(memory)
+        self.gpus = gpus
+        self.max_replicas = max_replicas
+        self.batching = batching
+        self.max_batch = max_batch
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} memory={self.memory}>"
+
+    def slots(self) -> Sequence[tuple[str, ...]] | None:
+        """Device names each replica is bound to, or ``None`` to place it anywhere.
+
+        An external server is started on its GPUs and cannot move: its replicas are fixed.
+        """
+        return None
+
+    @abc.abstractmethod
+    async def load(self) -> None:
+        """Cold start: build the host-memory state restores copy from (once, up front)."""
+
+    @abc.abstractmethod
+    async def restore(self, replica: int, devices: tuple[Device, ...]) -> None:
+        """Bring ``replica`` onto ``devices`` from host memory.
+
+        :raises GpuOutOfMemoryError: the device had no room; leave nothing allocated.
+        """
+
+    @abc.abstractmethod
+    async def evict(self, replica: int) -> None:
+        """Free ``replica``'s device memory; its state stays in host memory."""
+
+    @abc.abstractmethod
+    async def run(self, replica: int, batches: Sequence[Any]) -> list[Any]:
+        """Run the merged ``batches`` on a resident ``replica``; one result per batch."""
+
+    async def aclose(self) -> None:  # noqa: B027 - optional hook
+        """Free host state (the pool evicted every replica before)."""
+
+
+# -- torch modules ------------------------------------------------------------------------
+
+
+def _named_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from module.named_parameters()
+    yield from module.named_buffers()
+
+
+def _raise_oom(exc: BaseException, what: str) -> None:
+    import torch
+
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+    ):
+        raise GpuOutOfMemoryError(f"{what}: out of device memory ({exc})") from exc
+
+
+class TorchService(ModelService):
+    """An in-process torch module, evicted to host memory and restored by one copy.
+
+    ``factory`` builds the module (a cold load: read weights, build the graph); it runs
+    once. Its parameters and buffers are then packed into one flat host buffer allocated
+    once: pinned when CUDA is present, because only pinned memory copies to the device
+    asynchronously at full bandwidth, and pinning is itself slow enough that doing it per
+    eviction would eat the saving. On a CPU-only torch pinning is unavailable, so the
+    buffer is a plain host tensor; the rest is the same code.
+
+    A restore allocates one flat device buffer and fills it with a single non-blocking
+    copy (then one stream synchronise where CUDA needs it): one large transfer runs at the
+    bus's bandwidth, where a copy per tensor pays a launch and a sync-free gap for each of
+    hundreds of small ones. The replica is the module's skeleton (tensors on torch's
+    ``meta`` device, no memory) with every parameter and buffer made a view into that
+    device buffer. Evicting drops the device buffer; the host buffer is the truth, so the
+    state is bitwise the same after any number of round trips. With ``writeback=True``
+    eviction first copies the device buffer back into the same host buffer (a module
+    whose buffers change while serving; one replica only).
+
+    ``run`` concatenates the merged batches along dimension 0, runs the module once under
+    ``inference_mode`` and splits the output back; results come back on the host.
+
+    :param factory: builds the module (called once, in a worker thread).
+    :param memory: device bytes per replica; default: the module's tensors plus
+        ``headroom`` for activations.
+    :param empty_cache: on eviction, hand the freed CUDA memory back to the driver
+        (``torch.cuda.empty_cache``). Needed when another process (an inference server)
+        shares the GPU; when only in-process torch services do, ``False`` lets torch's
+        caching allocator reuse the block and skips a ``cudaFree``/``cudaMalloc`` pair
+        per round trip.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        factory: Callable[[], torch.nn.Module],
+        *,
+        memory: int | str | None = None,
+        headroom: float = 0.25,
+        max_replicas: int = 1,
+        batching: bool = True,
+        max_batch: int | None = None,
+        writeback: bool = False,
+        empty_cache: bool = True,
+    ) -> None:
+        super().__init__(
+            name, memory=memory, max_replicas=max_replicas, batching=batching, max_batch=max_batch
+        )
+        self._empty_cache = empty_cache
+        if not callable(factory):
+            raise TypeError(f"`factory` must build a torch.nn.Module (got {factory!r})")
+        if writeback and max_replicas != 1:
+            raise ValueError("`writeback` needs `max_replicas=1`: replicas would overwrite")
+        if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or headroom < 0:
+            raise ValueError(f"`headroom` must be a number >= 0 (got {headroom!r})")
+        self._factory = factory
+        self._headroom = float(headroom)
+        self._writeback = writeback
+        self._skeleton: torch.nn.Module | None = None
+        self._flat: torch.Tensor | None = None
+        # (id of the skeleton's tensor, byte offset, byte size, dtype, shape, is parameter)
+        self._layout: list[tuple[int, int, int, torch.dtype, torch.Size, bool]] = []
+        self._names: dict[str, int] = {}
+        # Where each tensor sits in the module tree: (module number, attribute, layout
+        # index, is parameter); the same for the skeleton and every copy of it.
+        self._slots: list[tuple[int, str, int, bool]] = []
+        self._modules: dict[int, torch.nn.Module] = {}  # one skeleton copy per replica
+        self._replicas: dict[int, tuple[torch.nn.Module, torch.Tensor]] = {}
+        self.pinned = False
+        self.nbytes = 0
+
+    async def load(self) -> None:
+        await anyio.to_thread.run_sync(self._load)
+
+    def _load(self) -> None:
+        import torch
+
+        if self._skeleton is not None:
+            return
+        try:
+            module = self._factory()
+        except Exception as exc:
+            raise GpuServiceError(f"could not build {self.name!r}: {exc}") from exc
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"`factory` of {self.name!r} returned {module!r}, not a Module")
+        module.eval()
+        tensors = list(_named_tensors(module))
+        offset = 0
+        spans = []
+        for name, tensor in tensors:
+            size = tensor.numel() * tensor.element_size()
+            spans.append((name, tensor, offset, size))
+            offset += -(-size // _ALIGN) * _ALIGN  # each view starts aligned for any dtype
+        # Pinned only where CUDA exists: a CPU-only build cannot pin at all.
+        self.pinned = torch.cuda.is_available()
+        flat = torch.empty(max(offset, 1), dtype=torch.uint8, pin_memory=self.pinned)
+        memo: dict[int, Any] = {}
+        for index, (name, tensor, start, size) in enumerate(spans):
+            _view(flat, start, size, tensor.dtype, tensor.shape).copy_(tensor.detach())
+            meta = torch.empty_like(tensor, device="meta")
+            is_param = isinstance(tensor, torch.nn.Parameter)
+            memo[id(tensor)] = torch.nn.Parameter(meta, requires_grad=False) if is_param else meta
+            self._names[name] = index
+            self._layout.append(
+                (id(memo[id(tensor)]), start, size, tensor.dtype, tensor.shape, is_param)
+            )
+        # deepcopy with every tensor pre-mapped to a meta twin copies the structure, not
+        # the weights: the host holds one copy of them, the flat buffer.
+        self._skeleton = copy.deepcopy(module, memo)
+        index_of = {key: i for i, (key, *_) in enumerate(self._layout)}
+        for number, sub in enumerate(self._skeleton.modules()):
+            for attr, value in itertools.chain(sub._parameters.items(), sub._buffers.items()):
+                if value is not None:
+                    is_param = attr in sub._parameters
+                    self._slots.append((number, attr, index_of[id(value)], is_param))
+        self._flat = flat
+        self.nbytes = sum(size for _, _, _, size in spans)
+        if self.memory is None:
+            self.memory = max(1, int(offset * (1.0 + self._headroom)))
+
+    async def restore(self, replica: int, devices: tuple[Device, ...]) -> None:
+        await anyio.to_thread.run_sync(self._restore, replica, devices[0])
+
+    def _restore(self, replica: int, device: Device) -> None:
+        import torch
+
+        if self._skeleton is None or self._flat is None:
+            raise GpuServiceError(f"{self.name!r} was restored before it was loaded")
+        target = torch.device(device.torch_device)
+        storage: torch.Tensor | None = None
+        try:
+            storage = self._allocate(target)
+            storage.copy_(self._flat, non_blocking=True)
+            if target.type == "cuda":
+                torch.cuda.current_stream(target).synchronize()
+        except Exception as exc:
+            storage = None
+            if target.type == "cuda":
+                torch.cuda.empty_cache()
+            _raise_oom(exc, f"restoring {self.name!r} onto {device.name}")
+            raise GpuServiceError(f"could not restore {self.name!r}: {exc}") from exc
+        assert storage is not None
+        module = self._modules.get(replica)
+        if module is None:
+            module = self._modules[replica] = copy.deepcopy(self._skeleton)
+        self._bind(module, storage)
+        self._replicas[replica] = (module, storage)
+
+    def _allocate(self, target: torch.device) -> torch.Tensor:
+        """Device storage for one replica (a seam tests use to inject a failed allocation)."""
+        import torch
+
+        assert self._flat is not None
+        return torch.empty_like(self._flat, device=target)
+
+    def _bind(self, module: torch.nn.Module, storage: torch.Tensor | None) -> None:
+        """Point ``module``'s tensors at views into ``storage`` (``None``: back to meta).
+
+        Rebinding a kept copy of the skeleton costs a few attribute writes per tensor,
+        where a fresh ``deepcopy`` per restore cost milliseconds of Python for a small
+        model. Tied tensors stay tied: they share one layout entry.
+        """
+        import torch
+
+        tensors: list[torch.Tensor] = []
+        for _, start, size, dtype, shape, is_param in self._layout:
+            if storage is None:
+                view = torch.empty(shape, dtype=dtype, device="meta")
+            else:
+                view = _view(storage, start, size, dtype, shape)
+            tensors.append(torch.nn.Parameter(view, requires_grad=False) if is_param else view)
+        subs = list(module.modules())
+        for number, attr, index, is_param in self._slots:
+            tensor = tensors[index]
+            if is_param:
+                assert isinstance(tensor, torch.nn.Parameter)
+                subs[number]._parameters[attr] = tensor
+            else:
+                subs[number]._buffers[attr] = tensor
+
+    async def evict(self, replica: int) -> None:
+        await anyio.to_thread.run_sync(self._evict, replica)
+
+    def _evict(self, replica: int) -> None:
+        import torch
+
+        held = self._replicas.pop(replica, None)
+        if held is None:
+            return
+        module, storage = held
+        self._bind(module, None)  # the views would keep the device buffer alive
+        del held, module
+        if self._writeback and self._flat is not None:
+            self._flat.copy_(storage, non_blocking=True)
+            if storage.is_cuda:
+                torch.cuda.current_stream(storage.device).synchronize()
+        cuda = storage.is_cuda
+        del storage
+        if cuda and self._empty_cache:
+            # Back to the driver, not only torch's cache: another process (an inference
+            # server) may be the one waiting for this memory.
+            torch.cuda.empty_cache()
+
+    async def run(self, replica: int, batches: Sequence[Any]) -> list[Any]:
+        return await anyio.to_thread.run_sync(self._run, replica, list(batches))
+
+    def _run(self, replica: int, batches: list[Any]) -> list[Any]:
+        import torch
+
+        module, storage = self._replicas[replica]
+        sizes = [len(batch) for batch in batches]
+        inputs = batches[0] if len(batches) == 1 else torch.cat(batches)
+        with torch.inference_mode():
+            out = module(inputs.to(storage.device, non_blocking=True))
+            out = out.to("cpu")
+        return [out] if len(batches) == 1 else list(torch.split(out, sizes))
+
+    def host_state(self) -> dict[str, torch.Tensor]:
+        """Views of the host buffer restores copy from (one buffer for the service's life)."""
+        if self._flat is None:
+            return {}
+        state = {}
+        for name, index in self._names.items():
+            _, start, size, dtype, shape, _ = self._layout[index]
+            state[name] = _view(self._flat, start, size, dtype, shape)
+        return state
+
+    def replica_state(self, replica: int) -> dict[str, torch.Tensor]:
+        """The resident replica's tensors by name (for checks; empty when evicted)."""
+        held = self._replicas.get(replica)
+        return {} if held is None else dict(_named_tensors(held[0]))
+
+    async def aclose(self) -> None:
+        self._replicas.clear()
+        self._modules.clear()
+        self._flat = None
+        self._skeleton = None
+
+
+_ALIGN = 64
+
+
+def _view(
+    flat: torch.Tensor, start: int, size: int, dtype: torch.dtype, shape: torch.Size
+) -> torch.Tensor:
+    return flat[start : start + size].view(dtype).view(shape)
+
+
+# -- the pool ------------------------------------------------------------------------------
+
+
+class _Residency(enum.Enum):
+    EVICTED = "evicted"
+    RESTORING = "restoring"
+    RESIDENT = "resident"
+    EVICTING = "evicting"
+
+
+@attrs.define(eq=False)
+class _Call:
+    batch: Any
+    done: anyio.Event = attrs.field(factory=anyio.Event)
+    result: Any = None
+    error: BaseException | None = None
+
+
+@attrs.define(eq=False)
+class _Replica:
+    state: _ServiceState
+    index: int
+    devices: tuple[Device, ...]
+    residency: _Residency = _Residency.EVICTED
+    alive: bool = False  # a holder task is waiting for or holding a memory grant
+    leased: bool = False
+    users: int = 0
+    last_used: float = -math.inf
+    pending: list[_Call] = attrs.field(factory=list)
+    ready: anyio.Event = attrs.field(factory=anyio.Event)
+    wake: anyio.Event = attrs.field(factory=anyio.Event)
+    error: BaseException | None = None
+    scope: anyio.CancelScope | None = None
+    lock: anyio.Lock = attrs.field(factory=anyio.Lock)
+
+
+@attrs.define(eq=False)
+class _ServiceState:
+    service: ModelService
+    replicas: list[_Replica] = attrs.field(factory=list)
+    restore_seconds: float | None = None
+    run_seconds: float | None = None
+    restores: int = 0
+    evictions: int = 0
+    hits: int = 0
+    runs: int = 0
+    batched: int = 0
+
+
+class _PoolState(enum.Enum):
+    NEW = "new"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+class GpuPool:
+    """Model services sharing devices, restored per action and evicted when idle (EOE).
+
+    ``async with GpuPool([judge, teacher], devices=...) as pool:`` loads every service
+    cold into host memory; ``Runtime(capacity=pool.capacity())`` schedules the devices'
+    memory; ``async with pool.use("judge") as svc: scores = await svc(batch)`` runs an
+    action on a replica of the service, restoring it first when it is not resident.
+
+    Placement: an action joins a live replica of its service when one exists (its batch
+    rides in the replica's next run), or starts one where the service is still resident,
+    else on the device (or NVLink chunk) with the most free memory. Another replica is
+    started when actions already wait on every live one, ``max_replicas`` allows it, and a
+    device has room without waiting. The replica's memory grant is passed to the runtime
+    with the restore time (0 when resident) plus the service's learnt run time as its
+    estimate, so the policy sees what the action will really cost.
+
+    :param services: the model services (names unique).
+    :param devices: devices and the memory each may fill (default: every visible GPU).
+    :param runtime: the runtime grants come from (default: the current one at each use).
+    :param links: NVLink peer pairs of device indices (default: as NVML reports them).
+    """
+
+    def __init__(
+        self,
+        services: Sequence[ModelService],
+        *,
+        devices: Sequence[Device] | None = None,
+        runtime: Runtime | None = None,
+        links: Iterable[tuple[int, int]] | None = None,
+    ) -> None:
+        states: dict[str, _ServiceState] = {}
+        for service in services:
+            if not isinstance(service, ModelService):
+                raise TypeError(f"services must be tangram.gpu.ModelService (got {service!r})")
+            if service.name in states:
+                raise ValueError(f"two services are named {service.name!r}")
+            states[service.name] = _ServiceState(service)
+        if devices is not None:
+            devices = list(devices)
+            if not devices or not all(isinstance(d, Device) for d in devices):
+                raise TypeError("`devices` must be a non-empty list of tangram.gpu.Device")
+            if len({d.name for d in devices}) != len(devices):
+                raise ValueError("device names must be unique")
+        self._services = states
+        self._devices: list[Device] = devices or []
+        self._runtime = runtime
+        self._links = None if links is None else list(links)
+        self._groups: list[tuple[int, ...]] = []
+        self._resident: dict[str, int] = {}
+        self._leased: dict[str, int] = {}
+        self._peak: dict[str, int] = {}
+        self._locks: dict[str, anyio.Lock] = {}
+        self._state = _PoolState.NEW
+        self._task_group: anyio.abc.TaskGroup | None = None
+        self._clock = 0
+
+    def __repr__(self) -> str:
+        names = ", ".join(self._services)
+        return f"<tangram.gpu.GpuPool {self._state.value} services=[{names}]>"
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    @property
+    def devices(self) -> tuple[Device, ...]:
+        return tuple(self._devices)
+
+    def capacity(self) -> dict[str, int]:
+        """Runtime capacity of the devices: ``{"gpu_mem:<device>": bytes}``."""
+        if not self._devices:
+            raise GpuPoolClosedError("devices are discovered when the pool is entered")
+        return {d.kind: d.memory for d in self._devices}
+
+    async def __aenter__(self) -> GpuPool:
+        if self._state is not _PoolState.NEW:
+            raise GpuPoolClosedError(
+                f"a GpuPool can be entered once (this one is {self._state.value})"
+            )
+        if not self._devices:
+            self._devices = await anyio.to_thread.run_sync(discover_devices)
+            if not self._devices:
+                raise GpuError(
+                    "no CUDA device is visible; pass devices=[Device('cpu:0', memory=...)] "
+                    "to run on the host"
+                )
+        for i, device in enumerate(self._devices):
+            self._resident[device.name] = self._leased[device.name] = self._peak[device.name] = 0
+            self._locks[device.name] = anyio.Lock()
+            if device.index is None:
+                self._devices[i] = attrs.evolve(device, index=i)
+        links = self._links
+        if links is None:
+            links = await anyio.to_thread.run_sync(nvml_nvlink_pairs)
+        self._groups = nvlink_groups((d.index for d in self._devices if d.index is not None), links)
+        # Cold loads run together (each reads its own weights); the first error is raised
+        # as itself, not inside an ExceptionGroup, so ``except GpuError`` catches it.
+        errors: list[Exception] = []
+        async with anyio.create_task_group() as loading:
+            for state in self._services.values():
+                loading.start_soon(self._load, state, errors)
+        if errors:
+            self._state = _PoolState.CLOSED
+            with anyio.CancelScope(shield=True):
+                for state in self._services.values():
+                    with contextlib.suppress(Exception):
+                        await state.service.aclose()
+            raise errors[0]
+        by_name = {d.name: d for d in self._devices}
+        try:
+            for state in self._services.values():
+                self._check_fits(state, by_name)
+        except BaseException:
+            self._state = _PoolState.CLOSED
+            with anyio.CancelScope(shield=True):
+                for state in self._services.values():
+                    with contextlib.suppress(Exception):
+                        await state.service.aclose()
+            raise
+        task_group = anyio.create_task_group()
+        await task_group.__aenter__()
+        self._task_group = task_group
+        self._state = _PoolState.OPEN
+        return self
+
+    async def _load(self, state: _ServiceState, errors: list[Exception]) -> None:
+        service = state.service
+        try:
+            await service.load()
+        except GpuError as exc:
+            errors.append(exc)
+        except Exception as exc:
+            error = GpuServiceError(f"could not load {service.name!r}: {exc}")
+            error.__cause__ = exc
+            errors.append(error)
+        else:
+            if service.memory is None:
+                errors.append(GpuServiceError(f"{service.name!r} gave no `memory` after loading"))
+
+    def _check_fits(self, state: _ServiceState, by_name: Mapping[str, Device]) -> None:
+        service = state.service
+        assert service.memory is not None
+        slots = service.slots()
+        if slots is not None:
+            for slot in slots:
+                unknown = [n for n in slot if n not in by_name]
+                if unknown:
+                    raise ValueError(f"{service.name!r} is bound to unknown devices {unknown}")
+        big_enough = [d for d in self._devices if d.memory >= service.memory]
+        if len(big_enough) < service.gpus:
+            raise GpuOutOfMemoryError(
+                f"{service.name!r} needs {service.memory} bytes on {service.gpus} device(s); "
+                f"the largest device has {max(d.memory for d in self._devices)}"
+            )
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Stop every replica, evict what is resident, close the services; safe twice."""
+        if self._state is _PoolState.CLOSED:
+            return
+        self._state = _PoolState.CLOSED
+        task_group, self._task_group = self._task_group, None
+        if task_group is not None:
+            task_group.cancel_scope.cancel()
+            await task_group.__aexit__(None, None, None)
+        with anyio.CancelScope(shield=True):
+            for state in self._services.values():
+                for replica in state.replicas:
+                    if replica.residency is not _Residency.EVICTED:
+                        with contextlib.suppress(Exception):
+                            await self._evict(replica)
+                try:
+                    await state.service.aclose()
+                except Exception:
+                    logger.exception("could not close %r", state.service)
+
+    def _check_open(self) -> None:
+        if self._state is not _PoolState.OPEN:
+            raise GpuPoolClosedError(
+                f"the GPU pool is {self._state.value}: use it inside `async with pool:`"
+            )
+
+    # -- actions ---------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def use(self, name: str) -> AsyncIterator[ServiceHandle]:
+        """One action on service ``name``: wait for a resident replica, call it, let go.
+
+        The replica's memory stays granted while any action uses it, so it cannot be
+        evicted under a running action; when the last action leaves it stays resident,
+        idle and evictable, for the next action to find.
+
+        :raises GpuOutOfMemoryError: the restore found no room (nothing is left held).
+        :raises GpuServiceError: the service failed to restore or to run.
+        """
+        self._check_open()
+        state = self._services.get(name)
+        if state is None:
+            raise LookupError(f"no service named {name!r} (have {sorted(self._services)})")
+        runtime = self._runtime if self._runtime is not None else current_runtime()
+        replica = self._attach(state, runtime)
+        replica.users += 1
+        try:
+            await replica.ready.wait()
+            if replica.error is not None:
+                raise replica.error
+            yield ServiceHandle(self, replica)
+        finally:
+            replica.users -= 1
+            replica.last_used = self._tick()
+            if replica.users == 0:
+                if not replica.leased and replica.scope is not None:
+                    replica.scope.cancel()  # nobody waits for it any more: withdraw
+                replica.wake.set()
+
+    def _tick(self) -> float:
+        self._clock += 1
+        return float(self._clock)
+
+    def _attach(self, state: _ServiceState, runtime: Runtime) -> _Replica:
+        """The replica this action runs on: a live one, or one started for it."""
+        live = [r for r in state.replicas if r.alive and r.error is None]
+        if live:
+            least = min(live, key=lambda r: r.users)
+            # Elastic: a second copy only when every live one already has actions and a
+            # device has room now (a copy that waits for memory helps no one sooner).
+            if least.users == 0 or len(live) >= state.service.max_replicas:
+                return least
+            devices = self._choose(state, need_room_now=True)
+            if devices is None:
+                return least
+        else:
+            devices = self._choose(state, need_room_now=False)
+            assert devices is not None
+        replica = self._replica_on(state, devices)
+        self._start(replica, runtime)
+        return replica
+
+    def _replica_on(self, state: _ServiceState, devices: tuple[Device, ...]) -> _Replica:
+        for replica in state.replicas:
+            if replica.devices == devices and not replica.alive:
+                return replica
+        used = {r.index for r in state.replicas}
+        index = next(i for i in itertools.count() if i not in used)
+        replica = _Replica(state, index, devices)
+        state.replicas.append(replica)
+        return replica
+
+    def _free_now(self, device: Device) -> int:
+        """Memory not granted and not asked for by a replica waiting for its grant."""
+        asked = 0
+        for state in self._services.values():
+            for r in state.replicas:
+                if r.alive and not r.leased and device in r.devices:
+                    assert state.service.memory is not None
+                    asked += state.service.memory
+        return device.memory - self._leased[device.name] - asked
+
+    def _choose(self, state: _ServiceState, *, need_room_now: bool) -> tuple[Device, ...] | None:
+        service = state.service
+        assert service.memory is not None
+        need = service.memory
+        busy = {d.name for r in state.replicas if r.alive for d in r.devices}
+        by_name = {d.name: d for d in self._devices}
+        slots = service.slots()
+        if slots is not None:
+            options = [tuple(by_name[n] for n in slot) for slot in slots]
+            options = [o for o in options if not any(d.name in busy for d in o)]
+        else:
+            cached = [
+                r.devices
+                for r in state.replicas
+                if not r.alive and r.residency is _Residency.RESIDENT
+            ]
+            options = [o for o in cached if not any(d.name in busy for d in o)]
+            if not options or need_room_now:
+                free = {
+                    d.index: float(self._free_now(d))
+                    for d in self._devices
+                    if d.index is not None and d.name not in busy and d.memory >= need
+                }
+                roomy = {i: f for i, f in free.items() if f >= need}
+                pick = place(self._groups, roomy if roomy or need_room_now else free, service.gpus)
+                by_index = {d.index: d for d in self._devices}
+                if pick is not None:
+                    options.append(tuple(by_index[i] for i in pick))
+
+        def score(option: tuple[Device, ...]) -> tuple[bool, bool, int]:
+            free = min(self._free_now(d) for d in option)
+            resident = any(
+                r.devices == option and r.residency is _Residency.RESIDENT for r in state.replicas
+            )
+            return (free >= need, resident, free)
+
+        options = [o for o in options if not need_room_now or score(o)[0]]
+        if not options:
+            return None
+        return max(options, key=score)
+
+    def _start(self, replica: _Replica, runtime: Runtime) -> None:
+        assert self._task_group is not None
+        replica.alive = True
+        replica.error = None
+        replica.ready = anyio.Event()
+        replica.wake = anyio.Event()
+        replica.scope = anyio.CancelScope()
+        self._task_group.start_soon(self._hold, replica, runtime)
+
+    def _estimate(self, replica: _Replica) -> float | None:
+        state = replica.state
+        assert state.service.memory is not None
+        restore = 0.0
+        if replica.residency is not _Residency.RESIDENT:
+            restore = (
+                state.restore_seconds
+                if state.restore_seconds is not None
+                else state.service.memory / DEFAULT_RESTORE_BANDWIDTH
+            )
+        if state.run_seconds is None:
+            return restore if restore > 0 else None
+        return restore + state.run_seconds
+
+    async def _hold(self, replica: _Replica, runtime: Runtime) -> None:
+        """Hold the replica's memory grant while actions use it; run their batches."""
+        state = replica.state
+        memory = state.service.memory
+        assert memory is not None and replica.scope is not None
+        served = False
+        try:
+            with replica.scope:
+                demand = {d.kind: memory for d in replica.devices}
+                context = runtime.acquire(
+                    demand, kind=f"gpu:{state.service.name}", estimate=self._estimate(replica)
+                )
+                async with context as lease:
+                    replica.leased = True
+                    for d in replica.devices:
+                        self._leased[d.name] += memory
+                    try:
+                        await self._make_resident(replica)
+                        lease.started_at = anyio.current_time()
+                        replica.ready.set()
+                        await self._serve(replica)
+                        served = True
+                    finally:
+                        replica.leased = False
+                        for d in replica.devices:
+                            self._leased[d.name] -= memory
+        except Exception as exc:
+            if isinstance(exc, TangramError):
+                replica.error = exc
+            else:
+                replica.error = GpuServiceError(f"{state.service.name!r}: {exc}")
+                replica.error.__cause__ = exc
+        finally:
+            if not served and replica.error is None:
+                replica.error = GpuPoolClosedError("the replica stopped (the pool closed)")
+            replica.alive = False
+            replica.scope = None
+            replica.last_used = self._tick()
+            replica.ready.set()
+            for call in replica.pending:
+                call.error = replica.error or GpuPoolClosedError("the replica stopped")
+                call.done.set()
+            replica.pending.clear()
+
+    async def _serve(self, replica: _Replica) -> None:
+        state = replica.state
+        service = state.service
+        while True:
+            if not replica.pending:
+                if replica.users == 0:
+                    return
+                await replica.wake.wait()
+                replica.wake = anyio.Event()
+                continue
+            limit = (service.max_batch or len(replica.pending)) if service.batching else 1
+            calls, replica.pending = replica.pending[:limit], replica.pending[limit:]
+            started = anyio.current_time()
+            try:
+                results = await service.run(replica.index, [c.batch for c in calls])
+                if len(results) != len(calls):
+                    raise GpuServiceError(
+                        f"{service.name!r} returned {len(results)} results for {len(calls)} batches"
+                    )
+            except Exception as exc:
+                error = (
+                    exc
+                    if isinstance(exc, GpuError)
+                    else GpuServiceError(f"{service.name!r} failed to run: {exc}")
+                )
+                if error is not exc:
+                    error.__cause__ = exc
+                for call in calls:
+                    call.error = error
+                    call.done.set()
+                continue
+            seconds = anyio.current_time() - started
+            state.run_seconds = _ewma(state.run_seconds, seconds)
+            state.runs += 1
+            state.batched += len(calls)
+            for call, result in zip(calls, results, strict=True):
+                call.result = result
+                call.done.set()
+
+    async def _make_resident(self, replica: _Replica) -> None:
+        """Restore ``replica`` once its grant came, evicting LRU idle replicas for room."""
+        state = replica.state
+        memory = state.service.memory
+        assert memory is not None
+        async with contextlib.AsyncExitStack() as stack:
+            for device in sorted(replica.devices, key=lambda d: d.name):
+                await stack.enter_async_context(self._locks[device.name])
+            await stack.enter_async_context(replica.lock)
+            if replica.residency is _Residency.RESIDENT:
+                state.hits += 1
+                return
+            for device in replica.devices:
+                while device.memory - self._resident[device.name] < memory:
+                    victim = self._victim(device, replica)
+                    if victim is None:  # pragma: no cover - the runtime's grant prevents it
+                        raise GpuOutOfMemoryError(
+                            f"no idle service to evict on {device.name} for {state.service.name!r}"
+                        )
+                    async with victim.lock:
+                        await self._evict(victim)
+            replica.residency = _Residency.RESTORING
+            for device in replica.devices:
+                self._resident[device.name] += memory
+                self._peak[device.name] = max(self._peak[device.name], self._resident[device.name])
+            started = anyio.current_time()
+            try:
+                await state.service.restore(replica.index, replica.devices)
+            except BaseException as exc:
+                with anyio.CancelScope(shield=True):
+                    with contextlib.suppress(Exception):
+                        await state.service.evict(replica.index)
+                replica.residency = _Residency.EVICTED
+                for device in replica.devices:
+                    self._resident[device.name] -= memory
+                if isinstance(exc, MemoryError) and not isinstance(exc, GpuError):
+                    raise GpuOutOfMemoryError(
+                        f"restoring {state.service.name!r}: out of memory ({exc})"
+                    ) from exc
+                raise
+            state.restore_seconds = _ewma(state.restore_seconds, anyio.current_time() - started)
+            state.restores += 1
+            replica.residency = _Residency.RESIDENT
+
+    def _victim(self, device: Device, keep: _Replica) -> _Replica | None:
+        """The least recently used resident replica on ``device`` that holds no grant."""
+        idle = [
+            r
+            for state in self._services.values()
+            for r in state.replicas
+            if r is not keep
+            and device in r.devices
+            and r.residency is _Residency.RESIDENT
+            and not r.leased
+        ]
+        return min(idle, key=lambda r: r.last_used, default=None)
+
+    async def _evict(self, replica: _Replica) -> None:
+        state = replica.state
+        memory = state.service.memory
+        assert memory is not None
+        replica.residency = _Residency.EVICTING
+        try:
+            with anyio.CancelScope(shield=True):
+                await state.service.evict(replica.index)
+        except Exception:
+            # Its memory may still be held: keep counting it, and say so.
+            replica.residency = _Residency.RESIDENT
+            logger.exception("could not evict %r replica %d", state.service.name, replica.index)
+            raise
+        replica.residency = _Residency.EVICTED
+        state.evictions += 1
+        for device in replica.devices:
+            self._resident[device.name] -= memory
+
+    # -- introspection ---------------------------------------------------------------------
+
+    def residency(self) -> dict[str, list[tuple[str, ...]]]:
+        """Where each service is resident now: ``{name: [device names per replica]}``."""
+        return {
+            name: [
+                tuple(d.name for d in r.devices)
+                for r in state.replicas
+                if r.residency is _Residency.RESIDENT
+            ]
+            for name, state in self._services.items()
+        }
+
+    def usage(self) -> dict[str, dict[str, int | None]]:
+        """Per device: capacity, resident and granted bytes, the peak, the driver's count."""
+        return {
+            d.name: {
+                "capacity": d.memory,
+                "resident": self._resident.get(d.name, 0),
+                "granted": self._leased.get(d.name, 0),
+                "peak": self._peak.get(d.name, 0),
+                "driver_used": device_memory_used(d),
+            }
+            for d in self._devices
+        }
+
+    def service_stats(self) -> dict[str, dict[str, float | int | None]]:
+        """Per service: restores, evictions, resident hits, runs, actions run, timings."""
+        return {
+            name: {
+                "restores": s.restores,
+                "evictions": s.evictions,
+                "hits": s.hits,
+                "runs": s.runs,
+                "batched": s.batched,
+                "restore_seconds": s.restore_seconds,
+                "run_seconds": s.run_seconds,
+                "replicas_live": sum(r.alive for r in s.replicas),
+            }
+            for name, s in self._services.items()
+        }
+
+
+def _ewma(old: float | None, new: float) -> float:
+    return new if old is None else old + _EWMA * (new - old)
+
+
+class ServiceHandle:
+    """A resident replica lent to one action: ``await svc(batch)`` runs a batch on it.
+
+    Calls from every action on the replica queue together; when the service batches, the
+    next run takes all of them at once.
+    """
+
+    __slots__ = ("_pool", "_replica")
+
+    def __init__(self, pool: GpuPool, replica: _Replica) -> None:
+        self._pool = pool
+        self._replica = replica
+
+    def __repr__(self) -> str:
+        names = ",".join(d.name for d in self._replica.devices)
+        return f"<tangram.gpu.ServiceHandle {self.name!r} on {names}>"
+
+    @property
+    def name(self) -> str:
+        return self._replica.state.service.name
+
+    @property
+    def devices(self) -> tuple[Device, ...]:
+        return self._replica.devices
+
+    @property
+    def replica(self) -> int:
+        return self._replica.index
+
+    async def __call__(self, batch: Any) -> Any:
+        replica = self._replica
+        if not replica.alive:
+            raise GpuPoolClosedError("the action ended: use the handle inside its `async with`")
+        call = _Call(batch)
+        replica.pending.append(call)
+        replica.wake.set()
+        try:
+            await call.done.wait()
+        except BaseException:
+            with contextlib.suppress(ValueError):
+                replica.pending.remove(call)
+            raise
+        if call.error is not None:
+            raise call.error
+        return call.result
