@@ -34,6 +34,7 @@ from ._stats import Outcome, Recorder, ResourceStats, Stats
 from .errors import (
     CapacityExceededError,
     DemandTypeError,
+    InvalidCapacityError,
     InvalidDemandError,
     NoCurrentRuntimeError,
     RuntimeClosedError,
@@ -428,6 +429,10 @@ class Runtime:
         until use is back under the capacity. Waiting actions that can no longer fit
         fail with :class:`~tangram.errors.CapacityExceededError`.
         """
+        if capacity is not None and not isinstance(capacity, Mapping):
+            raise InvalidCapacityError(
+                f"capacity must be a mapping of name to amount (got {capacity!r})"
+            )
         updates = dict(capacity or {}, **amounts)
         self._capacity = self._capacity.with_updates(updates)
         self._demands.clear()

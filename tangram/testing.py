@@ -99,11 +99,13 @@ class InvariantChecker:
     - no kind holds more than its capacity, unless a capacity cut left it there, and then
       the excess only shrinks (nothing is admitted or grown into a cut);
     - every running elastic grant lies within its ``[min, max]``;
+    - no rate budget is overdrawn;
     - every running action has a registered lease, and every registered lease belongs to
       a waiting or running action whose acquiring task is still alive;
     - a lease is gone once its ``async with`` block has exited.
 
-    Each check walks the running actions: O(running) per decision. It patches the
+    Each check walks the running actions, O(running) per decision, and the whole lease
+    registry (the queue too) every 64th decision and on :meth:`check`. It patches the
     runtime instance, not the class, so other runtimes are untouched; :meth:`detach`
     restores it.
 
@@ -164,10 +166,12 @@ class InvariantChecker:
                 self._holders.pop(args[0], None)
             elif name == "set_capacity":
                 self._note_cut()
+            if self._depth:
+                return result  # a step inside a larger change: check when it is whole
             # A capacity change withdraws the entries that can no longer fit before the
             # runtime fails their leases, and a release drops the lease before the units:
             # the lease registry is checked at decisions only, when both are settled.
-            self._check(f"after ledger.{name}", leases=self._depth == 0 and name == "step")
+            self._check(f"after ledger.{name}", leases=name == "step")
             return result
 
         return call
@@ -212,7 +216,7 @@ class InvariantChecker:
                 # only shrink meanwhile (held never changes inside a capacity change).
                 self._ceiling[kind] = held
 
-    def _check(self, where: str, *, leases: bool) -> None:
+    def _check(self, where: str, *, leases: bool, full: bool = False) -> None:
         self.checks += 1
         ledger = self.runtime._ledger
         if not held_matches_grants(ledger):
@@ -254,7 +258,7 @@ class InvariantChecker:
         self._decisions += 1
         # The registry holds the queue too: walk all of it every few decisions only, so a
         # check stays O(running) and a long queue does not make every decision O(queue).
-        if self._decisions % _FULL_SCAN_EVERY and len(registry) > len(ledger.running):
+        if not full and self._decisions % _FULL_SCAN_EVERY:
             scan: Iterable[Entry] = ledger.running
         else:
             scan = registry
@@ -272,7 +276,7 @@ class InvariantChecker:
 
     def check(self) -> None:
         """Run every check now (the registry included) and :meth:`verify`."""
-        self._check("on demand", leases=True)
+        self._check("on demand", leases=True, full=True)
         self.verify()
 
     def verify(self) -> None:

@@ -43,6 +43,8 @@ KNOWN: dict[str, str] = {
     "__init__": "package",
     "_cli": "edges",
     "_demo": "edges",
+    # The pytest plugin and invariant checker for users' suites.
+    "testing": "edges",
     "_report": "edges",
 }
 
