@@ -59,6 +59,7 @@ class Ledger:
 
     def __init__(self, capacity: Capacity, policy: Policy, estimator: Estimator) -> None:
         self.policy = policy
+        self._may_admit = getattr(policy, "may_admit", None)
         self.estimator = estimator
         self.now = 0.0
         self.capacity = capacity
@@ -141,7 +142,7 @@ class Ledger:
         Asked by the policy when it knows (``may_admit``); otherwise always yes. Skipping
         the pass for an arrival that cannot start halves the passes of a saturated queue.
         """
-        check = getattr(self.policy, "may_admit", None)
+        check = self._may_admit
         return True if check is None else bool(check(self, entry))
 
     def step(self, now: float) -> Plan:

@@ -135,6 +135,7 @@ class Recorder:
         self._window = window
         self._max_kinds = max_kinds
         self._kinds: OrderedDict[str, _KindRecord] = OrderedDict()
+        self._last: str | None = None  # most recent kind: already at the LRU's end
 
     def record(
         self, kind: str, outcome: Outcome, queue: float, overhead: float, exec_: float
@@ -144,8 +145,9 @@ class Recorder:
             rec = self._kinds[kind] = _KindRecord(self._window)
             if len(self._kinds) > self._max_kinds:
                 self._kinds.popitem(last=False)
-        else:
+        elif self._last is not kind:
             self._kinds.move_to_end(kind)
+        self._last = kind
         rec.outcomes[outcome] += 1
         rec.queue.add(queue)
         if outcome is not Outcome.CANCELLED or exec_ > 0:
