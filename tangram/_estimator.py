@@ -97,6 +97,7 @@ class Estimator:
         self._max_kinds = max_kinds
         self._kinds: OrderedDict[str, _KindStats] = OrderedDict()
         self._cache: dict[str, Estimate] = {}
+        self._last: str | None = None  # most recent kind: already at the LRU's end
         self._mean_t1 = 0.0
         self._mean_weight = 0.0
 
@@ -113,8 +114,9 @@ class Estimator:
             if len(self._kinds) > self._max_kinds:
                 old, _ = self._kinds.popitem(last=False)
                 self._cache.pop(old, None)
-        else:
+        elif self._last is not kind:
             self._kinds.move_to_end(kind)
+        self._last = kind
         stats.add(1.0 / units, seconds, self._decay)
         # Refit on every sample while a kind is young, then on every 16th: at thousands of
         # completions a second, a refit per sample was 15% of an acquire/release cycle,

@@ -122,7 +122,8 @@ class Ledger:
         self._account(now)
         entry.unit_time += entry.units * (now - entry.mark)
         demand = entry.action.demand
-        self._change_units(entry, entry.units, 0, sign=-1)
+        if demand.elastic is not None:
+            self._change_units(entry, entry.units, 0, sign=-1)
         for kind, amount in demand.rigid:
             if kind in self.held:
                 self.held[kind] -= amount
@@ -148,7 +149,8 @@ class Ledger:
     def step(self, now: float) -> Plan:
         """Ask the policy what to do now and apply it."""
         self.now = now
-        self._refill(now)
+        if self.rates:
+            self._refill(now)
         plan = self.policy.plan(self)
         if plan.admits or plan.resizes:
             self._account(now)

@@ -151,9 +151,14 @@ class Recorder:
         rec.outcomes[outcome] += 1
         rec.queue.add(queue)
         if outcome is not Outcome.CANCELLED or exec_ > 0:
-            rec.overhead.add(overhead)
-            rec.exec.add(exec_)
-            rec.act.add(queue + overhead + exec_)
+            for series, value in (
+                (rec.overhead, overhead),
+                (rec.exec, exec_),
+                (rec.act, queue + overhead + exec_),
+            ):
+                series.recent.append(value)
+                series.count += 1
+                series.total += value
 
     def kinds(self) -> dict[str, KindStats]:
         return {
