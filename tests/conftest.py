@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
+import anyio.abc
 import anyio.lowlevel
 import pytest
 import trio.testing
@@ -76,3 +77,22 @@ def assert_consistent(runtime: tangram.Runtime) -> None:
     assert held_matches_grants(ledger)
     for name, held in ledger.held.items():
         assert held >= -1e-9, f"{name}: negative hold {held}"
+
+
+def held(runtime: tangram.Runtime, kind: str = "cpu") -> float:
+    return runtime.stats().resources[kind].held
+
+
+async def hold(runtime: tangram.Runtime, tg: anyio.abc.TaskGroup, **demand: object) -> anyio.Event:
+    """Start a task holding ``demand`` until the returned event is set."""
+    release = anyio.Event()
+    granted = anyio.Event()
+
+    async def holder() -> None:
+        async with runtime.acquire(kind="holder", estimate=100.0, **demand):
+            granted.set()
+            await release.wait()
+
+    tg.start_soon(holder)
+    await granted.wait()
+    return release

@@ -13,7 +13,7 @@ import random
 import anyio
 import anyio.abc
 import pytest
-from conftest import assert_consistent, assert_idle, wait_until
+from conftest import assert_consistent, assert_idle, held, hold, wait_until
 
 import tangram
 from tangram.errors import TangramError, WaitTimeoutError
@@ -23,25 +23,6 @@ pytestmark = pytest.mark.anyio
 
 class Interrupt(BaseException):
     """Stands in for KeyboardInterrupt: not an Exception, not a cancellation."""
-
-
-def held(runtime: tangram.Runtime, kind: str = "cpu") -> float:
-    return runtime.stats().resources[kind].held
-
-
-async def hold(runtime: tangram.Runtime, tg: anyio.abc.TaskGroup, **demand: object) -> anyio.Event:
-    """Start a task holding ``demand`` until the returned event is set."""
-    release = anyio.Event()
-    granted = anyio.Event()
-
-    async def holder() -> None:
-        async with runtime.acquire(kind="holder", estimate=100.0, **demand):
-            granted.set()
-            await release.wait()
-
-    tg.start_soon(holder)
-    await granted.wait()
-    return release
 
 
 async def test_cancel_while_waiting_leaves_the_queue_and_others_proceed() -> None:
