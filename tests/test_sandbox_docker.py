@@ -26,7 +26,13 @@ aiodocker = (
     pytest.importorskip("aiodocker") if not os.environ.get("CI") else __import__("aiodocker")
 )
 
-from tangram._docker import PARKED_QUOTA_US, PERIOD_US, DockerBackend, DockerConfig  # noqa: E402
+from tangram._docker import (  # noqa: E402
+    PARKED_QUOTA_US,
+    PERIOD_US,
+    DockerBackend,
+    DockerConfig,
+    docker_usable,
+)
 
 pytestmark = pytest.mark.anyio
 IMAGE = os.environ.get("TANGRAM_SANDBOX_IMAGE", "tangram-sandbox-test:latest")
@@ -41,18 +47,7 @@ def anyio_backend() -> str:
 
 
 async def _docker_ready() -> bool:
-    try:
-        client = aiodocker.Docker()
-    except Exception:
-        return False
-    try:
-        await client.system.info()
-        await client.images.inspect(IMAGE)
-    except Exception:
-        return False
-    finally:
-        await client.close()
-    return True
+    return await docker_usable(DockerConfig(image=IMAGE))
 
 
 @pytest.fixture
