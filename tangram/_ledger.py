@@ -202,6 +202,15 @@ class Ledger:
                 return False
         return True
 
+    def level(self, kind: str, now: float) -> float:
+        """A rate budget's level at ``now``, refilled since the last step, without changing it.
+
+        Budgets refill lazily, at each scheduling step; readers between steps (statistics,
+        an executor choosing a key) want the level as of now.
+        """
+        idle = max(0.0, now - self._refilled_at)
+        return min(self.bursts[kind], self.tokens[kind] + idle * self.rates[kind])
+
     def _refill(self, now: float) -> None:
         elapsed = now - self._refilled_at
         if elapsed > 0:

@@ -314,9 +314,7 @@ class _Key:
 
 def _level(runtime: Runtime, kind: str, now: float) -> float:
     """A rate budget's level now (the ledger refills lazily, at each scheduling step)."""
-    ledger = runtime._ledger
-    level = ledger.tokens[kind] + max(0.0, now - ledger._refilled_at) * ledger.rates[kind]
-    return min(level, ledger.bursts[kind])
+    return runtime._ledger.level(kind, now)
 
 
 def _retry_after(response: httpx.Response, now: float) -> float | None:

@@ -478,10 +478,7 @@ class Runtime:
 
 def _resource_stats(ledger: Ledger, name: str, res: Resource, now: float) -> ResourceStats:
     if name in ledger.rates:
-        # The budget as of now, refilled since the scheduler last looked (which may be long
-        # ago when nothing happened), without changing the ledger.
-        idle = max(0.0, now - ledger._refilled_at)
-        level = min(res.burst, ledger.tokens[name] + idle * ledger.rates[name])
+        level = ledger.level(name, now)
         return ResourceStats(res.total, res.burst - level, 1.0 - level / res.burst, 0.0, 0.0)
     held = ledger.held[name]
     return ResourceStats(
