@@ -542,6 +542,20 @@ def _loop_clock() -> tuple[Callable[[], float], type[BaseException], Callable[[]
     return anyio.current_time, cancelled, anyio.Event
 
 
+def _enter_current(scheduler: Any) -> contextvars.Token[Runtime]:
+    """Make ``scheduler`` what ``tangram.acquire`` reaches in this context.
+
+    For proxies with :class:`Runtime`'s ``acquire``/``run`` (``tangram.ray``'s remote
+    runtime): user code written against ``tangram.acquire`` then runs unchanged.
+    """
+    return _current.set(scheduler)
+
+
+def _exit_current(token: contextvars.Token[Runtime]) -> None:
+    with contextlib.suppress(ValueError):  # exited from another context: leave it alone
+        _current.reset(token)
+
+
 def current_runtime() -> Runtime:
     """The runtime of the innermost ``async with Runtime(...)`` around this task.
 
