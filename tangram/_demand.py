@@ -79,9 +79,11 @@ class Demand:
     rigid: tuple[tuple[str, float], ...]
     elastic_kind: str | None = None
     elastic: Elastic | None = None
+    # Read by every admission check of every pass: computed once, not per read.
+    minimum: tuple[tuple[str, float], ...] = attrs.field(init=False, eq=False, repr=False)
 
-    @property
-    def minimum(self) -> tuple[tuple[str, float], ...]:
+    @minimum.default
+    def _minimum(self) -> tuple[tuple[str, float], ...]:
         if self.elastic_kind is None or self.elastic is None:
             return self.rigid
         return (*self.rigid, (self.elastic_kind, float(self.elastic.min)))

@@ -20,35 +20,6 @@ __all__ = ["Ledger"]
 _GONE = 3
 
 
-class _Fifo:
-    """Arrival-ordered queue of waiting entries with O(1) removal from anywhere.
-
-    An :class:`~collections.OrderedDict` is a hash table threaded on a linked list, and
-    its iterator follows the list, so a pass that looks at the first ``window`` entries
-    costs ``window`` steps however many entries left from the middle before. (A deque with
-    lazy deletion, the earlier design, made every pass walk the dead entries left behind
-    by backfills and cancellations until a compaction: up to half the queue.)
-    """
-
-    __slots__ = ("_items",)
-
-    def __init__(self) -> None:
-        self._items: OrderedDict[Entry, None] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def append(self, entry: Entry) -> None:
-        self._items[entry] = None
-
-    def remove(self, entry: Entry) -> None:
-        """Take ``entry`` out (it left the WAITING state); a no-op when it is not queued."""
-        self._items.pop(entry, None)
-
-    def __iter__(self) -> Iterator[Entry]:
-        return iter(self._items)
-
-
 class Ledger:
     """State of one scheduler, changed only through its methods.
 
@@ -73,7 +44,13 @@ class Ledger:
         self.tokens: dict[str, float] = {}
         self.unit_seconds: dict[str, float] = {}
         self.peak: dict[str, float] = {}
-        self._queue = _Fifo()
+        # Waiting entries in arrival order. An OrderedDict is a hash table threaded on a
+        # linked list, and its iterator follows the list, so a pass that looks at the first
+        # ``window`` entries costs ``window`` steps however many entries left from the
+        # middle before (a deque with lazy deletion made every pass walk the dead entries
+        # left behind by backfills and cancellations until a compaction), and removal from
+        # anywhere is O(1).
+        self._queue: OrderedDict[Entry, None] = OrderedDict()
         self._running: dict[Entry, None] = {}
         self._resizable: dict[str, dict[Entry, None]] = {}
         self._seq = 0
@@ -104,14 +81,14 @@ class Ledger:
     def submit(self, action: Action, now: float) -> Entry:
         self._seq += 1
         entry = Entry(action, self._seq, now)
-        self._queue.append(entry)
+        self._queue[entry] = None
         return entry
 
     def withdraw(self, entry: Entry) -> None:
         """Take a waiting entry out of the queue (cancelled, timed out, impossible)."""
         if entry.state == WAITING:
             entry.state = _GONE
-            self._queue.remove(entry)
+            self._queue.pop(entry, None)
 
     def finish(
         self, entry: Entry, now: float, seconds: float | None = None, ok: bool = True
@@ -119,7 +96,8 @@ class Ledger:
         """Return a running entry's units; teach the estimator when the action succeeded."""
         if entry.state != RUNNING:
             return
-        self._account(now)
+        if now > self._accounted_at:
+            self._account(now)
         entry.unit_time += entry.units * (now - entry.mark)
         demand = entry.action.demand
         if demand.elastic is not None:
@@ -152,7 +130,7 @@ class Ledger:
         if self.rates:
             self._refill(now)
         plan = self.policy.plan(self)
-        if plan.admits or plan.resizes:
+        if (plan.admits or plan.resizes) and now > self._accounted_at:
             self._account(now)
         # Shrinks before grows and admissions: applied in the plan's order, a grow listed
         # before the shrink that makes room for it would briefly hold more than the
@@ -234,7 +212,7 @@ class Ledger:
                 self.held[kind] += amount
                 self.free[kind] -= amount
         entry.state = RUNNING
-        self._queue.remove(entry)
+        self._queue.pop(entry, None)
         entry.admitted_at = now
         entry.mark = now
         entry.rem = entry.t1

@@ -233,7 +233,10 @@ class _Scan:
         if self.tokens:
             return False
         surplus = self.surplus
-        return all(free + surplus.get(kind, 0.0) <= _EPS for kind, free in self.free.items())
+        for kind, free in self.free.items():  # noqa: SIM110 - all() adds a generator per pass
+            if free + surplus.get(kind, 0.0) > _EPS:
+                return False
+        return True
 
 
 def may_admit(state: State, entry: Entry) -> bool:
@@ -280,8 +283,7 @@ class ElasticPolicy:
     window: int = attrs.field(default=128, validator=_window)
     eviction_depth: int = attrs.field(default=4, validator=_count)
 
-    def may_admit(self, state: State, entry: Entry) -> bool:
-        return may_admit(state, entry)
+    may_admit = staticmethod(may_admit)
 
     def plan(self, state: State) -> Plan:
         now = state.now
@@ -602,8 +604,7 @@ class FcfsPolicy:
                 f"`dop` must be 'min', 'max' or a whole number >= 1 (got {self.dop!r})"
             )
 
-    def may_admit(self, state: State, entry: Entry) -> bool:
-        return may_admit(state, entry)
+    may_admit = staticmethod(may_admit)
 
     def units_for(self, entry: Entry, total: float) -> int:
         elastic = entry.action.demand.elastic

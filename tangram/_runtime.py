@@ -223,7 +223,7 @@ class Runtime:
             served, raised here, before anything is queued.
         """
         action = self._action(demand, amounts, kind, trajectory, estimate)
-        timeout = _check_seconds("wait_timeout", wait_timeout)
+        timeout = None if wait_timeout is None else _check_seconds("wait_timeout", wait_timeout)
         return AcquireContext(self, action, timeout)
 
     async def run(
@@ -270,7 +270,7 @@ class Runtime:
             raise DemandTypeError(f"`trajectory` must be a string or None (got {trajectory!r})")
         built = self._demand(amounts)
         # An infinite estimate would turn the policy's completion-time sums into NaN.
-        seconds = _check_seconds("estimate", estimate, finite=True)
+        seconds = None if estimate is None else _check_seconds("estimate", estimate, finite=True)
         if seconds is None:
             guess = self._estimator.predict(kind)
         else:
@@ -325,7 +325,7 @@ class Runtime:
             # loop iteration has queued, so a burst is split, not given to its first.
             self._defer()
         else:
-            self._reschedule()
+            self._reschedule(now)
         if entry.state == RUNNING:
             try:
                 await anyio.lowlevel.cancel_shielded_checkpoint()
@@ -376,17 +376,18 @@ class Runtime:
             self._ledger.finish(entry, now, exec_seconds, ok=outcome is Outcome.COMPLETED)
             if math.isnan(lease.admitted_at):
                 lease.admitted_at = entry.admitted_at
+            admitted = lease.admitted_at
             self._recorder.record(
                 entry.action.kind,
                 outcome,
-                lease.queue_seconds,
-                lease.overhead_seconds,
+                admitted - lease.queued_at,
+                lease.started_at - admitted,
                 exec_seconds,
             )
         else:
             self._ledger.withdraw(entry)
             self._recorder.record(entry.action.kind, outcome, now - lease.queued_at, 0.0, 0.0)
-        self._reschedule()
+        self._reschedule(now)
 
     def _defer(self) -> None:
         """Run the next pass from the timer task, after the tasks already ready to run."""
@@ -394,13 +395,13 @@ class Runtime:
             self._deferred = True
             self._poke.set()
 
-    def _reschedule(self) -> None:
+    def _reschedule(self, now: float | None = None) -> None:
         if self._state is not _State.RUNNING or self._planning:
             return
         self._planning = True
         try:
             started = time.perf_counter()
-            plan = self._ledger.step(self._now())
+            plan = self._ledger.step(self._now() if now is None else now)
             self._decisions += 1
             self._decision_seconds += time.perf_counter() - started
         finally:
@@ -581,7 +582,10 @@ def acquire(
     **amounts: object,
 ) -> AcquireContext:
     """``current_runtime().acquire(...)``: see :meth:`Runtime.acquire`."""
-    return current_runtime().acquire(
+    runtime = _current.get(None)
+    if runtime is None:
+        runtime = current_runtime()  # raises the explanation
+    return runtime.acquire(
         demand,
         kind=kind,
         trajectory=trajectory,
