@@ -331,6 +331,56 @@ async def test_several_hosts_form_one_pool(docker: None) -> None:
             assert [r.stdout for r in results] == [b"a\n", b"b\n"]
 
 
+@contextlib.asynccontextmanager
+async def docker_over_tcp() -> AsyncIterator[str]:
+    """The local daemon's API on a loopback TCP port, as ``tcp://127.0.0.1:PORT``.
+
+    A remote ``dockerd -H tcp://...`` cannot exist on this one machine; the daemon behind
+    the port is the real one, so the pool talks the Engine API over TCP exactly as it
+    would to another host (and, the URL not being local, never writes its cgroup files).
+    """
+
+    async def pipe(source: anyio.abc.ByteReceiveStream, sink: anyio.abc.ByteSendStream) -> None:
+        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+            async for chunk in source:
+                await sink.send(chunk)
+        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+            await sink.aclose()
+
+    async def forward(client: anyio.abc.SocketStream) -> None:
+        daemon = await anyio.connect_unix("/var/run/docker.sock")
+        async with client, daemon, anyio.create_task_group() as tg:
+            tg.start_soon(pipe, client, daemon)
+            tg.start_soon(pipe, daemon, client)
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, forward)
+        yield f"tcp://127.0.0.1:{port}"
+        tg.cancel_scope.cancel()
+
+
+async def test_a_tcp_host_and_the_local_socket_form_one_pool(docker: None) -> None:
+    async with docker_over_tcp() as url:
+        backend = DockerBackend(["unix:///var/run/docker.sock", url], config=config())
+        async with SandboxPool(backend) as pool:
+            capacity = pool.capacity()
+            assert set(capacity) == {"cpu@h0", "cpu@h1"}
+            async with tangram.Runtime(capacity=capacity) as runtime:
+                sandboxes = [pool.sandbox(name) for name in ("a", "b")]
+                async with sandboxes[0] as a, sandboxes[1] as b:
+                    remote = a if a.host.name == "h1" else b
+                    assert {a.host.name, b.host.name} == {"h0", "h1"}
+                    assert not remote._handle.fast_path  # type: ignore[attr-defined]
+                    result = await remote.run(f"cat {QUOTA_FILES} 2>/dev/null; nproc", cpu=1)
+                    lines = result.stdout.decode().split()
+                    assert result.ok, result
+                    assert quota_of(lines[0]) == PERIOD_US and int(lines[-1]) == 1
+                    await eventually(lambda: docker_quota_is(remote, PARKED_QUOTA_US))
+                assert runtime.stats().resources["cpu@h1"].held == 0
+
+
 def test_image_builds_without_a_registry() -> None:
     # The builder only reads this machine's files; a syntax check keeps it honest offline.
     subprocess.run(
