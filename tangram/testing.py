@@ -10,12 +10,23 @@ at the decision that caused it, not when a later test happens to trip over it.
 
 :func:`check_idle` says a runtime is back at rest: nothing held, waiting or leased.
 
+In-memory executors let a unit test drive rollout code written against the real pools
+with no process, container, GPU or model: :class:`MemoryBackend` for
+:class:`tangram.SandboxPool` and :class:`MemoryModelService` for ``tangram.gpu.GpuPool``.
+They record what they were asked (cores applied, files, restores and evictions) for the
+test to assert on; the scheduling path through the runtime is the real one.
+
 The pytest plugin (this module; enable it with ``pytest_plugins = ["tangram.testing"]``
 in a ``conftest.py``, or let the ``tangram`` entry point load it) gives async tests::
 
     async def test_rollout(tangram_runtime):
         async with tangram_runtime(capacity={"cpu": 4}) as runtime:
             ...  # every decision of this runtime is checked; at the end it must be idle
+
+    async def test_tool(tangram_sandboxes):
+        async with tangram_sandboxes(cores=4) as pool:   # a checked runtime around it
+            async with pool.sandbox("traj-0") as sbx:
+                await sbx.run("pytest -q", cpu=tangram.Elastic(1, 4))
 
 pytest is imported only if it is installed: the checker works without it.
 """
@@ -29,8 +40,10 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ._ledger import held_matches_grants
+from ._memory import Applied, Handler, MemoryBackend, MemoryModelService, MemorySandbox
 from ._policy import RUNNING, WAITING
 from ._runtime import Runtime
+from ._sandbox import SandboxPool
 
 if TYPE_CHECKING:
     from ._action import Action
@@ -38,11 +51,16 @@ if TYPE_CHECKING:
     from ._policy import Entry
 
 __all__ = [
+    "Applied",
     "InvariantChecker",
     "InvariantViolation",
+    "MemoryBackend",
+    "MemoryModelService",
+    "MemorySandbox",
     "check_idle",
     "checked_runtime",
     "checker_of",
+    "memory_sandboxes",
 ]
 
 _EPS = 1e-6
@@ -347,6 +365,22 @@ async def checked_runtime(capacity: Mapping[str, object], **kwargs: Any) -> Asyn
     checker.verify()
 
 
+@contextlib.asynccontextmanager
+async def memory_sandboxes(
+    handler: Handler | None = None, *, cores: int = 4, **kwargs: Any
+) -> AsyncIterator[SandboxPool]:
+    """A :class:`tangram.SandboxPool` over a :class:`MemoryBackend`, in a checked runtime.
+
+    The runtime gets the pool's capacity (and ``kwargs``); the backend is
+    ``pool.backend``, its sandboxes ``pool.backend.sandboxes``.
+    """
+    async with (
+        SandboxPool(MemoryBackend(handler, cores=cores)) as pool,
+        checked_runtime(pool.capacity(), **kwargs),
+    ):
+        yield pool
+
+
 try:
     import pytest as _pytest
 except ImportError:  # pragma: no cover - the checker works without pytest
@@ -368,6 +402,12 @@ if _pytest is not None:
             return checked_runtime(capacity, **kwargs)
 
         return factory
+
+    @_pytest.fixture
+    def tangram_sandboxes() -> Callable[..., contextlib.AbstractAsyncContextManager[SandboxPool]]:
+        """A factory of in-memory sandbox pools in checked runtimes: see
+        :func:`memory_sandboxes`."""
+        return memory_sandboxes
 
     @_pytest.fixture
     def tangram_invariants() -> Iterator[Callable[[Runtime], InvariantChecker]]:

@@ -45,6 +45,8 @@ KNOWN: dict[str, str] = {
     "_demo": "edges",
     # The pytest plugin and invariant checker for users' suites.
     "testing": "edges",
+    # In-memory sandbox backend and model service for users' tests (testing re-exports).
+    "_memory": "executors",
     "_report": "edges",
 }
 

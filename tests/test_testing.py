@@ -190,6 +190,14 @@ def test_the_pytest_plugin_gives_checked_runtimes(pytester: pytest.Pytester) -> 
                 async with tangram_runtime(capacity={"cpu": 2}) as rt:
                     await rt.acquire(cpu=1).__aenter__()
 
+            async def test_sandboxes_in_memory(tangram_sandboxes):
+                import tangram
+                async with tangram_sandboxes(cores=2) as pool:
+                    async with pool.sandbox("t") as sbx:
+                        result = await sbx.run("pytest", cpu=tangram.Elastic(1, 2))
+                    assert result.ok and result.units == 2
+                    assert pool.backend.sandboxes[0].requests[0].cores == result.cores
+
             async def test_corrupts(tangram_invariants):
                 import tangram
                 async with tangram.Runtime({"cpu": 2}) as rt:
@@ -201,7 +209,7 @@ def test_the_pytest_plugin_gives_checked_runtimes(pytester: pytest.Pytester) -> 
         )
     )
     result = pytester.runpytest("-q")
-    result.assert_outcomes(passed=2, failed=1, errors=1)
+    result.assert_outcomes(passed=3, failed=1, errors=1)
     output = result.stdout.str()
     assert "runtime not idle: 'cpu' still holds 1 units" in output
     assert "ERROR at teardown of test_corrupts" in output and "sum of live grants" in output
