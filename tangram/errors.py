@@ -18,9 +18,10 @@ already catch, so ``except ValueError`` around a bad demand keeps working::
     │   └── GpuPoolClosedError (RuntimeError)  your code used the pool outside its block
     ├── QuotaDeadlineError (TimeoutError)    an API request cannot be sent before its deadline
     ├── TraceFormatError (ValueError)        a malformed tangram-trace/1 line (``.line``)
-    └── SandboxError                         a CPU sandbox could not run the action
-        ├── SandboxBrokenError (RuntimeError)  it died (an outside cause, see ``__cause__``)
-        └── SandboxClosedError (RuntimeError)  your code used it after it closed
+    ├── SandboxError                         a CPU sandbox could not run the action
+    │   ├── SandboxBrokenError (RuntimeError)  it died (an outside cause, see ``__cause__``)
+    │   └── SandboxClosedError (RuntimeError)  your code used it after it closed
+    └── SchedulerUnavailableError (RuntimeError)  the shared Ray scheduler cannot serve you
 
 Bad arguments fail at the call that made them, before anything is queued: a demand that
 cannot be served never waits in the queue to fail later.
@@ -43,6 +44,7 @@ __all__ = [
     "SandboxBrokenError",
     "SandboxClosedError",
     "SandboxError",
+    "SchedulerUnavailableError",
     "TangramError",
     "TraceFormatError",
     "UnknownResourceError",
@@ -159,6 +161,16 @@ class SandboxBrokenError(SandboxError, RuntimeError):
 
 class SandboxClosedError(SandboxError, RuntimeError):
     """The sandbox or pool was used after it closed (a mistake in the calling code)."""
+
+
+class SchedulerUnavailableError(TangramError, RuntimeError):
+    """The shared scheduler could not serve this process: not created yet, it died, or
+    it dropped this process's waiting request after heartbeats stopped for longer than
+    the lease timeout.
+
+    An outside cause (detail in ``__cause__`` when Ray raised one). Leases held when it
+    happened stay usable until their block ends; their releases change nothing.
+    """
 
 
 for _name in __all__:
