@@ -6,10 +6,16 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint docs bench clean
 
-$(STAMP): pyproject.toml
+ADAPTER_REQS := adapters/requirements.txt adapters/requirements-nodeps.txt
+
+# verl and OpenRLHF are installed without their dependencies (vLLM, flash-attn, DeepSpeed
+# and CUDA builds, which pip extras cannot leave out): see adapters/requirements.txt.
+$(STAMP): pyproject.toml $(ADAPTER_REQS)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -r adapters/requirements.txt
+	$(BIN)/python -m pip install -q --no-deps -r adapters/requirements-nodeps.txt
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -9,6 +9,7 @@ already catch, so ``except ValueError`` around a bad demand keeps working::
     │   ├── UnknownResourceError (LookupError)  names a resource the runtime lacks
     │   └── CapacityExceededError            asks for more than the whole capacity
     ├── InvalidCapacityError (ValueError)    a capacity or setting that makes no sense
+    ├── ConfigError (ValueError)             a config file that cannot be read or is impossible
     ├── WaitTimeoutError (TimeoutError)      queued for longer than ``wait_timeout``
     ├── RuntimeClosedError (RuntimeError)    your code used a runtime that is not running
     ├── NoCurrentRuntimeError (RuntimeError) ``tangram.acquire`` outside ``async with runtime``
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 __all__ = [
     "CapacityExceededError",
+    "ConfigError",
     "DemandTypeError",
     "GpuError",
     "GpuOutOfMemoryError",
@@ -170,6 +172,13 @@ class SchedulerUnavailableError(TangramError, RuntimeError):
 
     An outside cause (detail in ``__cause__`` when Ray raised one). Leases held when it
     happened stay usable until their block ends; their releases change nothing.
+    """
+
+
+class ConfigError(TangramError, ValueError):
+    """A tangram config file that cannot be read or says something impossible.
+
+    The message names the file and the key, so the worker process that failed says why.
     """
 
 

@@ -47,6 +47,13 @@ KNOWN: dict[str, str] = {
     "testing": "edges",
     # In-memory sandbox backend and model service for users' tests (testing re-exports).
     "_memory": "executors",
+    # The config file reads capacities, pools and the Ray mode: it builds on everything.
+    "_config": "edges",
+    "config": "edges",
+    "_doctor": "edges",
+    # The simulator's GPU residency model and the live runtime's trace recorder.
+    "_sim_gpu": "runtime",
+    "_record": "runtime",
     "_report": "edges",
 }
 

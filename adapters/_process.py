@@ -1,0 +1,324 @@
+"""One tangram scheduler per process and event loop, started on first use.
+
+verl and OpenRLHF build tools, reward managers and agent executors themselves, in worker
+processes tangram never sees start, and call them from whichever event loop is running
+there (verl's agent-loop workers, its reward loop, vLLM's engine loop, worker threads with
+loops of their own). So the adapters cannot be handed a runtime: each call asks
+:func:`session` for one. The first call on a loop starts, *in a task of that loop*, the
+scheduler the config names plus the pools it declares (sandboxes, GPU services, API
+quotas); later calls on the same loop reuse them. A new loop gets its own: a runtime is
+bound to the loop it was entered in, and using it from another would race its state.
+
+The scheduler lives in its own task (not the caller's) because a runtime's ``async with``
+must end in the task that entered it, and the first caller, a single tool call, ends long
+before the process does. It stops when its loop's ``asyncio.run`` cancels leftover
+tasks, at interpreter exit for loops still running in other threads, or at :func:`aclose`.
+
+Per-process limits: with ``mode = "local"`` each process (and each loop in it) has its
+own scheduler, so ``cpu = 8`` means 8 per process. ``mode = "ray"`` shares one scheduler
+between every worker; use it when a limit must hold across processes (an API's rate).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import contextlib
+import importlib
+import os
+import threading
+import weakref
+from collections.abc import AsyncIterator, Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+import tangram
+from tangram import config as tangram_config
+from tangram._runtime import _enter_current, _exit_current
+
+__all__ = ["Resources", "aclose", "config_for", "load_object", "portal_call", "session"]
+
+
+@attrs.frozen
+class Resources:
+    """What one loop's scheduler serves: the scheduler and the pools the config declared."""
+
+    scheduler: Any
+    config: tangram_config.Config
+    sandboxes: tangram.SandboxPool | None = None
+    gpu: Any = None  # tangram.gpu.GpuPool; typed loosely so torch stays an optional import
+    quotas: Mapping[str, Any] = attrs.field(factory=dict)
+
+    def sandbox_pool(self) -> tangram.SandboxPool:
+        if self.sandboxes is None:
+            raise tangram_config.ConfigError(
+                f"{self.config.source or 'the tangram config'} has no [sandbox] table"
+            )
+        return self.sandboxes
+
+    def gpu_pool(self) -> Any:
+        if self.gpu is None:
+            raise tangram_config.ConfigError(
+                f"{self.config.source or 'the tangram config'} has no [gpu] table"
+            )
+        return self.gpu
+
+    def quota(self, name: str) -> Any:
+        try:
+            return self.quotas[name]
+        except KeyError:
+            raise tangram_config.ConfigError(
+                f"{self.config.source or 'the tangram config'} has no [quota.{name}] "
+                f"(have {sorted(self.quotas)})"
+            ) from None
+
+
+class _Hosted:
+    """The scheduler task of one (config, loop) and the way to stop it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.ready: asyncio.Future[Resources] = loop.create_future()
+        self.stop = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
+
+
+_lock = threading.Lock()
+_configs: dict[str, tangram_config.Config] = {}
+_hosted: dict[str, weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Hosted]] = {}
+
+
+def _key(path: str | os.PathLike[str] | None) -> str:
+    if path is None:
+        named = os.environ.get(tangram_config.ENV_VAR)
+        if not named:
+            raise tangram_config.ConfigError(
+                f"no tangram config: set ${tangram_config.ENV_VAR} or name one in the "
+                "adapter's settings (`tangram_config`)"
+            )
+        path = named
+    return str(Path(path).resolve())
+
+
+def config_for(path: str | os.PathLike[str] | None = None) -> tangram_config.Config:
+    """The config at ``path`` (default ``$TANGRAM_CONFIG``), read once per process."""
+    key = _key(path)
+    with _lock:
+        found = _configs.get(key)
+    if found is None:
+        found = tangram_config.load(key)
+        with _lock:
+            found = _configs.setdefault(key, found)
+    return found
+
+
+def load_object(spec: str) -> Any:
+    """``"package.module:name"`` -> the object (a config names factories this way)."""
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise tangram_config.ConfigError(f"expected 'module:name' (got {spec!r})")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise tangram_config.ConfigError(f"cannot load {spec!r}: {exc}") from exc
+
+
+async def _resources(path: str | os.PathLike[str] | None) -> Resources:
+    key = _key(path)
+    config = config_for(key)
+    loop = asyncio.get_running_loop()
+    with _lock:
+        per_loop = _hosted.setdefault(key, weakref.WeakKeyDictionary())
+        hosted = per_loop.get(loop)
+        if hosted is None or (hosted.task is not None and hosted.task.done()):
+            hosted = _Hosted(loop)
+            per_loop[loop] = hosted
+            hosted.task = loop.create_task(_host(config, hosted), name=f"tangram:{key}")
+    try:
+        # Shielded: a caller cancelled while the scheduler starts must not cancel the start
+        # for the other callers waiting on it.
+        return await asyncio.shield(hosted.ready)
+    except Exception:
+        with _lock:
+            if per_loop.get(loop) is hosted:
+                del per_loop[loop]  # a failed start is retried by the next call
+        raise
+
+
+async def _host(config: tangram_config.Config, hosted: _Hosted) -> None:
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            resources = await _open(config, stack)
+            hosted.ready.set_result(resources)
+            await hosted.stop.wait()
+    except Exception as exc:
+        if hosted.ready.done():
+            raise
+        hosted.ready.set_exception(exc)  # every waiting caller sees why it did not start
+    except BaseException:
+        if not hosted.ready.done():
+            hosted.ready.cancel()
+        raise
+
+
+async def _open(config: tangram_config.Config, stack: contextlib.AsyncExitStack) -> Resources:
+    capacity: dict[str, object] = {}
+    sandboxes = None
+    if config.sandbox is not None:
+        sandboxes = await stack.enter_async_context(_sandbox_pool(config.sandbox))
+        capacity.update(sandboxes.capacity())
+    gpu = None
+    if config.gpu is not None:
+        gpu = await stack.enter_async_context(_gpu_pool(config.gpu))
+        capacity.update(gpu.capacity())
+    quotas: dict[str, Any] = {}
+    if config.quotas:
+        from tangram import quota as tangram_quota
+
+        for q in config.quotas:
+            try:
+                keys = [tangram_quota.ApiKey(**k) for k in q.keys]
+                quotas[q.name] = tangram_quota.Quota(keys, name=q.name, **q.options)
+            except (TypeError, ValueError) as exc:
+                raise tangram_config.ConfigError(f"[quota.{q.name}]: {exc}") from exc
+            capacity.update(quotas[q.name].capacity())
+    scheduler = await stack.enter_async_context(
+        tangram_config.open_scheduler(config, capacity=capacity)
+    )
+    return Resources(scheduler, config, sandboxes, gpu, quotas)
+
+
+def _sandbox_pool(sandbox: tangram_config.SandboxConfig) -> tangram.SandboxPool:
+    backend: tangram.SandboxBackend
+    try:
+        if sandbox.backend == "docker":
+            options = dict(sandbox.options)
+            if sandbox.image is not None:
+                options["image"] = sandbox.image
+            backend = tangram.DockerBackend(config=tangram.DockerConfig(**options))
+        else:
+            backend = tangram.LocalBackend(**sandbox.options)
+    except (TypeError, ValueError) as exc:
+        raise tangram_config.ConfigError(f"[sandbox]: {exc}") from exc
+    extra: dict[str, Any] = {} if sandbox.timeout is None else {"timeout": sandbox.timeout}
+    return tangram.SandboxPool(backend, warm=sandbox.warm, **extra)
+
+
+def _gpu_pool(gpu_config: tangram_config.GpuConfig) -> Any:
+    from tangram import gpu
+
+    try:
+        services = [
+            gpu.TorchService(s.name, load_object(s.factory), memory=s.memory, **dict(s.options))
+            for s in gpu_config.services
+        ]
+        devices = [gpu.Device(name, memory=memory) for name, memory in gpu_config.devices.items()]
+    except (TypeError, ValueError) as exc:
+        raise tangram_config.ConfigError(f"[gpu]: {exc}") from exc
+    return gpu.GpuPool(services, devices=devices or None)
+
+
+@contextlib.asynccontextmanager
+async def session(path: str | os.PathLike[str] | None = None) -> AsyncIterator[Resources]:
+    """This loop's scheduler and pools, with the scheduler current inside the block.
+
+    ``tangram.acquire`` (and pools that acquire from the current runtime) reach it, so a
+    framework tool's own code can use tangram without being handed anything.
+
+    :raises ConfigError: no config, or one that cannot start.
+    """
+    resources = await _resources(path)
+    token = _enter_current(resources.scheduler)
+    try:
+        yield resources
+    finally:
+        _exit_current(token)
+
+
+async def aclose(path: str | os.PathLike[str] | None = None) -> None:
+    """Stop this loop's scheduler for ``path`` (all configs when ``None``) and wait for it."""
+    loop = asyncio.get_running_loop()
+    keys = [_key(path)] if path is not None else None
+    with _lock:
+        targets = [
+            per_loop.pop(loop)
+            for key, per_loop in _hosted.items()
+            if (keys is None or key in keys) and loop in per_loop
+        ]
+    for hosted in targets:
+        hosted.stop.set()
+        if hosted.task is not None:
+            with contextlib.suppress(Exception):
+                await hosted.task
+
+
+def _stop_at_exit() -> None:
+    """Stop schedulers whose loops still run in other threads (their pools' sandboxes)."""
+    with _lock:
+        everything = [h for per_loop in _hosted.values() for h in list(per_loop.values())]
+    waits = []
+    for hosted in everything:
+        loop = hosted.loop
+        if loop.is_closed() or not loop.is_running() or hosted.task is None:
+            continue
+
+        async def stop(h: _Hosted = hosted) -> None:
+            h.stop.set()
+            if h.task is not None:
+                with contextlib.suppress(BaseException):
+                    await h.task
+
+        with contextlib.suppress(RuntimeError):
+            waits.append(asyncio.run_coroutine_threadsafe(stop(), loop))
+    if waits:
+        concurrent.futures.wait(waits, timeout=10)
+
+
+atexit.register(_stop_at_exit)
+
+
+# -- callers without a loop ----------------------------------------------------------------
+
+_portal_lock = threading.Lock()
+_portal: Any = None
+_portal_cm: Any = None
+
+
+def portal_call(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run ``await fn(*args)`` on this process's tangram loop thread, from a plain thread.
+
+    For synchronous hooks a framework calls from a worker thread (OpenRLHF's
+    ``reward_func``): blocking that thread is what the framework expects, and the
+    scheduler lives on one loop of its own, started on first use and stopped at exit.
+    Never call it from a running event loop: it would block that loop.
+    """
+    global _portal, _portal_cm
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        raise RuntimeError("portal_call blocks: call it from a thread without a running loop")
+    with _portal_lock:
+        if _portal is None:
+            from anyio.from_thread import start_blocking_portal
+
+            _portal_cm = start_blocking_portal("asyncio")
+            _portal = _portal_cm.__enter__()
+            atexit.register(_close_portal)
+    return _portal.call(fn, *args)
+
+
+def _close_portal() -> None:
+    global _portal, _portal_cm
+    with _portal_lock:
+        portal, cm = _portal, _portal_cm
+        _portal = _portal_cm = None
+    if portal is None:
+        return
+    with contextlib.suppress(Exception):
+        portal.call(aclose)
+    cm.__exit__(None, None, None)

@@ -1,0 +1,176 @@
+"""An OpenRLHF agent whose tool calls and reward run through tangram.
+
+Pass this file to OpenRLHF: ``--train.agent_func_path $(python -c "import
+adapters.openrlhf.agent as m; print(m.__file__)")``. OpenRLHF loads it by path, builds
+``AgentExecutor()`` with no arguments in each vLLM engine actor and calls ``execute`` on
+the engine's event loop, one ``AgentInstance()`` per prompt. So configuration comes from
+the tangram config named by ``$TANGRAM_CONFIG`` (set it in the Ray job's runtime
+environment), table ``[adapters.openrlhf]``:
+
+- ``max_turns`` (4): model turns before the episode ends;
+- ``cpu`` (1, or ``{min, max}``), ``timeout``, ``kind`` (``"run_code"``): each tool call;
+- ``reward`` (``"tests"``): run the answer's code followed by the label (assertions) in
+  the trajectory's sandbox and score 1.0 when it exits 0; or ``"pkg.mod:fn"``, awaited as
+  ``fn(action_text, label, sandbox)`` with the trajectory's :class:`tangram.Sandbox`;
+- ``feedback``: the text appended after a tool call, ``{output}`` standing for its output.
+
+A tool call is written as verl and Qwen write them:
+``<tool_call>{"name": "run_code", "arguments": {"code": "..."}}</tool_call>``. Every step
+awaits: sandbox work runs in tangram's worker threads and subprocesses, never on vLLM's
+loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import weakref
+from typing import Any
+
+import torch
+from openrlhf.utils.agent import (  # type: ignore[import-untyped]
+    AgentInstanceBase,
+    MultiTurnAgentExecutor,
+)
+
+import tangram
+from adapters import _process
+from adapters._common import cpu_demand, extract_code, format_result, release_later
+from tangram.config import ConfigError
+
+__all__ = ["AgentExecutor", "AgentInstance", "parse_tool_calls"]
+
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_SETTINGS = {"max_turns", "cpu", "timeout", "kind", "reward", "feedback", "tangram_config"}
+DEFAULT_FEEDBACK = "\n<tool_response>\n{output}</tool_response>\n"
+
+
+def parse_tool_calls(text: str) -> list[dict[str, Any]]:
+    """The ``<tool_call>`` JSON objects of a model turn; malformed ones are skipped."""
+    calls = []
+    for body in _TOOL_CALL.findall(text):
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(call, dict) and isinstance(call.get("arguments"), dict):
+            calls.append(call)
+    return calls
+
+
+def _settings() -> dict[str, Any]:
+    config = _process.config_for(None)
+    table = dict(config.adapters.get("openrlhf", {}))
+    unknown = sorted(set(table) - _SETTINGS)
+    if unknown:
+        raise ConfigError(f"[adapters.openrlhf]: unknown key(s) {unknown}")
+    return table
+
+
+class AgentInstance(AgentInstanceBase):  # type: ignore[misc]
+    """One prompt's episode: a sandbox bound to it from ``reset`` until the episode ends."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        settings = _settings()
+        self.config_path: str | None = settings.get("tangram_config")
+        self.max_turns = int(settings.get("max_turns", 4))
+        self.cpu = cpu_demand(settings.get("cpu", 1), "[adapters.openrlhf]")
+        self.timeout: float | None = settings.get("timeout")
+        self.kind: str = settings.get("kind", "run_code")
+        self.reward: str = settings.get("reward", "tests")
+        self.feedback: str = settings.get("feedback", DEFAULT_FEEDBACK)
+        self.turns = 0
+        self.tool_calls = 0
+        self.last_code: str | None = None
+        self._block: Any = None
+        self._sandbox: tangram.Sandbox | None = None
+        self._finalizer: weakref.finalize[Any, AgentInstance] | None = None
+
+    async def reset(self, states: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        async with _process.session(self.config_path) as resources:
+            self._block = resources.sandbox_pool().sandbox(f"openrlhf-{id(self):x}")
+            self._sandbox = await self._block.__aenter__()
+        self._finalizer = weakref.finalize(
+            self, release_later, asyncio.get_running_loop(), self._block
+        )
+        return {"observation": states["observation"]}
+
+    async def step(self, states: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        action: str = states["action_text"]
+        self.turns += 1
+        calls = parse_tool_calls(action)
+        if calls and self.turns < self.max_turns:
+            outputs = []
+            for call in calls:
+                code = call["arguments"].get("code")
+                if not isinstance(code, str):
+                    outputs.append("`code` must be a string\n")
+                    continue
+                self.last_code = code
+                self.tool_calls += 1
+                result = await self._run(code)
+                outputs.append(format_result(result))
+            return {
+                "rewards": torch.tensor(0.0),
+                "scores": torch.tensor(0.0),
+                "environment_feedback": "".join(self.feedback.format(output=o) for o in outputs),
+                "done": False,
+                "sampling_params": states.get("sampling_params"),
+                "extra_logs": self._logs(),
+            }
+        try:
+            reward = await self._score(action, states.get("label"))
+        finally:
+            await self._release()
+        return {
+            "rewards": torch.tensor(reward),
+            "scores": torch.tensor(reward),
+            "environment_feedback": "",
+            "done": True,
+            "sampling_params": states.get("sampling_params"),
+            "extra_logs": self._logs(),
+        }
+
+    def _logs(self) -> dict[str, float]:
+        # The same keys on every step: OpenRLHF stacks the last step's logs across samples.
+        return {"turns": float(self.turns), "tool_calls": float(self.tool_calls)}
+
+    async def _run(self, code: str) -> tangram.RunResult:
+        if self._sandbox is None:
+            raise RuntimeError("step() before reset(): the episode has no sandbox")
+        async with _process.session(self.config_path):
+            return await self._sandbox.run(
+                code=code, cpu=self.cpu, timeout=self.timeout, kind=self.kind
+            )
+
+    async def _score(self, action: str, label: Any) -> float:
+        if self.reward == "tests":
+            code = extract_code(action) or self.last_code
+            if code is None or self._sandbox is None:
+                return 0.0
+            async with _process.session(self.config_path):
+                result = await self._sandbox.run(
+                    code=f"{code}\n\n{label or ''}\n",
+                    cpu=self.cpu,
+                    timeout=self.timeout,
+                    kind="reward",
+                )
+            return 1.0 if result.exit_code == 0 and not result.timed_out else 0.0
+        fn = _process.load_object(self.reward)
+        async with _process.session(self.config_path):
+            return float(await fn(action, label, self._sandbox))
+
+    async def _release(self) -> None:
+        block, self._block, self._sandbox = self._block, None, None
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        if block is not None:
+            await block.__aexit__(None, None, None)
+
+
+class AgentExecutor(MultiTurnAgentExecutor):  # type: ignore[misc]
+    """What ``--train.agent_func_path`` loads: built with no arguments, as OpenRLHF does."""
+
+    def __init__(self) -> None:
+        super().__init__(AgentInstance)

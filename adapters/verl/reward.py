@@ -1,0 +1,164 @@
+"""verl rewards scored through tangram: a GPU model service or an API judge under a quota.
+
+Two entry points, both read by verl by path:
+
+- :func:`compute_score`, an async ``custom_reward_function``
+  (``reward.custom_reward_function.path=<this file>``, ``name=compute_score``): verl's
+  reward manager awaits it once per sample, on its reward loop.
+- :class:`TangramRewardManager`, a reward manager
+  (``reward.reward_manager.source=importlib``, ``module.path=<this file>``,
+  ``name=TangramRewardManager``): decodes each response as verl's naive manager does and
+  scores it the same way; a synchronous ``custom_reward_function`` given with it runs in
+  a worker thread under a tangram CPU grant instead of verl's unbounded default executor.
+
+Where to score comes from ``[adapters.verl.reward]`` in the tangram config, overridden by
+``reward_kwargs``:
+
+- ``service = "judge"`` and ``encode = "pkg.mod:fn"``: ``fn(solution_str, ground_truth,
+  data_source=..., extra_info=...)`` turns a sample into one input row (a tensor of shape
+  ``[1, ...]``); the service (``[[gpu.services]]``) scores rows from every sample waiting
+  as one batch, restored onto a device only while some sample needs it. The score is the
+  first element of the sample's output row.
+- ``quota = "judge"`` and ``judge = "pkg.mod:fn"``: ``await fn(client, solution_str,
+  ground_truth, data_source=..., extra_info=...)`` with ``client`` an
+  ``httpx.AsyncClient`` whose requests go through ``[quota.judge]``'s keys and limits.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import anyio.to_thread
+from verl import DataProto
+from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
+from verl.utils.reward_score import default_compute_score
+
+import tangram
+from adapters import _process
+from tangram.config import ConfigError
+
+__all__ = ["TangramRewardManager", "compute_score"]
+
+_SETTINGS = {"tangram_config", "service", "encode", "quota", "judge", "base_url", "cpu"}
+
+
+def _settings(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    path = overrides.get("tangram_config")
+    config = _process.config_for(path)
+    table = config.adapters.get("verl", {}).get("reward", {})
+    settings = {**table, **{k: v for k, v in overrides.items() if k in _SETTINGS}}
+    unknown = sorted(set(table) - _SETTINGS)
+    if unknown:
+        raise ConfigError(f"[adapters.verl.reward]: unknown key(s) {unknown}")
+    settings["tangram_config"] = path
+    return settings
+
+
+async def score(
+    settings: Mapping[str, Any],
+    solution_str: str,
+    ground_truth: Any,
+    *,
+    data_source: Any = None,
+    extra_info: Any = None,
+) -> float:
+    """One sample's score through the service or the judge the settings name."""
+    info = {"data_source": data_source, "extra_info": extra_info}
+    async with _process.session(settings.get("tangram_config")) as resources:
+        if "service" in settings:
+            encode = _process.load_object(settings.get("encode", ""))
+            row = encode(solution_str, ground_truth, **info)
+            async with resources.gpu_pool().use(settings["service"]) as service:
+                output = await service(row)
+            return float(output.reshape(-1)[0])
+        if "quota" in settings:
+            judge = _process.load_object(settings.get("judge", ""))
+            quota = resources.quota(settings["quota"])
+            options = {"base_url": settings["base_url"]} if "base_url" in settings else {}
+            async with quota.client(**options) as client:
+                return float(await judge(client, solution_str, ground_truth, **info))
+    raise ConfigError("[adapters.verl.reward] needs `service` (GPU) or `quota` (API judge)")
+
+
+async def compute_score(
+    data_source: Any,
+    solution_str: str,
+    ground_truth: Any,
+    extra_info: Any = None,
+    **reward_kwargs: Any,
+) -> float:
+    """verl's ``custom_reward_function``, async: scores through tangram (see the module)."""
+    settings = _settings(reward_kwargs)
+    return await score(
+        settings, solution_str, ground_truth, data_source=data_source, extra_info=extra_info
+    )
+
+
+class TangramRewardManager(RewardManagerBase):
+    """verl's per-sample reward manager, scoring through tangram.
+
+    verl builds it with the whole trainer config, the tokenizer and the
+    ``custom_reward_function`` (or ``None``). Settings: the tangram config's
+    ``[adapters.verl.reward]`` table, overridden by ``reward.tangram`` in verl's config
+    (``+reward.tangram.service=judge`` on the command line).
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        tokenizer: Any,
+        compute_score: Callable[..., Any] | None,
+        reward_router_address: str | None = None,
+        reward_model_tokenizer: Any = None,
+    ) -> None:
+        super().__init__(config, tokenizer, compute_score)
+        reward = config.get("reward", {}) if hasattr(config, "get") else {}
+        overrides = reward.get("tangram", None) if hasattr(reward, "get") else None
+        self.settings = _settings(dict(overrides or {}))
+        self.cpu = int(self.settings.get("cpu", 1))
+        # Without a custom function verl hands over its rule-based default: tangram's
+        # scoring replaces it, since a tangram manager was asked for.
+        custom = None if compute_score is default_compute_score else compute_score
+        self.custom = custom
+        self.custom_is_async = custom is not None and inspect.iscoroutinefunction(custom)
+
+    async def run_single(self, data: DataProto) -> dict[str, Any]:
+        item = data[-1:][0]
+        response_ids = item.batch["responses"]
+        length = int(item.batch["attention_mask"][-response_ids.shape[-1] :].sum())
+        tokenizer: Any = self.tokenizer
+        solution = await anyio.to_thread.run_sync(
+            functools.partial(tokenizer.decode, response_ids[:length], skip_special_tokens=True)
+        )
+        data_source = item.non_tensor_batch["data_source"]
+        ground_truth = item.non_tensor_batch["reward_model"]["ground_truth"]
+        extra_info = dict(item.non_tensor_batch.get("extra_info", None) or {})
+        arguments = {
+            "data_source": data_source,
+            "solution_str": solution,
+            "ground_truth": ground_truth,
+            "extra_info": extra_info,
+        }
+        if self.custom is None:
+            result: Any = await score(
+                self.settings,
+                solution,
+                ground_truth,
+                data_source=data_source,
+                extra_info=extra_info,
+            )
+        elif self.custom_is_async:
+            async with _process.session(self.settings.get("tangram_config")):
+                result = await self.custom(**arguments)
+        else:
+            async with (
+                _process.session(self.settings.get("tangram_config")),
+                tangram.acquire(cpu=self.cpu, kind="reward"),
+            ):
+                result = await anyio.to_thread.run_sync(functools.partial(self.custom, **arguments))
+        if isinstance(result, Mapping):
+            return {"reward_score": result["score"], "reward_extra_info": dict(result)}
+        return {"reward_score": float(result), "reward_extra_info": {"acc": float(result)}}

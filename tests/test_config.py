@@ -1,0 +1,212 @@
+"""tangram.config: the file every adapter worker reads, and the scheduler it opens."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+import types
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import tangram
+from tangram import config as tc
+
+FULL = """
+mode = "local"
+[capacity]
+cpu = 8
+search = "5/s"
+[policy]
+name = "fcfs"
+dop = 2
+[sandbox]
+backend = "docker"
+image = "python:3.12-slim"
+warm = 4
+[gpu]
+devices = { "cuda:0" = "80GiB" }
+[[gpu.services]]
+name = "judge"
+factory = "pkg.mod:build"
+memory = "2GiB"
+[quota.search]
+keys = [{ name = "a", requests = "50/s", concurrency = 8 }]
+deadline = 30.0
+[ray]
+name = "sched"
+namespace = "job"
+[adapters.verl.reward]
+service = "judge"
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "tangram.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_a_full_file_loads_into_a_checked_config(tmp_path: Path) -> None:
+    config = tc.load(write(tmp_path, FULL))
+    assert config.mode == "local"
+    assert config.capacity == {"cpu": 8, "search": "5/s"}
+    assert config.policy == tc.PolicyConfig(name="fcfs", options={"dop": 2})
+    assert config.policy.build() == tangram.FcfsPolicy(dop=2)
+    assert config.sandbox == tc.SandboxConfig(backend="docker", image="python:3.12-slim", warm=4)
+    assert config.gpu is not None
+    assert config.gpu.devices == {"cuda:0": "80GiB"}
+    assert config.gpu.services == (
+        tc.GpuServiceConfig(name="judge", factory="pkg.mod:build", memory="2GiB"),
+    )
+    assert config.quotas == (
+        tc.QuotaConfig(
+            name="search",
+            keys=({"name": "a", "requests": "50/s", "concurrency": 8},),
+            options={"deadline": 30.0},
+        ),
+    )
+    assert config.ray == tc.RayConfig(name="sched", namespace="job")
+    assert config.adapters == {"verl": {"reward": {"service": "judge"}}}
+    assert config.source == str(tmp_path / "tangram.toml")
+
+
+def test_json_with_the_same_structure_loads_the_same(tmp_path: Path) -> None:
+    data = {"capacity": {"cpu": 4}, "policy": {"name": "elastic", "starvation_bound": 5.0}}
+    config = tc.load(write(tmp_path, json.dumps(data), "tangram.json"))
+    assert config.capacity == {"cpu": 4}
+    assert config.policy is not None
+    assert config.policy.build() == tangram.ElasticPolicy(starvation_bound=5.0)
+
+
+def test_the_environment_variable_names_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(tc.ENV_VAR, str(write(tmp_path, "[capacity]\ncpu = 2\n")))
+    assert tc.load().capacity == {"cpu": 2}
+    monkeypatch.delenv(tc.ENV_VAR)
+    with pytest.raises(tc.ConfigError, match=r"\$TANGRAM_CONFIG is not set"):
+        tc.load()
+
+
+def test_config_error_is_a_tangram_error_and_a_value_error() -> None:
+    assert issubclass(tc.ConfigError, tangram.errors.TangramError)
+    assert issubclass(tc.ConfigError, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("mode = 'cluster'\n[capacity]\ncpu = 1\n", r"`mode` must be one of"),
+        ("[capacity]\ncpu = 1\n[sched]\nx = 1\n", r"unknown key\(s\) \['sched'\]"),
+        ("[capacity]\ncpu = -1\n", r"\[capacity\]"),
+        ("[capacity]\ncpu = 'lots'\n", r"\[capacity\]"),
+        ("capacity = 3\n", r"\[capacity\] must be a table"),
+        ("", r"nothing to schedule"),
+        ("[capacity]\ncpu = 1\n[policy]\nname = 'lottery'\n", r"'elastic' or 'fcfs'"),
+        ("[capacity]\ncpu = 1\n[policy]\nname = 'fcfs'\ndop = 0\n", r"\[policy\] fcfs"),
+        ("[capacity]\ncpu = 1\n[policy]\nwindow = 'x'\nbogus = 1\n", r"\[policy\] elastic"),
+        ("[sandbox]\nbackend = 'vm'\n", r"`backend` must be one of"),
+        ("[sandbox]\nimage = 'python:3'\n", r"`image` is for the docker backend"),
+        ("[sandbox]\nwarm = -2\n", r"`warm` must be a whole number"),
+        ("[sandbox]\ntimeout = 0\n", r"`timeout` must be a number of seconds"),
+        ("[gpu]\ndevices = {}\n", r"at least one \[\[gpu.services\]\]"),
+        ("[[gpu.services]]\nname = 'j'\nfactory = 'nocolon'\n", r"'module:function'"),
+        ("[[gpu.services]]\nfactory = 'a:b'\n", r"`name` must be a non-empty string"),
+        ("[gpu]\nmystery = 1\n", r"unknown key\(s\) \['mystery'\]"),
+        ("[quota.search]\nkeys = []\n", r"\[quota.search\] `keys` must be a non-empty list"),
+        ("[capacity]\ncpu = 1\n[ray]\nname = ''\n", r"\[ray\]: `name` must be a non-empty"),
+        ("[capacity]\ncpu = 1\n[ray]\nport = 1\n", r"unknown key\(s\) \['port'\]"),
+        ("[capacity]\ncpu = 1\n[ray]\ndetached = 'yes'\n", r"`detached` must be true or false"),
+    ],
+)
+def test_mistakes_fail_at_load_naming_the_key(tmp_path: Path, text: str, match: str) -> None:
+    with pytest.raises(tc.ConfigError, match=match):
+        tc.load(write(tmp_path, text))
+
+
+def test_unreadable_files_fail_with_the_path(tmp_path: Path) -> None:
+    with pytest.raises(tc.ConfigError, match="cannot read"):
+        tc.load(tmp_path / "missing.toml")
+    with pytest.raises(tc.ConfigError, match="invalid TOML"):
+        tc.load(write(tmp_path, "[capacity\n"))
+    with pytest.raises(tc.ConfigError, match="invalid JSON"):
+        tc.load(write(tmp_path, "{", "t.json"))
+    with pytest.raises(tc.ConfigError, match="top level must be an object"):
+        tc.load(write(tmp_path, "[1]", "t.json"))
+    with pytest.raises(tc.ConfigError, match=r"\.toml or \.json"):
+        tc.load(write(tmp_path, "cpu = 1", "t.ini"))
+
+
+@pytest.mark.anyio
+async def test_local_mode_opens_a_runtime_with_the_policy(tmp_path: Path) -> None:
+    config = tc.load(write(tmp_path, "[capacity]\ncpu = 4\n[policy]\nname = 'fcfs'\ndop = 1\n"))
+    async with tc.open_scheduler(config, capacity={"cpu": 99, "gpu_mem:cpu:0": 1024}) as rt:
+        assert isinstance(rt, tangram.Runtime)
+        assert tangram.current_runtime() is rt
+        # The file's values win; run-time resources (a pool's) are added.
+        assert rt.capacity["cpu"].total == 4
+        assert rt.capacity["gpu_mem:cpu:0"].total == 1024
+        async with tangram.acquire(cpu=tangram.Elastic(1, 4)) as lease:
+            assert lease.units == 1  # FCFS at dop 1: the configured policy decides
+    with pytest.raises(tangram.errors.NoCurrentRuntimeError):
+        tangram.current_runtime()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("create", [True, False])
+async def test_ray_mode_connects_lazily_with_the_files_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, create: bool
+) -> None:
+    """``tangram.ray`` is replaced by a recorder: what is tested is the dispatch to it."""
+    calls: list[dict[str, Any]] = []
+    proxy = object()
+
+    @contextlib.asynccontextmanager
+    async def connect(**kwargs: Any) -> AsyncIterator[object]:
+        calls.append(kwargs)
+        yield proxy
+
+    fake = types.ModuleType("tangram.ray")
+    fake.connect = connect  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "tangram.ray", fake)
+    monkeypatch.setattr(tangram, "ray", fake, raising=False)
+    text = (
+        'mode = "ray"\n[capacity]\ncpu = 16\n[policy]\nname = "fcfs"\ndop = 2\n'
+        '[ray]\nname = "sched"\nnamespace = "job"\naddress = "auto"\n'
+        f"create = {str(create).lower()}\ndetached = true\n"
+    )
+    config = tc.load(write(tmp_path, text))
+    assert calls == []  # loading connects to nothing
+    async with tc.open_scheduler(config, capacity={"search": "1/s"}) as scheduler:
+        assert scheduler is proxy
+    assert calls == [
+        {
+            "name": "sched",
+            "namespace": "job",
+            "address": "auto",
+            # A worker that only looks the actor up states no capacity to be refused.
+            "capacity": {"search": "1/s", "cpu": 16} if create else None,
+            "create": create,
+            "detached": True,
+            "policy": tangram.FcfsPolicy(dop=2),
+        }
+    ]
+
+
+def test_local_mode_never_imports_ray(tmp_path: Path) -> None:
+    path = write(tmp_path, "[capacity]\ncpu = 1\n")
+    code = (
+        "import sys, anyio, tangram.config as tc\n"
+        "async def main():\n"
+        f"    async with tc.open_scheduler(tc.load({str(path)!r})):\n"
+        "        pass\n"
+        "anyio.run(main)\n"
+        "assert 'ray' not in sys.modules, 'ray was imported'\n"
+        "assert 'tangram.ray' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
