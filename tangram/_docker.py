@@ -285,20 +285,25 @@ class _CgroupFiles:
         self.cpuset = cpuset
 
     @classmethod
-    def find(cls, pid: int, version: str) -> _CgroupFiles | None:
+    def find(cls, pid: int, version: str, root: Path = Path("/")) -> _CgroupFiles | None:
+        """The files of ``pid``'s cgroup, or ``None`` when they are not writable here.
+
+        ``root`` is where ``/proc`` and ``/sys`` are read from: ``/`` but in tests, which
+        lay out a cgroup v2 tree on a host that mounts v1.
+        """
         try:
-            lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+            lines = (root / "proc" / str(pid) / "cgroup").read_text().splitlines()
         except OSError:
             return None
         if version == "2":
             for line in lines:
                 if line.startswith("0::"):
-                    base = Path("/sys/fs/cgroup") / line[3:].lstrip("/")
+                    base = root / "sys" / "fs" / "cgroup" / line[3:].lstrip("/")
                     files = cls(version, base / "cpu.max", base / "cpuset.cpus")
                     return files if files.usable() else None
             return None
         paths: dict[str, Path] = {}
-        mounts = _v1_mounts()
+        mounts = _v1_mounts(root)
         for line in lines:
             _, controllers, rel = line.split(":", 2)
             for controller in controllers.split(","):
@@ -328,15 +333,15 @@ class _CgroupFiles:
                 handle.write(value)
 
 
-def _v1_mounts() -> dict[str, Path]:
+def _v1_mounts(root: Path) -> dict[str, Path]:
     mounts: dict[str, Path] = {}
     with contextlib.suppress(OSError):
-        for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        for line in (root / "proc" / "self" / "mountinfo").read_text().splitlines():
             left, _, right = line.partition(" - ")
             fields = right.split()
             if not fields or fields[0] != "cgroup":
                 continue
-            point = Path(left.split()[4])
+            point = root / left.split()[4].lstrip("/")
             for option in fields[2].split(","):
                 mounts.setdefault(option, point)
     return mounts

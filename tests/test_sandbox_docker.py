@@ -31,6 +31,7 @@ from tangram._docker import (  # noqa: E402
     PERIOD_US,
     DockerBackend,
     DockerConfig,
+    _CgroupFiles,
     docker_usable,
 )
 
@@ -379,6 +380,62 @@ async def test_a_tcp_host_and_the_local_socket_form_one_pool(docker: None) -> No
                     assert quota_of(lines[0]) == PERIOD_US and int(lines[-1]) == 1
                     await eventually(lambda: docker_quota_is(remote, PARKED_QUOTA_US))
                 assert runtime.stats().resources["cpu@h1"].held == 0
+
+
+def _cgroup_tree(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def test_cgroup_v2_files_are_found_and_written_in_v2_format(tmp_path: Path) -> None:
+    """This host mounts cgroup v1, so a v2 host is a file tree laid out as the kernel does.
+
+    The fast path only reads ``/proc/PID/cgroup`` and writes ``cpu.max`` and
+    ``cpuset.cpus``: the same reads and writes on a real v2 host.
+    """
+    scope = "sys/fs/cgroup/system.slice/docker-abc.scope"
+    _cgroup_tree(
+        tmp_path,
+        {
+            "proc/42/cgroup": "0::/system.slice/docker-abc.scope\n",
+            f"{scope}/cpu.max": "max 100000\n",
+            f"{scope}/cpuset.cpus": "\n",
+        },
+    )
+    files = _CgroupFiles.find(42, "2", tmp_path)
+    assert files is not None
+    assert files.quota == tmp_path / scope / "cpu.max"
+    files.write("0-1", 2 * PERIOD_US, growing=True)
+    assert (tmp_path / scope / "cpu.max").read_text() == f"{2 * PERIOD_US} {PERIOD_US}"
+    assert files.read() == ("0-1", 2 * PERIOD_US)
+    files.write("3", PARKED_QUOTA_US, growing=False)
+    assert files.read() == ("3", PARKED_QUOTA_US)
+    assert _CgroupFiles.find(43, "2", tmp_path) is None  # no such process
+
+
+def test_cgroup_v1_files_are_found_through_the_mount_table(tmp_path: Path) -> None:
+    _cgroup_tree(
+        tmp_path,
+        {
+            "proc/self/mountinfo": (
+                "30 25 0:26 / /sys/fs/cgroup/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct\n"
+                "31 25 0:27 / /sys/fs/cgroup/cpuset rw - cgroup cgroup rw,cpuset\n"
+                "32 25 0:28 / /proc rw - proc proc rw\n"
+            ),
+            "proc/42/cgroup": "4:cpu,cpuacct:/docker/abc\n3:cpuset:/docker/abc\n",
+            "sys/fs/cgroup/cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "-1\n",
+            "sys/fs/cgroup/cpuset/docker/abc/cpuset.cpus": "0-3\n",
+        },
+    )
+    files = _CgroupFiles.find(42, "1", tmp_path)
+    assert files is not None
+    assert files.read() == ("0-3", -1)
+    files.write("2", PERIOD_US, growing=False)
+    assert files.read() == ("2", PERIOD_US)
+    quota = tmp_path / "sys/fs/cgroup/cpu,cpuacct/docker/abc/cpu.cfs_quota_us"
+    assert quota.read_text() == str(PERIOD_US)
 
 
 def test_image_builds_without_a_registry() -> None:
