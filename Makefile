@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml $(ADAPTER_REQS)
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/tangram demo
+	$(BIN)/tangram bench
 
 lint: $(STAMP)
 	$(BIN)/ruff check tangram adapters tests benchmarks

@@ -61,6 +61,8 @@ PERIOD_US = 100_000
 PARKED_QUOTA_US = 1_000
 """The smallest CFS quota the kernel accepts: a parked sandbox's share is 1% of a core."""
 LABEL = "tangram.sandbox"
+BOOT_TIMEOUT = 60.0
+"""Seconds a new container's runner has to say it is ready (a start takes about 2.6 s)."""
 
 
 def _size(value: str | int) -> int:
@@ -374,10 +376,19 @@ class _DockerHandle(SandboxHandle):
         return self._cgroup is not None
 
     async def _boot(self) -> None:
-        await self.container.start()
+        # Attached before it starts, as `docker run -i` does: attached after, the runner's
+        # "ready" line could be written before anyone listened, and the wait for it would
+        # never end.
         self._stream = self.container.attach(stdin=True, stdout=True, stderr=True)
         await self._stream._init()
-        ready = await self._read_reply()
+        await self.container.start()
+        try:
+            with anyio.fail_after(BOOT_TIMEOUT):
+                ready = await self._read_reply()
+        except TimeoutError:
+            raise SandboxBrokenError(
+                f"the sandbox runner in {self.id[:12]} did not answer in {BOOT_TIMEOUT:g} s"
+            ) from None
         if not ready.get("ready"):
             raise SandboxBrokenError(f"the sandbox runner did not start: {ready!r}")
         if self._backend.config.fast_path and self._info.local:

@@ -1,0 +1,66 @@
+"""``tangram doctor``: reports what the host offers and never fails on a missing piece."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+import tangram._cli as cli
+import tangram._doctor as doctor
+
+
+def test_reports_this_host(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["doctor"]) == 0
+    text = capsys.readouterr().out
+    usable = len(os.sched_getaffinity(0))
+    assert text.startswith("This host offers:\n")
+    assert f"  cores       {usable} usable of {os.cpu_count()} online" in text
+    assert "tangram bench will use:" in text
+    assert f"  trajectories   {3 * usable}" in text
+    torch = sys.modules.get("torch") or __import__("torch")
+    assert f"  torch       {torch.__version__}" in text
+
+
+@pytest.mark.parametrize(
+    ("entries", "expected"),
+    [(["cgroup.controllers"], "v2"), (["cpu", "cpuacct"], "v1"), ([], "none found")],
+)
+def test_cgroup_version(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, entries: list[str], expected: str
+) -> None:
+    for name in entries:
+        (tmp_path / name).mkdir()
+    monkeypatch.setattr(doctor, "CGROUP_ROOT", tmp_path)
+    assert doctor.diagnose()["cgroup"] == expected
+
+
+def test_missing_optional_pieces_are_reported_not_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("pynvml", "ray", "matplotlib", "aiodocker", "tangram._docker"):
+        monkeypatch.setitem(sys.modules, name, None)
+
+    def broken() -> str:
+        raise PermissionError("/proc/meminfo: denied")
+
+    monkeypatch.setattr(doctor, "_memory", broken)
+    facts = doctor.diagnose()
+    assert facts["gpus"] == "NVML not installed (pip install nvidia-ml-py)"
+    assert facts["ray"] == "not installed (pip install ray)"
+    assert facts["matplotlib"] == "not installed (the plot extra)"
+    assert facts["docker"].startswith("not usable: aiodocker is not installed")
+    assert facts["memory"] == "unknown (PermissionError: /proc/meminfo: denied)"
+    assert "unknown (PermissionError" in doctor.format_diagnosis(facts)
+
+
+def test_docker_reachable_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tangram._docker as docker
+
+    async def usable() -> bool:
+        return True
+
+    monkeypatch.setattr(docker, "docker_usable", usable)
+    facts = doctor.diagnose()
+    assert facts["docker"] == "reachable, image tangram-sandbox-test:latest present"
+    assert facts["bench"]["sandbox"] == "local (pass --sandbox docker to use the daemon)"
