@@ -156,8 +156,7 @@ def _search_quota(name: str, rate: float, burst: float) -> Quota:
 
     # The same provider key in both arms: the server limits their sum, as a provider would.
     headers = {"Authorization": "Bearer bench"}
-    # ApiKey's `converter=dict` hides its parameter type from mypy (tests/test_quota.py too).
-    key = ApiKey(name="k", requests=Rate(rate, burst=burst), headers=headers)  # type: ignore[arg-type]
+    key = ApiKey(name="k", requests=Rate(rate, burst=burst), headers=headers)
     return Quota([key], name=name)
 
 

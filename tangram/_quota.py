@@ -125,6 +125,11 @@ def _fraction(instance: object, attribute: attrs.Attribute[float], value: float)
         raise ValueError(f"`{attribute.name}` must be in (0, 1] (got {value!r})")
 
 
+def _headers(value: Mapping[str, str]) -> dict[str, str]:
+    """A private copy: the caller's mapping may change after the key is made."""
+    return dict(value)
+
+
 @attrs.frozen(kw_only=True)
 class ApiKey:
     """One key (or endpoint) of a provider and the limits the provider gives it.
@@ -142,7 +147,7 @@ class ApiKey:
     requests: Rate | None = attrs.field(default=None, converter=_requests)
     tokens: Rate | None = attrs.field(default=None, converter=_tokens)
     concurrency: int | None = attrs.field(default=None, converter=_concurrency)
-    headers: Mapping[str, str] = attrs.field(factory=dict, converter=dict)
+    headers: Mapping[str, str] = attrs.field(factory=dict, converter=_headers)
     url: str | None = None
 
     @name.validator

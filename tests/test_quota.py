@@ -40,7 +40,7 @@ def _usage(response: httpx.Response) -> float:
 
 
 def _key(name: str, **limits: object) -> ApiKey:
-    return ApiKey(name=name, headers={"Authorization": f"Bearer {name}"}, **limits)  # type: ignore[arg-type]
+    return ApiKey(name=name, headers={"Authorization": f"Bearer {name}"}, **limits)
 
 
 async def _burst(client: httpx.AsyncClient, n: int, **kwargs: object) -> list[int]:
