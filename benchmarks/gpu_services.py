@@ -10,6 +10,9 @@ object: ``{"bench": "gpu_services", "figures": {...}, "targets": {...}}``.
   bytes. Goal >= 0.8.
 - ACT: N services sharing K devices against N dedicated devices, same actions.
 - overhead share: restore seconds over total ACT in the shared run. Goal <= 0.1.
+- pipeline restore (a figure, no goal): a ``gpus=2`` service restored onto two devices
+  (two GPUs when there are two, else two slices of one) against plain copies of its two
+  regions.
 """
 
 from __future__ import annotations
@@ -45,10 +48,10 @@ class Timed(TorchService):
 
     overhead = 0.0
 
-    def _restore(self, replica: int, device: Device) -> None:
+    def _restore(self, replica: int, devices: tuple[Device, ...]) -> None:
         started = time.perf_counter()
         try:
-            super()._restore(replica, device)
+            super()._restore(replica, devices)
         finally:
             Timed.overhead += time.perf_counter() - started
 
@@ -104,6 +107,43 @@ async def bandwidths(
     return service.nbytes / restore, service.nbytes / copy, service.nbytes
 
 
+async def pipeline_bandwidths(
+    width: int, layers: int, cuda: bool, repeats: int
+) -> tuple[float, float, int]:
+    """A two-stage pipeline replica's restore against plain copies of its two regions.
+
+    On two GPUs the stages fill both devices at once; on one GPU (two slices of it) and on
+    the host they share one bus, and the figure shows what splitting costs there.
+    """
+    service = TorchService("pipe", lambda: model(0, width, layers), gpus=2, empty_cache=False)
+    await service.load()
+    pair = tuple(devices(2, 2**40, cuda))
+    sources = []
+    for size in service.stage_bytes:
+        src = torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
+        src.fill_(1)
+        sources.append(src)
+    nbytes = sum(service.stage_bytes)
+    restore = copy = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        copies = []
+        for src, device in zip(sources, pair, strict=True):
+            dst = torch.empty_like(src, device=device.torch_device)
+            dst.copy_(src, non_blocking=True)
+            copies.append(dst)
+        if cuda:
+            for device in pair:
+                torch.cuda.synchronize(device.torch_device)
+        copy = min(copy, time.perf_counter() - started)
+        del copies
+        started = time.perf_counter()
+        await service.restore(0, pair)
+        restore = min(restore, time.perf_counter() - started)
+        await service.evict(0)
+    return nbytes / restore, nbytes / copy, nbytes
+
+
 async def act(
     n: int, k: int, actions: int, width: int, layers: int, rows: int, cuda: bool
 ) -> dict[str, Any]:
@@ -152,6 +192,7 @@ async def main_async(quick: bool) -> dict[str, Any]:
     width, layers = (1024, 8) if quick else (4096, 16)
     repeats = 5 if quick else 20
     restore_bw, copy_bw, nbytes = await bandwidths(width, layers, target, repeats, cuda)
+    pipe_bw, pipe_copy_bw, pipe_bytes = await pipeline_bandwidths(width, layers, cuda, repeats)
     n, k = (4, 2) if quick else (8, 2)
     actions = 40 if quick else 400
     rows = 32 if quick or not cuda else 1024
@@ -168,6 +209,10 @@ async def main_async(quick: bool) -> dict[str, Any]:
         "pinned_copy_gbps": round(copy_bw / 1e9, 3),
         "copy_source_pinned": cuda,
         "physical_gpus": torch.cuda.device_count() if cuda else 0,
+        "pipeline_restore_bytes": pipe_bytes,
+        "pipeline_restore_gbps": round(pipe_bw / 1e9, 3),
+        "pipeline_copy_gbps": round(pipe_copy_bw / 1e9, 3),
+        "pipeline_restore_vs_copy": round(pipe_bw / pipe_copy_bw, 3),
         "services": n,
         "rows_per_action": rows,
         "shared_devices": k,

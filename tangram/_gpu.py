@@ -22,6 +22,7 @@ guarded at every call, since it imports fine on a machine without a GPU but fail
 from __future__ import annotations
 
 import abc
+import collections
 import contextlib
 import copy
 import enum
@@ -73,9 +74,6 @@ KIND_PREFIX = "gpu_mem:"
 #: Host-to-device bandwidth assumed for a restore before one was measured (bytes/s).
 DEFAULT_RESTORE_BANDWIDTH = 20e9
 _EWMA = 0.3
-
-
-# -- errors (to move into tangram/errors.py) ----------------------------------------------
 
 
 # -- devices and topology ------------------------------------------------------------------
@@ -307,7 +305,8 @@ class ModelService(abc.ABC):
 
     :param name: what actions name: ``pool.use(name)``.
     :param memory: device bytes one replica holds on each of its devices while resident.
-    :param gpus: devices per replica (a tensor-parallel server spans several).
+    :param gpus: devices per replica (a tensor-parallel server, or the stages of a
+        :class:`TorchService` pipeline).
     :param max_replicas: copies the pool may run at once when actions queue up.
     :param batching: whether waiting actions may be merged into one ``run``.
     :param max_batch: most actions merged into one run (``None``: no limit).
@@ -409,12 +408,25 @@ class TorchService(ModelService):
     eviction first copies the device buffer back into the same host buffer (a module
     whose buffers change while serving; one replica only).
 
+    With ``gpus=k`` one replica spans ``k`` devices as a pipeline of ``k`` stages (a
+    layer split, not tensor parallelism): stage ``i`` runs on the replica's ``i``-th
+    device, and its output is moved to the next stage's device. Each stage's tensors are
+    one region of the host buffer, restored by one copy into its own device buffer, so a
+    model too big for one device still restores at bus bandwidth, every device in
+    parallel. The stages come from ``split``: ``None`` cuts an ``nn.Sequential`` into
+    ``k`` runs of consecutive children with the largest run's bytes as small as possible;
+    a list of ``k`` counts gives the children per stage; a callable gets the module and
+    returns the ``k`` stage modules, each called with the previous one's output. A
+    tensor two stages share (tied weights) is copied into both stages' regions.
+
     ``run`` concatenates the merged batches along dimension 0, runs the module once under
     ``inference_mode`` and splits the output back; results come back on the host.
 
     :param factory: builds the module (called once, in a worker thread).
-    :param memory: device bytes per replica; default: the module's tensors plus
-        ``headroom`` for activations.
+    :param memory: device bytes per replica on each of its devices; default: the largest
+        stage's tensors (all of them with one stage) plus ``headroom`` for activations.
+    :param gpus: devices per replica, one pipeline stage on each.
+    :param split: how the module is cut into ``gpus`` stages (see above).
     :param empty_cache: on eviction, hand the freed CUDA memory back to the driver
         (``torch.cuda.empty_cache``). Needed when another process (an inference server)
         shares the GPU; when only in-process torch services do, ``False`` lets torch's
@@ -434,9 +446,16 @@ class TorchService(ModelService):
         max_batch: int | None = None,
         writeback: bool = False,
         empty_cache: bool = True,
+        gpus: int = 1,
+        split: Callable[[torch.nn.Module], Sequence[torch.nn.Module]] | Sequence[int] | None = None,
     ) -> None:
         super().__init__(
-            name, memory=memory, max_replicas=max_replicas, batching=batching, max_batch=max_batch
+            name,
+            memory=memory,
+            gpus=gpus,
+            max_replicas=max_replicas,
+            batching=batching,
+            max_batch=max_batch,
         )
         self._empty_cache = empty_cache
         if not callable(factory):
@@ -445,21 +464,36 @@ class TorchService(ModelService):
             raise ValueError("`writeback` needs `max_replicas=1`: replicas would overwrite")
         if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or headroom < 0:
             raise ValueError(f"`headroom` must be a number >= 0 (got {headroom!r})")
+        if split is not None and not callable(split):
+            counts = list(split) if isinstance(split, Sequence) else None
+            if (
+                counts is None
+                or len(counts) != gpus
+                or not all(
+                    isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in counts
+                )
+            ):
+                raise ValueError(
+                    f"`split` must be a callable or {gpus} whole numbers >= 1, the children "
+                    f"of an nn.Sequential per stage (got {split!r})"
+                )
         self._factory = factory
+        self._split = split
         self._headroom = float(headroom)
         self._writeback = writeback
-        self._skeleton: torch.nn.Module | None = None
+        self._stages: list[_Stage] = []
         self._flat: torch.Tensor | None = None
-        # (id of the skeleton's tensor, byte offset, byte size, dtype, shape, is parameter)
-        self._layout: list[tuple[int, int, int, torch.dtype, torch.Size, bool]] = []
-        self._names: dict[str, int] = {}
-        # Where each tensor sits in the module tree: (module number, attribute, layout
-        # index, is parameter); the same for the skeleton and every copy of it.
-        self._slots: list[tuple[int, str, int, bool]] = []
-        self._modules: dict[int, torch.nn.Module] = {}  # one skeleton copy per replica
-        self._replicas: dict[int, tuple[torch.nn.Module, torch.Tensor]] = {}
+        self._names: dict[str, tuple[int, int]] = {}  # name -> (stage, layout index)
+        self._modules: dict[int, list[torch.nn.Module]] = {}  # skeleton copies per replica
+        # Per replica, each stage's module (bound to the device) and its device buffer.
+        self._replicas: dict[int, list[tuple[torch.nn.Module, torch.Tensor]]] = {}
         self.pinned = False
         self.nbytes = 0
+
+    @property
+    def stage_bytes(self) -> list[int]:
+        """Bytes of each stage's region of the host buffer (one entry per device)."""
+        return [stage.size for stage in self._stages]
 
     async def load(self) -> None:
         await anyio.to_thread.run_sync(self._load)
@@ -467,7 +501,7 @@ class TorchService(ModelService):
     def _load(self) -> None:
         import torch
 
-        if self._skeleton is not None:
+        if self._stages:
             return
         try:
             module = self._factory()
@@ -476,99 +510,159 @@ class TorchService(ModelService):
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"`factory` of {self.name!r} returned {module!r}, not a Module")
         module.eval()
-        tensors = list(_named_tensors(module))
+        parts = self._cut(module)
+        known: dict[int, str] = {}
+        for name, tensor in _named_tensors(module):
+            known.setdefault(id(tensor), name)
+        # Each stage is one aligned region of the buffer; each tensor is aligned in it.
+        plans: list[tuple[int, list[tuple[str, torch.Tensor, int, int]]]] = []
         offset = 0
-        spans = []
-        for name, tensor in tensors:
-            size = tensor.numel() * tensor.element_size()
-            spans.append((name, tensor, offset, size))
-            offset += -(-size // _ALIGN) * _ALIGN  # each view starts aligned for any dtype
+        owners: dict[int, int] = {}
+        for number, part in enumerate(parts):
+            spans = []
+            start = offset
+            for name, tensor in _named_tensors(part):
+                if owners.setdefault(id(tensor), number) != number and self._writeback:
+                    raise GpuServiceError(
+                        f"{self.name!r}: stages share {known.get(id(tensor), name)!r}; "
+                        "`writeback` would write "
+                        "two copies of it back"
+                    )
+                size = tensor.numel() * tensor.element_size()
+                spans.append((name, tensor, offset - start, size))
+                offset += _aligned(size)
+            plans.append((start, spans))
         # Pinned only where CUDA exists: a CPU-only build cannot pin at all.
         self.pinned = torch.cuda.is_available()
         flat = torch.empty(max(offset, 1), dtype=torch.uint8, pin_memory=self.pinned)
-        memo: dict[int, Any] = {}
-        for index, (name, tensor, start, size) in enumerate(spans):
-            _view(flat, start, size, tensor.dtype, tensor.shape).copy_(tensor.detach())
-            meta = torch.empty_like(tensor, device="meta")
-            is_param = isinstance(tensor, torch.nn.Parameter)
-            memo[id(tensor)] = torch.nn.Parameter(meta, requires_grad=False) if is_param else meta
-            self._names[name] = index
-            self._layout.append(
-                (id(memo[id(tensor)]), start, size, tensor.dtype, tensor.shape, is_param)
+        ends = [start for start, _ in plans[1:]] + [flat.numel()]
+        for number, ((start, spans), part, end) in enumerate(zip(plans, parts, ends, strict=True)):
+            region = flat[start:end]
+            memo: dict[int, Any] = {}
+            layout = []
+            for index, (name, tensor, at, size) in enumerate(spans):
+                _view(region, at, size, tensor.dtype, tensor.shape).copy_(tensor.detach())
+                meta = torch.empty_like(tensor, device="meta")
+                is_param = isinstance(tensor, torch.nn.Parameter)
+                twin = torch.nn.Parameter(meta, requires_grad=False) if is_param else meta
+                memo[id(tensor)] = twin
+                layout.append((id(twin), at, size, tensor.dtype, tensor.shape, is_param))
+                fallback = name if len(parts) == 1 else f"stage{number}.{name}"
+                self._names.setdefault(known.get(id(tensor), fallback), (number, index))
+            # deepcopy with every tensor pre-mapped to a meta twin copies the structure,
+            # not the weights: the host holds one copy of them, the flat buffer.
+            skeleton = copy.deepcopy(part, memo)
+            index_of = {key: i for i, (key, *_) in enumerate(layout)}
+            slots = []
+            for sub_number, sub in enumerate(skeleton.modules()):
+                for attr, value in itertools.chain(sub._parameters.items(), sub._buffers.items()):
+                    if value is not None:
+                        slots.append(
+                            (sub_number, attr, index_of[id(value)], attr in sub._parameters)
+                        )
+            self._stages.append(
+                _Stage(skeleton, start, end - start, [entry[1:] for entry in layout], slots)
             )
-        # deepcopy with every tensor pre-mapped to a meta twin copies the structure, not
-        # the weights: the host holds one copy of them, the flat buffer.
-        self._skeleton = copy.deepcopy(module, memo)
-        index_of = {key: i for i, (key, *_) in enumerate(self._layout)}
-        for number, sub in enumerate(self._skeleton.modules()):
-            for attr, value in itertools.chain(sub._parameters.items(), sub._buffers.items()):
-                if value is not None:
-                    is_param = attr in sub._parameters
-                    self._slots.append((number, attr, index_of[id(value)], is_param))
         self._flat = flat
-        self.nbytes = sum(size for _, _, _, size in spans)
+        self.nbytes = sum(size for _, spans in plans for *_, size in spans)
         if self.memory is None:
-            self.memory = max(1, int(offset * (1.0 + self._headroom)))
+            largest = max(stage.size for stage in self._stages)
+            self.memory = max(1, int(largest * (1.0 + self._headroom)))
 
-    async def restore(self, replica: int, devices: tuple[Device, ...]) -> None:
-        await anyio.to_thread.run_sync(self._restore, replica, devices[0])
-
-    def _restore(self, replica: int, device: Device) -> None:
+    def _cut(self, module: torch.nn.Module) -> list[torch.nn.Module]:
+        """The pipeline stages of ``module``: itself alone, or ``gpus`` parts as ``split`` says."""
         import torch
 
-        if self._skeleton is None or self._flat is None:
+        split, count = self._split, self.gpus
+        if split is None and count == 1:
+            return [module]
+        if callable(split):
+            try:
+                parts = list(split(module))
+            except Exception as exc:
+                raise GpuServiceError(f"`split` of {self.name!r} failed: {exc}") from exc
+            if len(parts) != count or not all(isinstance(p, torch.nn.Module) for p in parts):
+                raise GpuServiceError(
+                    f"`split` of {self.name!r} must return {count} modules (got {parts!r})"
+                )
+            return parts
+        if not isinstance(module, torch.nn.Sequential):
+            raise GpuServiceError(
+                f"{self.name!r} spans {count} devices: its module must be an nn.Sequential, "
+                f"or pass `split=` a function returning the stages (got {type(module).__name__})"
+            )
+        children = list(module.named_children())
+        if split is None:
+            sizes = [
+                sum(t.numel() * t.element_size() for _, t in _named_tensors(child))
+                for _, child in children
+            ]
+            if len(children) < count:
+                raise GpuServiceError(
+                    f"{self.name!r} has {len(children)} layers for {count} devices"
+                )
+            counts = _balance(sizes, count)
+        else:
+            counts = list(split)
+            if sum(counts) != len(children):
+                raise GpuServiceError(
+                    f"`split` of {self.name!r} covers {sum(counts)} layers of {len(children)}"
+                )
+        # The stages keep the children's names, so their tensors keep the module's names.
+        bounds = list(itertools.accumulate(counts, initial=0))
+        return [
+            torch.nn.Sequential(collections.OrderedDict(children[a:b]))
+            for a, b in itertools.pairwise(bounds)
+        ]
+
+    async def restore(self, replica: int, devices: tuple[Device, ...]) -> None:
+        await anyio.to_thread.run_sync(self._restore, replica, devices)
+
+    def _restore(self, replica: int, devices: tuple[Device, ...]) -> None:
+        import torch
+
+        if not self._stages or self._flat is None:
             raise GpuServiceError(f"{self.name!r} was restored before it was loaded")
-        target = torch.device(device.torch_device)
-        storage: torch.Tensor | None = None
+        if len(devices) != len(self._stages):
+            raise GpuServiceError(
+                f"{self.name!r} has {len(self._stages)} stages for {len(devices)} devices"
+            )
+        targets = [torch.device(device.torch_device) for device in devices]
+        storages: list[torch.Tensor] = []
         try:
-            storage = self._allocate(target)
-            storage.copy_(self._flat, non_blocking=True)
-            if target.type == "cuda":
+            # Every copy is issued before any is waited for: the devices fill in parallel.
+            for stage, target in zip(self._stages, targets, strict=True):
+                if len(self._stages) == 1:
+                    storage = self._allocate(target)
+                else:
+                    storage = self._allocate(target, stage.size)
+                storage.copy_(self._flat[stage.start : stage.start + stage.size], non_blocking=True)
+                storages.append(storage)
+            for target in dict.fromkeys(t for t in targets if t.type == "cuda"):
                 torch.cuda.current_stream(target).synchronize()
         except Exception as exc:
-            storage = None
-            if target.type == "cuda":
+            storages.clear()
+            if any(t.type == "cuda" for t in targets):
                 torch.cuda.empty_cache()
-            _raise_oom(exc, f"restoring {self.name!r} onto {device.name}")
+            where = ", ".join(device.name for device in devices)
+            _raise_oom(exc, f"restoring {self.name!r} onto {where}")
             raise GpuServiceError(f"could not restore {self.name!r}: {exc}") from exc
-        assert storage is not None
-        module = self._modules.get(replica)
-        if module is None:
-            module = self._modules[replica] = copy.deepcopy(self._skeleton)
-        self._bind(module, storage)
-        self._replicas[replica] = (module, storage)
+        modules = self._modules.get(replica)
+        if modules is None:
+            modules = self._modules[replica] = [copy.deepcopy(s.skeleton) for s in self._stages]
+        for stage, module, storage in zip(self._stages, modules, storages, strict=True):
+            stage.bind(module, storage)
+        self._replicas[replica] = list(zip(modules, storages, strict=True))
 
-    def _allocate(self, target: torch.device) -> torch.Tensor:
-        """Device storage for one replica (a seam tests use to inject a failed allocation)."""
+    def _allocate(self, target: torch.device, nbytes: int | None = None) -> torch.Tensor:
+        """Device storage for one stage of a replica, ``nbytes`` long (``None``: the whole
+        host buffer, the only stage). A seam tests use to inject a failed allocation."""
         import torch
 
         assert self._flat is not None
-        return torch.empty_like(self._flat, device=target)
-
-    def _bind(self, module: torch.nn.Module, storage: torch.Tensor | None) -> None:
-        """Point ``module``'s tensors at views into ``storage`` (``None``: back to meta).
-
-        Rebinding a kept copy of the skeleton costs a few attribute writes per tensor,
-        where a fresh ``deepcopy`` per restore cost milliseconds of Python for a small
-        model. Tied tensors stay tied: they share one layout entry.
-        """
-        import torch
-
-        tensors: list[torch.Tensor] = []
-        for _, start, size, dtype, shape, is_param in self._layout:
-            if storage is None:
-                view = torch.empty(shape, dtype=dtype, device="meta")
-            else:
-                view = _view(storage, start, size, dtype, shape)
-            tensors.append(torch.nn.Parameter(view, requires_grad=False) if is_param else view)
-        subs = list(module.modules())
-        for number, attr, index, is_param in self._slots:
-            tensor = tensors[index]
-            if is_param:
-                assert isinstance(tensor, torch.nn.Parameter)
-                subs[number]._parameters[attr] = tensor
-            else:
-                subs[number]._buffers[attr] = tensor
+        if nbytes is None:
+            return torch.empty_like(self._flat, device=target)
+        return torch.empty(nbytes, dtype=torch.uint8, device=target)
 
     async def evict(self, replica: int) -> None:
         await anyio.to_thread.run_sync(self._evict, replica)
@@ -579,15 +673,18 @@ class TorchService(ModelService):
         held = self._replicas.pop(replica, None)
         if held is None:
             return
-        module, storage = held
-        self._bind(module, None)  # the views would keep the device buffer alive
-        del held, module
+        storages = []
+        for stage, (module, storage) in zip(self._stages, held, strict=True):
+            stage.bind(module, None)  # the views would keep the device buffer alive
+            storages.append(storage)
+        del held, module, storage
         if self._writeback and self._flat is not None:
-            self._flat.copy_(storage, non_blocking=True)
-            if storage.is_cuda:
-                torch.cuda.current_stream(storage.device).synchronize()
-        cuda = storage.is_cuda
-        del storage
+            for stage, storage in zip(self._stages, storages, strict=True):
+                self._flat[stage.start : stage.start + stage.size].copy_(storage, non_blocking=True)
+            for device in dict.fromkeys(s.device for s in storages if s.is_cuda):
+                torch.cuda.current_stream(device).synchronize()
+        cuda = any(storage.is_cuda for storage in storages)
+        storages.clear()
         if cuda and self._empty_cache:
             # Back to the driver, not only torch's cache: another process (an inference
             # server) may be the one waiting for this memory.
@@ -599,37 +696,138 @@ class TorchService(ModelService):
     def _run(self, replica: int, batches: list[Any]) -> list[Any]:
         import torch
 
-        module, storage = self._replicas[replica]
+        held = self._replicas[replica]
         sizes = [len(batch) for batch in batches]
-        inputs = batches[0] if len(batches) == 1 else torch.cat(batches)
+        value = batches[0] if len(batches) == 1 else torch.cat(batches)
         with torch.inference_mode():
-            out = module(inputs.to(storage.device, non_blocking=True))
-            out = out.to("cpu")
+            for number, (module, storage) in enumerate(held):
+                # From the host the copy may overlap; between stages it must not race.
+                value = _move(value, storage.device, non_blocking=number == 0)
+                value = module(value)
+            out = _move(value, torch.device("cpu"))
         return [out] if len(batches) == 1 else list(torch.split(out, sizes))
 
     def host_state(self) -> dict[str, torch.Tensor]:
-        """Views of the host buffer restores copy from (one buffer for the service's life)."""
+        """Views of the host buffer restores copy from (one buffer for the service's life).
+
+        Named as in the module (a ``stage<i>.`` prefix for a tensor a ``split`` function
+        made that the module does not hold).
+        """
         if self._flat is None:
             return {}
         state = {}
-        for name, index in self._names.items():
-            _, start, size, dtype, shape, _ = self._layout[index]
-            state[name] = _view(self._flat, start, size, dtype, shape)
+        for name, (number, index) in self._names.items():
+            stage = self._stages[number]
+            at, size, dtype, shape, _ = stage.layout[index]
+            region = self._flat[stage.start : stage.start + stage.size]
+            state[name] = _view(region, at, size, dtype, shape)
         return state
 
     def replica_state(self, replica: int) -> dict[str, torch.Tensor]:
-        """The resident replica's tensors by name (for checks; empty when evicted)."""
+        """The resident replica's tensors by the names of :meth:`host_state` (empty when
+        evicted); each lives on its stage's device."""
         held = self._replicas.get(replica)
-        return {} if held is None else dict(_named_tensors(held[0]))
+        if held is None:
+            return {}
+        state = {}
+        for name, (number, index) in self._names.items():
+            stage = self._stages[number]
+            at, size, dtype, shape, _ = stage.layout[index]
+            state[name] = _view(held[number][1], at, size, dtype, shape)
+        return state
 
     async def aclose(self) -> None:
         self._replicas.clear()
         self._modules.clear()
         self._flat = None
-        self._skeleton = None
+        self._stages = []
 
 
 _ALIGN = 64
+
+
+def _aligned(size: int) -> int:
+    """``size`` rounded up so the next view starts aligned for any dtype."""
+    return -(-size // _ALIGN) * _ALIGN
+
+
+@attrs.define(eq=False)
+class _Stage:
+    """One pipeline stage of a :class:`TorchService`: its skeleton and its buffer region."""
+
+    skeleton: torch.nn.Module
+    start: int  # byte offset of the region in the host buffer
+    size: int
+    # Per tensor: (byte offset in the region, bytes, dtype, shape, is a parameter).
+    layout: list[tuple[int, int, torch.dtype, torch.Size, bool]]
+    # Where each tensor sits in the module tree: (module number, attribute, layout
+    # index, is a parameter); the same for the skeleton and every copy of it.
+    slots: list[tuple[int, str, int, bool]]
+
+    def bind(self, module: torch.nn.Module, storage: torch.Tensor | None) -> None:
+        """Point ``module``'s tensors at views into ``storage`` (``None``: back to meta).
+
+        Rebinding a kept copy of the skeleton costs a few attribute writes per tensor,
+        where a fresh ``deepcopy`` per restore cost milliseconds of Python for a small
+        model. Tied tensors stay tied: they share one layout entry.
+        """
+        import torch
+
+        tensors: list[torch.Tensor] = []
+        for start, size, dtype, shape, is_param in self.layout:
+            if storage is None:
+                view = torch.empty(shape, dtype=dtype, device="meta")
+            else:
+                view = _view(storage, start, size, dtype, shape)
+            tensors.append(torch.nn.Parameter(view, requires_grad=False) if is_param else view)
+        subs = list(module.modules())
+        for number, attr, index, is_param in self.slots:
+            tensor = tensors[index]
+            if is_param:
+                assert isinstance(tensor, torch.nn.Parameter)
+                subs[number]._parameters[attr] = tensor
+            else:
+                subs[number]._buffers[attr] = tensor
+
+
+def _balance(sizes: Sequence[int], parts: int) -> list[int]:
+    """Counts of consecutive ``sizes`` in ``parts`` non-empty runs, the largest sum least.
+
+    The classic linear partition: a replica needs ``memory`` on each of its devices, so
+    the largest stage sets what every device must give.
+    """
+    n = len(sizes)
+    prefix = list(itertools.accumulate(sizes, initial=0))
+    # best[j][i]: the least largest run splitting the first i sizes into j runs.
+    best = [[math.inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0
+    for j in range(1, parts + 1):
+        for i in range(j, n - parts + j + 1):
+            for m in range(j - 1, i):
+                cost = max(best[j - 1][m], prefix[i] - prefix[m])
+                if cost < best[j][i]:
+                    best[j][i], cut[j][i] = cost, m
+    counts = []
+    i = n
+    for j in range(parts, 0, -1):
+        m = cut[j][i]
+        counts.append(i - m)
+        i = m
+    return counts[::-1]
+
+
+def _move(value: Any, device: torch.device, *, non_blocking: bool = False) -> Any:
+    """``value`` on ``device``: a tensor, or tuples, lists and dicts of them."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=non_blocking)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_move(v, device, non_blocking=non_blocking) for v in value)
+    if isinstance(value, dict):
+        return {k: _move(v, device, non_blocking=non_blocking) for k, v in value.items()}
+    return value
 
 
 def _view(
@@ -703,7 +901,8 @@ class GpuPool:
 
     Placement: an action joins a live replica of its service when one exists (its batch
     rides in the replica's next run), or starts one where the service is still resident,
-    else on the device (or NVLink chunk) with the most free memory. Another replica is
+    else on the device (or NVLink chunk) with the most free memory; a multi-GPU replica
+    waits for room inside one NVLink group rather than straddle two. Another replica is
     started when actions already wait on every live one, ``max_replicas`` allows it, and a
     device has room without waiting. The replica's memory grant is passed to the runtime
     with the restore time (0 when resident) plus the service's learnt run time as its
@@ -980,7 +1179,14 @@ class GpuPool:
                     if d.index is not None and d.name not in busy and d.memory >= need
                 }
                 roomy = {i: f for i, f in free.items() if f >= need}
-                pick = place(self._groups, roomy if roomy or need_room_now else free, service.gpus)
+                pick = place(self._groups, roomy, service.gpus)
+                if not need_room_now and (pick is None or not self._linked(pick)):
+                    # Too few devices have room now, or only across NVLink groups: a
+                    # multi-GPU replica would talk over PCIe for as long as it stays
+                    # resident, so it waits for memory on well-linked devices instead.
+                    wider = place(self._groups, free, service.gpus)
+                    if pick is None or (wider is not None and self._linked(wider)):
+                        pick = wider
                 by_index = {d.index: d for d in self._devices}
                 if pick is not None:
                     options.append(tuple(by_index[i] for i in pick))
@@ -996,6 +1202,10 @@ class GpuPool:
         if not options:
             return None
         return max(options, key=score)
+
+    def _linked(self, devices: Sequence[int]) -> bool:
+        """Whether ``devices`` lie in one NVLink group."""
+        return any(set(devices) <= set(group) for group in self._groups)
 
     def _start(self, replica: _Replica, runtime: Runtime) -> None:
         assert self._task_group is not None
@@ -1023,29 +1233,17 @@ class GpuPool:
     async def _hold(self, replica: _Replica, runtime: Runtime) -> None:
         """Hold the replica's memory grant while actions use it; run their batches."""
         state = replica.state
-        memory = state.service.memory
-        assert memory is not None and replica.scope is not None
-        served = False
         try:
-            with replica.scope:
-                demand = {d.kind: memory for d in replica.devices}
-                context = runtime.acquire(
-                    demand, kind=f"gpu:{state.service.name}", estimate=self._estimate(replica)
-                )
-                async with context as lease:
-                    replica.leased = True
-                    for d in replica.devices:
-                        self._leased[d.name] += memory
-                    try:
-                        await self._make_resident(replica)
-                        lease.started_at = anyio.current_time()
-                        replica.ready.set()
-                        await self._serve(replica)
-                        served = True
-                    finally:
-                        replica.leased = False
-                        for d in replica.devices:
-                            self._leased[d.name] -= memory
+            while True:
+                assert replica.scope is not None
+                with replica.scope:
+                    await self._lease_and_serve(replica, runtime)
+                # The scope is cancelled when the last waiting action left before the
+                # grant came. Another action may have joined since, before this task
+                # saw the cancellation: it waits on ``ready``, so ask again for it.
+                if replica.users == 0 or self._state is not _PoolState.OPEN:
+                    break
+                replica.scope = anyio.CancelScope()
         except Exception as exc:
             if isinstance(exc, TangramError):
                 replica.error = exc
@@ -1053,7 +1251,7 @@ class GpuPool:
                 replica.error = GpuServiceError(f"{state.service.name!r}: {exc}")
                 replica.error.__cause__ = exc
         finally:
-            if not served and replica.error is None:
+            if replica.error is None and (replica.users or replica.pending):
                 replica.error = GpuPoolClosedError("the replica stopped (the pool closed)")
             replica.alive = False
             replica.scope = None
@@ -1063,6 +1261,28 @@ class GpuPool:
                 call.error = replica.error or GpuPoolClosedError("the replica stopped")
                 call.done.set()
             replica.pending.clear()
+
+    async def _lease_and_serve(self, replica: _Replica, runtime: Runtime) -> None:
+        state = replica.state
+        memory = state.service.memory
+        assert memory is not None
+        demand = {d.kind: memory for d in replica.devices}
+        context = runtime.acquire(
+            demand, kind=f"gpu:{state.service.name}", estimate=self._estimate(replica)
+        )
+        async with context as lease:
+            replica.leased = True
+            for d in replica.devices:
+                self._leased[d.name] += memory
+            try:
+                await self._make_resident(replica)
+                lease.started_at = anyio.current_time()
+                replica.ready.set()
+                await self._serve(replica)
+            finally:
+                replica.leased = False
+                for d in replica.devices:
+                    self._leased[d.name] -= memory
 
     async def _serve(self, replica: _Replica) -> None:
         state = replica.state
@@ -1122,8 +1342,11 @@ class GpuPool:
                         raise GpuOutOfMemoryError(
                             f"no idle service to evict on {device.name} for {state.service.name!r}"
                         )
+                    # A victim on several devices may be evicted for a restore on another
+                    # of them meanwhile: wait for that, then look again, never twice.
                     async with victim.lock:
-                        await self._evict(victim)
+                        if victim.residency is _Residency.RESIDENT and not victim.leased:
+                            await self._evict(victim)
             replica.residency = _Residency.RESTORING
             for device in replica.devices:
                 self._resident[device.name] += memory
@@ -1148,17 +1371,20 @@ class GpuPool:
             replica.residency = _Residency.RESIDENT
 
     def _victim(self, device: Device, keep: _Replica) -> _Replica | None:
-        """The least recently used resident replica on ``device`` that holds no grant."""
+        """The replica on ``device`` to evict: one another restore is evicting already,
+        else the least recently used resident one that holds no grant."""
         idle = [
             r
             for state in self._services.values()
             for r in state.replicas
             if r is not keep
             and device in r.devices
-            and r.residency is _Residency.RESIDENT
+            and r.residency in (_Residency.RESIDENT, _Residency.EVICTING)
             and not r.leased
         ]
-        return min(idle, key=lambda r: r.last_used, default=None)
+        return min(
+            idle, key=lambda r: (r.residency is _Residency.RESIDENT, r.last_used), default=None
+        )
 
     async def _evict(self, replica: _Replica) -> None:
         state = replica.state

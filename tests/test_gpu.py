@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
@@ -237,11 +237,11 @@ class FailingOnce(TorchService):
 
     failures = 1
 
-    def _allocate(self, target: torch.device) -> torch.Tensor:
+    def _allocate(self, target: torch.device, nbytes: int | None = None) -> torch.Tensor:
         if self.failures:
             self.failures -= 1
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
-        return super()._allocate(target)
+        return super()._allocate(target, nbytes)
 
 
 @pytest.mark.anyio
@@ -476,3 +476,516 @@ async def test_a_multi_gpu_replica_lands_on_one_nvlink_group() -> None:
         for name in names:
             assert runtime.stats().resources[f"gpu_mem:{name}"].held == MIB
         assert await svc(1) == "tp2:1"
+
+
+# -- the scheduling bullets, each a test that fails when the behaviour goes ---------------
+
+
+class SlowRestore(GatedService):
+    """Restores take ``delay`` seconds: time the pool must count in the action's ACT."""
+
+    def __init__(self, name: str, delay: float, **kw: Any) -> None:
+        super().__init__(name, **kw)
+        self.delay = delay
+        self.restored: list[tuple[str, ...]] = []
+
+    async def restore(self, replica: int, devices: tuple[Device, ...]) -> None:
+        self.restored.append(tuple(d.name for d in devices))
+        await anyio.sleep(self.delay)
+
+
+@pytest.mark.anyio
+async def test_an_action_goes_where_its_service_is_resident_not_where_memory_is_freest() -> None:
+    big = GatedService("big", memory="4MiB")
+    judge = GatedService("judge")
+    judge.gate.set()
+    pool = GpuPool([big, judge], devices=[Device("cpu:0", "4MiB"), Device("cpu:1", "1MiB")])
+    async with pool, tangram.Runtime(capacity=pool.capacity()):
+        async with anyio.create_task_group() as tg:
+
+            async def hold_big() -> None:
+                async with pool.use("big") as svc:
+                    await svc(0)
+
+            tg.start_soon(hold_big)
+            await big.started.wait()
+            async with pool.use("judge") as svc:  # cpu:0 is granted to big: only cpu:1 fits
+                assert svc.devices[0].name == "cpu:1"
+                await svc(1)
+            big.gate.set()
+        await wait_until(lambda: pool.usage()["cpu:0"]["granted"] == 0)
+        # cpu:0 is now 4 MiB free, cpu:1 1 MiB: the most free memory says cpu:0, but the
+        # judge is resident on cpu:1, and running there costs no restore.
+        async with pool.use("judge") as svc:
+            assert svc.devices[0].name == "cpu:1"
+            await svc(2)
+        stats = pool.service_stats()["judge"]
+        assert (stats["restores"], stats["hits"]) == (1, 1)
+        assert pool.residency() == {"big": [("cpu:0",)], "judge": [("cpu:1",)]}
+
+
+@pytest.mark.anyio
+async def test_an_evicted_service_is_estimated_at_its_learnt_restore_plus_run() -> None:
+    services = [torch_service("judge", 1), torch_service("other", 2)]
+    pool = GpuPool(services, devices=[Device("cpu:0", "1MiB")])
+    async with pool:
+        runtime = SpyRuntime(capacity=pool.capacity())
+        runtime.estimates = []
+        async with runtime:
+            for name in ("judge", "other", "judge"):  # other evicts judge in between
+                async with pool.use(name) as svc:
+                    await svc(inputs(0))
+                await wait_until(
+                    lambda: all(s["replicas_live"] == 0 for s in pool.service_stats().values())
+                )
+                if name == "other":
+                    learnt = pool.service_stats()["judge"]
+        assert pool.service_stats()["judge"]["restores"] == 2
+    restore, run = learnt["restore_seconds"], learnt["run_seconds"]
+    assert isinstance(restore, float) and isinstance(run, float)
+    assert runtime.estimates[2] == pytest.approx(restore + run)
+    assert runtime.estimates[2] != pytest.approx(MIB / gpu.DEFAULT_RESTORE_BANDWIDTH + run)
+
+
+@pytest.mark.anyio
+async def test_restore_time_is_the_lease_overhead_in_the_runtime_stats() -> None:
+    slow = SlowRestore("slow", 0.05)
+    slow.gate.set()
+    pool = GpuPool([slow], devices=[Device("cpu:0", "1MiB")])
+    async with pool, tangram.Runtime(capacity=pool.capacity()) as runtime:
+        for _ in range(2):  # a restore, then a resident hit
+            async with pool.use("slow") as svc:
+                await svc(0)
+            await wait_until(lambda: pool.service_stats()["slow"]["replicas_live"] == 0)
+        kind = runtime.stats().kinds["gpu:slow"]
+    assert len(slow.restored) == 1
+    assert kind.completed == 2
+    # Two grants: one waited 50 ms for its restore, the resident hit for nothing.
+    assert kind.overhead.count == 2
+    assert kind.overhead.mean * 2 >= 0.05
+
+
+@pytest.mark.anyio
+async def test_eviction_skips_a_replica_with_a_running_action_even_when_it_is_the_lru() -> None:
+    a, b, c = GatedService("a"), GatedService("b"), GatedService("c")
+    b.gate.set()
+    c.gate.set()
+    pool = GpuPool([a, b, c], devices=[Device("cpu:0", "2MiB")])
+    async with pool, tangram.Runtime(capacity=pool.capacity()):
+        async with anyio.create_task_group() as tg:
+
+            async def hold_a() -> None:
+                async with pool.use("a") as svc:
+                    assert await svc(1) == "a:1"
+
+            tg.start_soon(hold_a)  # a is used first, so least recently, and keeps running
+            await a.started.wait()
+            async with pool.use("c") as svc:
+                await svc(2)
+            await wait_until(lambda: pool.usage()["cpu:0"]["granted"] == MIB)
+            # b's grant fits beside a's; making room evicts c, the idle one, not a.
+            async with pool.use("b") as svc:
+                assert await svc(3) == "b:3"
+                assert pool.residency() == {"a": [("cpu:0",)], "b": [("cpu:0",)], "c": []}
+            a.gate.set()
+        assert pool.service_stats()["a"]["evictions"] == 0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("batching", "max_batch", "runs"), [(False, None, [1] * 6), (True, 2, [1, 2, 2, 1])]
+)
+async def test_batching_off_or_capped_runs_the_waiting_actions_as_told(
+    batching: bool, max_batch: int | None, runs: list[int]
+) -> None:
+    service = GatedService("judge", batching=batching, max_batch=max_batch)
+    pool = GpuPool([service], devices=[Device("cpu:0", "4MiB")])
+    async with pool, tangram.Runtime(capacity=pool.capacity()):
+        results: list[str] = []
+
+        async def action(k: int) -> None:
+            async with pool.use("judge") as svc:
+                results.append(await svc(k))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(action, 0)
+            await service.started.wait()
+            for k in range(1, 6):
+                tg.start_soon(action, k)
+            await wait_until(lambda: pool.service_stats()["judge"]["replicas_live"] == 1)
+            for _ in range(50):
+                await anyio.lowlevel.checkpoint()
+            service.gate.set()
+        assert sorted(results) == [f"judge:{k}" for k in range(6)]
+        assert [n for _, n in service.runs] == runs
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("why", ["max_replicas", "no_room_now"])
+async def test_no_elastic_replica_past_max_replicas_or_without_room_now(why: str) -> None:
+    judge = GatedService("judge", max_replicas=1 if why == "max_replicas" else 2)
+    other = GatedService("other")
+    devices = [Device("cpu:0", "1MiB"), Device("cpu:1", "1MiB")]
+    pool = GpuPool([judge, other], devices=devices)
+    async with pool, tangram.Runtime(capacity=pool.capacity()):
+        seen: list[str] = []
+
+        async def action(name: str) -> None:
+            async with pool.use(name) as svc:
+                seen.append(f"{name}@{svc.devices[0].name}")
+                await svc(0)
+
+        async with anyio.create_task_group() as tg:
+            if why == "no_room_now":
+                tg.start_soon(action, "other")
+                await other.started.wait()
+            tg.start_soon(action, "judge")
+            await judge.started.wait()
+            tg.start_soon(action, "judge")
+            for _ in range(50):
+                await anyio.lowlevel.checkpoint()
+            # The second action joined the first replica rather than start another.
+            assert pool.service_stats()["judge"]["replicas_live"] == 1
+            judge.gate.set()
+            other.gate.set()
+        judges = [s for s in seen if s.startswith("judge")]
+        assert len(judges) == 2 and len(set(judges)) == 1
+
+
+@pytest.mark.anyio
+async def test_an_action_joining_a_withdrawn_replica_is_served() -> None:
+    """The last waiter leaves (its request is withdrawn) and, before the replica's task
+    sees that, a new action joins it: the task asks again instead of failing the action."""
+    a, b = GatedService("a"), GatedService("b")
+    b.gate.set()
+    pool = GpuPool([a, b], devices=[Device("cpu:0", "1MiB")])
+    async with pool, tangram.Runtime(capacity=pool.capacity()) as runtime:
+        async with anyio.create_task_group() as tg:
+
+            async def hold_a() -> None:
+                async with pool.use("a") as svc:
+                    await svc(1)
+
+            async def release_a() -> None:
+                await anyio.sleep(0.05)
+                a.gate.set()
+
+            tg.start_soon(hold_a)
+            await a.started.wait()
+            with anyio.move_on_after(0.02):
+                async with pool.use("b"):
+                    pytest.fail("b cannot fit while a runs")
+            tg.start_soon(release_a)
+            async with pool.use("b") as svc:  # entered with no checkpoint since the leave
+                assert await svc(2) == "b:2"
+        await wait_until(lambda: runtime.stats().resources["gpu_mem:cpu:0"].held == 0)
+
+
+# -- pipeline replicas: one TorchService across several devices ----------------------------
+
+
+def deep_model(seed: int, width: int = 64) -> torch.nn.Sequential:
+    """Seven layers, four with weights, seeded by its own generator (see reward_model)."""
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, width),
+        torch.nn.GELU(),
+        torch.nn.Linear(width, width),
+        torch.nn.LayerNorm(width),
+        torch.nn.Linear(width, width),
+        torch.nn.Tanh(),
+        torch.nn.Linear(width, 1),
+    )
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    return model.eval()
+
+
+class TwoPart(torch.nn.Module):
+    """Not a Sequential: a ``split`` function names its stages."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.body = deep_model(seed)[:5]
+        self.head = deep_model(seed)[5:]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+@pytest.mark.anyio
+async def test_a_pipeline_replica_spans_devices_too_small_for_the_whole_model() -> None:
+    whole = sum(t.numel() * t.element_size() for t in deep_model(1).state_dict().values())
+    pipe = TorchService("pipe", lambda: deep_model(1), gpus=2)
+    # Each device holds a little more than half the model: it only fits split in two.
+    size = int(whole * 0.75)
+    devices = [Device(f"cpu:{i}", size) for i in range(4)]
+    other = TorchService("other", lambda: reward_model(7), memory=size, max_replicas=4)
+    x = inputs(0)
+    expected = deep_model(1)(x).detach()
+    pool = GpuPool([pipe, other], devices=devices, links=[(0, 1), (2, 3)])
+    async with pool, tangram.Runtime(capacity=pool.capacity()) as runtime:
+        assert len(pipe.stage_bytes) == 2
+        assert max(pipe.stage_bytes) < whole and sum(pipe.stage_bytes) >= whole
+        assert pipe.memory is not None and pipe.memory <= size
+        host = {k: v.data_ptr() for k, v in pipe.host_state().items()}
+        assert set(host) == set(deep_model(1).state_dict())  # the module's own names
+        for _round_trip in range(4):
+            await wait_until(lambda: all(u["granted"] == 0 for u in pool.usage().values()))
+            async with pool.use("pipe") as svc:
+                names = tuple(d.name for d in svc.devices)
+                assert names in {("cpu:0", "cpu:1"), ("cpu:2", "cpu:3")}
+                for name in names:
+                    assert runtime.stats().resources[f"gpu_mem:{name}"].held == pipe.memory
+                assert torch.equal(await svc(x), expected)
+                state = pipe.replica_state(svc.replica)
+                assert state.keys() == host.keys()
+                assert all(state[k].data_ptr() != host[k] for k in state)
+            # Four replicas of `other` fill every device: the pipeline is evicted.
+            await wait_until(lambda: pool.service_stats()["pipe"]["replicas_live"] == 0)
+            async with anyio.create_task_group() as tg:
+                for _ in devices:
+                    tg.start_soon(use_once, pool, "other")
+            assert pool.residency()["pipe"] == []
+            assert len(pool.residency()["other"]) == 4
+            # The pipeline was evicted once though two restores needed its room.
+            assert all(u["resident"] == size for u in pool.usage().values())
+        stats = pool.service_stats()["pipe"]
+        assert stats["restores"] == 4 and stats["evictions"] == 4
+        assert {k: v.data_ptr() for k, v in pipe.host_state().items()} == host
+    with pytest.raises(GpuOutOfMemoryError, match="whole"):
+        async with GpuPool([TorchService("whole", lambda: deep_model(1))], devices=devices):
+            pass
+
+
+async def use_once(pool: GpuPool, name: str) -> None:
+    async with pool.use(name) as svc:
+        await svc(inputs(1))
+
+
+@pytest.mark.anyio
+async def test_pipeline_residency_is_counted_on_every_device_of_the_replica() -> None:
+    pipe = TorchService("pipe", lambda: deep_model(2), gpus=2, memory="1MiB")
+    single = torch_service("single", 3)
+    pool = GpuPool([pipe, single], devices=[Device("cpu:0", "1MiB"), Device("cpu:1", "1MiB")])
+    x = inputs(4)
+    async with pool, tangram.Runtime(capacity=pool.capacity()):
+        async with pool.use("pipe") as svc:
+            assert torch.equal(await svc(x), deep_model(2)(x).detach())
+        assert [u["resident"] for u in pool.usage().values()] == [MIB, MIB]
+        async with pool.use("single") as svc:  # evicts the pipeline from both devices
+            await svc(x)
+        assert sorted(u["resident"] for u in pool.usage().values()) == [0, MIB]
+        assert pool.residency()["pipe"] == []
+        async with pool.use("pipe") as svc:
+            assert torch.equal(await svc(x), deep_model(2)(x).detach())
+        assert pool.residency() == {"pipe": [("cpu:0", "cpu:1")], "single": []}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "split", [[1, 6], [6, 1], lambda m: [m[:3], m[3:]]], ids=["counts", "counts-late", "fn"]
+)
+async def test_a_pipeline_split_by_counts_or_function_is_exact(split: Any) -> None:
+    pipe = TorchService("pipe", lambda: deep_model(5), gpus=2, split=split)
+    pool = GpuPool([pipe], devices=[Device("cpu:0", "1MiB"), Device("cpu:1", "1MiB")])
+    x = inputs(6, rows=5)
+    first = 16 * 64 * 4 + 64 * 4  # the first Linear, weight and bias
+    async with pool, tangram.Runtime(capacity=pool.capacity()), pool.use("pipe") as svc:
+        assert torch.equal(await svc(x), deep_model(5)(x).detach())
+        assert (pipe.stage_bytes[0] == first) is (split == [1, 6])
+
+
+class Tied(torch.nn.Module):
+    """Two layers sharing one weight: a split puts them on different devices."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(11)
+        self.a = torch.nn.Linear(16, 16)
+        self.b = torch.nn.Linear(16, 16)
+        with torch.no_grad():
+            for param in self.parameters():
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+        self.b.weight = self.a.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def tied_stages(model: torch.nn.Module) -> list[torch.nn.Module]:
+    assert isinstance(model, Tied)
+    return [model.a, torch.nn.Sequential(torch.nn.Tanh(), model.b)]
+
+
+@pytest.mark.anyio
+async def test_a_split_function_cuts_any_module_and_tied_weights_are_copied_per_stage() -> None:
+    two = TorchService("two", lambda: TwoPart(8), gpus=2, split=lambda m: [m.body, m.head])
+    tied = TorchService("tied", lambda: Tied().eval(), gpus=2, split=tied_stages)
+    devices = [Device("cpu:0", "1MiB"), Device("cpu:1", "1MiB")]
+    x = inputs(9)
+    pool = GpuPool([two, tied], devices=devices)
+    async with pool, tangram.Runtime(capacity=pool.capacity()):
+        for name, model in (("two", TwoPart(8)), ("tied", Tied())):
+            for _ in range(2):
+                async with pool.use(name) as svc:
+                    assert torch.equal(await svc(x), model.eval()(x).detach())
+        assert set(two.host_state()) == set(TwoPart(8).state_dict())
+        # The shared weight is in both stages' regions: 16x16 floats twice, biases once.
+        assert tied.stage_bytes == [16 * 16 * 4 + 16 * 4] * 2
+        assert set(tied.host_state()) == {"a.weight", "a.bias", "b.bias"}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("service", "match"),
+    [
+        (lambda: TorchService("p", lambda: TwoPart(1), gpus=2), "nn.Sequential"),
+        (lambda: TorchService("p", lambda: deep_model(1), gpus=2, split=[2, 2]), "covers 4"),
+        (
+            lambda: TorchService("p", lambda: deep_model(1), gpus=2, split=lambda m: [m]),
+            "2 modules",
+        ),
+        (lambda: TorchService("p", lambda: deep_model(1)[:1], gpus=2), "1 layers for 2"),
+        (
+            lambda: TorchService("p", Tied, gpus=2, split=tied_stages, writeback=True),
+            "share 'a.weight'",
+        ),
+    ],
+    ids=["not-sequential", "bad-counts", "bad-function", "too-few-layers", "writeback-tied"],
+)
+async def test_a_bad_split_fails_clearly_when_the_pool_loads(
+    service: Callable[[], TorchService], match: str
+) -> None:
+    devices = [Device("cpu:0", "1MiB"), Device("cpu:1", "1MiB")]
+    with pytest.raises(gpu.GpuServiceError, match=match):
+        async with GpuPool([service()], devices=devices):
+            pass
+
+
+def test_split_arguments_are_checked_at_construction() -> None:
+    with pytest.raises(ValueError, match="split"):
+        TorchService("p", lambda: deep_model(1), gpus=2, split=[7])
+    with pytest.raises(ValueError, match="split"):
+        TorchService("p", lambda: deep_model(1), gpus=2, split=[0, 7])
+    with pytest.raises(ValueError, match="gpus"):
+        TorchService("p", lambda: deep_model(1), gpus=0)
+
+
+class FailsOnSecondStage(TorchService):
+    """The second stage's allocation fails, as a full second GPU would."""
+
+    failures = 1
+
+    def _allocate(self, target: torch.device, nbytes: int | None = None) -> torch.Tensor:
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.failures and self.calls == 2:
+            self.failures -= 1
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 MiB")
+        return super()._allocate(target, nbytes)
+
+
+@pytest.mark.anyio
+async def test_a_pipeline_restore_failing_on_one_stage_holds_nothing_on_any() -> None:
+    pipe = FailsOnSecondStage("pipe", lambda: deep_model(3), gpus=2, memory="1MiB")
+    devices = [Device("cpu:0", "1MiB"), Device("cpu:1", "1MiB")]
+    pool = GpuPool([pipe], devices=devices)
+    async with pool, tangram.Runtime(capacity=pool.capacity()) as runtime:
+        with pytest.raises(GpuOutOfMemoryError, match="cpu:0, cpu:1"):
+            async with pool.use("pipe") as svc:
+                await svc(inputs(0))
+        assert pipe.replica_state(0) == {}
+        assert all(u["resident"] == 0 and u["granted"] == 0 for u in pool.usage().values())
+        assert all(runtime.stats().resources[d.kind].held == 0 for d in devices)
+        async with pool.use("pipe") as svc:
+            assert torch.equal(await svc(inputs(0)), deep_model(3)(inputs(0)).detach())
+
+
+@pytest.mark.anyio
+async def test_pipeline_replicas_scale_out_on_free_nvlink_pairs() -> None:
+    pipe = TorchService("pipe", lambda: deep_model(4), gpus=2, max_replicas=2, memory="1MiB")
+    devices = [Device(f"cpu:{i}", "1MiB") for i in range(4)]
+    pool = GpuPool([pipe], devices=devices, links=[(0, 2), (1, 3)])
+    x = inputs(2)
+    expected = deep_model(4)(x).detach()
+    async with pool, tangram.Runtime(capacity=pool.capacity()):
+        placed: list[tuple[str, ...]] = []
+        both = anyio.Event()
+
+        async def action() -> None:
+            async with pool.use("pipe") as svc:
+                placed.append(tuple(d.name for d in svc.devices))
+                if len(placed) == 2:
+                    both.set()
+                await both.wait()  # both actions are in: two replicas live at once
+                assert torch.equal(await svc(x), expected)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(action)
+            tg.start_soon(action)
+        assert sorted(placed) == [("cpu:0", "cpu:2"), ("cpu:1", "cpu:3")]
+        assert sorted(pool.residency()["pipe"]) == sorted(placed)
+
+
+class Bound(GatedService):
+    """A gated service bound to one device, as a server started on its GPU is."""
+
+    def __init__(self, name: str, device: str) -> None:
+        super().__init__(name)
+        self.device = device
+
+    def slots(self) -> Sequence[tuple[str, ...]]:
+        return [(self.device,)]
+
+
+@pytest.mark.anyio
+async def test_a_multi_gpu_replica_waits_for_one_nvlink_group_rather_than_straddle_two() -> None:
+    x, y = Bound("x", "cpu:1"), Bound("y", "cpu:2")
+    pipe = TorchService("pipe", lambda: deep_model(6), gpus=2, memory="1MiB")
+    devices = [Device(f"cpu:{i}", "1MiB") for i in range(4)]
+    # NVLink pairs 0-1 and 2-3; x and y run on 1 and 2, so only 0 and 3 have room now.
+    pool = GpuPool([x, y, pipe], devices=devices, links=[(0, 1), (2, 3)])
+    async with pool, tangram.Runtime(capacity=pool.capacity()):
+        placed: list[tuple[str, ...]] = []
+
+        async def action(name: str) -> None:
+            async with pool.use(name) as svc:
+                placed.append(tuple(d.name for d in svc.devices))
+                if name == "pipe":
+                    assert torch.equal(await svc(inputs(0)), deep_model(6)(inputs(0)).detach())
+                else:
+                    await svc(0)
+
+        async with anyio.create_task_group() as tg:
+            for service in (x, y):
+                tg.start_soon(action, service.name)
+                await service.started.wait()
+            tg.start_soon(action, "pipe")
+            for _ in range(50):
+                await anyio.lowlevel.checkpoint()
+            assert placed == [("cpu:1",), ("cpu:2",)]  # the pipeline waits
+            x.gate.set()
+            y.gate.set()
+        assert placed[2] in {("cpu:0", "cpu:1"), ("cpu:2", "cpu:3")}
+
+
+def test_the_default_split_makes_the_largest_stage_as_small_as_it_can_be() -> None:
+    from tangram._gpu import _balance
+
+    assert _balance([5, 1, 1, 1, 5], 3) == [1, 3, 1]
+    assert max(sum(run) for run in _runs([5, 1, 1, 1, 5], _balance([5, 1, 1, 1, 5], 2))) == 7
+    sizes = [0, 4, 0, 4, 0, 4, 0, 4]
+    counts = _balance(sizes, 4)
+    assert min(counts) >= 1 and [sum(run) for run in _runs(sizes, counts)] == [4, 4, 4, 4]
+    assert _balance([9, 1, 1, 1], 4) == [1, 1, 1, 1]
+    # A greedy cut at half the total (9 | 1 1 1 ... ) would leave 9 + 1 in one stage.
+    assert _balance([1, 9, 1, 1, 1, 1, 1, 1, 1, 1], 2) == [2, 8]
+
+
+def _runs(sizes: list[int], counts: list[int]) -> list[list[int]]:
+    runs, at = [], 0
+    for count in counts:
+        runs.append(sizes[at : at + count])
+        at += count
+    return runs
