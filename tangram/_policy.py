@@ -448,7 +448,7 @@ def _allocate(members: list[Entry], units: int, now: float) -> list[int]:
     alloc = [min(max(e.units, e.emin), e.emax) if e.state == RUNNING else e.emin for e in members]
     if n == 0:
         return alloc
-    rems = [e.remaining(now) for e in members]
+    rems = _remainings(members, now)
     speedups = [e.speedup for e in members]
 
     def gain(i: int, m: int) -> float:  # completion time saved by unit m + 1
@@ -469,7 +469,16 @@ def _allocate(members: list[Entry], units: int, now: float) -> list[int]:
             return alloc
     # Heap entries carry the allocation they were computed at; an entry whose member has
     # moved since is stale and skipped, so one heap serves handing out and rebalancing.
-    give = [(-gain(i, alloc[i]), i, alloc[i]) for i in range(n) if alloc[i] < highs[i]]
+    # The two heaps are built from 1/speedup at each member's allocation, computed once:
+    # the same arithmetic as gain(), without a call and a repeated speedup per member.
+    # A pass at scale is mostly this setup (thousands of members, few moves).
+    inverse = [1.0 / speedups[i](alloc[i]) for i in range(n)]
+    give = [
+        (-(rems[i] * (inverse[i] - 1.0 / speedups[i](alloc[i] + 1))), i, alloc[i])
+        for i in range(n)
+        if alloc[i] < highs[i]
+    ]
+    given = alloc.copy()
     heapq.heapify(give)
     while spare > 0 and give:
         best, i, at = heapq.heappop(give)
@@ -483,7 +492,17 @@ def _allocate(members: list[Entry], units: int, now: float) -> list[int]:
             heapq.heappush(give, (-gain(i, alloc[i]), i, alloc[i]))
     if n < 2 or not give:
         return alloc
-    take = [(gain(i, alloc[i] - 1), i, alloc[i]) for i in range(n) if alloc[i] > lows[i]]
+    take = [
+        (
+            rems[i] * (1.0 / speedups[i](alloc[i] - 1) - inverse[i])
+            if alloc[i] == given[i]
+            else gain(i, alloc[i] - 1),
+            i,
+            alloc[i],
+        )
+        for i in range(n)
+        if alloc[i] > lows[i]
+    ]
     heapq.heapify(take)
     for _ in range(units):
         while give and give[0][2] != alloc[give[0][1]]:
@@ -564,13 +583,16 @@ def _shadow(
     if any(d > _EPS for d in deficit.values()):
         # Without the newcomers, a head blocked only by actions admitted in this same pass
         # would look unreachable (start = inf) and anything that fits would pass it.
-        ends = [(e.seconds_left(now), e.seq, e, e.units) for e in state.running]
+        ends = _running_ends(state.running, now)
         ends += [
             (e.t1 / e.speed(int(_min_units(e))), e.seq, e, int(_min_units(e))) for e in newcomers
         ]
-        ends.sort(key=lambda item: (item[0], item[1]))
+        # Usually a few of the earliest ends cover the deficit: a heap finds them without
+        # sorting every running action (seq breaks ties, so entries are never compared).
+        heapq.heapify(ends)
         reached = math.inf
-        for left, _, entry, units in ends:
+        while ends:
+            left, _, entry, units = heapq.heappop(ends)
             demand = entry.action.demand
             elastic = demand.elastic
             if elastic is not None and elastic.resizable and entry.state == RUNNING:
@@ -583,6 +605,34 @@ def _shadow(
         start = max(start, reached)
     extra = {kind: max(0.0, -d) for kind, d in deficit.items()}
     return start, extra
+
+
+def _remainings(entries: Iterable[Entry], now: float) -> list[float]:
+    """:meth:`Entry.remaining` of each entry, spelled out (a pass calls it per member)."""
+    out = []
+    for e in entries:
+        if e.state != RUNNING:
+            out.append(e.rem)
+            continue
+        units = e.units
+        left = e.rem - (now - e.mark) * (e.speedup(units) if units > 0 else 1.0)
+        out.append(max(left, _REMAINING_FLOOR * e.t1))
+    return out
+
+
+def _running_ends(running: Iterable[Entry], now: float) -> list[tuple[float, int, Entry, int]]:
+    """``(seconds left, seq, entry, units)`` of each running entry.
+
+    :meth:`Entry.seconds_left` spelled out: this walks every running action of a pass that
+    backfills, and three calls per action were most of a pass's time under load.
+    """
+    ends = []
+    for e in running:
+        units = e.units
+        speed = e.speedup(units) if units > 0 else 1.0
+        left = max(e.rem - (now - e.mark) * speed, _REMAINING_FLOOR * e.t1)
+        ends.append((left / speed, e.seq, e, units))
+    return ends
 
 
 @attrs.frozen(kw_only=True)
