@@ -27,6 +27,8 @@ from ._policy import ElasticPolicy as ElasticPolicy
 from ._policy import FcfsPolicy as FcfsPolicy
 from ._policy import Plan as Plan
 from ._policy import Policy as Policy
+from ._record import TraceRecorder as TraceRecorder
+from ._record import record_trace as record_trace
 from ._resources import Capacity as Capacity
 from ._resources import Rate as Rate
 from ._runtime import AcquireContext as AcquireContext
@@ -41,6 +43,7 @@ from ._sandbox import Sandbox as Sandbox
 from ._sandbox import SandboxBackend as SandboxBackend
 from ._sandbox import SandboxHandle as SandboxHandle
 from ._sandbox import SandboxPool as SandboxPool
+from ._sim_gpu import GpuService as GpuService
 from ._simulate import ActionRecord as ActionRecord
 from ._simulate import SimulationResult as SimulationResult
 from ._simulate import Step as Step
@@ -73,6 +76,7 @@ __all__ = [
     "ExecRequest",
     "ExecResult",
     "FcfsPolicy",
+    "GpuService",
     "Host",
     "KindStats",
     "Lease",
@@ -97,10 +101,12 @@ __all__ = [
     "Table",
     "Trace",
     "TraceAction",
+    "TraceRecorder",
     "acquire",
     "current_runtime",
     "errors",
     "read_trace",
+    "record_trace",
     "simulate",
 ]
 

@@ -33,6 +33,10 @@ WORKLOADS: tuple[Workload, ...] = ("coding", "deepsearch", "mopd")
 # point (a few huge actions behind which FCFS stalls); above 1 the mean stays finite.
 PARETO_ALPHA = 1.5
 
+# Requests one model-service replica serves at once (continuous batching in vLLM or
+# SGLang): a guess on the low side for scoring or judging prompts of a few thousand tokens.
+MAX_BATCH = 8
+
 
 def _workload(instance: object, attribute: attrs.Attribute[str], value: str) -> None:
     if value not in WORKLOADS:
@@ -150,6 +154,7 @@ def _deepsearch(config: GenerateConfig, rng: random.Random) -> tuple[dict[str, A
                 "gpu_mem_gib": 40,
                 "restore_seconds": 1.5,
                 "cold_start_seconds": 30,
+                "max_batch": MAX_BATCH,
             }
         },
     }
@@ -205,6 +210,7 @@ def _mopd(config: GenerateConfig, rng: random.Random) -> tuple[dict[str, Any], I
             "gpu_mem_gib": 70 * gpus[rank],
             "restore_seconds": 2.0 * gpus[rank],
             "cold_start_seconds": 40,
+            "max_batch": MAX_BATCH,
         }
         for rank in range(teachers)
     }

@@ -73,6 +73,11 @@ class Ledger:
         return self._resizable.get(kind, {}).keys()
 
     @property
+    def resizing(self) -> bool:
+        """Whether a resizable action runs: a release may then grow it."""
+        return any(self._resizable.values())
+
+    @property
     def waiting_count(self) -> int:
         return len(self._queue)
 

@@ -56,8 +56,8 @@ def summarise(result: SimulationResult) -> dict[str, Any]:
         "p99_act": _round(result.act_quantile(0.99)),
         "avg_queue": _round(mean([r.queue for r in records])),
         "avg_exec": _round(mean([r.exec for r in records])),
-        # The simulator charges no restore or resize cost yet, so nothing is overhead.
-        "avg_overhead": 0.0,
+        # Restores of GPU services; resizes and cold starts cost nothing here.
+        "avg_overhead": _round(mean([r.overhead for r in records])),
         "step_seconds": _round(result.step_seconds),
         "unit_seconds": {k: _round(v) for k, v in sorted(result.unit_seconds.items())},
         "peak_units": {k: _round(v) for k, v in sorted(result.peak_units.items())},
@@ -188,13 +188,7 @@ def _assignments(text: str) -> dict[str, float]:
         kind, sep, value = part.partition("=")
         if not sep or not kind.strip():
             raise argparse.ArgumentTypeError(f"expected KIND=NUMBER (got {part!r})")
-        try:
-            number = float(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
-        if not (math.isfinite(number) and number >= 0):
-            raise argparse.ArgumentTypeError(f"must be >= 0 and finite (got {value!r})")
-        out[kind.strip()] = number
+        out[kind.strip()] = _non_negative(value)
     return out
 
 
@@ -207,6 +201,16 @@ def _static_units(text: str) -> int | dict[str, int]:
     if any(v != int(v) or v < 1 for v in units.values()):
         raise argparse.ArgumentTypeError(f"slot units must be whole numbers >= 1 ({text!r})")
     return {kind: int(v) for kind, v in units.items()}
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be >= 0 and finite (got {text!r})")
+    return value
 
 
 def _sweep(text: str) -> tuple[str, list[float]]:
@@ -241,7 +245,10 @@ def add_commands(commands: Any) -> None:
         "--policy",
         type=_policies,
         default=_policies(DEFAULT_POLICIES),
-        help=f"comma-separated: tangram, static, bound, fixed-dop-K (default {DEFAULT_POLICIES})",
+        help=(
+            "comma-separated: tangram, static, k8s, bound, fixed-dop-K "
+            f"(default {DEFAULT_POLICIES})"
+        ),
     )
     sim.add_argument(
         "--capacity",
@@ -255,6 +262,12 @@ def add_commands(commands: Any) -> None:
         type=_static_units,
         default=None,
         help="units per static slot: N for every held kind, or cpu=4,gpu=1",
+    )
+    sim.add_argument(
+        "--k8s-lag",
+        type=_non_negative,
+        default=60.0,
+        help="seconds a k8s pod resize takes to take effect (default 60)",
     )
     sim.add_argument("--json", type=Path, help="write the result JSON here")
     sim.add_argument("--plot", type=Path, help="write a PNG of ACT distributions (or the sweep)")
@@ -330,7 +343,9 @@ def _simulate_command(args: argparse.Namespace) -> int:
     title = f"{trace.name or args.trace.name}: {len(trace.trajectories)} trajectories"
     if args.sweep is None:
         results = {
-            name: run_policy(name, trace, overrides, static_units=args.static_units)
+            name: run_policy(
+                name, trace, overrides, static_units=args.static_units, k8s_lag=args.k8s_lag
+            )
             for name in policies
         }
         summaries = {name: summarise(result) for name, result in results.items()}
@@ -365,7 +380,11 @@ def _sweep_command(
         else:
             point_overrides[parameter.removeprefix("capacity.")] = value
         summaries = {
-            name: summarise(run_policy(name, trace, point_overrides, static_units=static_units))
+            name: summarise(
+                run_policy(
+                    name, trace, point_overrides, static_units=static_units, k8s_lag=args.k8s_lag
+                )
+            )
             for name in policies
         }
         print(f"{title}, {parameter} = {value:g}")

@@ -329,12 +329,18 @@ class Runtime:
         elastic = action.demand.elastic
         if not self._ledger.may_admit(entry):
             pass  # it cannot start now, and its arrival changes no other decision
-        elif elastic is not None and not elastic.resizable:
-            # A grant it keeps for life: decide after every action that arrives in this
-            # loop iteration has queued, so a burst is split, not given to its first.
+        elif (
+            self._deferred
+            or self._ledger.waiting_count > 1
+            or (elastic is not None and not elastic.resizable)
+        ):
+            # Decide once, after every action that arrives or leaves in this loop
+            # iteration: a burst of elastic demands is split instead of going to its first
+            # asker for life, and a queue that is already waiting gains nothing from one
+            # pass per event (each pass walks the window and the running actions).
             self._defer()
         else:
-            self._reschedule(now)
+            self._reschedule(now)  # nobody ahead: an uncontended acquire starts at once
         if entry.state == RUNNING:
             try:
                 await self._shielded_checkpoint()
@@ -396,7 +402,8 @@ class Runtime:
         else:
             self._ledger.withdraw(entry)
             self._recorder.record(entry.action.kind, outcome, now - lease.queued_at, 0.0, 0.0)
-        self._reschedule(now)
+        if self._ledger.waiting_count or self._ledger.resizing:
+            self._defer()
 
     def _defer(self) -> None:
         """Run the next pass from the timer task, after the tasks already ready to run."""

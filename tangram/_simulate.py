@@ -10,23 +10,25 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Literal, cast
 
 import attrs
 
 from ._action import Action
-from ._demand import build_demand
+from ._demand import Demand, build_demand
 from ._efficiency import Efficiency, Estimate, Linear
 from ._estimator import Estimator
 from ._ledger import Ledger
 from ._policy import RUNNING, ElasticPolicy, Entry, Policy
 from ._resources import Capacity, parse_capacity
+from ._sim_gpu import GpuService, Placement, Residency
 from ._stats import nearest_rank
 
 __all__ = ["ActionRecord", "SimulationResult", "Step", "simulate"]
 
-_ARRIVE, _FINISH, _WAKE = 0, 1, 2
+_ARRIVE, _FINISH, _WAKE, _SERVED = 0, 1, 2, 3
 
 
 def _seconds(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
@@ -48,7 +50,8 @@ def _step_efficiency(
 class Step:
     """One action of a simulated trajectory, issued ``gap`` seconds after the previous ends.
 
-    The demand is checked when :func:`simulate` starts.
+    The demand is checked when :func:`simulate` starts. ``service`` names the GPU model
+    service a rigid ``gpu`` step runs on (see ``services`` of :func:`simulate`).
 
     :raises TypeError: a time that is not a number, or an efficiency without ``speedup``.
     :raises ValueError: a time that is not finite and >= 0.
@@ -59,11 +62,16 @@ class Step:
     efficiency: Efficiency = attrs.field(factory=Linear, validator=_step_efficiency)
     gap: float = attrs.field(default=0.0, validator=_seconds)
     kind: str = "action"
+    service: str | None = None
 
 
 @attrs.frozen
 class ActionRecord:
-    """When one simulated action arrived, started and ended, and its mean elastic units."""
+    """When one simulated action arrived, started and ended, and its mean elastic units.
+
+    ``overhead``: seconds between the grant and the work starting (a GPU service's
+    restore), so ACT = queue + overhead + exec, as the paper breaks it down.
+    """
 
     trajectory: str
     index: int
@@ -72,6 +80,7 @@ class ActionRecord:
     admitted: float
     finished: float
     units: float
+    overhead: float = 0.0
 
     @property
     def queue(self) -> float:
@@ -79,7 +88,7 @@ class ActionRecord:
 
     @property
     def exec(self) -> float:
-        return self.finished - self.admitted
+        return self.finished - self.admitted - self.overhead
 
     @property
     def act(self) -> float:
@@ -88,7 +97,11 @@ class ActionRecord:
 
 @attrs.frozen
 class SimulationResult:
-    """Every action's record plus the resource bill of one simulated step."""
+    """Every action's record plus the resource bill of one simulated step.
+
+    ``evictions`` counts the policy's greedy evictions (actions left queued);
+    ``restores`` and ``unloads`` count GPU services restored and evicted from devices.
+    """
 
     records: tuple[ActionRecord, ...]
     step_seconds: float
@@ -97,6 +110,8 @@ class SimulationResult:
     resizes: int
     evictions: int
     decisions: int
+    restores: int = 0
+    unloads: int = 0
 
     @property
     def avg_act(self) -> float:
@@ -107,7 +122,16 @@ class SimulationResult:
 
 
 class _Run:
-    __slots__ = ("index", "last", "step", "trajectory", "units", "version", "work")
+    __slots__ = (
+        "index",
+        "last",
+        "placement",
+        "step",
+        "trajectory",
+        "units",
+        "version",
+        "work",
+    )
 
     def __init__(self, trajectory: str, index: int, step: Step) -> None:
         self.trajectory = trajectory
@@ -117,6 +141,7 @@ class _Run:
         self.last = 0.0
         self.version = 0
         self.units: int | None = None
+        self.placement: Placement | None = None
 
 
 def simulate(
@@ -126,11 +151,21 @@ def simulate(
     policy: Policy | None = None,
     estimates: Literal["exact", "learned"] = "exact",
     estimator: Estimator | None = None,
+    services: Mapping[str, GpuService] | None = None,
+    gpu_mem_gib_per_device: float = 80.0,
 ) -> SimulationResult:
     """Replay ``trajectories`` on ``capacity`` under ``policy`` in virtual time.
 
     :param estimates: ``"exact"`` gives the policy each step's true duration model;
         ``"learned"`` makes it rely on the online estimator, as a live runtime does.
+    :param services: GPU model services by name. When given, the ``gpu`` capacity is that
+        many devices of ``gpu_mem_gib_per_device`` GiB each, and steps naming a service
+        run on its replicas as the live GPU pool runs them (see ``_Pool``): a replica's
+        grant is asked from the same ledger and policy, with the restore in its estimate;
+        :class:`~tangram._sim_gpu.Residency` places it (evict-on-execution), and a step on
+        a replica that was not resident waits for its restore (its ``overhead``).
+    :raises ValueError: a step names an unknown service, a service step that is elastic
+        or whose GPUs differ from its service's, or services without a ``gpu`` capacity.
     """
     cap = parse_capacity(capacity)
     learner = estimator if estimator is not None else Estimator()
@@ -140,6 +175,7 @@ def simulate(
         for name, steps in trajectories.items()
         for i, step in enumerate(steps)
     }
+    pool = _pool(trajectories, demands, cap, services, gpu_mem_gib_per_device, ledger)
     events: list[tuple[float, int, int, object]] = []
     seq = 0
 
@@ -175,6 +211,10 @@ def simulate(
                 else:
                     guess = learner.predict(step.kind)
                 action = Action(ids, step.kind, name, demands[(name, index)], guess)
+                if pool is not None and step.service is not None:
+                    hold = pool.arrive(action, step, index, now, push)
+                    changed = changed or (hold is not None and ledger.may_admit(hold))
+                    continue
                 entry = ledger.submit(action, now)
                 runs[entry] = _Run(name, index, step)
                 changed = changed or ledger.may_admit(entry)
@@ -186,8 +226,13 @@ def simulate(
                 ran = now - entry.admitted_at
                 units = entry.unit_time + entry.units * (now - entry.mark)
                 ledger.finish(entry, now)
+                if pool is not None and run.placement is not None:
+                    pool.residency.release(run.placement, now)
                 del runs[entry]
-                changed = True
+                last = now
+                # As the live runtime: the units freed matter only to a waiting action or
+                # a resizable one that may grow into them.
+                changed = changed or ledger.waiting_count > 0 or ledger.resizing
                 records.append(
                     ActionRecord(
                         run.trajectory,
@@ -202,6 +247,19 @@ def simulate(
                 steps = trajectories[run.trajectory]
                 if run.index + 1 < len(steps):
                     push(now + steps[run.index + 1].gap, _ARRIVE, (run.trajectory, run.index + 1))
+            elif kind == _SERVED:
+                assert pool is not None
+                record, served = cast("tuple[ActionRecord, _Hold]", payload)
+                records.append(record)
+                last = now
+                changed = pool.served(served, now, push) or changed
+                steps = trajectories[record.trajectory]
+                if record.index + 1 < len(steps):
+                    push(
+                        now + steps[record.index + 1].gap,
+                        _ARRIVE,
+                        (record.trajectory, record.index + 1),
+                    )
             elif wake_pending == now:
                 wake_pending = None
                 changed = True
@@ -210,8 +268,15 @@ def simulate(
         last = now
         plan = ledger.step(now)
         decisions += 1
-        for entry, _ in (*plan.resizes, *plan.admits):
+        for entry, _ in plan.resizes:
             _progress(runs[entry], entry, now, push)
+        for entry, _ in plan.admits:
+            if pool is not None and pool.granted(entry, now, push):
+                continue
+            run = runs[entry]
+            if pool is not None:
+                run.placement = pool.place_plain(entry, now)
+            _progress(run, entry, now, push)
         if plan.wake_at is not None and plan.wake_at != wake_pending and plan.wake_at > now:
             wake_pending = plan.wake_at
             push(plan.wake_at, _WAKE, None)
@@ -225,7 +290,169 @@ def simulate(
         resizes=ledger.resizes,
         evictions=ledger.evictions,
         decisions=decisions,
+        restores=pool.residency.restores if pool is not None else 0,
+        unloads=pool.residency.evictions if pool is not None else 0,
     )
+
+
+def _pool(
+    trajectories: Mapping[str, Sequence[Step]],
+    demands: Mapping[tuple[str, int], Demand],
+    cap: Capacity,
+    services: Mapping[str, GpuService] | None,
+    memory: float,
+    ledger: Ledger,
+) -> _Pool | None:
+    """The GPU pool model when services are given; every service step checked against it."""
+    if services is None:
+        return None
+    if "gpu" not in cap:
+        raise ValueError("GPU services need a `gpu` capacity (the number of devices)")
+    for name, steps in trajectories.items():
+        for i, step in enumerate(steps):
+            demand = demands[(name, i)]
+            if demand.elastic_kind == "gpu":
+                raise ValueError(
+                    f"step {i} of {name!r}: elastic GPU steps cannot be placed on devices"
+                )
+            if step.service is None:
+                continue
+            if step.service not in services:
+                raise ValueError(f"step {i} of {name!r}: unknown service {step.service!r}")
+            if demand.elastic is not None or any(k != "gpu" for k, _ in demand.rigid):
+                raise ValueError(f"step {i} of {name!r}: a service step holds only `gpu`")
+            gpus = demand.amount("gpu", 0)
+            if gpus != services[step.service].gpus:
+                raise ValueError(
+                    f"step {i} of {name!r} holds {gpus:g} GPUs but a replica of "
+                    f"{step.service!r} needs {services[step.service].gpus}"
+                )
+    return _Pool(Residency(int(cap["gpu"].total), memory, services), ledger)
+
+
+class _Hold:
+    """One replica's grant in the ledger and the actions riding on it (the live holder)."""
+
+    __slots__ = ("active", "entry", "gpus", "pending", "placement", "ready", "service", "users")
+
+    def __init__(self, service: str, entry: Entry, gpus: int) -> None:
+        self.service = service
+        self.entry = entry
+        self.gpus = gpus
+        self.users = 0
+        self.active = 0
+        self.pending: deque[tuple[Action, Step, int, float]] = deque()
+        self.ready = math.nan
+        self.placement: Placement | None = None
+
+
+class _Pool:
+    """The live GPU pool's bookkeeping on the virtual clock.
+
+    As :class:`tangram.gpu.GpuPool` does, an action on a service joins a live replica of
+    it: one with room (fewer than the service's ``max_batch`` actions) when there is one.
+    When every live replica is full, another replica starts only if the GPUs for it are
+    free now (a replica that waits for GPUs serves no one sooner); otherwise the action
+    queues on the least loaded replica and runs when one of its actions ends. A replica's
+    grant of the service's GPUs is one ledger entry, asked with the restore time (0 when
+    resident) plus the action's run time as its estimate: the ledger and the policy decide
+    when a replica gets GPUs, :class:`~tangram._sim_gpu.Residency` which devices and
+    whether a restore is paid. The grant goes back when the replica's last action ends;
+    the replica stays resident, idle and evictable.
+    """
+
+    def __init__(self, residency: Residency, ledger: Ledger) -> None:
+        self.residency = residency
+        self.ledger = ledger
+        self.live: dict[str, list[_Hold]] = {}
+        self.holds: dict[Entry, _Hold] = {}
+        self.asked = 0  # GPUs asked for by replicas still waiting for their grant
+
+    def arrive(
+        self,
+        action: Action,
+        step: Step,
+        index: int,
+        now: float,
+        push: Callable[[float, int, object], None],
+    ) -> Entry | None:
+        """Attach an action to a replica; the new replica's entry if one was asked for."""
+        service = step.service
+        assert service is not None
+        spec = self.residency.services[service]
+        live = self.live.get(service, [])
+        roomy = [h for h in live if h.users < spec.max_batch]
+        if self.asked > 0:
+            # Replicas wait for GPUs: a granted one takes no newcomer, so it drains and
+            # hands its GPUs on instead of holding them for as long as its service is busy.
+            roomy = [h for h in roomy if h.entry.state != RUNNING]
+            live = [h for h in live if h.entry.state != RUNNING]
+        if roomy or (live and self.ledger.free["gpu"] - self.asked < spec.gpus):
+            hold = min(roomy or live, key=lambda h: h.users)
+            hold.users += 1
+            hold.pending.append((action, step, index, now))
+            if hold.entry.state == RUNNING:
+                self._drain(hold, now, push)
+            return None
+        restore = self.residency.restore_cost(service)
+        guess = Estimate(action.estimate.seconds_at_1 + restore, action.estimate.efficiency)
+        entry = self.ledger.submit(attrs.evolve(action, estimate=guess), now)
+        hold = _Hold(service, entry, spec.gpus)
+        hold.users = 1
+        hold.pending.append((action, step, index, now))
+        self.live.setdefault(service, []).append(hold)
+        self.holds[entry] = hold
+        self.asked += spec.gpus
+        return entry
+
+    def granted(self, entry: Entry, now: float, push: Callable[[float, int, object], None]) -> bool:
+        """Place a replica whose grant came; start its actions once restored."""
+        hold = self.holds.get(entry)
+        if hold is None:
+            return False
+        self.asked -= hold.gpus
+        hold.placement = self.residency.place(hold.service, hold.gpus, now)
+        hold.ready = now + hold.placement.restore_seconds
+        self._drain(hold, now, push)
+        return True
+
+    def place_plain(self, entry: Entry, now: float) -> Placement | None:
+        """Devices for a GPU action with no service behind it (no restore, no eviction)."""
+        gpus = int(entry.action.demand.amount("gpu"))
+        return self.residency.place(None, gpus, now) if gpus > 0 else None
+
+    def _drain(self, hold: _Hold, now: float, push: Callable[[float, int, object], None]) -> None:
+        """Start queued actions while the replica has batch room; each runs its own time."""
+        limit = self.residency.services[hold.service].max_batch
+        begin = max(now, hold.ready)
+        while hold.pending and hold.active < limit:
+            action, step, index, arrival = hold.pending.popleft()
+            hold.active += 1
+            record = ActionRecord(
+                action.trajectory or "",
+                index,
+                step.kind,
+                arrival,
+                now,
+                begin + step.seconds_at_1,
+                float(hold.gpus),
+                begin - now,
+            )
+            push(record.finished, _SERVED, (record, hold))
+
+    def served(self, hold: _Hold, now: float, push: Callable[[float, int, object], None]) -> bool:
+        """An action on a replica ended; True when the replica's grant went back."""
+        hold.users -= 1
+        hold.active -= 1
+        if hold.users > 0:
+            self._drain(hold, now, push)
+            return False
+        self.ledger.finish(hold.entry, now)
+        if hold.placement is not None:
+            self.residency.release(hold.placement, now)
+        self.live[hold.service].remove(hold)
+        del self.holds[hold.entry]
+        return True
 
 
 def _progress(

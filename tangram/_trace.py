@@ -22,6 +22,7 @@ import attrs
 from ._demand import Elastic
 from ._efficiency import Efficiency, Linear, efficiency_from_dict
 from ._resources import Rate
+from ._sim_gpu import GpuService
 from ._simulate import Step
 from .errors import InvalidDemandError, TraceFormatError
 
@@ -84,12 +85,29 @@ class Trace:
             for kind, value in merged.items()
         }
 
+    def gpu_services(self) -> dict[str, GpuService]:
+        """The header's services for ``simulate(services=...)``: residency and restores.
+
+        A service without ``gpus`` takes one GPU; without ``gpu_mem_gib`` it fills one
+        device's memory; without ``restore_seconds`` it restores for free.
+        """
+        return {
+            name: GpuService(
+                name=name,
+                gpus=int(spec.get("gpus", 1)),
+                gpu_mem_gib=float(spec.get("gpu_mem_gib", self.gpu_mem_gib_per_device)),
+                restore_seconds=float(spec.get("restore_seconds", 0.0)),
+                max_batch=int(spec.get("max_batch", 1)),
+            )
+            for name, spec in sorted(self.services.items())
+        }
+
     def workload(self) -> dict[str, list[Step]]:
         """Each trajectory's actions as :class:`tangram.Step`, ready for ``simulate``.
 
         Elastic actions are resizable, as cgroup-backed sandboxes are. GPU actions hold
-        their GPUs for their ``seconds``; service residency and restore costs are not
-        modelled here yet.
+        their GPUs for their ``seconds``, plus a restore when their service is not
+        resident if ``simulate`` is given :meth:`gpu_services`.
         """
         steps: dict[str, list[Step]] = {}
         for name, actions in self.trajectories.items():
@@ -117,6 +135,7 @@ class Trace:
             efficiency=action.efficiency,
             gap=action.gap,
             kind=action.kind,
+            service=action.service,
         )
 
 
@@ -201,6 +220,14 @@ def _header(line: int, obj: Mapping[str, Any]) -> tuple[dict[str, float], dict[s
         for key in ("gpus", "gpu_mem_gib", "restore_seconds", "cold_start_seconds"):
             if key in spec:
                 _number(line, spec, key)
+        for key in ("gpus", "max_batch"):
+            count = spec.get(key, 1)
+            if key in spec:
+                _number(line, spec, key)
+            if count != int(count) or count < 1:
+                raise TraceFormatError(
+                    f"service {name!r}: `{key}` must be a whole number >= 1 (got {count!r})", line
+                )
     if "gpu_mem_gib_per_device" in obj:
         _number(line, obj, "gpu_mem_gib_per_device", minimum=1e-9)
     return capacity, dict(services)

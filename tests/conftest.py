@@ -59,6 +59,26 @@ async def wait_until(predicate: Callable[[], bool], *, checkpoints: int = 10_000
     raise AssertionError(f"condition never held after {checkpoints} checkpoints")
 
 
+def after_grant(runtime: tangram.Runtime, running: int, callback: Callable[[], object]) -> None:
+    """Call ``callback`` once, inside the scheduling pass that leaves ``running`` actions.
+
+    A pass grants units and wakes the waiter, which runs only at its next turn: a callback
+    here acts in the window between a grant and the granted task resuming, which no
+    task of the test can reach by itself (the pass may run in the runtime's own task).
+    """
+    original = runtime._reschedule
+    done = False
+
+    def reschedule(now: float | None = None) -> None:
+        nonlocal done
+        original(now)
+        if not done and runtime.stats().running == running:
+            done = True
+            callback()
+
+    runtime._reschedule = reschedule  # type: ignore[method-assign]
+
+
 def assert_idle(runtime: tangram.Runtime) -> None:
     """Nothing held, nothing waiting, nothing running, and the ledger is consistent."""
     stats = runtime.stats()

@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
 import tangram
-from tangram._baselines import parse_policy, run_policy, simulate_static, slot_sizes
+from tangram._baselines import (
+    parse_policy,
+    run_policy,
+    service_shares,
+    simulate_k8s,
+    simulate_static,
+    slot_sizes,
+)
 from tangram._generate import GenerateConfig, generate
 
 
@@ -125,3 +133,133 @@ def test_known_policy_names(name: str) -> None:
 def test_unknown_policy_names(name: str) -> None:
     with pytest.raises(ValueError):
         parse_policy(name)
+
+
+def _gpu_trace(gpus: int, *actions: dict[str, object]) -> tangram.Trace:
+    services = {
+        name: {"gpus": 1, "gpu_mem_gib": 60, "restore_seconds": 5, "max_batch": 1}
+        for name in ("a", "b")
+    }
+    return _trace({"capacity": {"gpu": gpus}, "services": services}, *actions)
+
+
+def _judge(name: str, service: str, gap: float = 0.0) -> dict[str, object]:
+    return {
+        "trajectory": name,
+        "index": 0,
+        "gap": gap,
+        "kind": service,
+        "resource": "gpu",
+        "units": 1,
+        "seconds": 1,
+        "service": service,
+    }
+
+
+def test_static_gives_each_service_a_fixed_resident_share() -> None:
+    trace = _gpu_trace(4, *(_judge(f"t{i}", "a") for i in range(3)), _judge("u", "b"))
+    assert service_shares(trace) == {"a": 2, "b": 2}
+    result = simulate_static(trace)
+    queues = sorted(r.queue for r in result.records if r.kind == "a")
+    # Two replicas of a, always resident (no restore), FCFS: the third waits for one.
+    assert queues == [0, 0, 1]
+    assert all(r.overhead == 0 for r in result.records)
+    assert result.step_seconds == 2
+    # Dedicated GPUs are billed for the whole step, busy or not.
+    assert result.unit_seconds["gpu"] == pytest.approx(4 * 2)
+    assert result.peak_units["gpu"] == 4
+
+
+def test_static_hands_the_rounding_left_over_out_in_name_order() -> None:
+    trace = _gpu_trace(5, _judge("t", "a"))
+    assert service_shares(trace) == {"a": 3, "b": 2}
+    assert service_shares(trace, {"gpu": 7}) == {"a": 4, "b": 3}
+
+
+def test_static_serves_every_service_even_on_too_few_gpus() -> None:
+    trace = _gpu_trace(1, _judge("t", "a"), _judge("u", "b"))
+    assert service_shares(trace) == {"a": 1, "b": 1}
+    assert [r.queue for r in simulate_static(trace).records] == [0, 0]
+
+
+def test_tangram_restores_evicted_services_where_static_pins_them() -> None:
+    # One GPU, two 60 GiB services used in turn: tangram restores at every switch, static
+    # (given a GPU per service) never; tangram bills one GPU, static two for the step.
+    actions = [_judge("t", "a"), _judge("u", "b", gap=10), _judge("v", "a", gap=20)]
+    trace = _gpu_trace(1, *actions)
+    tangram_run = run_policy("tangram", trace)
+    assert [r.overhead for r in tangram_run.records] == [5, 5, 5]
+    assert (tangram_run.restores, tangram_run.unloads) == (3, 2)
+    assert tangram_run.unit_seconds["gpu"] == pytest.approx(3 * 6)
+    static_run = run_policy("static", trace)
+    assert [r.act for r in static_run.records] == [1, 1, 1]
+    assert static_run.unit_seconds["gpu"] == pytest.approx(2 * 21)
+
+
+def _elastic(name: str, index: int, seconds: float, gap: float = 0.0) -> dict[str, object]:
+    return {
+        "trajectory": name,
+        "index": index,
+        "gap": gap,
+        "kind": "build",
+        "resource": "cpu",
+        "min": 1,
+        "max": 8,
+        "seconds_at_1": seconds,
+        "efficiency": {"model": "linear"},
+    }
+
+
+def test_k8s_resizes_take_effect_after_the_lag() -> None:
+    trace = _trace({"capacity": {"cpu": 8}}, _elastic("a", 0, 100))
+    result = simulate_k8s(trace, static_units=1, lag=10)
+    (record,) = result.records
+    # 10 s at the pod's one core (10 of 100 s of work), then 8 cores for the other 90.
+    assert record.finished == pytest.approx(10 + 90 / 8)
+    assert result.unit_seconds["cpu"] == pytest.approx(1 * record.finished + 7 * 90 / 8)
+    assert result.peak_units["cpu"] == 8
+    # A lag longer than the action: it never grows, as a static slot.
+    slow = simulate_k8s(trace, static_units=1, lag=200)
+    assert slow.records[0].finished == pytest.approx(100)
+    assert slow.records[0].finished == simulate_static(trace, static_units=1).records[0].finished
+
+
+def test_k8s_keeps_grown_units_until_the_shrink_lands() -> None:
+    trace = _trace({"capacity": {"cpu": 8}}, _elastic("a", 0, 80), _elastic("a", 1, 16, gap=2))
+    first, second = simulate_k8s(trace, static_units=1, lag=10).records
+    assert first.finished == pytest.approx(10 + 70 / 8)
+    # The second build starts 2 s later, before the shrink (10 s after the first ended):
+    # it runs on all 8 cores from the start.
+    assert second.admitted == pytest.approx(first.finished + 2)
+    assert second.exec == pytest.approx(16 / 8)
+
+
+def test_k8s_growth_waits_for_free_units() -> None:
+    # Two one-core pods on 9 cores. a's build asks at t=5 to grow by 7 and gets them; b's,
+    # issued at t=6, asks at t=11 when nothing is free, and grows only when a's pod is
+    # deleted (its last action ended).
+    trace = _trace({"capacity": {"cpu": 9}}, _elastic("a", 0, 100), _elastic("b", 0, 50, gap=6))
+    records = {r.trajectory: r for r in simulate_k8s(trace, static_units=1, lag=5).records}
+    a_end = 5 + 95 / 8
+    assert records["a"].finished == pytest.approx(a_end)
+    done = a_end - 6  # b's work at one core until then
+    assert records["b"].finished == pytest.approx(a_end + (50 - done) / 8)
+
+
+def test_k8s_pods_queue_fcfs_behind_grown_pods() -> None:
+    # a's pod grows to all 8 cores; b's pod (one core) must wait for a's pod to go.
+    trace = _trace({"capacity": {"cpu": 8}}, _elastic("a", 0, 50), _elastic("b", 0, 50, gap=6))
+    records = {r.trajectory: r for r in simulate_k8s(trace, static_units=1, lag=5).records}
+    a_end = 5 + 45 / 8
+    assert records["a"].finished == pytest.approx(a_end)
+    assert records["b"].admitted == pytest.approx(a_end)
+    assert records["b"].queue == pytest.approx(a_end - 6)
+
+
+def test_k8s_is_a_policy_and_checks_its_lag() -> None:
+    assert parse_policy("k8s") == "k8s"
+    trace = _trace({"capacity": {"cpu": 8}}, _elastic("a", 0, 100))
+    assert run_policy("k8s", trace, static_units=1, k8s_lag=10).records[0].finished < 100
+    for bad in (-1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="`lag` must be >= 0"):
+            simulate_k8s(trace, lag=bad)

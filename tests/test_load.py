@@ -18,12 +18,14 @@ measured:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import anyio
@@ -86,7 +88,23 @@ class LagTicker:
             self.lags.append(max(0.0, time.perf_counter() - expected))
 
 
-async def trajectory(index: int, r: random.Random, actions: int) -> None:
+def _hold(
+    limiter: anyio.CapacityLimiter | None, demand: dict[str, object], kind: str, trajectory: str
+) -> AbstractAsyncContextManager[tangram.Lease | None]:
+    if limiter is None:
+        return tangram.acquire(demand, kind=kind, trajectory=trajectory)
+    return _borrow(limiter)
+
+
+@contextlib.asynccontextmanager
+async def _borrow(limiter: anyio.CapacityLimiter) -> AsyncIterator[None]:
+    async with limiter:
+        yield None
+
+
+async def trajectory(
+    index: int, r: random.Random, actions: int, limiter: anyio.CapacityLimiter | None = None
+) -> None:
     await anyio.sleep(r.random())  # rollouts arrive spread out, as a batch starts
     for step in range(actions):
         pick = r.random()
@@ -97,22 +115,19 @@ async def trajectory(index: int, r: random.Random, actions: int) -> None:
             demand = {"cpu": tangram.Elastic(1, 4)}
         else:
             demand = {"cpu": tangram.Elastic(1, 8, resizable=True)}
-        async with tangram.acquire(demand, kind=f"k{step % 3}", trajectory=f"t{index}") as lease:
-            if lease.units is not None and lease.units > 1:
+        async with _hold(limiter, demand, f"k{step % 3}", f"t{index}") as lease:
+            if lease is not None and lease.units is not None and lease.units > 1:
                 seconds /= lease.units**0.5
             await anyio.sleep(seconds)
         await anyio.sleep(r.random() * 0.01)  # the model thinks between actions
 
 
-async def run_load(
-    trajectories: int, actions: int, *, cpu: int = 256, seed: int = 0, check: bool = False
-) -> dict[str, float]:
-    """Run the workload; return its figures (see the module docstring)."""
+async def _drive(
+    trajectories: int, actions: int, seed: int, limiter: anyio.CapacityLimiter | None
+) -> tuple[LagTicker, float]:
+    """Run the trajectories with the loop's lag measured; return the ticker and wall time."""
     r = random.Random(seed)
     ticker = LagTicker()
-    runtime = tangram.Runtime({"cpu": cpu})
-    timer = DecisionTimer(runtime)
-    checker = InvariantChecker(runtime) if check else None
     # The garbage collector's full passes over 10k tasks' frames take tens of ms and land
     # in whatever runs then, often a decision: off during the run, so the figures are the
     # scheduler's own. (A rollout process tunes its GC for its own heap.)
@@ -120,24 +135,43 @@ async def run_load(
     gc.disable()
     started = time.perf_counter()
     try:
-        async with runtime, anyio.create_task_group() as outer:
+        async with anyio.create_task_group() as outer:
             outer.start_soon(ticker.run)
             async with anyio.create_task_group() as tg:
                 for i in range(trajectories):
-                    tg.start_soon(trajectory, i, random.Random(r.random()), actions)
+                    tg.start_soon(trajectory, i, random.Random(r.random()), actions, limiter)
                     if i % 200 == 199:
                         # Start them as a rollout batch does, a slice at a time: 10k tasks
                         # started in one loop iteration would hold the loop themselves.
                         await anyio.sleep(0.002)
             outer.cancel_scope.cancel()
-            check_idle(runtime)
-            stats = runtime.stats()
-        wall = time.perf_counter() - started
+        return ticker, time.perf_counter() - started
     finally:
         gc.enable()
+
+
+def _lag_figures(ticker: LagTicker) -> dict[str, float]:
+    lags = sorted(ticker.lags)
+    return {
+        "loop_lag_p99_ms": 1e3 * nearest_rank(lags, 0.99),
+        "loop_lag_max_ms": 1e3 * (lags[-1] if lags else 0.0),
+        "ticks": len(lags),
+    }
+
+
+async def run_load(
+    trajectories: int, actions: int, *, cpu: int = 256, seed: int = 0, check: bool = False
+) -> dict[str, float]:
+    """Run the workload; return its figures (see the module docstring)."""
+    runtime = tangram.Runtime({"cpu": cpu})
+    timer = DecisionTimer(runtime)
+    checker = InvariantChecker(runtime) if check else None
+    async with runtime:
+        ticker, wall = await _drive(trajectories, actions, seed, None)
+        check_idle(runtime)
+        stats = runtime.stats()
     if checker is not None:
         checker.verify()
-    lags = sorted(ticker.lags)
     decisions = sorted(timer.times)
     done = sum(k.completed for k in stats.kinds.values())
     return {
@@ -151,10 +185,20 @@ async def run_load(
         "decision_max_ms": 1e3 * timer.max_seconds,
         "running_at_max_decision": timer.running_at_max,
         "max_running": timer.max_running,
-        "loop_lag_p99_ms": 1e3 * nearest_rank(lags, 0.99),
-        "loop_lag_max_ms": 1e3 * (lags[-1] if lags else 0.0),
-        "ticks": len(lags),
+        **_lag_figures(ticker),
     }
+
+
+async def run_baseline(
+    trajectories: int, actions: int, *, cpu: int = 256, seed: int = 0
+) -> dict[str, float]:
+    """The same trajectories through a bare ``anyio.CapacityLimiter(cpu)``, one token each.
+
+    What the loop's lag is without a scheduler deciding anything: 10k tasks sleeping and
+    waking on their own. The difference to :func:`run_load`'s lag is tangram's share.
+    """
+    ticker, wall = await _drive(trajectories, actions, seed, anyio.CapacityLimiter(cpu))
+    return {"wall_seconds": wall, **_lag_figures(ticker)}
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from conftest import assert_idle, wait_until
+from conftest import after_grant, assert_idle, wait_until
 
 import tangram
 
@@ -57,8 +57,9 @@ async def test_task_cancel_while_waiting_and_after_grant() -> None:
         async def holder() -> None:
             async with runtime.acquire(cpu=1, kind="holder"):
                 await release.wait()
-            # No suspension between the release, which granted the unit to "raced", and
-            # the cancel: "raced" has been granted but has not resumed.
+
+        def cancel() -> None:
+            # Inside the pass that granted the unit to "raced", which has not resumed.
             running_at_cancel.append(runtime.stats().running)
             tasks["raced"].cancel()
 
@@ -74,6 +75,7 @@ async def test_task_cancel_while_waiting_and_after_grant() -> None:
         await wait_until(lambda: runtime.stats().waiting == 2)
         tasks["queued"].cancel()  # cancelled while waiting in the queue
         await wait_until(lambda: runtime.stats().waiting == 1)
+        after_grant(runtime, 1, cancel)
         release.set()
         await holding
         assert running_at_cancel == [1]

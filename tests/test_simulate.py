@@ -26,6 +26,8 @@ from tangram import (
     Step,
     simulate,
 )
+from tangram._policy import Plan, State
+from tangram._sim_gpu import GpuService, Residency
 from tangram.errors import CapacityExceededError, UnknownResourceError
 
 PROPERTY = settings(deadline=None, max_examples=50, derandomize=True)
@@ -324,3 +326,172 @@ def test_elastic_policy_beats_fixed_dop_on_mixed_demands() -> None:
         ]
     }
     assert acts["elastic"] < min(acts[name] for name in acts if name != "elastic"), acts
+
+
+# -- GPU services: residency, restores, batching (evict-on-execution) -------------------
+
+
+def _service(name: str, memory: float = 40.0, restore: float = 2.0, **kw: int) -> GpuService:
+    return GpuService(name=name, gpu_mem_gib=memory, restore_seconds=restore, **kw)
+
+
+def test_residency_restores_once_then_hits() -> None:
+    model = Residency(1, 80.0, {"a": _service("a")})
+    assert model.restore_cost("a") == 2.0
+    first = model.place("a", 1, now=0.0)
+    assert (first.devices, first.restore_seconds) == ((0,), 2.0)
+    model.release(first, now=3.0)
+    assert model.restore_cost("a") == 0.0
+    second = model.place("a", 1, now=4.0)
+    assert second.restore_seconds == 0.0
+    assert (model.restores, model.hits, model.evictions) == (1, 1, 0)
+
+
+def test_residency_evicts_the_least_recently_used_idle_service() -> None:
+    services = {n: _service(n) for n in "abc"}
+    model = Residency(1, 80.0, services)
+    for at, name in enumerate("ab"):
+        model.release(model.place(name, 1, now=float(at)), now=float(at) + 0.5)
+    # Two 40 GiB services fill the 80 GiB device; c displaces a, used longest ago.
+    model.release(model.place("c", 1, now=5.0), now=6.0)
+    assert model.resident() == {"b": [(0,)], "c": [(0,)]}
+    assert model.restore_cost("a") == 2.0
+    assert model.evictions == 1
+
+
+def test_residency_never_evicts_a_service_with_a_running_action() -> None:
+    services = {n: _service(n, memory=70.0) for n in "abc"}
+    model = Residency(2, 80.0, services)
+    running = model.place("a", 1, now=0.0)
+    b = model.place("b", 1, now=1.0)
+    assert b.devices != running.devices
+    with pytest.raises(RuntimeError, match="only 0 are free"):
+        model.place("c", 1, now=2.0)  # both devices busy: the ledger never grants this
+    model.release(b, now=3.0)
+    c = model.place("c", 1, now=4.0)
+    assert c.devices == b.devices  # b's idle device, never a's busy one
+    assert model.resident() == {"a": [running.devices], "c": [c.devices]}
+
+
+def test_residency_places_a_multi_gpu_replica_on_free_devices() -> None:
+    services = {"big": GpuService(name="big", gpus=2, gpu_mem_gib=140, restore_seconds=4)}
+    model = Residency(3, 80.0, services)
+    blocker = model.place(None, 1, now=0.0)
+    big = model.place("big", 2, now=0.0)
+    assert set(big.devices).isdisjoint(blocker.devices)
+    assert big.restore_seconds == 4
+    with pytest.raises(ValueError, match="more than a device's 60 GiB"):
+        Residency(2, 60.0, services)
+
+
+def _on(service: str, seconds: float, gap: float = 0.0, gpus: int = 1) -> Step:
+    return Step(demand={"gpu": gpus}, seconds_at_1=seconds, gap=gap, kind=service, service=service)
+
+
+def test_simulated_gpu_steps_pay_a_restore_only_when_not_resident() -> None:
+    result = simulate(
+        {"t": [_on("a", 1.0, gap=1.0), _on("a", 1.0, gap=0.5), _on("b", 1.0)]},
+        {"gpu": 1},
+        services={"a": _service("a", memory=60), "b": _service("b", memory=60, restore=3)},
+    )
+    first, second, third = result.records
+    # a restores (2 s) then runs (1 s); the second a finds it resident; b evicts a.
+    assert (first.admitted, first.overhead, first.exec, first.finished) == (1.0, 2.0, 1.0, 4.0)
+    assert (second.overhead, second.finished) == (0.0, 5.5)
+    assert (third.overhead, third.finished) == (3.0, 9.5)
+    assert all(r.act == pytest.approx(r.queue + r.overhead + r.exec) for r in result.records)
+    assert (result.restores, result.unloads) == (2, 1)
+    assert result.unit_seconds["gpu"] == pytest.approx(8.0)  # restores are billed
+
+
+class _Recording:
+    """Delegates to FCFS and keeps each waiting entry's estimate, as the policy saw it."""
+
+    def __init__(self) -> None:
+        self.inner = FcfsPolicy()
+        self.seen: dict[str, float] = {}
+
+    def plan(self, state: State) -> Plan:
+        for entry in state.waiting():
+            self.seen.setdefault(str(entry.action.trajectory), entry.t1)
+        return self.inner.plan(state)
+
+
+def test_the_policy_sees_the_restore_in_the_estimate() -> None:
+    policy = _Recording()
+    simulate(
+        {"x": [_on("a", 1.0)], "y": [_on("a", 1.0, gap=5.0)]},
+        {"gpu": 1},
+        policy=policy,
+        services={"a": _service("a")},
+    )
+    # x arrives with a in host memory: restore + run; y finds it resident and idle.
+    assert policy.seen == {"x": 3.0, "y": 1.0}
+
+
+def test_actions_share_a_replica_up_to_max_batch() -> None:
+    result = simulate(
+        {name: [_on("a", 1.0)] for name in ("p", "q", "r")},
+        {"gpu": 1},
+        services={"a": _service("a", max_batch=2)},
+    )
+    by_name = {r.trajectory: r for r in result.records}
+    # One replica, one restore: p and q ride it together; r queues on it for a free seat.
+    assert result.restores == 1
+    assert by_name["p"].finished == by_name["q"].finished == 3.0
+    assert (by_name["r"].admitted, by_name["r"].finished, by_name["r"].overhead) == (3.0, 4.0, 0.0)
+    assert by_name["r"].queue == 3.0
+    assert result.decisions >= 1
+
+
+def test_a_busy_replica_drains_while_another_service_waits() -> None:
+    # a's replica holds the only GPU; b waits for it. A later a action must not join the
+    # running replica (which would hold the GPU as long as a stays busy): it queues.
+    result = simulate(
+        {
+            "a1": [_on("a", 4.0)],
+            "b1": [_on("b", 1.0, gap=1.0)],
+            "a2": [_on("a", 1.0, gap=2.0)],
+        },
+        {"gpu": 1},
+        services={"a": _service("a", max_batch=4), "b": _service("b", max_batch=4)},
+    )
+    by_name = {r.trajectory: r for r in result.records}
+    assert by_name["a1"].finished == 6.0
+    assert by_name["b1"].admitted == 6.0 and by_name["b1"].finished == 9.0
+    # Two 40 GiB services share the 80 GiB device: a is still resident, no restore.
+    assert (by_name["a2"].admitted, by_name["a2"].overhead, by_name["a2"].finished) == (9, 0, 10)
+    assert (result.restores, result.unloads) == (2, 0)
+
+
+@pytest.mark.parametrize(
+    ("steps", "match"),
+    [
+        ([_on("nope", 1.0)], "unknown service"),
+        ([_on("a", 1.0, gpus=2)], "needs 1"),
+        (
+            [Step(demand={"gpu": Elastic(1, 2)}, seconds_at_1=1.0, service="a")],
+            "elastic GPU steps",
+        ),
+    ],
+)
+def test_service_steps_are_checked(steps: list[Step], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        simulate({"t": steps}, {"gpu": 2}, services={"a": _service("a")})
+    with pytest.raises(ValueError, match="need a `gpu` capacity"):
+        simulate({"t": [Step(demand={"cpu": 1}, seconds_at_1=1.0)]}, {"cpu": 1}, services={})
+
+
+@pytest.mark.parametrize(
+    ("fields", "error"),
+    [
+        ({"gpus": 0}, ValueError),
+        ({"max_batch": 1.5}, TypeError),
+        ({"gpu_mem_gib": math.nan}, ValueError),
+        ({"restore_seconds": math.inf}, ValueError),
+        ({"restore_seconds": -1}, ValueError),
+    ],
+)
+def test_gpu_service_checks_its_fields(fields: dict[str, object], error: type[Exception]) -> None:
+    with pytest.raises(error):
+        GpuService(name="x", **fields)  # type: ignore[arg-type]

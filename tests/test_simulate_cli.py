@@ -144,3 +144,43 @@ def test_malformed_trace_exits_1_with_the_line(
 def test_unreadable_trace_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "--trace", str(tmp_path / "absent.jsonl")]) == 1
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_k8s_and_its_lag_from_the_command_line(
+    trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    acts: list[tuple[dict[str, float], dict[str, float]]] = []
+    for lag in ("0", "600"):
+        out = tmp_path / f"k8s-{lag}.json"
+        argv = ["simulate", "--trace", str(trace), "--policy", "k8s,static", "--json", str(out)]
+        assert main([*argv, "--k8s-lag", lag, "--static-units", "1"]) == 0
+        policies = json.loads(out.read_text())["policies"]
+        assert set(policies["k8s"]) == KEYS
+        acts.append((policies["k8s"], policies["static"]))
+    # Resizes that land at once let builds grow (and grown pods make new pods queue);
+    # resizes that never land in time leave static slots.
+    assert acts[0][0]["avg_exec"] < acts[0][1]["avg_exec"]
+    assert acts[0][0]["avg_queue"] > acts[0][1]["avg_queue"]
+    assert acts[1][0]["avg_act"] == acts[1][1]["avg_act"]
+    with pytest.raises(SystemExit):
+        main(["simulate", "--trace", str(trace), "--k8s-lag", "-1"])
+    assert "must be >= 0" in capsys.readouterr().err
+
+
+def test_gpu_restores_are_overhead_in_the_json(tmp_path: Path) -> None:
+    path = tmp_path / "mopd.jsonl"
+    path.write_text(generate(GenerateConfig(workload="mopd", batch=64, seed=1)))
+    outs = [tmp_path / "a.json", tmp_path / "b.json"]
+    for out in outs:
+        argv = ["simulate", "--trace", str(path), "--policy", "tangram,static", "--json", str(out)]
+        assert main([*argv, "--capacity", "gpu=10"]) == 0
+    assert outs[0].read_bytes() == outs[1].read_bytes()
+    policies = json.loads(outs[0].read_text())["policies"]
+    # tangram restores evicted teachers; static pins each to its share and never does.
+    assert policies["tangram"]["avg_overhead"] > 0
+    assert policies["static"]["avg_overhead"] == 0
+    tangram_, static = policies["tangram"], policies["static"]
+    assert tangram_["avg_act"] == pytest.approx(
+        tangram_["avg_queue"] + tangram_["avg_exec"] + tangram_["avg_overhead"], rel=1e-4
+    )
+    assert static["peak_units"]["gpu"] == 11  # one replica each: 7 x 1 GPU + 2 x 2 GPUs

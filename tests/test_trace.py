@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import tangram
 from tangram import Amdahl, Elastic, Linear, Rate, read_trace
+from tangram._sim_gpu import GpuService
 from tangram.errors import TangramError, TraceFormatError
 
 HEADER = {
@@ -150,6 +151,43 @@ def test_header_errors() -> None:
         read_trace(["# nothing", ""])
     with pytest.raises(TraceFormatError, match="line 3: trajectory 't0' has index 0 twice"):
         read_trace(lines(action(), action()))
+
+
+def test_services_become_gpu_services_and_service_steps() -> None:
+    header = {
+        **HEADER,
+        "gpu_mem_gib_per_device": 48,
+        "services": {
+            "judge": {"gpus": 1, "gpu_mem_gib": 40, "restore_seconds": 1.5, "max_batch": 4},
+            "bare": {},
+        },
+    }
+    judge = action(kind="judge", resource="gpu", units=1, seconds=0.5, service="judge")
+    del judge["min"], judge["max"], judge["seconds_at_1"], judge["efficiency"]
+    trace = read_trace(lines(judge, header=header))
+    services = trace.gpu_services()
+    assert services["judge"] == GpuService(
+        name="judge", gpus=1, gpu_mem_gib=40, restore_seconds=1.5, max_batch=4
+    )
+    # Unset keys: one GPU, a whole device's memory, a free restore, one action at a time.
+    assert services["bare"] == GpuService(name="bare", gpus=1, gpu_mem_gib=48)
+    assert trace.workload()["t0"][0].service == "judge"
+
+
+@pytest.mark.parametrize(
+    ("spec", "reason"),
+    [
+        ({"gpus": 1.5}, "`gpus` must be a whole number >= 1"),
+        ({"gpus": 0}, "`gpus` must be a whole number >= 1"),
+        ({"max_batch": 0}, "`max_batch` must be a whole number >= 1"),
+        ({"max_batch": "many"}, "`max_batch` must be a number"),
+        ({"restore_seconds": -1}, "`restore_seconds` must be finite and >= 0"),
+    ],
+)
+def test_bad_services_are_rejected(spec: dict[str, object], reason: str) -> None:
+    with pytest.raises(TraceFormatError, match="line 1: ") as info:
+        read_trace(lines(header={**HEADER, "services": {"judge": spec}}))
+    assert reason in str(info.value)
 
 
 @settings(max_examples=200, deadline=None)
