@@ -3,12 +3,13 @@
 verl's own code drives tangram's: its ``ToolAgentLoop`` parses the model's tool call and
 calls the tool; its ``initialize_tools_from_config`` loads the tool YAML shipped in
 docs/examples; its ``@function_tool`` registry calls the function tool; its reward loop
-worker (what ``RewardLoopManager`` runs in each Ray actor) loads and awaits the reward
-function and the reward manager by module path. Sandboxes are real (tangram's local
-backend), the reward model is a real torch module restored by tangram's GPU pool onto a
-simulated CPU device, and the search API is a real loopback HTTP server enforcing a
-concurrency limit. The one stand-in is the LLM server behind the agent loop (vLLM needs
-a GPU): it returns fixed token ids, encoded by a real tokenizer built in the test.
+worker loads and awaits the reward function and the reward manager by module path, both
+in this process and in the Ray actor its ``RewardLoopManager`` starts on a real local
+Ray cluster. Sandboxes are real (tangram's local backend), the reward model is a real
+torch module restored by tangram's GPU pool onto a simulated CPU device, and the search
+API is a real loopback HTTP server enforcing a concurrency limit. The one stand-in is the
+LLM server behind the agent loop (vLLM needs a GPU): it returns fixed token ids, encoded
+by a real tokenizer built in the test.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from __future__ import annotations
 import gc
 import json
 import os
+import time
 import warnings
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ import numpy as np
 import pytest
 
 verl = pytest.importorskip("verl") if not os.environ.get("CI") else __import__("verl")
+ray = pytest.importorskip("ray") if not os.environ.get("CI") else __import__("ray")
 
 # verl's import chain imports ``ray.experimental.state``, which warns that it moved;
 # that is verl's to fix, and pytest turns warnings into errors.
@@ -37,7 +40,7 @@ with warnings.catch_warnings():
     from verl import DataProto
     from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap
     from verl.experimental.agent_loop.tool_agent_loop import ToolAgentLoop
-    from verl.experimental.reward_loop.reward_loop import RewardLoopWorker
+    from verl.experimental.reward_loop.reward_loop import RewardLoopManager, RewardLoopWorker
     from verl.tools.base_tool import BaseTool
     from verl.tools.function_tool import FunctionTool, function_tool
     from verl.tools.schemas import ToolResponse
@@ -404,3 +407,75 @@ async def test_rewards_score_on_the_gpu_pool_under_verls_reward_loop(
             assert resources.scheduler.stats().resources["gpu_mem:cpu:0"].held == 0
     finally:
         await _process.aclose()
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[None]:
+    """A small local Ray cluster whose worker processes can import the ``_tiny`` helpers."""
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).parent)}},
+    )
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.parametrize("manager", ["custom_function", "reward_manager"])
+def test_rewards_score_under_verls_reward_loop_manager_on_ray(
+    cluster: None, tmp_path: Path, manager: str
+) -> None:
+    """verl's own ``RewardLoopManager`` on a real local Ray cluster: it starts the reward
+    worker as a Ray actor (a process of its own, which loads the reward function or manager
+    by module path and scores on its own tangram GPU pool) and ``compute_rm_score`` blocks
+    on ``ray.get``. The stand-in: the pool's device is a simulated ``cpu:0`` (no GPU here).
+    """
+    tokenizer = tiny_tokenizer(tmp_path / "tok")
+    config, toml = _reward_config(tmp_path, tmp_path / "tok", manager)
+    config.reward.num_workers = 1
+    data = _batch(
+        tokenizer,
+        ["the answer is 42", "no idea", "42, surely", "it is 7"],
+        ["42", "42", "42", "8"],
+    )
+
+    def pool_state(worker: Any) -> tuple[Any, ...]:
+        """Runs in the actor, on a Ray thread: reads the pool of the loop that scored."""
+        import asyncio
+
+        async def read() -> tuple[Any, ...]:
+            async with _process.session(toml) as resources:
+                stats = resources.gpu_pool().service_stats()["judge"]
+                held = resources.scheduler.stats().resources["gpu_mem:cpu:0"].held
+                return stats, held, os.getpid()
+
+        return asyncio.run_coroutine_threadsafe(read(), worker.loop).result(timeout=30)
+
+    manager_ = RewardLoopManager(config)
+    try:
+        (worker,) = manager_.reward_loop_workers
+        scored = manager_.compute_rm_score(data)
+        # verl puts each sample's reward on its last response token, zeros elsewhere.
+        rm_scores = scored.batch["rm_scores"]
+        ends = data.batch["attention_mask"][:, 1:].sum(dim=1) - 1
+        assert rm_scores[torch.arange(4), ends].tolist() == [1.0, 0.0, 1.0, 0.0]
+        assert rm_scores.sum(dim=1).tolist() == [1.0, 0.0, 1.0, 0.0]
+        stats, held, pid = ray.get(worker.__ray_call__.remote(pool_state))
+        # The actor's process scored the four samples through its pool, which batched them.
+        assert pid != os.getpid()
+        assert stats["batched"] == 4
+        assert stats["runs"] < 4
+        assert held == 0
+    finally:
+        for handle in manager_.reward_loop_workers:
+            ray.kill(handle)
+        # The manager names its actors: the next test's manager reuses the name.
+        for _ in range(100):
+            try:
+                ray.get_actor("reward_loop_worker_0")
+            except ValueError:
+                break
+            time.sleep(0.05)
