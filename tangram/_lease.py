@@ -19,7 +19,51 @@ if TYPE_CHECKING:
 __all__ = ["Lease"]
 
 
-class Lease:
+class LeaseBase:
+    """What a local lease and a remote one share: the three parts of the action's
+    completion time, from the four times a lease keeps, and waiting for a resize."""
+
+    __slots__ = (
+        "_resized",
+        "_seen",
+        "admitted_at",
+        "finished_at",
+        "queued_at",
+        "resizes",
+        "started_at",
+    )
+    queued_at: float
+    admitted_at: float
+    started_at: float
+    finished_at: float
+    resizes: int
+    _seen: int
+    _resized: anyio.Event | None
+
+    async def _next_resize(self) -> None:
+        """Return once ``resizes`` has moved past what the body last saw, and note it."""
+        if self.resizes == self._seen:
+            if self._resized is None:
+                self._resized = anyio.Event()
+            await self._resized.wait()
+        else:
+            await anyio.lowlevel.checkpoint()
+        self._seen = self.resizes
+
+    @property
+    def queue_seconds(self) -> float:
+        return self.admitted_at - self.queued_at
+
+    @property
+    def overhead_seconds(self) -> float:
+        return self.started_at - self.admitted_at
+
+    @property
+    def exec_seconds(self) -> float:
+        return self.finished_at - self.started_at
+
+
+class Lease(LeaseBase):
     """What ``async with tangram.acquire(...) as lease:`` gives the body.
 
     ``grant`` is what the action holds now; for an elastic demand ``units`` is its share of
@@ -32,20 +76,7 @@ class Lease:
     ``finished_at`` when the units went back.
     """
 
-    __slots__ = (
-        "_entry",
-        "_error",
-        "_final_units",
-        "_ready",
-        "_resized",
-        "_runtime",
-        "_seen",
-        "admitted_at",
-        "finished_at",
-        "queued_at",
-        "resizes",
-        "started_at",
-    )
+    __slots__ = ("_entry", "_error", "_final_units", "_ready", "_runtime")
 
     def __init__(self, runtime: Runtime, entry: Entry, now: float) -> None:
         self._runtime = runtime
@@ -93,18 +124,6 @@ class Lease:
         """Whether the units are still held."""
         return self._entry.state == RUNNING
 
-    @property
-    def queue_seconds(self) -> float:
-        return self.admitted_at - self.queued_at
-
-    @property
-    def overhead_seconds(self) -> float:
-        return self.started_at - self.admitted_at
-
-    @property
-    def exec_seconds(self) -> float:
-        return self.finished_at - self.started_at
-
     async def wait_resized(self) -> int:
         """Wait until the scheduler changes this action's elastic units; return the new count.
 
@@ -117,13 +136,7 @@ class Lease:
         Only resizable elastic demands (``Elastic(..., resizable=True)``) are ever resized;
         for others this waits until cancelled.
         """
-        if self.resizes == self._seen:
-            if self._resized is None:
-                self._resized = anyio.Event()
-            await self._resized.wait()
-        else:
-            await anyio.lowlevel.checkpoint()
-        self._seen = self.resizes
+        await self._next_resize()
         return self._entry.units
 
     # -- called by the runtime --------------------------------------------------------

@@ -29,7 +29,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from types import MappingProxyType, TracebackType
 from typing import Any, TypeVar
 
@@ -40,9 +40,10 @@ import ray
 import ray.exceptions
 
 from ._action import Action
+from ._lease import LeaseBase
 from ._policy import Policy
 from ._resources import Capacity
-from ._runtime import Runtime, _enter_current, _exit_current
+from ._runtime import RunMixin, Runtime, _enter_current, _exit_current
 from .errors import InvalidCapacityError, RuntimeClosedError, SchedulerUnavailableError
 
 __all__ = [
@@ -431,7 +432,7 @@ class SchedulerActor:
 # -- the proxy ------------------------------------------------------------------------
 
 
-class RemoteLease:
+class RemoteLease(LeaseBase):
     """What ``async with remote.acquire(...) as lease:`` gives the body in a worker.
 
     The same reading surface as :class:`tangram.Lease`: ``grant``, ``units``,
@@ -441,20 +442,7 @@ class RemoteLease:
     but its units may already serve someone else.
     """
 
-    __slots__ = (
-        "_action",
-        "_grant",
-        "_resized",
-        "_seen",
-        "_units",
-        "admitted_at",
-        "finished_at",
-        "lease_id",
-        "queued_at",
-        "reclaimed",
-        "resizes",
-        "started_at",
-    )
+    __slots__ = ("_action", "_grant", "_units", "lease_id", "reclaimed")
 
     def __init__(
         self,
@@ -500,27 +488,9 @@ class RemoteLease:
     def active(self) -> bool:
         return math.isnan(self.finished_at) and not self.reclaimed
 
-    @property
-    def queue_seconds(self) -> float:
-        return self.admitted_at - self.queued_at
-
-    @property
-    def overhead_seconds(self) -> float:
-        return self.started_at - self.admitted_at
-
-    @property
-    def exec_seconds(self) -> float:
-        return self.finished_at - self.started_at
-
     async def wait_resized(self) -> int:
         """Wait until the scheduler changes this action's elastic units (see Lease)."""
-        if self.resizes == self._seen:
-            if self._resized is None:
-                self._resized = anyio.Event()
-            await self._resized.wait()
-        else:
-            await anyio.lowlevel.checkpoint()
-        self._seen = self.resizes
+        await self._next_resize()
         return self._units if self._units is not None else 0
 
     def _resize(self, grant: Mapping[str, float], units: int | None) -> None:
@@ -580,7 +550,7 @@ class RemoteAcquireContext:
         self._remote._release(self._lease, outcome)
 
 
-class RemoteRuntime:
+class RemoteRuntime(RunMixin):
     """A worker's handle on the shared scheduler: ``acquire`` and ``run`` as on a Runtime.
 
     Got from ``async with tangram.ray.connect(...) as remote:``, which also makes it what
@@ -597,6 +567,7 @@ class RemoteRuntime:
         self._requests = itertools.count(1)
         self._submits: dict[int, tuple[Any, ...]] = {}
         self._releases: list[tuple[int, int]] = []
+        self._sending: Any = None  # the flusher's call in flight (a Ray ObjectRef)
         self._withdraws: list[int] = []
         self._pending: dict[int, _Pending] = {}
         self._leases: dict[int, RemoteLease] = {}
@@ -644,6 +615,11 @@ class RemoteRuntime:
         if self._error is None:
             releases, self._releases = self._releases, []
             with anyio.CancelScope(shield=True), contextlib.suppress(ray.exceptions.RayError):
+                if self._sending is not None:
+                    # An async actor does not run one caller's calls in order: the last
+                    # releases must land before the disconnect, or it would record them
+                    # as cancelled and ignore them when they come.
+                    await self._sending
                 await self._actor.disconnect.remote(self._id, releases)
 
     # -- acquiring -------------------------------------------------------------------
@@ -675,25 +651,6 @@ class RemoteRuntime:
         return RemoteAcquireContext(
             self, local.action, (sent, kind, trajectory, estimate, wait_timeout)
         )
-
-    async def run(
-        self,
-        demand: Mapping[str, object],
-        fn: Callable[..., Awaitable[T]],
-        *args: Any,
-        kind: str = "action",
-        trajectory: str | None = None,
-        estimate: float | None = None,
-        wait_timeout: float | None = None,
-    ) -> T:
-        """``await fn(*args)`` holding ``demand``: ``acquire`` without ``async with``."""
-        if not callable(fn):
-            raise TypeError(f"`fn` must be an async callable (got {fn!r})")
-        context = self.acquire(
-            demand, kind=kind, trajectory=trajectory, estimate=estimate, wait_timeout=wait_timeout
-        )
-        async with context:
-            return await fn(*args)
 
     async def _enter(self, action: Action, request: tuple[Any, ...]) -> RemoteLease:
         await anyio.lowlevel.checkpoint_if_cancelled()
@@ -746,11 +703,14 @@ class RemoteRuntime:
             releases, withdraws = self._releases, self._withdraws
             self._submits, self._releases, self._withdraws = {}, [], []
             self.calls += 1
+            self._sending = self._actor.send.remote(self._id, submits, releases, withdraws)
             try:
-                events = await self._actor.send.remote(self._id, submits, releases, withdraws)
+                events = await self._sending
             except ray.exceptions.RayError as exc:
+                self._sending = None
                 self._fail(exc)
                 return
+            self._sending = None
             self._dispatch(events)
 
     async def _poller(self) -> None:

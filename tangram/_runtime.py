@@ -72,7 +72,44 @@ def _check_seconds(name: str, value: object, *, finite: bool = False) -> float |
     return float(value)
 
 
-class Runtime:
+class _Acquirer(Protocol):
+    def acquire(
+        self,
+        demand: Mapping[str, object] | None = None,
+        /,
+        *,
+        kind: str = ...,
+        trajectory: str | None = ...,
+        estimate: float | None = ...,
+        wait_timeout: float | None = ...,
+        **amounts: object,
+    ) -> contextlib.AbstractAsyncContextManager[Any]: ...
+
+
+class RunMixin:
+    """``run`` for anything with :meth:`Runtime.acquire` (the runtime and its proxies)."""
+
+    async def run(
+        self: _Acquirer,
+        demand: Mapping[str, object],
+        fn: Callable[..., Awaitable[T]],
+        *args: Any,
+        kind: str = "action",
+        trajectory: str | None = None,
+        estimate: float | None = None,
+        wait_timeout: float | None = None,
+    ) -> T:
+        """``await fn(*args)`` holding ``demand``: ``acquire`` without ``async with``."""
+        if not callable(fn):
+            raise TypeError(f"`fn` must be an async callable (got {fn!r})")
+        context = self.acquire(
+            demand, kind=kind, trajectory=trajectory, estimate=estimate, wait_timeout=wait_timeout
+        )
+        async with context:
+            return await fn(*args)
+
+
+class Runtime(RunMixin):
     """A scheduler for one event loop: capacities, a policy and the actions in flight.
 
     ``async with Runtime(capacity={"cpu": 64, "mem": "256GiB", "search": "50/s"}):``
@@ -234,25 +271,6 @@ class Runtime:
         action = self._action(demand, amounts, kind, trajectory, estimate)
         timeout = None if wait_timeout is None else _check_seconds("wait_timeout", wait_timeout)
         return AcquireContext(self, action, timeout)
-
-    async def run(
-        self,
-        demand: Mapping[str, object],
-        fn: Callable[..., Awaitable[T]],
-        *args: Any,
-        kind: str = "action",
-        trajectory: str | None = None,
-        estimate: float | None = None,
-        wait_timeout: float | None = None,
-    ) -> T:
-        """``await fn(*args)`` holding ``demand``: ``acquire`` without ``async with``."""
-        if not callable(fn):
-            raise TypeError(f"`fn` must be an async callable (got {fn!r})")
-        context = self.acquire(
-            demand, kind=kind, trajectory=trajectory, estimate=estimate, wait_timeout=wait_timeout
-        )
-        async with context:
-            return await fn(*args)
 
     def _action(
         self,
