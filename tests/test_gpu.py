@@ -285,29 +285,6 @@ async def test_memory_defaults_to_the_module_size() -> None:
 
 
 @pytest.mark.anyio
-async def test_waiting_actions_of_one_service_are_batched_into_one_run() -> None:
-    service = GatedService("judge")
-    pool = GpuPool([service], devices=[Device("cpu:0", "4MiB")])
-    async with pool, tangram.Runtime(capacity=pool.capacity()):
-        results: list[str] = []
-
-        async def action(k: int) -> None:
-            async with pool.use("judge") as svc:
-                results.append(await svc(k))
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(action, 0)
-            await service.started.wait()
-            for k in range(1, 6):
-                tg.start_soon(action, k)
-            for _ in range(50):
-                await anyio.lowlevel.checkpoint()
-            service.gate.set()
-        assert sorted(results) == [f"judge:{k}" for k in range(6)]
-        assert [n for _, n in service.runs] == [1, 5]
-
-
-@pytest.mark.anyio
 async def test_torch_batches_merge_and_split_back() -> None:
     pool = GpuPool([torch_service("judge", 1)], devices=[Device("cpu:0", "4MiB")])
     model = reward_model(1)
@@ -593,9 +570,10 @@ async def test_eviction_skips_a_replica_with_a_running_action_even_when_it_is_th
 
 @pytest.mark.anyio
 @pytest.mark.parametrize(
-    ("batching", "max_batch", "runs"), [(False, None, [1] * 6), (True, 2, [1, 2, 2, 1])]
+    ("batching", "max_batch", "runs"),
+    [(True, None, [1, 5]), (False, None, [1] * 6), (True, 2, [1, 2, 2, 1])],
 )
-async def test_batching_off_or_capped_runs_the_waiting_actions_as_told(
+async def test_waiting_actions_of_one_service_run_batched_as_the_service_allows(
     batching: bool, max_batch: int | None, runs: list[int]
 ) -> None:
     service = GatedService("judge", batching=batching, max_batch=max_batch)
