@@ -12,7 +12,7 @@ from collections.abc import Collection, Iterator
 
 from ._action import Action
 from ._estimator import Estimator
-from ._policy import DONE, RUNNING, WAITING, Entry, Plan, Policy
+from ._policy import DONE, RUNNING, WAITING, Entry, Plan, Policy, Split
 from ._resources import Capacity, Shape
 
 __all__ = ["Ledger"]
@@ -24,7 +24,7 @@ class Ledger:
     """State of one scheduler, changed only through its methods.
 
     The attributes the policy reads (``now``, ``totals``, ``free``, ``tokens``, ``rates``,
-    ``surplus``, ``headroom``, ``running``, ``waiting()``, ``resizable()``) form the
+    ``surplus``, ``headroom``, ``running``, ``waiting()``, ``split()``) form the
     :class:`tangram._policy.State` it plans from.
     """
 
@@ -52,7 +52,7 @@ class Ledger:
         # anywhere is O(1).
         self._queue: OrderedDict[Entry, None] = OrderedDict()
         self._running: dict[Entry, None] = {}
-        self._resizable: dict[str, dict[Entry, None]] = {}
+        self._splits: dict[str, Split] = {}
         self._seq = 0
         self._accounted_at = 0.0
         self._refilled_at = 0.0
@@ -69,13 +69,16 @@ class Ledger:
     def running(self) -> Collection[Entry]:
         return self._running.keys()
 
-    def resizable(self, kind: str) -> Collection[Entry]:
-        return self._resizable.get(kind, {}).keys()
+    def split(self, kind: str) -> Split:
+        split = self._splits.get(kind)
+        if split is None:
+            split = self._splits[kind] = Split()
+        return split
 
     @property
     def resizing(self) -> bool:
         """Whether a resizable action runs: a release may then grow it."""
-        return any(self._resizable.values())
+        return any(self._splits.values())
 
     @property
     def waiting_count(self) -> int:
@@ -224,8 +227,6 @@ class Ledger:
         self._running[entry] = None
         if demand.elastic is not None:
             assert demand.elastic_kind is not None
-            if demand.elastic.resizable:
-                self._resizable.setdefault(demand.elastic_kind, {})[entry] = None
             self._change_units(entry, 0, units, sign=1)
         for kind in self.held:
             if self.held[kind] > self.peak[kind]:
@@ -266,8 +267,13 @@ class Ledger:
         if sign >= 0:
             self.surplus[kind] += new - elastic.min
             self.headroom[kind] += elastic.max - new
-        if sign < 0:
-            del self._resizable[kind][entry]
+        split = self.split(kind)
+        if sign > 0:
+            split.join(entry)
+        elif sign == 0:
+            split.moved(entry, old)
+        else:
+            split.leave(entry, old)
 
 
 def held_matches_grants(ledger: Ledger) -> bool:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import pytest
@@ -80,9 +80,36 @@ def check_plan(
     for kind in surplus:
         assert ledger.surplus[kind] == pytest.approx(surplus[kind], abs=EPS)
         assert ledger.headroom[kind] == pytest.approx(headroom[kind], abs=EPS)
+        check_split(ledger, kind)
     if not ledger.running and ledger.waiting_count:
         # Idle with work queued is only allowed while waiting for a rate budget.
         assert plan.wake_at is not None and plan.wake_at > ledger.now
+
+
+def check_split(ledger: Ledger, kind: str) -> None:
+    """The split index the ledger keeps across passes says what a rebuild would say."""
+    split = ledger.split(kind)
+    members = {
+        e
+        for e in ledger.running
+        if e.action.demand.elastic_kind == kind and _resizable(e.action.demand.elastic)
+    }
+    assert set(split.members) == members
+    assert split.held == sum(e.units for e in members)
+    assert split.floors == sum(e.emin for e in members)
+    live_give = {(r[2], r[3]) for r in split.give if r[2].state == RUNNING and r[2].units == r[3]}
+    live_take = {(r[2], r[3]) for r in split.take if r[2].state == RUNNING and r[2].units == r[3]}
+    assert live_give == {(e, e.units) for e in members if e.units < e.emax}
+    assert live_take == {(e, e.units) for e in members if e.units > e.emin}
+    for record in (*split.give, *split.take):
+        entry, units = record[2], record[3]
+        if entry.state == RUNNING and entry.units == units:
+            worth = 1 / entry.speedup(units + (1 if record in split.give else -1))
+            assert abs(record[0]) == pytest.approx(abs(worth - 1 / entry.speedup(units)))
+
+
+def _resizable(elastic: Elastic | None) -> bool:
+    return elastic is not None and elastic.resizable
 
 
 def drive(policy: Policy, ops: list[tuple[str, Any]]) -> list[tuple[int, str, int]]:
@@ -376,9 +403,6 @@ class CountingState:
             self.pulled += 1
             yield entry
 
-    def resizable(self, kind: str) -> Collection[Entry]:
-        return self._ledger.resizable(kind)
-
     def __getattr__(self, name: str) -> Any:
         return getattr(self._ledger, name)
 
@@ -449,3 +473,65 @@ def _snapshot(ledger: Ledger) -> tuple[Any, ...]:
         ledger.headroom,
     ]
     return (tuple(per_entry), *(tuple(sorted(m.items())) for m in maps))
+
+
+# -- the split of an elastic kind -------------------------------------------------------------
+
+
+def test_units_are_split_by_speedup_not_by_the_work_left() -> None:
+    # Same speedup model, 1 s and 100 s of work: the slowdown split gives each half. The
+    # completion-time split (work left x time saved) gave the long one nearly all of it,
+    # which kept short actions, most of them, slow.
+    cap = parse_capacity({"cpu": 8})
+    ledger = Ledger(cap, ElasticPolicy(), Estimator())
+    amounts = {"cpu": Elastic(1, 8, resizable=True)}
+    short = ledger.submit(make_action(amounts, cap, seconds=1.0, efficiency=Amdahl(0.9)), 0.0)
+    long = ledger.submit(make_action(amounts, cap, seconds=100.0, efficiency=Amdahl(0.9)), 0.0)
+    ledger.step(0.0)
+    assert (short.units, long.units) == (4, 4)
+
+
+def test_a_steeper_speedup_gets_more_units() -> None:
+    cap = parse_capacity({"cpu": 8})
+    ledger = Ledger(cap, ElasticPolicy(), Estimator())
+    amounts = {"cpu": Elastic(1, 8, resizable=True)}
+    serial = ledger.submit(make_action(amounts, cap, efficiency=Amdahl(0.5)), 0.0)
+    parallel = ledger.submit(make_action(amounts, cap, efficiency=Amdahl(0.99)), 0.0)
+    ledger.step(0.0)
+    assert parallel.units > serial.units >= 1
+    assert parallel.units + serial.units == 8
+
+
+def test_a_pass_after_one_finish_looks_at_a_few_of_thousands_running(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The split's heaps persist across passes; rebuilding them would look at every one
+    # of the 5,000 running actions at each event (the cost that made a 2048-trajectory
+    # simulation take two minutes).
+    import tangram._policy as policy_module
+
+    cap = parse_capacity({"cpu": 12_000})
+    ledger = Ledger(cap, ElasticPolicy(), Estimator())
+    amounts = {"cpu": Elastic(1, 4, resizable=True)}
+    entries = [
+        ledger.submit(make_action(amounts, cap, seconds=10.0, efficiency=Amdahl(f)), 0.0)
+        for f in (0.5, 0.7, 0.9, 0.99) * 1250
+    ]
+    while ledger.waiting_count:  # a pass admits a window of the queue at a time
+        ledger.step(0.0)
+    assert all(e.state == RUNNING for e in entries)
+    assert sum(e.units for e in entries) == 12_000
+    looked = 0
+    real = policy_module._inverse
+
+    def counting(entry: Entry, units: int) -> float:
+        nonlocal looked
+        looked += 1
+        return real(entry, units)
+
+    monkeypatch.setattr(policy_module, "_inverse", counting)
+    ledger.finish(entries[0], 1.0)
+    ledger.step(1.0)
+    assert 0 < looked < 100
+    assert sum(e.units for e in entries[1:]) == 12_000
+    check_split(ledger, "cpu")
