@@ -29,6 +29,11 @@ from ._stats import nearest_rank
 __all__ = ["ActionRecord", "SimulationResult", "Step", "simulate"]
 
 _ARRIVE, _FINISH, _WAKE, _SERVED = 0, 1, 2, 3
+# A running replica is asked to drain for a waiting one only after holding its GPUs this
+# many times its restore time, so a restore is at most a third of a replica's tenure;
+# measured on mopd-2048 at 10 GPUs, 2 against 0 lowered the mean ACT from 0.81 s to 0.72 s
+# and the p95 from 2.17 s to 1.55 s (4 and 8 raised them again: popular services wait).
+_TENURE = 2.0
 
 
 def _seconds(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
@@ -327,7 +332,9 @@ def _pool(
                     f"step {i} of {name!r} holds {gpus:g} GPUs but a replica of "
                     f"{step.service!r} needs {services[step.service].gpus}"
                 )
-    return _Pool(Residency(int(cap["gpu"].total), memory, services), ledger)
+    residency = Residency(int(cap["gpu"].total), memory, services)
+    residency.warm()
+    return _Pool(residency, ledger)
 
 
 class _Hold:
@@ -367,6 +374,7 @@ class _Pool:
         self.live: dict[str, list[_Hold]] = {}
         self.holds: dict[Entry, _Hold] = {}
         self.asked = 0  # GPUs asked for by replicas still waiting for their grant
+        self.draining: set[_Hold] = set()
 
     def arrive(
         self,
@@ -381,12 +389,12 @@ class _Pool:
         assert service is not None
         spec = self.residency.services[service]
         live = self.live.get(service, [])
-        roomy = [h for h in live if h.users < spec.max_batch]
         if self.asked > 0:
-            # Replicas wait for GPUs: a granted one takes no newcomer, so it drains and
-            # hands its GPUs on instead of holding them for as long as its service is busy.
-            roomy = [h for h in roomy if h.entry.state != RUNNING]
-            live = [h for h in live if h.entry.state != RUNNING]
+            self._yield(now)
+        if self.draining:
+            # A replica chosen to hand its GPUs on takes no newcomer, so it drains.
+            live = [h for h in live if h not in self.draining]
+        roomy = [h for h in live if h.users < spec.max_batch]
         if roomy or (live and self.ledger.free["gpu"] - self.asked < spec.gpus):
             hold = min(roomy or live, key=lambda h: h.users)
             hold.users += 1
@@ -404,6 +412,37 @@ class _Pool:
         self.holds[entry] = hold
         self.asked += spec.gpus
         return entry
+
+    def _yield(self, now: float) -> None:
+        """Choose running replicas to drain until the waiting ones' GPUs are on the way.
+
+        A busy service keeps joining its replica and would hold its GPUs for as long as it
+        is busy, starving a service that waits for devices. So the least loaded running
+        replicas that have held their GPUs for ``_TENURE`` restores (then the longest
+        granted) stop taking newcomers, as many as the waiters need beyond the free GPUs;
+        every other replica keeps serving. Draining every replica whenever any waited (the
+        rule before) made each busy service ask for a new replica too, so one waiter
+        rotated the whole pool: on mopd-2048 at 16 GPUs the p95 ACT fell from 18.0 s to
+        9.5 s with the targeted rule.
+        """
+        coming = sum(h.gpus for h in self.draining)
+        deficit = self.asked - max(0.0, self.ledger.free["gpu"]) - coming
+        if deficit <= 0:
+            return
+        services = self.residency.services
+        running = [
+            h
+            for h in self.holds.values()
+            if h.entry.state == RUNNING
+            and h not in self.draining
+            and now - h.entry.admitted_at >= _TENURE * services[h.service].restore_seconds
+        ]
+        running.sort(key=lambda h: (h.users, h.entry.admitted_at, h.entry.seq))
+        for hold in running:
+            if deficit <= 0:
+                break
+            self.draining.add(hold)
+            deficit -= hold.gpus
 
     def granted(self, entry: Entry, now: float, push: Callable[[float, int, object], None]) -> bool:
         """Place a replica whose grant came; start its actions once restored."""
@@ -444,6 +483,8 @@ class _Pool:
         """An action on a replica ended; True when the replica's grant went back."""
         hold.users -= 1
         hold.active -= 1
+        if self.asked > 0:
+            self._yield(now)
         if hold.users > 0:
             self._drain(hold, now, push)
             return False
@@ -452,6 +493,7 @@ class _Pool:
             self.residency.release(hold.placement, now)
         self.live[hold.service].remove(hold)
         del self.holds[hold.entry]
+        self.draining.discard(hold)
         return True
 
 

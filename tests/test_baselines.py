@@ -183,14 +183,15 @@ def test_static_serves_every_service_even_on_too_few_gpus() -> None:
 
 
 def test_tangram_restores_evicted_services_where_static_pins_them() -> None:
-    # One GPU, two 60 GiB services used in turn: tangram restores at every switch, static
-    # (given a GPU per service) never; tangram bills one GPU, static two for the step.
+    # One GPU, two 60 GiB services used in turn: a starts resident (declared first), then
+    # tangram restores at every switch, static (given a GPU per service) never; tangram
+    # bills one GPU, static two for the step.
     actions = [_judge("t", "a"), _judge("u", "b", gap=10), _judge("v", "a", gap=20)]
     trace = _gpu_trace(1, *actions)
     tangram_run = run_policy("tangram", trace)
-    assert [r.overhead for r in tangram_run.records] == [5, 5, 5]
-    assert (tangram_run.restores, tangram_run.unloads) == (3, 2)
-    assert tangram_run.unit_seconds["gpu"] == pytest.approx(3 * 6)
+    assert [r.overhead for r in tangram_run.records] == [0, 5, 5]
+    assert (tangram_run.restores, tangram_run.unloads) == (2, 2)
+    assert tangram_run.unit_seconds["gpu"] == pytest.approx(1 + 2 * 6)
     static_run = run_policy("static", trace)
     assert [r.act for r in static_run.records] == [1, 1, 1]
     assert static_run.unit_seconds["gpu"] == pytest.approx(2 * 21)

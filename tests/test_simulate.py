@@ -392,16 +392,40 @@ def test_simulated_gpu_steps_pay_a_restore_only_when_not_resident() -> None:
     result = simulate(
         {"t": [_on("a", 1.0, gap=1.0), _on("a", 1.0, gap=0.5), _on("b", 1.0)]},
         {"gpu": 1},
-        services={"a": _service("a", memory=60), "b": _service("b", memory=60, restore=3)},
+        # b is declared first, so b starts resident and a does not fit beside it.
+        services={"b": _service("b", memory=60, restore=3), "a": _service("a", memory=60)},
     )
     first, second, third = result.records
-    # a restores (2 s) then runs (1 s); the second a finds it resident; b evicts a.
+    # a evicts b and restores (2 s) then runs (1 s); the second a finds it resident; b
+    # evicts a.
     assert (first.admitted, first.overhead, first.exec, first.finished) == (1.0, 2.0, 1.0, 4.0)
     assert (second.overhead, second.finished) == (0.0, 5.5)
     assert (third.overhead, third.finished) == (3.0, 9.5)
     assert all(r.act == pytest.approx(r.queue + r.overhead + r.exec) for r in result.records)
-    assert (result.restores, result.unloads) == (2, 1)
+    assert (result.restores, result.unloads) == (2, 2)
     assert result.unit_seconds["gpu"] == pytest.approx(8.0)  # restores are billed
+
+
+def test_services_start_resident_where_they_fit_in_declared_order() -> None:
+    services = {
+        "a": _service("a", memory=60),
+        "b": _service("b", memory=60),
+        "c": _service("c", memory=60),
+    }
+    result = simulate(
+        {
+            "ta": [_on("a", 1.0, gap=1.0)],
+            "tb": [_on("b", 1.0, gap=1.0)],
+            "tc": [_on("c", 1.0, 5.0)],
+        },
+        {"gpu": 2},
+        services=services,
+    )
+    by = {r.trajectory: r for r in result.records}
+    # a and b were placed before the step, one per device, so neither pays a restore;
+    # c, declared last, did not fit and restores over one of them.
+    assert (by["ta"].overhead, by["tb"].overhead, by["tc"].overhead) == (0.0, 0.0, 2.0)
+    assert (result.restores, result.unloads) == (1, 1)
 
 
 class _Recording:
@@ -423,7 +447,8 @@ def test_the_policy_sees_the_restore_in_the_estimate() -> None:
         {"x": [_on("a", 1.0)], "y": [_on("a", 1.0, gap=5.0)]},
         {"gpu": 1},
         policy=policy,
-        services={"a": _service("a")},
+        # b, declared first, starts resident and leaves no room for a.
+        services={"b": _service("b", memory=60), "a": _service("a", memory=60)},
     )
     # x arrives with a in host memory: restore + run; y finds it resident and idle.
     assert policy.seen == {"x": 3.0, "y": 1.0}
@@ -436,20 +461,42 @@ def test_actions_share_a_replica_up_to_max_batch() -> None:
         services={"a": _service("a", max_batch=2)},
     )
     by_name = {r.trajectory: r for r in result.records}
-    # One replica, one restore: p and q ride it together; r queues on it for a free seat.
-    assert result.restores == 1
-    assert by_name["p"].finished == by_name["q"].finished == 3.0
-    assert (by_name["r"].admitted, by_name["r"].finished, by_name["r"].overhead) == (3.0, 4.0, 0.0)
-    assert by_name["r"].queue == 3.0
+    # One replica, resident from the start: p and q ride it together; r queues on it for a
+    # free seat.
+    assert result.restores == 0
+    assert by_name["p"].finished == by_name["q"].finished == 1.0
+    assert (by_name["r"].admitted, by_name["r"].finished, by_name["r"].overhead) == (1.0, 2.0, 0.0)
+    assert by_name["r"].queue == 1.0
     assert result.decisions >= 1
 
 
 def test_a_busy_replica_drains_while_another_service_waits() -> None:
-    # a's replica holds the only GPU; b waits for it. A later a action must not join the
-    # running replica (which would hold the GPU as long as a stays busy): it queues.
+    # a's replica holds the only GPU; b waits for it. Once a has held it for two restores,
+    # a later a action must not join the running replica (which would hold the GPU as
+    # long as a stays busy): it queues behind b.
     result = simulate(
         {
-            "a1": [_on("a", 4.0)],
+            "a1": [_on("a", 10.0)],
+            "b1": [_on("b", 1.0, gap=1.0)],
+            "a2": [_on("a", 1.0, gap=5.0)],
+        },
+        {"gpu": 1},
+        services={"a": _service("a", max_batch=4), "b": _service("b", max_batch=4)},
+    )
+    by_name = {r.trajectory: r for r in result.records}
+    assert by_name["a1"].finished == 10.0
+    assert by_name["b1"].admitted == 10.0 and by_name["b1"].finished == 11.0
+    # Two 40 GiB services share the 80 GiB device, both resident from the start.
+    assert (by_name["a2"].admitted, by_name["a2"].overhead, by_name["a2"].finished) == (11, 0, 12)
+    assert (result.restores, result.unloads) == (0, 0)
+
+
+def test_a_replica_serves_its_service_for_two_restores_before_it_drains() -> None:
+    # As above, but a2 comes 2 s after a's grant, within its tenure (2 x 2 s restore):
+    # it joins the running replica, and b still waits for a1.
+    result = simulate(
+        {
+            "a1": [_on("a", 10.0)],
             "b1": [_on("b", 1.0, gap=1.0)],
             "a2": [_on("a", 1.0, gap=2.0)],
         },
@@ -457,11 +504,29 @@ def test_a_busy_replica_drains_while_another_service_waits() -> None:
         services={"a": _service("a", max_batch=4), "b": _service("b", max_batch=4)},
     )
     by_name = {r.trajectory: r for r in result.records}
-    assert by_name["a1"].finished == 6.0
-    assert by_name["b1"].admitted == 6.0 and by_name["b1"].finished == 9.0
-    # Two 40 GiB services share the 80 GiB device: a is still resident, no restore.
-    assert (by_name["a2"].admitted, by_name["a2"].overhead, by_name["a2"].finished) == (9, 0, 10)
-    assert (result.restores, result.unloads) == (2, 0)
+    assert (by_name["a2"].admitted, by_name["a2"].finished) == (2.0, 3.0)
+    assert by_name["b1"].admitted == 10.0
+
+
+def test_the_least_loaded_replica_drains_for_a_waiting_service() -> None:
+    # Two GPUs hold a (three long actions) and b (one); c, cold, waits. b drains, not a:
+    # a later a action still joins a's replica, and c gets b's GPU when b's action ends.
+    services = {
+        "a": _service("a", memory=60, max_batch=4),
+        "b": _service("b", memory=60, max_batch=4),
+        "c": _service("c", memory=60, max_batch=4),
+    }
+    work = {f"a{i}": [_on("a", 10.0)] for i in range(3)}
+    work |= {
+        "b1": [_on("b", 8.0)],
+        "c1": [_on("c", 1.0, gap=5.0)],
+        "a9": [_on("a", 1.0, gap=6.0)],
+        "b9": [_on("b", 1.0, gap=6.0)],
+    }
+    by_name = {r.trajectory: r for r in simulate(work, {"gpu": 2}, services=services).records}
+    assert (by_name["a9"].admitted, by_name["a9"].finished) == (6.0, 7.0)
+    assert (by_name["c1"].admitted, by_name["c1"].overhead) == (8.0, 2.0)
+    assert by_name["b9"].admitted >= 10.0
 
 
 @pytest.mark.parametrize(

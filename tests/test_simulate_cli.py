@@ -173,14 +173,15 @@ def test_gpu_restores_are_overhead_in_the_json(tmp_path: Path) -> None:
     outs = [tmp_path / "a.json", tmp_path / "b.json"]
     for out in outs:
         argv = ["simulate", "--trace", str(path), "--policy", "tangram,static", "--json", str(out)]
-        assert main([*argv, "--capacity", "gpu=10"]) == 0
+        assert main([*argv, "--capacity", "gpu=4"]) == 0
     assert outs[0].read_bytes() == outs[1].read_bytes()
     policies = json.loads(outs[0].read_text())["policies"]
-    # tangram restores evicted teachers; static pins each to its share and never does.
+    # tangram restores teachers that did not fit (4 GPUs, 9 teachers); static pins each to
+    # its share and never does.
     assert policies["tangram"]["avg_overhead"] > 0
     assert policies["static"]["avg_overhead"] == 0
     tangram_, static = policies["tangram"], policies["static"]
     assert tangram_["avg_act"] == pytest.approx(
         tangram_["avg_queue"] + tangram_["avg_exec"] + tangram_["avg_overhead"], rel=1e-4
     )
-    assert static["peak_units"]["gpu"] == 11  # one replica each: 7 x 1 GPU + 2 x 2 GPUs
+    assert static["peak_units"]["gpu"] == 9  # one replica each, at least: 9 x 1 GPU
