@@ -30,9 +30,9 @@ __all__ = ["ActionRecord", "SimulationResult", "Step", "simulate"]
 
 _ARRIVE, _FINISH, _WAKE, _SERVED = 0, 1, 2, 3
 # A running replica is asked to drain for a waiting one only after holding its GPUs this
-# many times its restore time, so a restore is at most a third of a replica's tenure;
-# measured on mopd-2048 at 10 GPUs, 2 against 0 lowered the mean ACT from 0.81 s to 0.72 s
-# and the p95 from 2.17 s to 1.55 s (4 and 8 raised them again: popular services wait).
+# many times its restore time, so a restore is at most a third of a replica's tenure.
+# Measured on mopd-2048 at 10 GPUs, seeds 0 and 2: mean ACT 0.77 and 0.78 s with 0, 0.72
+# and 0.73 s with 2, 1.18 and 0.94 s with 4 (a popular service then waits too long).
 _TENURE = 2.0
 
 
@@ -422,8 +422,7 @@ class _Pool:
         granted) stop taking newcomers, as many as the waiters need beyond the free GPUs;
         every other replica keeps serving. Draining every replica whenever any waited (the
         rule before) made each busy service ask for a new replica too, so one waiter
-        rotated the whole pool: on mopd-2048 at 16 GPUs the p95 ACT fell from 18.0 s to
-        9.5 s with the targeted rule.
+        rotated the whole pool.
         """
         coming = sum(h.gpus for h in self.draining)
         deficit = self.asked - max(0.0, self.ledger.free["gpu"]) - coming
