@@ -2,13 +2,13 @@
 
 The scheduler decides *when* a GPU action runs (the shared ledger and policy grant its
 ``gpu`` units); this model decides *where*, as :class:`tangram.gpu.GpuPool` does once the
-runtime has granted a replica its memory. Every service starts in host memory (deployed,
-not resident). An action on a service takes an idle resident replica when one is on free
-devices (no restore); otherwise it goes to free devices, evicting the least recently used
-idle replicas there until the service's memory fits, and pays the service's restore time.
-A replica with a running action is never evicted: its devices are busy, and only free
-devices are ever chosen. Each action holds its replica's devices alone (no batching of
-several actions on one replica), which the static baseline assumes too.
+runtime has granted a replica its memory. Every service is deployed in host memory, and
+:meth:`Residency.warm` makes the ones that fit resident before the step. An action on a
+service takes an idle resident replica when one is on free devices (no restore);
+otherwise it goes to free devices, evicting the least recently used idle replicas there
+until the service's memory fits, and pays the service's restore time. A replica with a
+running action is never evicted: its devices are busy, and only free devices are ever
+chosen. Which actions share a replica (batching) is the simulator's pool model, not this.
 
 No clock and no I/O: times are passed in, so the model is a pure function of the calls.
 """
