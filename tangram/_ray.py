@@ -38,6 +38,7 @@ import anyio.abc
 import anyio.lowlevel
 import ray
 import ray.exceptions
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ._action import Action
 from ._lease import LeaseBase
@@ -116,15 +117,42 @@ class _Held:
 
 
 class _Host:
-    __slots__ = ("agent", "cid", "name", "placed", "resource", "units")
+    __slots__ = (
+        "agent",
+        "calls",
+        "cid",
+        "gpu_resource",
+        "gpus",
+        "name",
+        "placed",
+        "resident",
+        "resource",
+        "seen_seq",
+        "services",
+        "units",
+    )
 
-    def __init__(self, name: str, resource: str, units: int, agent: Any, cid: str) -> None:
+    def __init__(
+        self,
+        name: str,
+        resource: str,
+        units: int,
+        agent: Any,
+        cid: str,
+        gpu: Mapping[str, Any] | None,
+    ) -> None:
         self.name = name
         self.resource = resource
         self.units = units
         self.agent = agent
         self.cid = cid
         self.placed = 0
+        self.gpu_resource: str | None = None if gpu is None else gpu["resource"]
+        self.gpus: int = 0 if gpu is None else gpu["units"]
+        self.services: frozenset[str] = frozenset(() if gpu is None else gpu["services"])
+        self.resident: frozenset[str] = frozenset(() if gpu is None else gpu["resident"])
+        self.seen_seq = 0  # the agent's residency report this copy is from
+        self.calls = 0  # open ``remote.service`` blocks placed here
 
 
 class SchedulerActor:
@@ -150,6 +178,8 @@ class SchedulerActor:
         self._ids = itertools.count(1)
         self._hosts: dict[str, _Host] = {}
         self._placements: dict[str, str] = {}
+        self._tickets = itertools.count(1)
+        self._service_calls: dict[int, tuple[str, str]] = {}  # ticket -> (host, cid)
         self._expired: dict[str, tuple[list[int], list[int]]] = {}
         self._started: asyncio.Future[None] | None = None
         self._stop: asyncio.Event | None = None
@@ -348,10 +378,16 @@ class SchedulerActor:
             if len(self._expired) >= _EXPIRED_KEPT:
                 self._expired.pop(next(iter(self._expired)))
             self._expired[cid] = (requests, leases)
+        for ticket, (_, owner) in list(self._service_calls.items()):
+            if owner == cid:
+                self._end_service_call(ticket)
         for host in [h for h in self._hosts.values() if h.cid == cid]:
             logger.warning("host agent %r stopped answering; its capacity is now 0", host.name)
             del self._hosts[host.name]
-            self._runtime.set_capacity({host.resource: 0})
+            gone: dict[str, object] = {host.resource: 0}
+            if host.gpu_resource is not None:
+                gone[host.gpu_resource] = 0
+            self._runtime.set_capacity(gone)
 
     async def _watchdog(self) -> None:
         while True:
@@ -392,15 +428,36 @@ class SchedulerActor:
 
     # -- hosts -----------------------------------------------------------------------
 
-    async def add_host(self, name: str, resource: str, units: int, agent: Any, cid: str) -> None:
+    async def add_host(
+        self,
+        name: str,
+        resource: str,
+        units: int,
+        agent: Any,
+        cid: str,
+        gpu: Mapping[str, Any] | None = None,
+    ) -> None:
         runtime = await self._ready()
-        self._hosts[name] = _Host(name, resource, units, agent, cid)
-        runtime.set_capacity({resource: units})
+        host = _Host(name, resource, units, agent, cid, gpu)
+        self._hosts[name] = host
+        updates: dict[str, object] = {resource: units}
+        if host.gpu_resource is not None:
+            updates[host.gpu_resource] = host.gpus
+        runtime.set_capacity(updates)
 
     async def hosts(self) -> dict[str, dict[str, Any]]:
         await self._ready()
         return {
-            h.name: {"resource": h.resource, "units": h.units, "placed": h.placed}
+            h.name: {
+                "resource": h.resource,
+                "units": h.units,
+                "placed": h.placed,
+                "gpu_resource": h.gpu_resource,
+                "gpus": h.gpus,
+                "services": sorted(h.services),
+                "resident": sorted(h.resident),
+                "calls": h.calls,
+            }
             for h in self._hosts.values()
         }
 
@@ -427,6 +484,53 @@ class SchedulerActor:
         host = self._hosts.get(name) if name is not None else None
         if host is not None:
             host.placed -= 1
+
+    async def place_service(self, cid: str, service: str) -> tuple[int, str, Any]:
+        """The host for one ``remote.service(service)`` block, and its ticket.
+
+        Mirrors the pool's own rule one level up: a host where the service is resident
+        (no restore) wins while it has fewer open blocks than devices; once every such
+        host is that busy, the least busy host that serves it, so calls spread over the
+        cluster's devices instead of queueing on one.
+        """
+        await self._ready()
+        serving = [h for h in self._hosts.values() if service in h.services and h.gpus > 0]
+        if not serving:
+            offered = sorted({s for h in self._hosts.values() for s in h.services})
+            raise LookupError(
+                f"no host agent serves {service!r} (served: {offered}): start one with "
+                "tangram.ray.start_agent(..., services=[...])"
+            )
+
+        def key(h: _Host) -> tuple[bool, bool, float, str]:
+            load = h.calls / h.gpus
+            return (load >= 1, service not in h.resident, load, h.name)
+
+        host = min(serving, key=key)
+        host.calls += 1
+        ticket = next(self._tickets)
+        self._service_calls[ticket] = (host.name, cid)
+        return ticket, host.name, host.agent
+
+    async def unplace_service(self, ticket: int, seq: int, resident: list[str]) -> None:
+        """A service block ended; ``resident`` is its agent's residency as of report ``seq``."""
+        await self._ready()
+        name = self._end_service_call(ticket)
+        host = self._hosts.get(name) if name is not None else None
+        # Reports travel through workers, and calls to an async actor may overtake each
+        # other: only a newer report than the one applied replaces it.
+        if host is not None and seq > host.seen_seq:
+            host.seen_seq = seq
+            host.resident = frozenset(resident)
+
+    def _end_service_call(self, ticket: int) -> str | None:
+        entry = self._service_calls.pop(ticket, None)
+        if entry is None:
+            return None
+        host = self._hosts.get(entry[0])
+        if host is not None:
+            host.calls -= 1
+        return entry[0]
 
 
 # -- the proxy ------------------------------------------------------------------------
@@ -792,7 +896,26 @@ class RemoteRuntime(RunMixin):
         """
         from ._ray_agent import open_sandbox
 
+        if not isinstance(trajectory_id, str):
+            raise TypeError(f"`trajectory_id` must be a string (got {trajectory_id!r})")
         return open_sandbox(self, trajectory_id)
+
+    def service(self, name: str) -> contextlib.AbstractAsyncContextManager[Any]:
+        """A GPU model service on the host the scheduler picks, like ``GpuPool.use``.
+
+        ``async with remote.service("judge") as svc: scores = await svc(batch)``: the
+        block runs on one host agent that serves ``name`` (see
+        :func:`tangram.ray.start_agent`), preferably one where it is resident; each call
+        is one action on that agent's :class:`tangram.gpu.GpuPool`.
+
+        :raises TypeError: ``name`` is not a non-empty string (at the call).
+        :raises LookupError: no live host agent serves ``name`` (entering the block).
+        """
+        from ._ray_agent import open_service
+
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"`name` must be a non-empty string (got {name!r})")
+        return open_service(self, name)
 
     # -- remote introspection ---------------------------------------------------------
 
@@ -911,6 +1034,12 @@ async def connect(
             "get_if_exists": True,
             "max_concurrency": 10_000,
             "num_cpus": 0,
+            # Ray spreads zero-CPU actors over the nodes; the scheduler stays with its
+            # creator, so losing a worker node never takes the limits with it. Not soft:
+            # a soft affinity left it on another node in 3 of 4 tries (Ray 2.60).
+            "scheduling_strategy": NodeAffinitySchedulingStrategy(
+                node_id=ray.get_runtime_context().get_node_id(), soft=False
+            ),
         }
         if detached:
             options["lifetime"] = "detached"

@@ -15,9 +15,10 @@ inside a named Ray actor; every worker process connects to it by name and uses
 
 Grants held by a worker are heartbeated; a dead worker's units come back within the
 heartbeat timeout. Host agents (:func:`start_agent`) pinned to nodes own those nodes'
-sandboxes, and ``remote.sandbox(trajectory)`` places a trajectory on one of them. See
+sandboxes and GPUs: ``remote.sandbox(trajectory)`` places a trajectory on one of them,
+and ``remote.service(name)`` a GPU model service call on one that serves it. See
 docs/ray.md for deployment and failure semantics. Importing this module imports Ray;
-importing ``tangram`` does not.
+importing ``tangram`` does not, and neither imports torch.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ._ray import attach as attach
 from ._ray import connect as connect
 from ._ray_agent import HostAgent as HostAgent
 from ._ray_agent import RemoteSandbox as RemoteSandbox
+from ._ray_agent import RemoteService as RemoteService
 from ._ray_agent import start_agent as start_agent
 
 __all__ = [
@@ -42,6 +44,7 @@ __all__ = [
     "RemoteLease",
     "RemoteRuntime",
     "RemoteSandbox",
+    "RemoteService",
     "SchedulerUnavailableError",
     "attach",
     "connect",

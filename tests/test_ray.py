@@ -26,6 +26,8 @@ import tangram
 from tangram.errors import (
     CapacityExceededError,
     DemandTypeError,
+    GpuError,
+    GpuServiceError,
     InvalidCapacityError,
     InvalidDemandError,
     UnknownResourceError,
@@ -35,6 +37,7 @@ from tangram.errors import (
 ray = pytest.importorskip("ray") if not os.environ.get("CI") else __import__("ray")
 
 import tangram.ray as tray  # noqa: E402
+from tangram.gpu import ModelService  # noqa: E402
 
 # Worker actors are defined here, in a module Ray's workers cannot import: ship them by value.
 importlib.import_module("ray.cloudpickle").register_pickle_by_value(sys.modules[__name__])
@@ -197,6 +200,22 @@ async def _held(remote: tray.RemoteRuntime, kind: str = "cpu") -> float:
 def test_importing_tangram_does_not_import_ray() -> None:
     code = "import sys, tangram; assert 'ray' not in sys.modules, 'ray was imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_importing_tangram_ray_does_not_import_torch() -> None:
+    # GPU agents are optional: torch loads only in an agent that loads a torch service.
+    code = "import sys, tangram.ray; assert 'torch' not in sys.modules, 'torch was imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_replicas_share_of_devices_never_exceeds_what_its_memory_allows() -> None:
+    from tangram._ray_agent import _NodeGpuLedger
+
+    ledger = _NodeGpuLedger(None, None, "gpu@h", {"gpu_mem:a": 3, "gpu_mem:b": 4})  # type: ignore[arg-type]
+    thirds = [ledger.share({"gpu_mem:a": 1}) for _ in range(3)]
+    assert 0 < thirds[0] < 1 / 3 and sum(thirds) <= 1  # a full device is at most one
+    assert ledger.share({"gpu_mem:a": 3, "gpu_mem:b": 4}) == 2  # a replica on two devices
+    assert ledger.share({"gpu_mem:b": 2}) == 0.5
 
 
 def test_trio_is_refused_with_a_clear_error() -> None:
@@ -462,3 +481,52 @@ async def test_actions_placed_on_host_agents_run_in_their_sandboxes(cluster: Non
             await agent.aclose()
         for root in roots:
             shutil.rmtree(root, ignore_errors=True)
+
+
+class _Unloadable(ModelService):
+    """A model service whose cold load fails (its weights are missing)."""
+
+    async def load(self) -> None:
+        raise RuntimeError("weights not found")
+
+    async def restore(self, replica: int, devices: Any) -> None:
+        raise AssertionError("never loaded")
+
+    async def evict(self, replica: int) -> None:
+        raise AssertionError("never loaded")
+
+    async def run(self, replica: int, batches: Any) -> list[Any]:
+        raise AssertionError("never loaded")
+
+
+async def test_an_agent_whose_gpu_services_cannot_start_fails_at_start_agent(
+    cluster: None,
+) -> None:
+    async with _connect(_name(), capacity={"cpu": 1}) as remote:
+        with pytest.raises(TypeError, match="services"):
+            await tray.start_agent(remote, name="bad", services="judge")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="Device"):
+            await tray.start_agent(
+                remote,
+                name="bad",
+                services=[_Unloadable("judge")],
+                devices=["cpu:0"],  # type: ignore[list-item]
+            )
+        # A CPU-only node: discovery finds no device there (on a GPU node the service's
+        # load fails instead), and the agent's error is raised here, as itself. The
+        # service is a callable that builds it on the node.
+        backend = functools.partial(tangram.LocalBackend, cores=[0])
+        with pytest.raises(GpuError) as caught:
+            await tray.start_agent(
+                remote,
+                name="gpuless",
+                backend=backend,
+                services=[functools.partial(_Unloadable, "judge")],
+            )
+        if isinstance(caught.value, GpuServiceError):
+            assert "weights not found" in str(caught.value)
+        else:
+            assert "no CUDA device" in str(caught.value)
+        # Nothing was registered.
+        assert await remote.actor.hosts.remote() == {}
+        assert sorted(remote.capacity) == ["cpu"]

@@ -1,0 +1,380 @@
+"""Host agents on a real multi-node Ray cluster: separate raylets, sandboxes and GPU services.
+
+``ray.cluster_utils.Cluster`` starts a head and two worker nodes as separate raylets on
+this machine; each host agent is pinned to its own node, and removing a node kills its
+raylet and every process on it, as losing a machine would. One cluster, one scheduler and
+two agents serve the whole module (node start-up is the slow part); the tests run in file
+order and the last one removes a node.
+
+No GPU exists here: the agents' "GPUs" are ``Device("cpu:N")`` stand-ins, which run the
+very same GpuPool and TorchService code on torch's cpu device (see docs/gpu.md), with a
+real small torch module. With ``CI`` set these never skip; without it they skip where Ray
+or torch is not installed.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import anyio
+import pytest
+
+import tangram
+from tangram.errors import GpuServiceError, SandboxBrokenError
+
+if os.environ.get("CI"):
+    import ray
+    import torch
+else:
+    ray = pytest.importorskip("ray")
+    torch = pytest.importorskip("torch")
+
+import ray.cluster_utils
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+import tangram.ray as tray
+from tangram.gpu import Device, TorchService
+
+# Factories and actors are defined here, in a module Ray's workers cannot import.
+importlib.import_module("ray.cloudpickle").register_pickle_by_value(sys.modules[__name__])
+
+pytestmark = pytest.mark.anyio
+HEARTBEAT = 0.5
+# Wider than test_ray's: three raylets, two agents and torch share two cores here.
+LEASE_TIMEOUT = 3.0
+SLOW_SECONDS = 10.0
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    # Module scope: the scheduler proxy and the agents live for the whole module.
+    return "asyncio"
+
+
+class Tagged(torch.nn.Module):
+    """A linear layer whose output also carries the pid of the process that built it."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3)
+        self.register_buffer("pid", torch.tensor([float(os.getpid())]))
+        self.delay = delay
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.delay:
+            time.sleep(self.delay)  # a long action, for the node to be removed under it
+        tag = self.pid.expand(x.shape[0], 1)
+        return torch.cat([self.linear(x), tag], dim=1)
+
+
+def build_tagged(delay: float = 0.0) -> torch.nn.Module:
+    torch.manual_seed(0)  # the same weights on every node and in the reference copy
+    return Tagged(delay)
+
+
+def _services(*names: str) -> list[Any]:
+    # Specs, not live modules: each agent builds its module on its own node. "slow" is a
+    # callable building the service there, the other way start_agent takes one.
+    specs: list[Any] = []
+    for name in names:
+        if name == "slow":
+            specs.append(
+                functools.partial(
+                    TorchService, "slow", functools.partial(build_tagged, SLOW_SECONDS)
+                )
+            )
+        else:
+            specs.append(TorchService(name, build_tagged))
+    return specs
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[dict[str, Any]]:
+    started = time.monotonic()
+    nodes = ray.cluster_utils.Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
+    )
+    try:
+        a = nodes.add_node(num_cpus=1, resources={"node_a": 1})
+        b = nodes.add_node(num_cpus=1, resources={"node_b": 1})
+        ray.init(
+            address=nodes.address,
+            log_to_driver=False,
+            namespace=f"tangram-cluster-{uuid.uuid4().hex[:8]}",
+        )
+        nodes.wait_for_nodes()
+        yield {
+            "cluster": nodes,
+            "head": ray.get_runtime_context().get_node_id(),
+            "nodes": {"a": a, "b": b},
+            "started": time.monotonic() - started,
+        }
+    finally:
+        ray.shutdown()
+        nodes.shutdown()
+
+
+@pytest.fixture(scope="module")
+async def deployment(cluster: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    """The driver's scheduler and one agent per worker node, started in parallel."""
+    roots = {host: tempfile.mkdtemp(prefix=f"tangram-{host}-") for host in ("a", "b")}
+    for root in roots.values():
+        os.chmod(root, 0o755)  # the sandbox user (nobody, as root) walks through it
+    services = {"a": _services("lin"), "b": _services("lin", "only_b", "slow")}
+    agents: dict[str, tray.HostAgent] = {}
+    name = f"sched-{uuid.uuid4().hex[:8]}"
+    try:
+        async with tray.connect(
+            name=name,
+            capacity={"cpu": 1},
+            heartbeat=HEARTBEAT,
+            lease_timeout=LEASE_TIMEOUT,
+        ) as remote:
+
+            async def start(host: str) -> None:
+                backend = functools.partial(tangram.LocalBackend, cores=[0], root=roots[host])
+                agents[host] = await tray.start_agent(
+                    remote,
+                    name=host,
+                    node_id=cluster["nodes"][host].node_id,
+                    backend=backend,
+                    services=services[host],
+                    devices=[Device("cpu:0", memory="1MiB")],
+                )
+
+            async with anyio.create_task_group() as tg:
+                for host in ("a", "b"):
+                    tg.start_soon(start, host)
+            try:
+                yield {"remote": remote, "name": name, "agents": agents, "roots": roots, **cluster}
+            finally:
+                for agent in agents.values():
+                    await agent.aclose()
+    finally:
+        for root in roots.values():
+            shutil.rmtree(root, ignore_errors=True)
+
+
+async def _held(remote: tray.RemoteRuntime, kind: str) -> float:
+    stats = await remote.stats()
+    held: float = stats.resources[kind].held
+    return held
+
+
+async def _wait_for(predicate: Any, seconds: float) -> float:
+    """Poll an async predicate until it holds; return the seconds it took."""
+    started = time.monotonic()
+    while not await predicate():
+        if time.monotonic() - started > seconds:
+            raise AssertionError(f"condition never held within {seconds:g} s")
+        await anyio.sleep(0.05)
+    return time.monotonic() - started
+
+
+def _reference(batch: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return build_tagged().linear(batch)
+
+
+async def test_agents_run_on_their_own_nodes_and_register_cores_and_devices(
+    deployment: dict[str, Any],
+) -> None:
+    remote: tray.RemoteRuntime = deployment["remote"]
+    agents: dict[str, tray.HostAgent] = deployment["agents"]
+    for host, node in deployment["nodes"].items():
+        assert agents[host].node_id == node.node_id
+    assert len({agent.node_id for agent in agents.values()} | {deployment["head"]}) == 3
+    assert agents["a"].pid != agents["b"].pid
+    assert (agents["a"].gpu_resource, agents["a"].gpus) == ("gpu@a", 1)
+    assert agents["b"].services == ("lin", "only_b", "slow")
+    assert remote.capacity.totals() == {
+        "cpu": 1,
+        "cpu@a": 1,
+        "gpu@a": 1,
+        "cpu@b": 1,
+        "gpu@b": 1,
+    }
+    # The scheduler stays on the driver's node, so losing a worker node cannot take it.
+    info = await remote.actor.info.remote()
+    assert info["node_id"] == deployment["head"]
+    with pytest.raises(ValueError, match="already registered"):
+        await tray.start_agent(remote, name="a", services=_services("lin"))
+    with pytest.raises(ValueError, match="without `services`"):
+        await tray.start_agent(remote, name="c", devices=[Device("cpu:0", memory="1MiB")])
+    with pytest.raises(TypeError, match="ModelService"):
+        await tray.start_agent(remote, name="c", services=[object()])
+
+
+async def test_a_trajectorys_sandbox_actions_stay_on_its_host(
+    deployment: dict[str, Any],
+) -> None:
+    remote: tray.RemoteRuntime = deployment["remote"]
+    agents: dict[str, tray.HostAgent] = deployment["agents"]
+
+    async def trajectory(index: int, hosts: list[str]) -> None:
+        async with remote.sandbox(f"traj-{index}") as sbx:
+            first = await sbx.run(f"echo $PPID; pwd; echo traj-{index} > mine.txt")
+            second = await sbx.run(["cat", "mine.txt"])
+            assert first.ok and second.ok, (first, second)
+            ppid, cwd = first.stdout.decode().split()
+            # Run by the agent process on that host's node, under that agent's root,
+            # and the second action found the first one's file.
+            assert int(ppid) == agents[sbx.host].pid
+            assert cwd.startswith(deployment["roots"][sbx.host] + "/")
+            assert second.stdout.decode().strip() == f"traj-{index}"
+            hosts.append(sbx.host)
+
+    hosts: list[str] = []
+    async with anyio.create_task_group() as tg:
+        for index in range(4):
+            tg.start_soon(trajectory, index, hosts)
+    assert sorted(hosts) == ["a", "a", "b", "b"]
+    stats = await remote.stats()
+    for host in ("a", "b"):
+        assert stats.resources[f"cpu@{host}"].peak == 1
+        assert stats.resources[f"cpu@{host}"].held == 0
+
+
+@ray.remote(num_cpus=0)
+class Worker:
+    """A rollout process on the head node calling a GPU service through the scheduler."""
+
+    async def call(self, scheduler: str, service: str) -> tuple[str, list[float]]:
+        async with (
+            tray.connect(name=scheduler, create=False, heartbeat=HEARTBEAT) as remote,
+            remote.service(service) as svc,
+        ):
+            out = await svc(torch.ones(2, 4))
+            return svc.host, out[:, 3].tolist()
+
+
+async def test_a_service_call_runs_on_a_node_that_serves_it(
+    deployment: dict[str, Any],
+) -> None:
+    remote: tray.RemoteRuntime = deployment["remote"]
+    agents: dict[str, tray.HostAgent] = deployment["agents"]
+    batch = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+
+    async def call(name: str) -> str:
+        async with remote.service(name) as svc:
+            out = await svc(batch)
+            assert torch.equal(out[:, :3], _reference(batch))
+            # The module was built, and ran, in that host's agent process.
+            assert out[:, 3].tolist() == [float(agents[svc.host].pid)] * 3
+            return svc.host
+
+    # Resident nowhere yet: the first host by name; then where it is resident.
+    assert [await call("lin"), await call("lin")] == ["a", "a"]
+    # Two blocks at once: "a" has one device and one open block, so the next goes to "b".
+    both = anyio.Event()
+    entered: list[str] = []
+
+    async def concurrent() -> None:
+        async with remote.service("lin") as svc:
+            entered.append(svc.host)
+            if len(entered) == 2:
+                both.set()
+            await both.wait()
+            out = await svc(batch)
+            assert out[0, 3].item() == float(agents[svc.host].pid)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(concurrent)
+        tg.start_soon(concurrent)
+    assert sorted(entered) == ["a", "b"]
+    # Three runs on "a" from one restore: the placement followed the resident copy.
+    stats_a = (await agents["a"].service_stats())["lin"]
+    assert (stats_a["restores"], stats_a["runs"]) == (1, 3)
+    assert (await agents["b"].service_stats())["lin"]["restores"] == 1
+    # Only "b" serves "only_b"; from another process (a worker actor on the head node).
+    worker = Worker.options(  # type: ignore[attr-defined]
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=deployment["head"], soft=False)
+    ).remote()
+    host, tags = await worker.call.remote(deployment["name"], "only_b")
+    assert host == "b" and tags == [float(agents["b"].pid)] * 2
+    ray.kill(worker)
+    with pytest.raises(LookupError, match="no host agent serves 'missing'"):
+        async with remote.service("missing"):
+            pass
+    # Each replica's grant was mirrored centrally as its share of a device, and returned.
+    stats = await remote.stats()
+    for host in ("a", "b"):
+        assert 0 < stats.resources[f"gpu@{host}"].peak <= 1
+        assert stats.resources[f"gpu@{host}"].held == 0
+    assert stats.kinds["gpu:lin"].completed >= 3
+
+
+async def test_removing_a_node_mid_action_returns_its_units_and_others_keep_serving(
+    deployment: dict[str, Any],
+) -> None:
+    remote: tray.RemoteRuntime = deployment["remote"]
+    # The second trajectory opened goes to "b" (least loaded, ties by name).
+    errors: dict[str, BaseException] = {}
+    opened = anyio.Event()
+
+    async def sandbox_action() -> None:
+        async with remote.sandbox("traj-a") as on_a:
+            assert on_a.host == "a"
+            async with remote.sandbox("traj-b") as sbx:
+                assert sbx.host == "b"
+                opened.set()
+                try:
+                    await sbx.run(f"sleep {SLOW_SECONDS}")
+                except SandboxBrokenError as exc:
+                    errors["sandbox"] = exc
+
+    async def service_action() -> None:
+        async with remote.service("slow") as svc:
+            assert svc.host == "b"
+            try:
+                await svc(torch.ones(1, 4))
+            except GpuServiceError as exc:
+                errors["service"] = exc
+
+    async def busy() -> bool:
+        return await _held(remote, "cpu@b") == 1 and await _held(remote, "gpu@b") > 0
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sandbox_action)
+        tg.start_soon(service_action)
+        await opened.wait()
+        await _wait_for(busy, 30)
+        removed_at = time.monotonic()
+        deployment["cluster"].remove_node(deployment["nodes"]["b"])
+
+        async def returned() -> bool:
+            stats = await remote.stats()
+            return all(
+                stats.resources[kind].held == 0 and stats.resources[kind].total == 0
+                for kind in ("cpu@b", "gpu@b")
+            )
+
+        await _wait_for(returned, LEASE_TIMEOUT + 15)
+        returned_after = time.monotonic() - removed_at
+    # Within the lease timeout (plus a heartbeat and the watchdog's half beat of lag).
+    assert returned_after <= LEASE_TIMEOUT + 2 * HEARTBEAT + 2.0, returned_after
+    assert set(errors) == {"sandbox", "service"}
+    assert isinstance(errors["service"].__cause__, ray.exceptions.RayError)
+    counters = await remote.actor.counters.remote()
+    assert counters["reclaimed"] >= 2
+    # "a" keeps serving: new trajectories and service calls land there and run.
+    async with remote.sandbox("traj-after") as sbx:
+        assert sbx.host == "a"
+        assert (await sbx.run("echo ok")).stdout == b"ok\n"
+    async with remote.service("lin") as svc:
+        assert svc.host == "a"
+        assert (await svc(torch.ones(1, 4))).shape == (1, 4)
+    with pytest.raises(LookupError, match="'slow'"):
+        async with remote.service("slow"):
+            pass
+    hosts = await remote.actor.hosts.remote()
+    assert sorted(hosts) == ["a"]
