@@ -21,6 +21,7 @@ from typing import Any
 
 import anyio
 import pytest
+from ray_support import held, wait_for
 
 import tangram
 from tangram.errors import (
@@ -181,22 +182,6 @@ def _max_overlap(intervals: list[tuple[float, float, float]]) -> float:
     return peak
 
 
-async def _wait_for(predicate: Any, seconds: float) -> float:
-    """Poll an async predicate until it holds; return the seconds it took."""
-    started = time.monotonic()
-    while not await predicate():
-        if time.monotonic() - started > seconds:
-            raise AssertionError(f"condition never held within {seconds:g} s")
-        await anyio.sleep(0.05)
-    return time.monotonic() - started
-
-
-async def _held(remote: tray.RemoteRuntime, kind: str = "cpu") -> float:
-    stats = await remote.stats()
-    held: float = stats.resources[kind].held
-    return held
-
-
 def test_importing_tangram_does_not_import_ray() -> None:
     code = "import sys, tangram; assert 'ray' not in sys.modules, 'ray was imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -284,7 +269,7 @@ async def test_a_killed_worker_returns_its_units_and_others_keep_going(
     victim = workers[4]
     async with _connect(name, capacity={"cpu": 3}) as remote:
         victim.hang.remote(name, 2)
-        await _wait_for(lambda: _equals(_held(remote), 2.0), 30)
+        await wait_for(lambda: _equals(held(remote), 2.0), 30)
         # One core is left: a worker using one core at a time keeps going meanwhile.
         steady = workers[0].act.remote(name, 20, 0.05, 1, 1)
         blocked = workers[1].act.remote(name, 1, 0.01, 1, 2)  # needs the victim's cores
@@ -298,7 +283,7 @@ async def test_a_killed_worker_returns_its_units_and_others_keep_going(
         assert len(await steady) == 20
         counters = await remote.actor.counters.remote()
         assert counters["reclaimed"] == 1
-        assert await _held(remote) == 0
+        assert await held(remote) == 0
         stats = await remote.stats()
         assert stats.resources["cpu"].peak <= 3
 
@@ -311,7 +296,7 @@ async def test_a_late_release_of_a_reclaimed_lease_is_harmless(workers: list[Any
     name = _name()
     async with _connect(name, capacity={"cpu": 2}) as remote:
         stalled = workers[2].stall.remote(name, 2, LEASE_TIMEOUT + HEARTBEAT + 0.5)
-        await _wait_for(lambda: _equals(_held(remote), 2.0), 30)
+        await wait_for(lambda: _equals(held(remote), 2.0), 30)
         # The stalled worker sends no heartbeat; its lease is reclaimed and granted here.
         with anyio.fail_after(LEASE_TIMEOUT + 5):
             async with remote.acquire(cpu=2, kind="next") as lease:
@@ -320,13 +305,13 @@ async def test_a_late_release_of_a_reclaimed_lease_is_harmless(workers: list[Any
                 assert report == {"reclaimed": True, "waiter": "dropped"}
                 await anyio.sleep(HEARTBEAT)
                 # No double credit: this lease still holds both cores, nothing else fits.
-                assert await _held(remote) == 2
+                assert await held(remote) == 2
                 with pytest.raises(WaitTimeoutError):
                     async with remote.acquire(cpu=1, wait_timeout=0.3):
                         pass
                 counters = await remote.actor.counters.remote()
                 assert counters["ignored_releases"] == 1  # it did arrive, and was ignored
-        await _wait_for(lambda: _equals(_held(remote), 0.0), 5)
+        await wait_for(lambda: _equals(held(remote), 0.0), 5)
         counters = await remote.actor.counters.remote()
         assert counters["reclaimed"] == 1 and counters["leases"] == 0
         stats = await remote.stats()
@@ -354,7 +339,7 @@ async def test_bad_input_raises_the_local_runtimes_errors_at_the_call(
             remote.acquire(mem="-1GiB")
         with pytest.raises(TypeError):
             await remote.run({"cpu": 1}, "not callable")  # type: ignore[arg-type]
-        assert await _held(remote) == 0
+        assert await held(remote) == 0
 
 
 async def test_a_resizable_grant_follows_the_shared_scheduler(cluster: None) -> None:
@@ -376,7 +361,7 @@ async def test_a_resizable_grant_follows_the_shared_scheduler(cluster: None) -> 
                 assert lease.grant == {"cpu": 2.0} and lease.resizes == 1
             assert got == [2.0]
         # Releases travel in the background, on the proxy's next send.
-        await _wait_for(lambda: _equals(_held(remote), 0.0), 5)
+        await wait_for(lambda: _equals(held(remote), 0.0), 5)
         stats = await remote.stats()
         assert stats.resources["cpu"].peak == 4 and stats.resizes >= 1
 
@@ -414,14 +399,14 @@ async def test_a_dead_scheduler_fails_waiting_and_new_acquires(cluster: None) ->
             except tray.SchedulerUnavailableError as exc:
                 errors.append(exc)
 
-        async with remote.acquire(cpu=1) as held:
+        async with remote.acquire(cpu=1) as running:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(waiter)
                 await anyio.sleep(0.2)  # queued behind the held core
                 ray.kill(remote.actor)
             assert len(errors) == 1
             assert isinstance(errors[0].__cause__, ray.exceptions.RayError)
-            assert held.grant == {"cpu": 1.0}  # a running block finishes
+            assert running.grant == {"cpu": 1.0}  # a running block finishes
         with pytest.raises(tray.SchedulerUnavailableError):
             async with remote.acquire(cpu=1):
                 pass

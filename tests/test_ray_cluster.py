@@ -27,6 +27,7 @@ from typing import Any
 
 import anyio
 import pytest
+from ray_support import held, wait_for
 
 import tangram
 from tangram.errors import GpuServiceError, SandboxBrokenError
@@ -162,22 +163,6 @@ async def deployment(cluster: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
     finally:
         for root in roots.values():
             shutil.rmtree(root, ignore_errors=True)
-
-
-async def _held(remote: tray.RemoteRuntime, kind: str) -> float:
-    stats = await remote.stats()
-    held: float = stats.resources[kind].held
-    return held
-
-
-async def _wait_for(predicate: Any, seconds: float) -> float:
-    """Poll an async predicate until it holds; return the seconds it took."""
-    started = time.monotonic()
-    while not await predicate():
-        if time.monotonic() - started > seconds:
-            raise AssertionError(f"condition never held within {seconds:g} s")
-        await anyio.sleep(0.05)
-    return time.monotonic() - started
 
 
 def _reference(batch: torch.Tensor) -> torch.Tensor:
@@ -341,13 +326,13 @@ async def test_removing_a_node_mid_action_returns_its_units_and_others_keep_serv
                 errors["service"] = exc
 
     async def busy() -> bool:
-        return await _held(remote, "cpu@b") == 1 and await _held(remote, "gpu@b") > 0
+        return await held(remote, "cpu@b") == 1 and await held(remote, "gpu@b") > 0
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(sandbox_action)
         tg.start_soon(service_action)
         await opened.wait()
-        await _wait_for(busy, 30)
+        await wait_for(busy, 30)
         removed_at = time.monotonic()
         deployment["cluster"].remove_node(deployment["nodes"]["b"])
 
@@ -358,7 +343,7 @@ async def test_removing_a_node_mid_action_returns_its_units_and_others_keep_serv
                 for kind in ("cpu@b", "gpu@b")
             )
 
-        await _wait_for(returned, LEASE_TIMEOUT + 15)
+        await wait_for(returned, LEASE_TIMEOUT + 15)
         returned_after = time.monotonic() - removed_at
     # Within the lease timeout (plus a heartbeat and the watchdog's half beat of lag).
     assert returned_after <= LEASE_TIMEOUT + 2 * HEARTBEAT + 2.0, returned_after
