@@ -118,26 +118,35 @@ class Residency:
         return best
 
     def warm(self) -> int:
-        """Make services resident, in declared order, on devices with room before the step.
+        """Fill the devices with idle replicas before the step; return how many it placed.
 
         Nothing runs before the first action and an idle resident replica costs nothing
         (it goes the moment another service needs its memory), so the devices start full
-        rather than empty, as the static baseline's services do. Evicts nothing; returns
-        how many replicas it placed.
+        rather than empty: one replica of each service in declared order, then a second of
+        each while there is room, and so on, as the static baseline shares its GPUs out.
+        Evicts nothing, and never puts two replicas of a service on one device.
         """
         placed = 0
-        for name, service in self.services.items():
-            need = service.per_device
-            room = [d for d in range(self.devices) if self.memory - self._used[d] >= need - 1e-9]
-            if len(room) < service.gpus:
-                continue
-            replica = _Replica(name, tuple(room[: service.gpus]), -math.inf)
-            replica.busy = False
-            for device in replica.devices:
-                self._resident[device].append(replica)
-                self._used[device] += need
-            placed += 1
-        return placed
+        while True:
+            before = placed
+            for name, service in self.services.items():
+                need = service.per_device
+                room = [
+                    d
+                    for d in range(self.devices)
+                    if self.memory - self._used[d] >= need - 1e-9
+                    and all(r.service != name for r in self._resident[d])
+                ]
+                if len(room) < service.gpus:
+                    continue
+                replica = _Replica(name, tuple(room[: service.gpus]), -math.inf)
+                replica.busy = False
+                for device in replica.devices:
+                    self._resident[device].append(replica)
+                    self._used[device] += need
+                placed += 1
+            if placed == before:
+                return placed
 
     def restore_cost(self, service: str) -> float:
         """Seconds an action on ``service`` arriving now would spend restoring it.

@@ -395,14 +395,14 @@ class _Pool:
             # A replica chosen to hand its GPUs on takes no newcomer, so it drains.
             live = [h for h in live if h not in self.draining]
         roomy = [h for h in live if h.users < spec.max_batch]
-        if roomy or (live and self.ledger.free["gpu"] - self.asked < spec.gpus):
+        restore = self.residency.restore_cost(service)
+        if roomy or (live and self._queue_on(live, spec, action, restore)):
             hold = min(roomy or live, key=lambda h: h.users)
             hold.users += 1
             hold.pending.append((action, step, index, now))
             if hold.entry.state == RUNNING:
                 self._drain(hold, now, push)
             return None
-        restore = self.residency.restore_cost(service)
         guess = Estimate(action.estimate.seconds_at_1 + restore, action.estimate.efficiency)
         entry = self.ledger.submit(attrs.evolve(action, estimate=guess), now)
         hold = _Hold(service, entry, spec.gpus)
@@ -412,6 +412,22 @@ class _Pool:
         self.holds[entry] = hold
         self.asked += spec.gpus
         return entry
+
+    def _queue_on(
+        self, live: list[_Hold], spec: GpuService, action: Action, restore: float
+    ) -> bool:
+        """Whether a newcomer finding every replica full waits on one rather than a new one.
+
+        A new replica needs GPUs free now (one that waits for GPUs serves no one sooner),
+        and a restore unless an idle one is resident. A full replica frees a seat every
+        ``seconds / max_batch`` on average, so the newcomer waits there unless its place in
+        line is further back than the restore: on mopd-2048 at 16 GPUs, restoring a third
+        replica of the busiest teacher at once cost more than queueing on the two it had.
+        """
+        if self.ledger.free["gpu"] - self.asked < spec.gpus:
+            return True
+        backlog = min(h.users for h in live) - spec.max_batch + 1
+        return backlog * action.estimate.seconds_at_1 / spec.max_batch < restore
 
     def _yield(self, now: float) -> None:
         """Choose running replicas to drain until the waiting ones' GPUs are on the way.

@@ -501,6 +501,32 @@ def test_a_busy_replica_drains_for_a_waiting_service_after_its_tenure(
     assert (result.restores, result.unloads) == (0, 0)
 
 
+def test_idle_devices_start_with_second_replicas_of_the_first_services() -> None:
+    # Three GPUs, two 60 GiB services: a, b, then a again on the third device. Two a
+    # actions and a b action at once all start at once, none pays a restore.
+    services = {"a": _service("a", memory=60), "b": _service("b", memory=60)}
+    work = {"a1": [_on("a", 1.0)], "a2": [_on("a", 1.0)], "b1": [_on("b", 1.0)]}
+    result = simulate(work, {"gpu": 3}, services=services)
+    assert [(r.admitted, r.overhead) for r in result.records] == [(0.0, 0.0)] * 3
+    assert result.restores == 0
+
+
+def test_a_full_replica_is_waited_on_unless_the_line_is_longer_than_a_restore() -> None:
+    # z (declared first) and a start resident on one GPU each. a's replica seats 2; each
+    # action runs 1 s, so a seat frees every 0.5 s on average. The 3rd to 5th a actions
+    # are at most 1.5 s back in line, less than a's 2 s restore: they queue. The 6th is
+    # 2 s back: it gets a new replica over z, restored.
+    services = {
+        "z": _service("z", memory=60),
+        "a": _service("a", memory=60, max_batch=2),
+    }
+    work = {f"a{i}": [_on("a", 1.0, gap=0.1 * i)] for i in range(1, 7)}
+    by_name = {r.trajectory: r for r in simulate(work, {"gpu": 2}, services=services).records}
+    assert [by_name[f"a{i}"].overhead for i in range(1, 7)] == [0, 0, 0, 0, 0, 2]
+    assert (by_name["a3"].admitted, by_name["a3"].finished) == pytest.approx((1.1, 2.1))
+    assert by_name["a6"].admitted == pytest.approx(0.6)
+
+
 def test_the_least_loaded_replica_drains_for_a_waiting_service() -> None:
     # Two GPUs hold a (three long actions) and b (one); c, cold, waits. b drains, not a:
     # a later a action still joins a's replica, and c gets b's GPU when b's action ends.
