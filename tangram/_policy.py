@@ -191,30 +191,13 @@ class Split:
             self.take.clear()
 
     def _index(self, entry: Entry) -> None:
-        units = entry.units
-        here = _inverse(entry, units)
-        if units < entry.emax:
-            heapq.heappush(self.give, (_inverse(entry, units + 1) - here, entry.seq, entry, units))
-        if units > entry.emin:
-            heapq.heappush(self.take, (_inverse(entry, units - 1) - here, entry.seq, entry, units))
+        _push(self.give, self.take, entry, entry.units)
         # Stale records pile up as actions are resized; rebuild once they outnumber the
         # live ones, so the heaps stay O(members) for amortised O(log n) per change.
         if len(self.give) + len(self.take) > 4 * len(self.members) + 64:
-            self._rebuild()
-
-    def _rebuild(self) -> None:
-        give: list[_Record] = []
-        take: list[_Record] = []
-        for entry in self.members:
-            units = entry.units
-            here = _inverse(entry, units)
-            if units < entry.emax:
-                give.append((_inverse(entry, units + 1) - here, entry.seq, entry, units))
-            if units > entry.emin:
-                take.append((_inverse(entry, units - 1) - here, entry.seq, entry, units))
-        heapq.heapify(give)
-        heapq.heapify(take)
-        self.give, self.take = give, take
+            self.give, self.take = [], []
+            for member in self.members:
+                _push(self.give, self.take, member, member.units)
 
 
 _EMPTY = Split()
