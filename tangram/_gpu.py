@@ -74,6 +74,8 @@ KIND_PREFIX = "gpu_mem:"
 #: Host-to-device bandwidth assumed for a restore before one was measured (bytes/s).
 DEFAULT_RESTORE_BANDWIDTH = 20e9
 _EWMA = 0.3
+#: Restore times a running replica holds its grant before it may be drained for a waiter.
+_TENURE = 2.0
 
 
 # -- devices and topology ------------------------------------------------------------------
@@ -309,7 +311,9 @@ class ModelService(abc.ABC):
         :class:`TorchService` pipeline).
     :param max_replicas: copies the pool may run at once when actions queue up.
     :param batching: whether waiting actions may be merged into one ``run``.
-    :param max_batch: most actions merged into one run (``None``: no limit).
+    :param max_batch: most actions merged into one run (``None``: no limit); for a
+        batching service also the actions one replica takes before the pool counts it
+        full and weighs starting another.
     """
 
     def __init__(
@@ -862,6 +866,8 @@ class _Replica:
     residency: _Residency = _Residency.EVICTED
     alive: bool = False  # a holder task is waiting for or holding a memory grant
     leased: bool = False
+    draining: bool = False  # takes no newcomer: its grant goes to a waiting replica
+    granted_at: float = -math.inf
     users: int = 0
     last_used: float = -math.inf
     pending: list[_Call] = attrs.field(factory=list)
@@ -879,6 +885,7 @@ class _ServiceState:
     restore_seconds: float | None = None
     run_seconds: float | None = None
     restores: int = 0
+    warmed: int = 0
     evictions: int = 0
     hits: int = 0
     runs: int = 0
@@ -899,19 +906,34 @@ class GpuPool:
     memory; ``async with pool.use("judge") as svc: scores = await svc(batch)`` runs an
     action on a replica of the service, restoring it first when it is not resident.
 
-    Placement: an action joins a live replica of its service when one exists (its batch
-    rides in the replica's next run), or starts one where the service is still resident,
-    else on the device (or NVLink chunk) with the most free memory; a multi-GPU replica
-    waits for room inside one NVLink group rather than straddle two. Another replica is
-    started when actions already wait on every live one, ``max_replicas`` allows it, and a
-    device has room without waiting. The replica's memory grant is passed to the runtime
-    with the restore time (0 when resident) plus the service's learnt run time as its
-    estimate, so the policy sees what the action will really cost.
+    Placement: an action joins a live replica of its service that has a seat (fewer
+    actions than ``max_batch`` when the service batches, else none), or starts one where
+    the service is still resident, else on the device (or NVLink chunk) with the most free
+    memory; a multi-GPU replica waits for room inside one NVLink group rather than straddle
+    two. When every live replica is full, another one starts only if ``max_replicas``
+    allows it, a device has room without waiting, and, when it would need a restore, the
+    action's place in line is longer than that restore: a full replica frees a seat every
+    ``run seconds / max_batch``, so a short line is served sooner where it is. The
+    replica's memory grant is passed to the runtime with the restore time (0 when
+    resident) plus the service's learnt run time as its estimate, so the policy sees what
+    the action will really cost.
+
+    While replicas wait for their grant, the least loaded running replicas that have held
+    theirs for at least two restore times (then the longest held) stop taking newcomers,
+    as many as the waiters need beyond the free memory, and give their grant back once
+    their actions end; every other replica keeps serving. Without this a busy service,
+    joined continuously, would hold its devices for as long as it stays busy; the tenure
+    keeps a restore to at most a third of a replica's time on its devices.
 
     :param services: the model services (names unique).
     :param devices: devices and the memory each may fill (default: every visible GPU).
     :param runtime: the runtime grants come from (default: the current one at each use).
     :param links: NVLink peer pairs of device indices (default: as NVML reports them).
+    :param warm: when the pool is entered, restore idle replicas onto the devices with
+        room (one of each service in order, then a second of each, and so on), so the
+        first actions pay no restore. They hold no grant and are evicted like any idle
+        replica. ``False`` leaves the devices empty until an action needs them (a GPU
+        shared with processes the pool does not know about).
     """
 
     def __init__(
@@ -921,7 +943,10 @@ class GpuPool:
         devices: Sequence[Device] | None = None,
         runtime: Runtime | None = None,
         links: Iterable[tuple[int, int]] | None = None,
+        warm: bool = True,
     ) -> None:
+        if not isinstance(warm, bool):
+            raise TypeError(f"`warm` must be True or False (got {warm!r})")
         states: dict[str, _ServiceState] = {}
         for service in services:
             if not isinstance(service, ModelService):
@@ -944,6 +969,10 @@ class GpuPool:
         self._leased: dict[str, int] = {}
         self._peak: dict[str, int] = {}
         self._locks: dict[str, anyio.Lock] = {}
+        self._warm = warm
+        # Set (and replaced) whenever a replica stops: an action blocked by its service's
+        # draining replicas waits on it, then looks again.
+        self._stopped: anyio.Event | None = None
         self._state = _PoolState.NEW
         self._task_group: anyio.abc.TaskGroup | None = None
         self._clock = 0
@@ -1002,13 +1031,20 @@ class GpuPool:
         try:
             for state in self._services.values():
                 self._check_fits(state, by_name)
+            if self._warm:
+                await self._fill()
         except BaseException:
             self._state = _PoolState.CLOSED
             with anyio.CancelScope(shield=True):
                 for state in self._services.values():
+                    for replica in state.replicas:
+                        if replica.residency is not _Residency.EVICTED:
+                            with contextlib.suppress(Exception):
+                                await self._evict(replica)
                     with contextlib.suppress(Exception):
                         await state.service.aclose()
             raise
+        self._stopped = anyio.Event()
         task_group = anyio.create_task_group()
         await task_group.__aenter__()
         self._task_group = task_group
@@ -1028,6 +1064,98 @@ class GpuPool:
         else:
             if service.memory is None:
                 errors.append(GpuServiceError(f"{service.name!r} gave no `memory` after loading"))
+
+    async def _fill(self) -> None:
+        """Restore idle replicas onto the devices with room, before any action comes.
+
+        Nothing runs yet and an idle resident replica costs nothing (it is evicted the
+        moment a granted replica needs its memory), so the devices start full rather than
+        empty: one replica of each service in declared order, then a second of each while
+        there is room, and so on, up to ``max_replicas``, never two of a service on one
+        device, evicting nothing. The plan is made first, on the books; the restores then
+        run together, serialised per device by the device locks, so separate devices fill
+        in parallel. A failed restore leaves its replica evicted: the first action on it
+        restores it as it would have without warming.
+        """
+        planned = {d.name: self._resident[d.name] for d in self._devices}
+        counts = dict.fromkeys(self._services, 0)
+        plan: list[_Replica] = []
+        placed = True
+        while placed:
+            placed = False
+            for name, state in self._services.items():
+                if counts[name] >= state.service.max_replicas:
+                    continue
+                devices = self._warm_devices(state, planned)
+                if devices is None:
+                    continue
+                replica = self._replica_on(state, devices)
+                assert state.service.memory is not None
+                for device in devices:
+                    planned[device.name] += state.service.memory
+                counts[name] += 1
+                plan.append(replica)
+                placed = True
+        async with anyio.create_task_group() as restoring:
+            for replica in plan:
+                restoring.start_soon(self._warm_one, replica)
+
+    def _warm_devices(
+        self, state: _ServiceState, planned: Mapping[str, int]
+    ) -> tuple[Device, ...] | None:
+        """Devices with room for one more idle replica of ``state``'s service, or ``None``."""
+        service = state.service
+        need = service.memory
+        assert need is not None
+        taken = {d.name for r in state.replicas for d in r.devices}
+        slots = service.slots()
+        if slots is not None:
+            by_name = {d.name: d for d in self._devices}
+            for slot in slots:
+                option = tuple(by_name[n] for n in slot)
+                if not any(d.name in taken for d in option) and all(
+                    d.memory - planned[d.name] >= need for d in option
+                ):
+                    return option
+            return None
+        capable = {
+            d.index: float(d.memory - planned[d.name])
+            for d in self._devices
+            if d.index is not None and d.name not in taken and d.memory >= need
+        }
+        pick = place(self._groups, {i: f for i, f in capable.items() if f >= need}, service.gpus)
+        if pick is None:
+            return None
+        if not self._linked(pick):
+            # As for an action: a replica stays where it was restored, so it is not put
+            # across NVLink groups while one group could hold it once memory frees up.
+            wider = place(self._groups, capable, service.gpus)
+            if wider is not None and self._linked(wider):
+                return None
+        by_index = {d.index: d for d in self._devices}
+        return tuple(by_index[i] for i in pick)
+
+    async def _warm_one(self, replica: _Replica) -> None:
+        state = replica.state
+        memory = state.service.memory
+        assert memory is not None
+        async with contextlib.AsyncExitStack() as stack:
+            for device in sorted(replica.devices, key=lambda d: d.name):
+                await stack.enter_async_context(self._locks[device.name])
+            await stack.enter_async_context(replica.lock)
+            if any(d.memory - self._resident[d.name] < memory for d in replica.devices):
+                return  # the plan leaves room; evict nothing for a replica nobody asked for
+            try:
+                await self._restore(replica)
+            except Exception:
+                logger.warning(
+                    "could not warm %r onto %s; it stays evicted until an action needs it",
+                    state.service.name,
+                    ", ".join(d.name for d in replica.devices),
+                    exc_info=True,
+                )
+                return
+            state.warmed += 1
 
     def _check_fits(self, state: _ServiceState, by_name: Mapping[str, Device]) -> None:
         service = state.service
@@ -1097,7 +1225,12 @@ class GpuPool:
         if state is None:
             raise LookupError(f"no service named {name!r} (have {sorted(self._services)})")
         runtime = self._runtime if self._runtime is not None else current_runtime()
-        replica = self._attach(state, runtime)
+        while (replica := self._attach(state, runtime)) is None:
+            # Only the service's own draining replicas stand where it could go: the
+            # first to stop frees its devices (and makes room under ``max_replicas``).
+            assert self._stopped is not None
+            await self._stopped.wait()
+            self._check_open()
         replica.users += 1
         try:
             await replica.ready.wait()
@@ -1116,24 +1249,106 @@ class GpuPool:
         self._clock += 1
         return float(self._clock)
 
-    def _attach(self, state: _ServiceState, runtime: Runtime) -> _Replica:
-        """The replica this action runs on: a live one, or one started for it."""
-        live = [r for r in state.replicas if r.alive and r.error is None]
+    def _attach(self, state: _ServiceState, runtime: Runtime) -> _Replica | None:
+        """The replica this action runs on: a live one, or one started for it.
+
+        ``None`` when the service's own draining replicas block every option (their
+        devices, or ``max_replicas``): the action waits for one of them to stop.
+        """
+        self._yield()
+        service = state.service
+        alive = [r for r in state.replicas if r.alive]
+        live = [r for r in alive if r.error is None and not r.draining]
         if live:
             least = min(live, key=lambda r: r.users)
-            # Elastic: a second copy only when every live one already has actions and a
-            # device has room now (a copy that waits for memory helps no one sooner).
-            if least.users == 0 or len(live) >= state.service.max_replicas:
+            # Elastic: another copy only when every live one is full and a device has
+            # room now (a copy that waits for memory helps no one sooner).
+            if least.users < _seats(service) or len(alive) >= service.max_replicas:
                 return least
             devices = self._choose(state, need_room_now=True)
-            if devices is None:
+            if devices is None or self._queue_on(least, devices):
                 return least
         else:
+            if len(alive) >= service.max_replicas:
+                return None
             devices = self._choose(state, need_room_now=False)
-            assert devices is not None
+            if devices is None:
+                return None
         replica = self._replica_on(state, devices)
         self._start(replica, runtime)
         return replica
+
+    def _queue_on(self, least: _Replica, devices: tuple[Device, ...]) -> bool:
+        """Whether a newcomer finding every replica full waits on ``least`` rather than
+        start a new replica on ``devices``.
+
+        A full replica frees a seat every ``run seconds / seats`` on average, so the
+        newcomer's wait there is its place in line times that; a new replica on
+        ``devices`` costs a restore unless it is resident there. The simulator found
+        (mopd-2048 at 16 GPUs) that restoring a third replica of the busiest teacher at
+        once cost more than queueing on the two it had. Before any run was measured the
+        line's length is unknown, and a new replica starts as it always did.
+        """
+        state = least.state
+        resident = any(
+            r.devices == devices and r.residency is _Residency.RESIDENT and not r.alive
+            for r in state.replicas
+        )
+        if resident or state.run_seconds is None:
+            return False
+        seats = _seats(state.service)
+        place_in_line = least.users - seats + 1
+        return place_in_line * state.run_seconds / seats < self._restore_estimate(state)
+
+    def _yield(self) -> None:
+        """Choose running replicas to drain until the waiting ones' memory is on the way.
+
+        A busy service keeps joining its replica, which would hold its devices for as long
+        as the service stays busy and starve one waiting for them. So the least loaded
+        running replicas on the devices the waiters need, that have held their grant for
+        ``_TENURE`` restore times (then the longest held), stop taking newcomers, as many
+        as the waiters need beyond the free memory on each device; every other replica
+        keeps serving. Draining every replica whenever any waited (tried in the
+        simulator) made each busy service ask for a new replica in turn, so one waiter
+        rotated the whole pool. The tenure keeps a restore to at most a third of a
+        replica's time on its devices.
+        """
+        replicas = [r for state in self._services.values() for r in state.replicas]
+        deficit = dict.fromkeys(self._leased, 0)
+        for r in replicas:
+            if r.alive and not r.leased and r.users > 0:
+                assert r.state.service.memory is not None
+                for d in r.devices:
+                    deficit[d.name] += r.state.service.memory
+        if not any(deficit.values()):
+            return
+        for d in self._devices:
+            deficit[d.name] -= max(0, d.memory - self._leased[d.name])
+        running = [r for r in replicas if r.alive and r.leased]
+        for r in running:
+            if r.draining:
+                assert r.state.service.memory is not None
+                for d in r.devices:
+                    deficit[d.name] -= r.state.service.memory
+        if all(v <= 0 for v in deficit.values()):
+            return
+        now = anyio.current_time()
+        candidates = sorted(
+            (
+                r
+                for r in running
+                if not r.draining
+                and r.ready.is_set()  # restored: a first restore's time is known by now
+                and now - r.granted_at >= _TENURE * self._restore_estimate(r.state)
+            ),
+            key=lambda r: (r.users, r.granted_at),
+        )
+        for r in candidates:
+            if any(deficit[d.name] > 0 for d in r.devices):
+                r.draining = True
+                assert r.state.service.memory is not None
+                for d in r.devices:
+                    deficit[d.name] -= r.state.service.memory
 
     def _replica_on(self, state: _ServiceState, devices: tuple[Device, ...]) -> _Replica:
         for replica in state.replicas:
@@ -1210,22 +1425,26 @@ class GpuPool:
     def _start(self, replica: _Replica, runtime: Runtime) -> None:
         assert self._task_group is not None
         replica.alive = True
+        replica.draining = False
         replica.error = None
         replica.ready = anyio.Event()
         replica.wake = anyio.Event()
         replica.scope = anyio.CancelScope()
         self._task_group.start_soon(self._hold, replica, runtime)
 
+    @staticmethod
+    def _restore_estimate(state: _ServiceState) -> float:
+        """Seconds a restore of the service takes: learnt, else assumed from its size."""
+        if state.restore_seconds is not None:
+            return state.restore_seconds
+        assert state.service.memory is not None
+        return state.service.memory / DEFAULT_RESTORE_BANDWIDTH
+
     def _estimate(self, replica: _Replica) -> float | None:
         state = replica.state
-        assert state.service.memory is not None
         restore = 0.0
         if replica.residency is not _Residency.RESIDENT:
-            restore = (
-                state.restore_seconds
-                if state.restore_seconds is not None
-                else state.service.memory / DEFAULT_RESTORE_BANDWIDTH
-            )
+            restore = self._restore_estimate(state)
         if state.run_seconds is None:
             return restore if restore > 0 else None
         return restore + state.run_seconds
@@ -1254,6 +1473,7 @@ class GpuPool:
             if replica.error is None and (replica.users or replica.pending):
                 replica.error = GpuPoolClosedError("the replica stopped (the pool closed)")
             replica.alive = False
+            replica.draining = False
             replica.scope = None
             replica.last_used = self._tick()
             replica.ready.set()
@@ -1261,6 +1481,9 @@ class GpuPool:
                 call.error = replica.error or GpuPoolClosedError("the replica stopped")
                 call.done.set()
             replica.pending.clear()
+            if self._stopped is not None:
+                self._stopped.set()
+                self._stopped = anyio.Event()
 
     async def _lease_and_serve(self, replica: _Replica, runtime: Runtime) -> None:
         state = replica.state
@@ -1272,6 +1495,7 @@ class GpuPool:
         )
         async with context as lease:
             replica.leased = True
+            replica.granted_at = anyio.current_time()
             for d in replica.devices:
                 self._leased[d.name] += memory
             try:
@@ -1347,28 +1571,38 @@ class GpuPool:
                     async with victim.lock:
                         if victim.residency is _Residency.RESIDENT and not victim.leased:
                             await self._evict(victim)
-            replica.residency = _Residency.RESTORING
-            for device in replica.devices:
-                self._resident[device.name] += memory
-                self._peak[device.name] = max(self._peak[device.name], self._resident[device.name])
-            started = anyio.current_time()
-            try:
-                await state.service.restore(replica.index, replica.devices)
-            except BaseException as exc:
-                with anyio.CancelScope(shield=True):
-                    with contextlib.suppress(Exception):
-                        await state.service.evict(replica.index)
-                replica.residency = _Residency.EVICTED
-                for device in replica.devices:
-                    self._resident[device.name] -= memory
-                if isinstance(exc, MemoryError) and not isinstance(exc, GpuError):
-                    raise GpuOutOfMemoryError(
-                        f"restoring {state.service.name!r}: out of memory ({exc})"
-                    ) from exc
-                raise
-            state.restore_seconds = _ewma(state.restore_seconds, anyio.current_time() - started)
+            await self._restore(replica)
             state.restores += 1
-            replica.residency = _Residency.RESIDENT
+
+    async def _restore(self, replica: _Replica) -> None:
+        """Restore ``replica`` where its memory is free; on failure nothing stays held.
+
+        The caller holds the replica's device locks and its own lock.
+        """
+        state = replica.state
+        memory = state.service.memory
+        assert memory is not None
+        replica.residency = _Residency.RESTORING
+        for device in replica.devices:
+            self._resident[device.name] += memory
+            self._peak[device.name] = max(self._peak[device.name], self._resident[device.name])
+        started = anyio.current_time()
+        try:
+            await state.service.restore(replica.index, replica.devices)
+        except BaseException as exc:
+            with anyio.CancelScope(shield=True):
+                with contextlib.suppress(Exception):
+                    await state.service.evict(replica.index)
+            replica.residency = _Residency.EVICTED
+            for device in replica.devices:
+                self._resident[device.name] -= memory
+            if isinstance(exc, MemoryError) and not isinstance(exc, GpuError):
+                raise GpuOutOfMemoryError(
+                    f"restoring {state.service.name!r}: out of memory ({exc})"
+                ) from exc
+            raise
+        state.restore_seconds = _ewma(state.restore_seconds, anyio.current_time() - started)
+        replica.residency = _Residency.RESIDENT
 
     def _victim(self, device: Device, keep: _Replica) -> _Replica | None:
         """The replica on ``device`` to evict: one another restore is evicting already,
@@ -1431,10 +1665,12 @@ class GpuPool:
         }
 
     def service_stats(self) -> dict[str, dict[str, float | int | None]]:
-        """Per service: restores, evictions, resident hits, runs, actions run, timings."""
+        """Per service: restores actions waited for, restores made when the pool was
+        entered (``warmed``), evictions, resident hits, runs, actions run, timings."""
         return {
             name: {
                 "restores": s.restores,
+                "warmed": s.warmed,
                 "evictions": s.evictions,
                 "hits": s.hits,
                 "runs": s.runs,
@@ -1445,6 +1681,13 @@ class GpuPool:
             }
             for name, s in self._services.items()
         }
+
+
+def _seats(service: ModelService) -> int:
+    """Actions one replica serves before it counts as full: a batching service's
+    ``max_batch``, else one (``max_batch=None`` merges all that wait, but a second replica
+    on a free device still serves the next action sooner, as it always did)."""
+    return service.max_batch if service.batching and service.max_batch else 1
 
 
 def _ewma(old: float | None, new: float) -> float:

@@ -102,12 +102,13 @@ def test_both_arms_ran_the_same_real_actions(report: tuple[Path, str]) -> None:
                 assert record["units"] == record["max_units"] == 1
             else:
                 assert 1 <= record["units"] <= record["max_units"] <= config.cores
-        # Three reward models, memory for two, three trajectories: something was evicted,
-        # and restoring is measured as the reward actions' overhead.
+        # Three reward models, memory for two, three trajectories: two start resident, so
+        # the third is restored over one of them, and restoring is measured as the reward
+        # actions' overhead.
         assert arm["gpu"]["evictions"] >= 1
         rewards = [r for r in arm["records"] if r["kind"] == "reward"]
-        assert sum(r["overhead"] > 0 for r in rewards) >= config.reward_models
-        assert arm["gpu"]["restores"] >= config.reward_models
+        assert sum(r["overhead"] > 0 for r in rewards) >= config.reward_models - 2
+        assert arm["gpu"]["restores"] >= config.reward_models - 2
         assert all(held <= config.cores for _, held, _ in arm["timeline"])
     # Same seeded models scoring the same test results: the same rewards in both arms.
     # (Approximately: the pool may batch different calls together in the two arms.)

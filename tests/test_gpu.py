@@ -14,6 +14,7 @@ from typing import Any
 
 import anyio
 import pytest
+import trio.testing
 from conftest import wait_until
 
 import tangram
@@ -136,9 +137,10 @@ def test_device_parses_sizes_and_rejects_nonsense() -> None:
 
 @pytest.mark.anyio
 async def test_round_trips_are_bitwise_identical() -> None:
-    # One device with room for one service: every switch evicts the other one.
+    # One device with room for one service: every switch evicts the other one (not warmed
+    # at entry, so the count of restores is the actions').
     services = [torch_service("judge", 1), torch_service("teacher", 2)]
-    pool = GpuPool(services, devices=[Device("cpu:0", memory="1.5MiB")])
+    pool = GpuPool(services, devices=[Device("cpu:0", memory="1.5MiB")], warm=False)
     x = inputs(0)
     expected = {"judge": reward_model(1)(x).detach(), "teacher": reward_model(2)(x).detach()}
     async with pool, tangram.Runtime(capacity=pool.capacity()) as runtime:
@@ -161,7 +163,7 @@ async def test_round_trips_are_bitwise_identical() -> None:
 @pytest.mark.anyio
 async def test_lru_idle_service_is_evicted_first() -> None:
     services = [torch_service(n, i) for i, n in enumerate("abc")]
-    pool = GpuPool(services, devices=[Device("cpu:0", memory="2MiB")])
+    pool = GpuPool(services, devices=[Device("cpu:0", memory="2MiB")], warm=False)
     async with pool, tangram.Runtime(capacity=pool.capacity()):
         for name in "ab":
             async with pool.use(name) as svc:
@@ -247,7 +249,8 @@ class FailingOnce(TorchService):
 @pytest.mark.anyio
 async def test_failed_restore_is_typed_and_leaves_the_pool_consistent() -> None:
     flaky = FailingOnce("flaky", lambda: reward_model(5), memory="1MiB")
-    pool = GpuPool([flaky, torch_service("ok", 6)], devices=[Device("cpu:0", memory="2MiB")])
+    devices = [Device("cpu:0", memory="2MiB")]
+    pool = GpuPool([flaky, torch_service("ok", 6)], devices=devices, warm=False)
     async with pool, tangram.Runtime(capacity=pool.capacity()) as runtime:
         with pytest.raises(GpuOutOfMemoryError, match="out of"):
             async with pool.use("flaky") as svc:
@@ -354,7 +357,7 @@ class SpyRuntime(tangram.Runtime):
 
 @pytest.mark.anyio
 async def test_restore_time_is_counted_in_the_estimate() -> None:
-    pool = GpuPool([torch_service("judge", 1)], devices=[Device("cpu:0", "4MiB")])
+    pool = GpuPool([torch_service("judge", 1)], devices=[Device("cpu:0", "4MiB")], warm=False)
     async with pool:
         runtime = SpyRuntime(capacity=pool.capacity())
         runtime.estimates = []
@@ -476,7 +479,8 @@ async def test_an_action_goes_where_its_service_is_resident_not_where_memory_is_
     big = GatedService("big", memory="4MiB")
     judge = GatedService("judge")
     judge.gate.set()
-    pool = GpuPool([big, judge], devices=[Device("cpu:0", "4MiB"), Device("cpu:1", "1MiB")])
+    devices = [Device("cpu:0", "4MiB"), Device("cpu:1", "1MiB")]
+    pool = GpuPool([big, judge], devices=devices, warm=False)
     async with pool, tangram.Runtime(capacity=pool.capacity()):
         async with anyio.create_task_group() as tg:
 
@@ -504,7 +508,7 @@ async def test_an_action_goes_where_its_service_is_resident_not_where_memory_is_
 @pytest.mark.anyio
 async def test_an_evicted_service_is_estimated_at_its_learnt_restore_plus_run() -> None:
     services = [torch_service("judge", 1), torch_service("other", 2)]
-    pool = GpuPool(services, devices=[Device("cpu:0", "1MiB")])
+    pool = GpuPool(services, devices=[Device("cpu:0", "1MiB")], warm=False)
     async with pool:
         runtime = SpyRuntime(capacity=pool.capacity())
         runtime.estimates = []
@@ -528,7 +532,7 @@ async def test_an_evicted_service_is_estimated_at_its_learnt_restore_plus_run() 
 async def test_restore_time_is_the_lease_overhead_in_the_runtime_stats() -> None:
     slow = SlowRestore("slow", 0.05)
     slow.gate.set()
-    pool = GpuPool([slow], devices=[Device("cpu:0", "1MiB")])
+    pool = GpuPool([slow], devices=[Device("cpu:0", "1MiB")], warm=False)
     async with pool, tangram.Runtime(capacity=pool.capacity()) as runtime:
         for _ in range(2):  # a restore, then a resident hit
             async with pool.use("slow") as svc:
@@ -699,10 +703,12 @@ async def test_a_pipeline_replica_spans_devices_too_small_for_the_whole_model() 
     # Each device holds a little more than half the model: it only fits split in two.
     size = int(whole * 0.75)
     devices = [Device(f"cpu:{i}", size) for i in range(4)]
-    other = TorchService("other", lambda: reward_model(7), memory=size, max_replicas=4)
+    # Four services rather than four replicas of one: a newcomer may queue on a busy
+    # replica when its line is shorter than a restore, which would leave a device free.
+    others = [TorchService(f"o{i}", lambda: reward_model(7), memory=size) for i in range(4)]
     x = inputs(0)
     expected = deep_model(1)(x).detach()
-    pool = GpuPool([pipe, other], devices=devices, links=[(0, 1), (2, 3)])
+    pool = GpuPool([pipe, *others], devices=devices, links=[(0, 1), (2, 3)], warm=False)
     async with pool, tangram.Runtime(capacity=pool.capacity()) as runtime:
         assert len(pipe.stage_bytes) == 2
         assert max(pipe.stage_bytes) < whole and sum(pipe.stage_bytes) >= whole
@@ -720,13 +726,13 @@ async def test_a_pipeline_replica_spans_devices_too_small_for_the_whole_model() 
                 state = pipe.replica_state(svc.replica)
                 assert state.keys() == host.keys()
                 assert all(state[k].data_ptr() != host[k] for k in state)
-            # Four replicas of `other` fill every device: the pipeline is evicted.
+            # Four other services fill every device: the pipeline is evicted.
             await wait_until(lambda: pool.service_stats()["pipe"]["replicas_live"] == 0)
             async with anyio.create_task_group() as tg:
-                for _ in devices:
-                    tg.start_soon(use_once, pool, "other")
+                for other in others:
+                    tg.start_soon(use_once, pool, other.name)
             assert pool.residency()["pipe"] == []
-            assert len(pool.residency()["other"]) == 4
+            assert all(len(pool.residency()[other.name]) == 1 for other in others)
             # The pipeline was evicted once though two restores needed its room.
             assert all(u["resident"] == size for u in pool.usage().values())
         stats = pool.service_stats()["pipe"]
@@ -868,7 +874,7 @@ class FailsOnSecondStage(TorchService):
 async def test_a_pipeline_restore_failing_on_one_stage_holds_nothing_on_any() -> None:
     pipe = FailsOnSecondStage("pipe", lambda: deep_model(3), gpus=2, memory="1MiB")
     devices = [Device("cpu:0", "1MiB"), Device("cpu:1", "1MiB")]
-    pool = GpuPool([pipe], devices=devices)
+    pool = GpuPool([pipe], devices=devices, warm=False)
     async with pool, tangram.Runtime(capacity=pool.capacity()) as runtime:
         with pytest.raises(GpuOutOfMemoryError, match="cpu:0, cpu:1"):
             async with pool.use("pipe") as svc:
@@ -967,3 +973,202 @@ def _runs(sizes: list[int], counts: list[int]) -> list[list[int]]:
         runs.append(sizes[at : at + count])
         at += count
     return runs
+
+
+# -- warm start, the line-length test, the targeted drain (as the simulator models them) --
+#
+# CPU devices stand in for GPUs throughout: ``cpu:N`` budgets are books the pool keeps,
+# exactly as it keeps them for ``cuda:N``.
+
+
+@pytest.mark.anyio
+async def test_entering_the_pool_fills_idle_devices_so_first_actions_pay_no_restore() -> None:
+    """Real torch modules on CPU devices that stand in for two GPUs of 2 MiB.
+
+    One replica of each service in declared order, then a second of each while there is
+    room: ``a`` gets its second on cpu:1, never two on cpu:0 (cpu:0 keeps 1 MiB free),
+    ``b`` stops at ``max_replicas=1``, ``c`` (2 MiB) fits nowhere without evicting.
+    """
+    a = torch_service("a", 1, max_replicas=2)
+    b = torch_service("b", 2)
+    c = torch_service("c", 3, memory="2MiB")
+    devices = [Device("cpu:0", "2MiB"), Device("cpu:1", "2MiB")]
+    async with GpuPool([a, b, c], devices=devices, links=[]) as pool:
+        assert pool.residency() == {"a": [("cpu:0",), ("cpu:1",)], "b": [("cpu:1",)], "c": []}
+        assert [u["resident"] for u in pool.usage().values()] == [MIB, 2 * MIB]
+        assert [u["granted"] for u in pool.usage().values()] == [0, 0]
+        runtime = SpyRuntime(capacity=pool.capacity())
+        runtime.estimates = []
+        async with runtime:
+            # Warm replicas hold no grant: the runtime sees every byte free.
+            assert all(runtime.stats().resources[d.kind].held == 0 for d in devices)
+            for name, seed in (("a", 1), ("b", 2)):
+                async with pool.use(name) as svc:
+                    x = inputs(seed)
+                    assert torch.equal(await svc(x), reward_model(seed)(x).detach())
+            assert runtime.estimates == [None, None]  # no restore in either estimate
+            await wait_until(lambda: all(u["granted"] == 0 for u in pool.usage().values()))
+            # Idle and evictable like any replica: c evicts a's replica on cpu:0.
+            async with pool.use("c") as svc:
+                assert torch.equal(await svc(inputs(3)), reward_model(3)(inputs(3)).detach())
+        assert pool.residency() == {"a": [("cpu:1",)], "b": [("cpu:1",)], "c": [("cpu:0",)]}
+        stats = pool.service_stats()
+        assert [(stats[n]["warmed"], stats[n]["restores"], stats[n]["hits"]) for n in "abc"] == [
+            (2, 0, 1),
+            (1, 0, 1),
+            (0, 1, 0),
+        ]
+        assert stats["a"]["evictions"] == 1
+    async with GpuPool([torch_service("a", 1)], devices=devices, warm=False) as cold:
+        assert cold.residency() == {"a": []}
+    with pytest.raises(TypeError, match="warm"):
+        GpuPool([a], warm="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.anyio
+async def test_a_failed_or_cancelled_warm_restore_leaves_nothing_held() -> None:
+    """CPU devices stand in for GPUs; the first allocation fails as a full GPU's would."""
+    flaky = FailingOnce("flaky", lambda: reward_model(5), memory="1MiB")
+    pool = GpuPool([flaky, torch_service("ok", 6)], devices=[Device("cpu:0", memory="2MiB")])
+    async with pool, tangram.Runtime(capacity=pool.capacity()):
+        # Start-up went on: the flaky service stays evicted, the other one is warm.
+        assert pool.residency() == {"flaky": [], "ok": [("cpu:0",)]}
+        assert pool.usage()["cpu:0"]["resident"] == MIB
+        assert flaky.replica_state(0) == {}
+        async with pool.use("flaky") as svc:
+            assert torch.equal(await svc(inputs(0)), reward_model(5)(inputs(0)).detach())
+        assert pool.service_stats()["flaky"]["restores"] == 1
+    # Cancelled while warming: what was restored is evicted and the pool is closed.
+    fast, slow = SlowRestore("fast", 0.0), SlowRestore("slow", 60.0)
+    pool = GpuPool([fast, slow], devices=[Device("cpu:0", "1MiB"), Device("cpu:1", "1MiB")])
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+
+            async def cancel_mid_warm() -> None:
+                await wait_until(lambda: bool(pool.residency()["fast"] and slow.restored))
+                scope.cancel()
+
+            tg.start_soon(cancel_mid_warm)
+            await pool.__aenter__()
+            pytest.fail("slow's restore takes a minute: entering was cancelled first")
+    assert (fast.restored, slow.restored) == ([("cpu:0",)], [("cpu:1",)])
+    assert pool.residency() == {"fast": [], "slow": []}
+    assert all(u["resident"] == 0 for u in pool.usage().values())
+    with pytest.raises(gpu.GpuPoolClosedError):
+        async with pool:
+            pass
+
+
+class Paced(GatedService):
+    """Restores take ``restore`` and runs ``run`` seconds of virtual time, then the gate.
+
+    Each finished call is logged as ``name:batch`` in ``log``, shared between services.
+    """
+
+    def __init__(self, name: str, log: list[str], restore: float, run: float, **kw: Any) -> None:
+        super().__init__(name, **kw)
+        self.log = log
+        self.restore_s = restore
+        self.run_s = run
+
+    async def restore(self, replica: int, devices: tuple[Device, ...]) -> None:
+        await anyio.sleep(self.restore_s)
+
+    async def run(self, replica: int, batches: Sequence[Any]) -> list[Any]:
+        await anyio.sleep(self.run_s)
+        results = await super().run(replica, batches)
+        self.log.extend(results)
+        return results
+
+
+def run_virtual(test: Callable[[], Any]) -> None:
+    """Run ``test`` on trio under a clock that jumps to the next deadline: exact times."""
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    anyio.run(test, backend="trio", backend_options={"clock": clock})
+
+
+def test_a_newcomer_queues_on_a_full_replica_unless_its_line_is_longer_than_a_restore() -> None:
+    """CPU devices stand in for two GPUs; time is virtual (trio's MockClock).
+
+    Restores take 1 s and runs 0.4 s, one action per replica at a time. Four actions
+    arrive together on a replica that is resident on cpu:0: the 2nd and 3rd are 1st and
+    2nd in line (0.4 s, 0.8 s < 1 s) and wait there; the 4th would wait 1.2 s, longer than
+    a restore, so a second replica is restored on cpu:1 for it.
+    """
+
+    async def main() -> None:
+        log: list[str] = []
+        judge = Paced("judge", log, restore=1.0, run=0.4, max_replicas=2, batching=False)
+        judge.gate.set()
+        devices = [Device("cpu:0", "1MiB"), Device("cpu:1", "1MiB")]
+        pool = GpuPool([judge], devices=devices, links=[], warm=False)
+        async with pool, tangram.Runtime(capacity=pool.capacity()):
+            async with pool.use("judge") as svc:  # learns both times, stays on cpu:0
+                await svc(0)
+            stats = pool.service_stats()["judge"]
+            assert (stats["restore_seconds"], stats["run_seconds"]) == pytest.approx((1.0, 0.4))
+            await wait_until(lambda: pool.service_stats()["judge"]["replicas_live"] == 0)
+            seen: list[str] = []
+
+            async def action(k: int) -> None:
+                async with pool.use("judge") as svc:
+                    seen.append(svc.devices[0].name)
+                    await svc(k)
+
+            async with anyio.create_task_group() as tg:
+                for k in range(1, 5):
+                    tg.start_soon(action, k)
+            assert sorted(seen) == ["cpu:0", "cpu:0", "cpu:0", "cpu:1"]
+            assert pool.service_stats()["judge"]["restores"] == 2
+
+    run_virtual(main)
+
+
+def test_a_waiting_service_drains_only_the_least_loaded_replica_past_its_tenure() -> None:
+    """CPU devices stand in for one GPU of 2 MiB; time is virtual (trio's MockClock).
+
+    ``a`` (three actions) and ``c`` (one) are granted cpu:0 at t=0 and restored by t=2
+    (1 s each, one after the other). ``b`` asks for cpu:0 at t=1.5. A ``c`` newcomer at
+    t=1.5 still joins: ``c`` has held its grant less than two restores. At t=3 both have
+    held it long enough; ``c``, the less loaded (2 actions against 3), stops taking
+    newcomers and hands its memory to ``b`` once its actions end, while ``a`` keeps
+    serving its newcomer. Without the drain ``c``, joined continuously, would hold
+    cpu:0 and ``b`` would wait behind every ``c`` action.
+    """
+
+    async def main() -> None:
+        log: list[str] = []
+        a, b, c = (Paced(n, log, restore=1.0, run=0.0) for n in "abc")
+        b.gate.set()
+        pool = GpuPool([a, c, b], devices=[Device("cpu:0", "2MiB")], warm=False)
+        async with pool, tangram.Runtime(capacity=pool.capacity()):
+            entered: list[str] = []
+
+            async def action(name: str, k: int) -> None:
+                async with pool.use(name) as svc:
+                    entered.append(f"{name}:{k}")
+                    await svc(k)
+
+            async with anyio.create_task_group() as tg:
+                for k in range(3):
+                    tg.start_soon(action, "a", k)
+                tg.start_soon(action, "c", 0)
+                await anyio.sleep(1.5)
+                tg.start_soon(action, "b", 0)
+                await wait_until(lambda: pool.service_stats()["b"]["replicas_live"] == 1)
+                tg.start_soon(action, "c", 1)  # before c's tenure: joins c's replica
+                await anyio.sleep(1.5)
+                tg.start_soon(action, "a", 3)  # a keeps serving newcomers
+                tg.start_soon(action, "c", 2)  # c drains: this one waits for b
+                await wait_until(lambda: "a:3" in entered)
+                assert "c:2" not in entered
+                c.gate.set()
+                await anyio.sleep(10)  # b is restored and served, then c again
+                assert "c:2" in log and not any(e.startswith("a:") for e in log)
+                a.gate.set()
+            assert log.index("c:1") < log.index("b:0") < log.index("c:2")
+            assert log.index("b:0") < log.index("a:3")
+            stats = pool.service_stats()
+            assert (stats["a"]["restores"], stats["c"]["restores"]) == (1, 2)
+
+    run_virtual(main)

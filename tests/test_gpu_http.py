@@ -113,7 +113,7 @@ async def test_vllm_sleeps_at_load_wakes_per_action_and_sleeps_to_make_room(
 ) -> None:
     judge = VllmService("judge", {url(servers[0]): ["cuda:0"]}, memory="40GiB")
     teacher = VllmService("teacher", {url(servers[1]): ["cuda:0"]}, memory="40GiB")
-    pool = GpuPool([judge, teacher], devices=[Device("cuda:0", "60GiB")], links=[])
+    pool = GpuPool([judge, teacher], devices=[Device("cuda:0", "60GiB")], links=[], warm=False)
     async with pool, tangram.Runtime(capacity=pool.capacity()):
         assert servers[0].sleeping and servers[1].sleeping  # load put both to sleep
         async with pool.use("judge") as svc:
@@ -136,7 +136,7 @@ async def test_vllm_sleeps_at_load_wakes_per_action_and_sleeps_to_make_room(
 @pytest.mark.anyio
 async def test_sglang_releases_and_resumes(servers: list[FakeVllm]) -> None:
     rm = SglangService("rm", {url(servers[0]): ["cuda:0"]}, memory="1GiB")
-    pool = GpuPool([rm], devices=[Device("cuda:0", "2GiB")], links=[])
+    pool = GpuPool([rm], devices=[Device("cuda:0", "2GiB")], links=[], warm=False)
     async with pool, tangram.Runtime(capacity=pool.capacity()):
         assert servers[0].sleeping
         async with pool.use("rm") as svc:
@@ -179,7 +179,7 @@ async def test_a_wake_out_of_memory_is_typed_and_the_pool_stays_usable(
     servers: list[FakeVllm],
 ) -> None:
     judge = VllmService("judge", {url(servers[0]): ["cuda:0"]}, memory="40GiB")
-    pool = GpuPool([judge], devices=[Device("cuda:0", "60GiB")], links=[])
+    pool = GpuPool([judge], devices=[Device("cuda:0", "60GiB")], links=[], warm=False)
     async with pool, tangram.Runtime(capacity=pool.capacity()) as runtime:
         servers[0].fail_wake = True
         with pytest.raises(GpuOutOfMemoryError, match="out of memory"):

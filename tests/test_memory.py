@@ -106,7 +106,7 @@ async def test_model_services_are_restored_and_evicted_least_recently_used() -> 
 async def test_an_injected_restore_failure_is_typed_and_holds_nothing() -> None:
     judge = MemoryModelService("judge", memory="1GiB")
     judge.fail_restores = 1
-    pool = GpuPool([judge], devices=[Device("cpu:0", memory="2GiB")])
+    pool = GpuPool([judge], devices=[Device("cpu:0", memory="2GiB")], warm=False)
     async with pool, tangram.Runtime(capacity=pool.capacity()) as runtime:
         with pytest.raises(GpuOutOfMemoryError, match="injected"):
             async with pool.use("judge") as svc:

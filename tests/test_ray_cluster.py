@@ -276,10 +276,11 @@ async def test_a_service_call_runs_on_a_node_that_serves_it(
         tg.start_soon(concurrent)
         tg.start_soon(concurrent)
     assert sorted(entered) == ["a", "b"]
-    # Three runs on "a" from one restore: the placement followed the resident copy.
+    # Three runs on "a" on the copy made resident at start: the placement followed it.
     stats_a = (await agents["a"].service_stats())["lin"]
-    assert (stats_a["restores"], stats_a["runs"]) == (1, 3)
-    assert (await agents["b"].service_stats())["lin"]["restores"] == 1
+    assert (stats_a["warmed"], stats_a["restores"], stats_a["runs"]) == (1, 0, 3)
+    stats_b = (await agents["b"].service_stats())["lin"]
+    assert (stats_b["warmed"], stats_b["restores"]) == (1, 0)
     # Only "b" serves "only_b"; from another process (a worker actor on the head node).
     worker = Worker.options(  # type: ignore[attr-defined]
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=deployment["head"], soft=False)
