@@ -1135,14 +1135,23 @@ class GpuPool:
         by_index = {d.index: d for d in self._devices}
         return tuple(by_index[i] for i in pick)
 
-    async def _warm_one(self, replica: _Replica) -> None:
-        state = replica.state
-        memory = state.service.memory
-        assert memory is not None
+    @contextlib.asynccontextmanager
+    async def _holding(self, replica: _Replica) -> AsyncIterator[None]:
+        """Hold what a restore or an eviction of ``replica`` must hold.
+
+        Its devices' locks in name order, so two replicas never deadlock, then its own.
+        """
         async with contextlib.AsyncExitStack() as stack:
             for device in sorted(replica.devices, key=lambda d: d.name):
                 await stack.enter_async_context(self._locks[device.name])
             await stack.enter_async_context(replica.lock)
+            yield
+
+    async def _warm_one(self, replica: _Replica) -> None:
+        state = replica.state
+        memory = state.service.memory
+        assert memory is not None
+        async with self._holding(replica):
             if any(d.memory - self._resident[d.name] < memory for d in replica.devices):
                 return  # the plan leaves room; evict nothing for a replica nobody asked for
             try:
@@ -1552,10 +1561,7 @@ class GpuPool:
         state = replica.state
         memory = state.service.memory
         assert memory is not None
-        async with contextlib.AsyncExitStack() as stack:
-            for device in sorted(replica.devices, key=lambda d: d.name):
-                await stack.enter_async_context(self._locks[device.name])
-            await stack.enter_async_context(replica.lock)
+        async with self._holding(replica):
             if replica.residency is _Residency.RESIDENT:
                 state.hits += 1
                 return
