@@ -20,6 +20,8 @@ is this process's own or one shared on Ray) is written once, in a file::
     namespace = "my-job"
     detached = false          # create = false: only look the driver's actor up
     [adapters.verl]           # settings of one framework's adapter, read by it
+    record = "traces/"        # optional, local mode: each scheduler writes what it
+                              # served there as a tangram-trace/1 file when it stops
 
 Beyond these, ``[gpu]`` declares torch model services (``[[gpu.services]]``) and
 ``[quota.NAME]`` the keys of a rate-limited API; their resources join the capacity.
@@ -31,6 +33,7 @@ read it, naming the key, instead of as a scheduler that never admits anything.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import sys
@@ -38,9 +41,11 @@ from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import anyio
 import attrs
 
 from ._policy import ElasticPolicy, FcfsPolicy, Policy
+from ._record import record_trace
 from ._resources import parse_capacity
 from ._runtime import Runtime
 from .errors import ConfigError, InvalidCapacityError
@@ -159,6 +164,7 @@ class Config:
     quotas: tuple[QuotaConfig, ...] = ()
     ray: RayConfig = attrs.field(factory=RayConfig)
     adapters: dict[str, Any] = attrs.field(factory=dict, converter=_frozen_mapping)
+    record: str | None = None
     source: str | None = None
 
 
@@ -211,7 +217,7 @@ def _decode(file: Path, text: str) -> Mapping[str, Any]:
     )
 
 
-_TOP = {"mode", "capacity", "policy", "sandbox", "gpu", "quota", "ray", "adapters"}
+_TOP = {"mode", "capacity", "policy", "sandbox", "gpu", "quota", "ray", "adapters", "record"}
 
 
 def parse(data: Mapping[str, Any], *, source: str | None = None) -> Config:
@@ -251,6 +257,14 @@ def parse(data: Mapping[str, Any], *, source: str | None = None) -> Config:
         create=ray_table.get("create", True),
         detached=ray_table.get("detached", False),
     )
+    record = data.get("record")
+    if record is not None:
+        if not isinstance(record, str) or not record:
+            raise ConfigError(f"{where}: `record` must be a directory path (got {record!r})")
+        if mode != "local":
+            # The shared actor's runtime serves every worker; a per-process recorder
+            # would see none of it.
+            raise ConfigError(f"{where}: `record` needs mode = 'local'")
     if mode == "local" and not capacity and sandbox is None and gpu is None and not quotas:
         raise ConfigError(
             f"{where}: nothing to schedule: give [capacity] (or [sandbox], [gpu], [quota.NAME])"
@@ -264,6 +278,7 @@ def parse(data: Mapping[str, Any], *, source: str | None = None) -> Config:
         quotas=quotas,
         ray=ray,
         adapters=_table(data, "adapters", where),
+        record=record,
         source=source,
     )
 
@@ -405,7 +420,10 @@ async def open_scheduler(
     proxy to the named scheduler actor (:func:`tangram.ray.connect`, imported only then, so
     a local config never imports Ray). ``capacity`` adds resources known only at run time
     (a sandbox pool's cores, GPU memory, quota keys); the file's values win where both
-    name a resource.
+    name a resource. With ``record``, the runtime is recorded
+    (:func:`tangram.record_trace`) into a file of its own in that directory, written when
+    the block ends, so a rollout run through the adapters can be replayed under
+    ``tangram simulate`` without a code change.
 
     :raises ConfigError: the capacity is invalid once merged.
     """
@@ -434,4 +452,19 @@ async def open_scheduler(
     except (InvalidCapacityError, TypeError) as exc:
         raise ConfigError(f"{config.source or 'tangram config'}: [capacity]: {exc}") from exc
     async with runtime:
-        yield runtime
+        if config.record is None:
+            yield runtime
+            return
+        path = await anyio.to_thread.run_sync(_trace_path, config.record)
+        async with record_trace(runtime, path, name=path.stem):
+            yield runtime
+
+
+_traces = itertools.count(1)
+
+
+def _trace_path(directory: str) -> Path:
+    """A file of its own for each scheduler: several processes and loops share the directory."""
+    folder = Path(directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / f"tangram-{os.getpid()}-{next(_traces)}.jsonl"

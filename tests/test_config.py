@@ -11,10 +11,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 import tangram
 from tangram import config as tc
+from tangram._baselines import run_policy
 
 FULL = """
 mode = "local"
@@ -122,6 +124,9 @@ def test_config_error_is_a_tangram_error_and_a_value_error() -> None:
         ("[capacity]\ncpu = 1\n[ray]\nname = ''\n", r"\[ray\]: `name` must be a non-empty"),
         ("[capacity]\ncpu = 1\n[ray]\nport = 1\n", r"unknown key\(s\) \['port'\]"),
         ("[capacity]\ncpu = 1\n[ray]\ndetached = 'yes'\n", r"`detached` must be true or false"),
+        ("record = ''\n[capacity]\ncpu = 1\n", r"`record` must be a directory path"),
+        ("record = 3\n[capacity]\ncpu = 1\n", r"`record` must be a directory path"),
+        ("mode = 'ray'\nrecord = 't'\n[capacity]\ncpu = 1\n", r"`record` needs mode = 'local'"),
     ],
 )
 def test_mistakes_fail_at_load_naming_the_key(tmp_path: Path, text: str, match: str) -> None:
@@ -155,6 +160,23 @@ async def test_local_mode_opens_a_runtime_with_the_policy(tmp_path: Path) -> Non
             assert lease.units == 1  # FCFS at dop 1: the configured policy decides
     with pytest.raises(tangram.errors.NoCurrentRuntimeError):
         tangram.current_runtime()
+
+
+@pytest.mark.anyio
+async def test_local_mode_records_what_it_served_as_a_trace(tmp_path: Path) -> None:
+    folder = tmp_path / "traces"
+    config = tc.load(write(tmp_path, f"record = {str(folder)!r}\n[capacity]\ncpu = 2\n"))
+    for _ in range(2):  # two schedulers (processes or loops) never share a file
+        async with tc.open_scheduler(config):
+            for _ in range(3):
+                async with tangram.acquire(cpu=tangram.Elastic(1, 2), trajectory="t0"):
+                    await anyio.sleep(0.01)
+    files = sorted(folder.iterdir())
+    assert len(files) == 2
+    trace = tangram.read_trace(files[0])
+    assert (trace.name, trace.actions, trace.capacity) == (files[0].stem, 3, {"cpu": 2.0})
+    result = run_policy("tangram", trace)  # and it replays
+    assert len(result.records) == 3
 
 
 @pytest.mark.anyio

@@ -82,6 +82,27 @@ def test_the_scheduler_is_current_only_inside_the_session(config: Path) -> None:
     asyncio.run(main())
 
 
+def test_a_recording_config_writes_each_schedulers_trace_when_it_stops(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What a verl or OpenRLHF worker does with `record` in its file and no code change.
+    folder = tmp_path / "traces"
+    path = tmp_path / "tangram.toml"
+    path.write_text(f"record = {str(folder)!r}\n[capacity]\ncpu = 3\n")
+    monkeypatch.setenv("TANGRAM_CONFIG", str(path))
+
+    async def main() -> None:
+        for turn in range(4):
+            async with _process.session(), tangram.acquire(cpu=1, trajectory="t1"):
+                await asyncio.sleep(0.001 * turn)
+        await _process.aclose()
+
+    asyncio.run(main())
+    (trace_file,) = folder.iterdir()
+    trace = tangram.read_trace(trace_file)
+    assert trace.actions == 4 and trace.capacity == {"cpu": 3.0}
+
+
 def test_without_a_config_the_call_says_how_to_give_one(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TANGRAM_CONFIG", raising=False)
     with pytest.raises(ConfigError, match="TANGRAM_CONFIG"):
