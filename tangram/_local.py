@@ -13,6 +13,9 @@ it does contain:
   and dropped so a flood cannot fill memory or block the child;
 - leftovers: after every action every process of its session, and every process that
   still carries the action's marker in its environment, is killed;
+- a dead owner: on Linux a command gets SIGKILL when the process that started it dies
+  (killed, OOM), so a crashed rollout worker leaves no command running; its own children
+  are reaped by the per-action clean-up only while the owner lives;
 - files: when started as root, commands run as an unprivileged user (``nobody``) who owns
   only the work dir, so writes elsewhere fail where file permissions forbid them.
 
@@ -23,7 +26,9 @@ by default), reads of world-readable host files, writes to world-writable places
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import ctypes
 import errno
 import os
 import pwd
@@ -57,6 +62,13 @@ __all__ = ["LocalBackend"]
 _MARKER = "TANGRAM_SANDBOX_MARK"
 _READ_CHUNK = 1 << 16
 _SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
+
+# prctl(PR_SET_PDEATHSIG) signals the child when the *thread* that forked it ends, not
+# the process. anyio's worker threads end when idle, which would kill long commands, so
+# every command is forked from this one thread, which lives as long as the process.
+_PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+_SPAWNER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tangram-spawn")
 
 
 class LocalBackend(SandboxBackend):
@@ -201,21 +213,21 @@ class _LocalHandle(SandboxHandle):
         usage_before = resource.getrusage(resource.RUSAGE_CHILDREN)
         backend = self._backend
         try:
-            process = await anyio.to_thread.run_sync(
-                lambda: subprocess.Popen(
-                    request.argv,
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    cwd=self.workdir,
-                    env=env,
-                    start_new_session=True,
-                    user=backend._uid,
-                    group=backend._gid,
-                    extra_groups=[] if backend._uid is not None else None,
-                    preexec_fn=_limits(backend, cores, request),
-                )
+            spawn = _SPAWNER.submit(
+                subprocess.Popen,
+                request.argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=self.workdir,
+                env=env,
+                start_new_session=True,
+                user=backend._uid,
+                group=backend._gid,
+                extra_groups=[] if backend._uid is not None else None,
+                preexec_fn=_limits(backend, cores, request),
             )
+            process = await anyio.to_thread.run_sync(spawn.result)
         except OSError as exc:
             # A command that does not exist is the command's failure, like a shell's 127.
             code = 127 if exc.errno == errno.ENOENT else 126
@@ -250,7 +262,13 @@ def _limits(
     if backend._uid is not None:
         limits.append((resource.RLIMIT_NPROC, backend.processes))
 
+    owner = os.getpid()
+
     def setup() -> None:
+        if _LIBC is not None:  # after the change of user, which would clear it
+            _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            if os.getppid() != owner:  # the owner died before the signal was armed
+                os._exit(1)
         if cores:
             os.sched_setaffinity(0, cores)
         for which, value in limits:

@@ -10,6 +10,9 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -389,3 +392,48 @@ def test_signal_is_reported() -> None:
 
     result = anyio.run(main)
     assert result.signal == signal.SIGTERM and result.exit_code is None
+
+
+_OWNER = """
+import sys, anyio, tangram
+from tangram._local import LocalBackend
+
+async def main():
+    async with (
+        tangram.SandboxPool(LocalBackend()) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+        pool.sandbox("t") as sbx,
+    ):
+        print(sbx._handle.workdir, flush=True)
+        await sbx.run("echo $$ > cmd.pid; exec sleep 120", timeout=300)
+
+anyio.run(main)
+"""
+
+
+def test_a_command_dies_with_the_process_that_started_it(tmp_path: Path) -> None:
+    # A rollout worker killed mid-action (OOM, a Ray node's agent killed): nothing of ours
+    # runs to clean up, so the kernel's parent-death signal has to end the command.
+    script = tmp_path / "owner.py"
+    script.write_text(_OWNER)
+    owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout is not None
+        pid_file = Path(owner.stdout.readline().strip()) / "cmd.pid"
+        deadline = time.monotonic() + 20
+        while not pid_file.exists() or not pid_file.read_text().strip():
+            assert time.monotonic() < deadline, "the command never started"
+            time.sleep(0.01)
+        command = int(pid_file.read_text())
+        assert pid_alive(command)
+        owner.kill()
+        owner.wait()
+        deadline = time.monotonic() + 10
+        while pid_alive(command):
+            assert time.monotonic() < deadline, "the command outlived its owner"
+            time.sleep(0.01)
+    finally:
+        owner.kill()
+        owner.wait()
+        if owner.stdout is not None:
+            owner.stdout.close()
