@@ -122,9 +122,6 @@ class Entry:
         left = self.rem - (now - self.mark) * self.speed(self.units)
         return max(left, _REMAINING_FLOOR * self.t1)
 
-    def seconds_left(self, now: float) -> float:
-        return self.remaining(now) / self.speed(self.units)
-
 
 def _inverse(entry: Entry, units: int) -> float:
     """``1 / speedup(units)`` of ``entry``, from a table grown on first use.
@@ -687,8 +684,8 @@ def _shadow(
 def _running_ends(running: Iterable[Entry], now: float) -> list[tuple[float, int, Entry, int]]:
     """``(seconds left, seq, entry, units)`` of each running entry.
 
-    :meth:`Entry.seconds_left` spelled out: this walks every running action of a pass that
-    backfills, and three calls per action were most of a pass's time under load.
+    :meth:`Entry.remaining` over the speed, spelled out: this walks every running action of
+    a pass that backfills, and three calls per action were most of a pass's time under load.
     """
     ends = []
     for e in running:
