@@ -298,7 +298,9 @@ async def test_a_late_release_of_a_reclaimed_lease_is_harmless(workers: list[Any
         stalled = workers[2].stall.remote(name, 2, LEASE_TIMEOUT + HEARTBEAT + 0.5)
         await wait_for(lambda: _equals(held(remote), 2.0), 30)
         # The stalled worker sends no heartbeat; its lease is reclaimed and granted here.
-        with anyio.fail_after(LEASE_TIMEOUT + 5):
+        # The bound only keeps a bug from hanging the suite: the stall alone is ~4 s, and
+        # a loaded 2-core machine takes seconds more to start and stop the worker's client.
+        with anyio.fail_after(LEASE_TIMEOUT + 30):
             async with remote.acquire(cpu=2, kind="next") as lease:
                 assert lease.grant["cpu"] == 2
                 report = await stalled  # its block ends now: the late release arrives
