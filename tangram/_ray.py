@@ -365,7 +365,10 @@ class SchedulerActor:
         client = self._clients.pop(cid, None)
         if client is None:
             return
-        requests = list(client.waiting)
+        # Granted requests too: a grant posted while the proxy was silent never reached
+        # it, and its acquire would wait forever for a lease released here. One it did
+        # receive is no longer pending there, so naming it again changes nothing.
+        requests = [*client.waiting, *client.granted]
         for task in client.waiting.values():
             task.cancel()
         client.waiting.clear()

@@ -131,7 +131,11 @@ class Worker:
                 anyio.create_task_group() as tg,
             ):
                 tg.start_soon(waiter, remote)
-                await anyio.sleep(0.3)  # its request waits at the actor
+                # Its request waits at the actor before the stall: one sent after it would
+                # be a new request from a live process, and wait for cores like any other.
+                with anyio.fail_after(30):
+                    while (await remote.stats()).waiting < 1:  # noqa: ASYNC110 - remote state
+                        await anyio.sleep(0.05)
                 time.sleep(seconds)  # noqa: ASYNC251 - a stalled process: no heartbeats
                 await anyio.sleep(HEARTBEAT * 2)  # the poll that reports what was lost
             outcome["reclaimed"] = lease.reclaimed
@@ -214,6 +218,41 @@ def test_trio_is_refused_with_a_clear_error() -> None:
         trio.run(main)
 
 
+async def test_a_grant_made_as_a_silent_process_is_dropped_fails_its_request() -> None:
+    """The scheduler actor's books, driven directly: no cluster needed for the race.
+
+    A silent process's lease is reclaimed first (its last heartbeat is older than its last
+    call), the units go to its own waiting request, and the process is dropped a moment
+    later with that new lease. It never saw the grant, so the request must be failed when
+    it comes back, or its ``acquire`` would wait forever (found as a hang of the test
+    above on a loaded machine).
+    """
+    from tangram._ray import SchedulerActor
+
+    actor = SchedulerActor({"cpu": 2}, None, heartbeat=0.05, timeout=0.3, token="t")
+    try:
+        events = await actor.send("a", [(1, {"cpu": 2}, "held", None, None, None)], [], [])
+        assert [e[0] for e in events] == ["grant"]
+        lease = events[0][2]
+        await actor.poll("a", [lease], 0.0)  # the last heartbeat
+        await anyio.sleep(0.15)
+        # A later call, but no heartbeat: the process then stalls.
+        assert await actor.send("a", [(2, {"cpu": 1}, "waiter", None, None, None)], [], []) == []
+
+        async def dropped() -> bool:
+            return (await actor.counters())["clients"] == 0
+
+        await wait_for(dropped, 5)
+        assert (await actor.counters())["reclaimed"] == 1
+        # Back from the stall: request 2 is reported failed, whatever happened to it.
+        events = await actor.poll("a", [lease], 0.0)
+        expired = [e for e in events if e[0] == "expired"]
+        assert len(expired) == 1 and 2 in expired[0][1]
+        assert (await actor.stats()).resources["cpu"].held == 0
+    finally:
+        await actor.close()
+
+
 async def test_bad_settings_fail_before_anything_starts() -> None:
     with pytest.raises(InvalidCapacityError, match="twice"):
         async with tray.connect(heartbeat=1.0, lease_timeout=1.5):
@@ -292,13 +331,26 @@ async def _equals(value: Any, expected: float) -> bool:
     return bool(await value == expected)
 
 
+async def _waiting_or_reclaimed(remote: Any) -> bool:
+    if (await remote.stats()).waiting >= 1:
+        return True
+    return bool((await remote.actor.counters.remote())["reclaimed"] >= 1)
+
+
 async def test_a_late_release_of_a_reclaimed_lease_is_harmless(workers: list[Any]) -> None:
     name = _name()
     async with _connect(name, capacity={"cpu": 2}) as remote:
-        stalled = workers[2].stall.remote(name, 2, LEASE_TIMEOUT + HEARTBEAT + 0.5)
+        # Twice the timeout: the actor drops the silent process (and so its waiting
+        # request) only once its last call is a timeout old, and on a loaded machine that
+        # call may reach the actor well after it was sent.
+        stalled = workers[2].stall.remote(name, 2, 2 * LEASE_TIMEOUT + HEARTBEAT)
         await wait_for(lambda: _equals(held(remote), 2.0), 30)
+        # Asked only once the worker's own request waits (or was already dropped with the
+        # silent worker): the worker counts waiting requests to know that its request has
+        # reached the actor, so this one must not be among them.
+        await wait_for(lambda: _waiting_or_reclaimed(remote), 30)
         # The stalled worker sends no heartbeat; its lease is reclaimed and granted here.
-        # The bound only keeps a bug from hanging the suite: the stall alone is ~4 s, and
+        # The bound only keeps a bug from hanging the suite: the stall alone is ~5 s, and
         # a loaded 2-core machine takes seconds more to start and stop the worker's client.
         with anyio.fail_after(LEASE_TIMEOUT + 30):
             async with remote.acquire(cpu=2, kind="next") as lease:
