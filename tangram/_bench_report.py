@@ -90,7 +90,7 @@ def table(result: BenchResult) -> str:
 def _rounded(value: Any) -> Any:
     """Figures to the microsecond at most: the report stays small enough to keep in a repo."""
     if isinstance(value, float):
-        return round(value, 4)
+        return round(value, 6)
     if isinstance(value, dict):
         return {key: _rounded(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
