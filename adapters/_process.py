@@ -37,7 +37,7 @@ import attrs
 
 import tangram
 from tangram import config as tangram_config
-from tangram._runtime import _enter_current, _exit_current
+from tangram._runtime._run import _enter_current, _exit_current
 
 __all__ = ["Resources", "aclose", "config_for", "load_object", "portal_call", "session"]
 

@@ -30,8 +30,8 @@ from typing import Any
 import anyio
 
 import tangram
-from tangram._local import LocalBackend
-from tangram._sandbox import SandboxBackend, SandboxPool
+from tangram._sandbox._local import LocalBackend
+from tangram._sandbox._pool import SandboxBackend, SandboxPool
 
 # The test suite an action runs: CPU-bound "tests" split over $TANGRAM_CPUS forked workers.
 SUITE = r"""
@@ -82,7 +82,7 @@ def image() -> str:
 
 
 async def resize_latency(rounds: int) -> dict[str, float]:
-    from tangram._docker import DockerBackend, DockerConfig
+    from tangram._sandbox._docker import DockerBackend, DockerConfig
 
     backend = DockerBackend(config=DockerConfig(image=image(), sync_docker_view=False))
     hosts = await backend.start()
@@ -99,8 +99,8 @@ async def resize_latency(rounds: int) -> dict[str, float]:
                 started = time.perf_counter()
                 await handle.apply(chosen, quota)
                 fast.append(time.perf_counter() - started)
-        from tangram._docker import PERIOD_US
-        from tangram._sandbox import format_cpu_list
+        from tangram._sandbox._docker import PERIOD_US
+        from tangram._sandbox._pool import format_cpu_list
 
         for i in range(max(5, rounds // 4)):
             chosen, quota = grants[i % 2]
@@ -116,7 +116,7 @@ async def resize_latency(rounds: int) -> dict[str, float]:
 async def action_start(rounds: int, fresh_rounds: int) -> dict[str, float]:
     import aiodocker
 
-    from tangram._docker import DockerBackend, DockerConfig
+    from tangram._sandbox._docker import DockerBackend, DockerConfig
 
     figures: dict[str, float] = {}
     backend = DockerBackend(config=DockerConfig(image=image()))
@@ -265,7 +265,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         figures["start_ratio_vs_fresh"] = (
             figures["start_warm_ms"] / figures["start_fresh_container_ms"]
         )
-        from tangram._docker import DockerBackend, DockerConfig
+        from tangram._sandbox._docker import DockerBackend, DockerConfig
 
         backend: SandboxBackend = DockerBackend(config=DockerConfig(image=image()))
     else:

@@ -36,10 +36,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tangram._baselines import run_policy
-from tangram._generate import GenerateConfig, generate_lines
-from tangram._report import plot_sweep
-from tangram._trace import read_trace
+from tangram._sim._baselines import run_policy
+from tangram._sim._generate import GenerateConfig, generate_lines
+from tangram._sim._trace import read_trace
+from tangram._tools._report import plot_sweep
 
 POLICIES = ("tangram", "static", "fixed-dop-4", "bound")
 QUICK = (64, 128, 256)

@@ -30,6 +30,8 @@ cannot be served never waits in the queue to fail later.
 
 from __future__ import annotations
 
+from ._core._exports import publish as _publish
+
 __all__ = [
     "CapacityExceededError",
     "ConfigError",
@@ -182,6 +184,4 @@ class ConfigError(TangramError, ValueError):
     """
 
 
-for _name in __all__:
-    globals()[_name].__module__ = "tangram.errors"
-del _name
+_publish("tangram.errors", globals())

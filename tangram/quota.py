@@ -1,7 +1,7 @@
 """API quotas for tangram: ``from tangram import quota`` needs the ``api`` extra (httpx).
 
 Kept out of ``tangram/__init__`` so that the core imports without httpx; see
-:mod:`tangram._quota` for how quotas are scheduled.
+:mod:`tangram._quota._client` for how quotas are scheduled.
 """
 
 from __future__ import annotations
@@ -12,17 +12,18 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("tangram.quota needs httpx and stamina: pip install 'tangram[api]'") from exc
 
-from ._quota import DEFAULT_HEADROOM as DEFAULT_HEADROOM
-from ._quota import DEFAULT_JITTER as DEFAULT_JITTER
-from ._quota import Adapt as Adapt
-from ._quota import ApiKey as ApiKey
-from ._quota import KeyStats as KeyStats
-from ._quota import Quota as Quota
-from ._quota import QuotaTransport as QuotaTransport
-from ._quota import Retry as Retry
-from ._quota import SetAside as SetAside
-from ._quota_server import Limit as Limit
-from ._quota_server import QuotaServer as QuotaServer
+from ._core._exports import publish as _publish
+from ._quota._client import DEFAULT_HEADROOM as DEFAULT_HEADROOM
+from ._quota._client import DEFAULT_JITTER as DEFAULT_JITTER
+from ._quota._client import Adapt as Adapt
+from ._quota._client import ApiKey as ApiKey
+from ._quota._client import KeyStats as KeyStats
+from ._quota._client import Quota as Quota
+from ._quota._client import QuotaTransport as QuotaTransport
+from ._quota._client import Retry as Retry
+from ._quota._client import SetAside as SetAside
+from ._testing._quota_server import Limit as Limit
+from ._testing._quota_server import QuotaServer as QuotaServer
 from .errors import QuotaDeadlineError as QuotaDeadlineError
 
 __all__ = [
@@ -40,8 +41,4 @@ __all__ = [
     "SetAside",
 ]
 
-for _name in __all__:
-    _obj = globals()[_name]
-    if getattr(_obj, "__module__", "").startswith("tangram._"):
-        _obj.__module__ = "tangram.quota"
-del _name, _obj
+_publish("tangram.quota", globals())

@@ -23,18 +23,19 @@ importing ``tangram`` does not, and neither imports torch.
 
 from __future__ import annotations
 
-from ._ray import DEFAULT_HEARTBEAT as DEFAULT_HEARTBEAT
-from ._ray import DEFAULT_TIMEOUT as DEFAULT_TIMEOUT
-from ._ray import RemoteAcquireContext as RemoteAcquireContext
-from ._ray import RemoteLease as RemoteLease
-from ._ray import RemoteRuntime as RemoteRuntime
-from ._ray import SchedulerUnavailableError as SchedulerUnavailableError
-from ._ray import attach as attach
-from ._ray import connect as connect
-from ._ray_agent import HostAgent as HostAgent
-from ._ray_agent import RemoteSandbox as RemoteSandbox
-from ._ray_agent import RemoteService as RemoteService
-from ._ray_agent import start_agent as start_agent
+from ._core._exports import publish as _publish
+from ._ray._agent import HostAgent as HostAgent
+from ._ray._agent import RemoteSandbox as RemoteSandbox
+from ._ray._agent import RemoteService as RemoteService
+from ._ray._agent import start_agent as start_agent
+from ._ray._scheduler import DEFAULT_HEARTBEAT as DEFAULT_HEARTBEAT
+from ._ray._scheduler import DEFAULT_TIMEOUT as DEFAULT_TIMEOUT
+from ._ray._scheduler import RemoteAcquireContext as RemoteAcquireContext
+from ._ray._scheduler import RemoteLease as RemoteLease
+from ._ray._scheduler import RemoteRuntime as RemoteRuntime
+from ._ray._scheduler import SchedulerUnavailableError as SchedulerUnavailableError
+from ._ray._scheduler import attach as attach
+from ._ray._scheduler import connect as connect
 
 __all__ = [
     "DEFAULT_HEARTBEAT",
@@ -51,8 +52,4 @@ __all__ = [
     "start_agent",
 ]
 
-for _name in __all__:
-    _obj = globals()[_name]
-    if getattr(_obj, "__module__", "").startswith("tangram._"):
-        _obj.__module__ = "tangram.ray"
-del _name, _obj
+_publish("tangram.ray", globals())

@@ -39,16 +39,16 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ._ledger import held_matches_grants
-from ._memory import Applied, Handler, MemoryBackend, MemoryModelService, MemorySandbox
-from ._policy import RUNNING, WAITING
-from ._runtime import Runtime
-from ._sandbox import SandboxPool
+from ._core._ledger import held_matches_grants
+from ._core._policy import RUNNING, WAITING
+from ._runtime._run import Runtime
+from ._sandbox._pool import SandboxPool
+from ._testing._memory import Applied, Handler, MemoryBackend, MemoryModelService, MemorySandbox
 
 if TYPE_CHECKING:
-    from ._action import Action
-    from ._lease import Lease
-    from ._policy import Entry
+    from ._core._action import Action
+    from ._core._policy import Entry
+    from ._runtime._lease import Lease
 
 __all__ = [
     "Applied",

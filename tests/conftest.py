@@ -20,7 +20,7 @@ import pytest
 import trio.testing
 
 import tangram
-from tangram._ledger import held_matches_grants
+from tangram._core._ledger import held_matches_grants
 
 Backend = tuple[str, dict[str, Any]]
 

@@ -12,11 +12,11 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from tangram import Amdahl, Elastic, Estimate, Linear, Power, Rate, Step, Table
-from tangram._action import Action
-from tangram._demand import build_demand
-from tangram._efficiency import Efficiency
-from tangram._resources import Capacity, parse_capacity
+from tangram import Amdahl, Elastic, Estimate, Linear, Power, Rate, SpeedupTable, Step
+from tangram._core._action import Action
+from tangram._core._demand import build_demand
+from tangram._core._efficiency import Efficiency
+from tangram._core._resources import Capacity, parse_capacity
 
 _ids = itertools.count(1)
 
@@ -48,7 +48,7 @@ amdahls = st.builds(Amdahl, fractions)
 powers = st.builds(Power, fractions)
 tables = st.lists(
     st.floats(min_value=0.1, max_value=64.0, allow_nan=False), min_size=1, max_size=8
-).map(lambda xs: Table(sorted(xs)))
+).map(lambda xs: SpeedupTable(sorted(xs)))
 efficiencies: st.SearchStrategy[Efficiency] = st.one_of(st.just(Linear()), amdahls, powers, tables)
 # Concave models only: the policy's greedy split is argued optimal for these.
 concave_efficiencies: st.SearchStrategy[Efficiency] = st.one_of(st.just(Linear()), amdahls, powers)

@@ -8,7 +8,7 @@ import math
 import pytest
 
 import tangram
-from tangram._baselines import (
+from tangram._sim._baselines import (
     parse_policy,
     run_policy,
     service_shares,
@@ -16,7 +16,7 @@ from tangram._baselines import (
     simulate_static,
     slot_sizes,
 )
-from tangram._generate import GenerateConfig, generate
+from tangram._sim._generate import GenerateConfig, generate
 
 
 def _trace(header: dict[str, object], *actions: dict[str, object]) -> tangram.Trace:

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-import tangram._cli as cli
-from tangram._bench import ActionRecord, BenchConfig, default_config, make_plan
-from tangram._bench_report import live_progress
+import tangram._tools._cli as cli
+from tangram._tools._bench import ActionRecord, BenchConfig, default_config, make_plan
+from tangram._tools._bench_report import live_progress
 
 SMALL = ["--trajectories", "3", "--turns", "2", "--time-scale", "0.2"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -213,7 +213,16 @@ def test_ctrl_c_leaves_no_process_or_temp_dir() -> None:
     root = Path(tempfile.mkdtemp(prefix="tangram-bench-test-"))
     root.chmod(0o755)  # sandbox commands run as an unprivileged user when we are root
     env = {**os.environ, "TMPDIR": str(root)}
-    argv = [sys.executable, "-m", "tangram._cli", "bench", "--trajectories", "3", "--turns", "6"]
+    argv = [
+        sys.executable,
+        "-m",
+        "tangram._tools._cli",
+        "bench",
+        "--trajectories",
+        "3",
+        "--turns",
+        "6",
+    ]
     with subprocess.Popen(
         [*argv, "--time-scale", "0.5"],
         env=env,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-import tangram._cli as cli
+import tangram._tools._cli as cli
 from tangram.errors import InvalidDemandError
 
 

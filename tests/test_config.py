@@ -16,7 +16,7 @@ import pytest
 
 import tangram
 from tangram import config as tc
-from tangram._baselines import run_policy
+from tangram._sim._baselines import run_policy
 
 FULL = """
 mode = "local"

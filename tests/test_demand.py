@@ -3,8 +3,8 @@ import math
 import pytest
 
 from tangram import Amdahl, Elastic, Rate
-from tangram._demand import Demand, build_demand
-from tangram._resources import parse_capacity
+from tangram._core._demand import Demand, build_demand
+from tangram._core._resources import parse_capacity
 from tangram.errors import (
     CapacityExceededError,
     DemandTypeError,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tangram._demo import DemoConfig, make_workload, run_demo
+from tangram._tools._demo import DemoConfig, make_workload, run_demo
 
 
 def test_workload_is_seeded_and_shaped_as_configured() -> None:

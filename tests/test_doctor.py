@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-import tangram._cli as cli
-import tangram._doctor as doctor
+import tangram._tools._cli as cli
+import tangram._tools._doctor as doctor
 
 
 def test_reports_this_host(capsys: pytest.CaptureFixture[str]) -> None:
@@ -38,7 +38,7 @@ def test_cgroup_version(
 
 
 def test_missing_optional_pieces_are_reported_not_raised(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("pynvml", "ray", "matplotlib", "aiodocker", "tangram._docker"):
+    for name in ("pynvml", "ray", "matplotlib", "aiodocker", "tangram._sandbox._docker"):
         monkeypatch.setitem(sys.modules, name, None)
 
     def broken() -> str:
@@ -55,7 +55,7 @@ def test_missing_optional_pieces_are_reported_not_raised(monkeypatch: pytest.Mon
 
 
 def test_docker_reachable_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
-    import tangram._docker as docker
+    import tangram._sandbox._docker as docker
 
     async def usable() -> bool:
         return True

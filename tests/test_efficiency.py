@@ -5,8 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import amdahls, efficiencies, powers
 
-from tangram import Amdahl, Efficiency, Estimate, Linear, Power, Table
-from tangram._efficiency import efficiency_from_dict
+from tangram import Amdahl, Efficiency, Estimate, Linear, Power, SpeedupTable
+from tangram._core._efficiency import efficiency_from_dict
 from tangram.errors import DemandTypeError, InvalidDemandError
 
 PROPERTY = settings(deadline=None, max_examples=150, derandomize=True)
@@ -36,7 +36,7 @@ def test_power_duration() -> None:
 
 
 def test_table_duration() -> None:
-    table = Table([1.0, 1.8, 2.4, 2.8])
+    table = SpeedupTable([1.0, 1.8, 2.4, 2.8])
     assert Estimate(12.0, table).seconds(3) == pytest.approx(5.0)
     assert table.speedup(4) == 2.8
     assert table.speedup(100) == 2.8  # flat past the end
@@ -79,7 +79,7 @@ def test_fraction_wrong_type(value: object) -> None:
 )
 def test_bad_table(speedups: object, error: type[Exception]) -> None:
     with pytest.raises(error):
-        Table(speedups)  # type: ignore[arg-type]
+        SpeedupTable(speedups)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -88,7 +88,7 @@ def test_bad_table(speedups: object, error: type[Exception]) -> None:
         ({"model": "linear"}, Linear()),
         ({"model": "amdahl", "parallel_fraction": 0.9}, Amdahl(0.9)),
         ({"model": "power", "alpha": 0.7}, Power(0.7)),
-        ({"model": "table", "speedup": [1, 1.9, 2.5]}, Table([1.0, 1.9, 2.5])),
+        ({"model": "table", "speedup": [1, 1.9, 2.5]}, SpeedupTable([1.0, 1.9, 2.5])),
         (
             {"model": "amdahl", "parallel_fraction": 0.5, "note": "extra keys are ignored"},
             Amdahl(0.5),
@@ -118,7 +118,7 @@ def test_efficiency_from_dict_rejects(spec: object, error: type[Exception], matc
 
 
 def test_models_are_efficiencies() -> None:
-    for model in (Linear(), Amdahl(0.5), Power(0.5), Table([1.0])):
+    for model in (Linear(), Amdahl(0.5), Power(0.5), SpeedupTable([1.0])):
         assert isinstance(model, Efficiency)
     assert not isinstance(0.5, Efficiency)
 

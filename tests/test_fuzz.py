@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tangram
-from tangram._efficiency import efficiency_from_dict
+from tangram._core._efficiency import efficiency_from_dict
 from tangram.errors import InvalidCapacityError, TangramError
 from tangram.testing import InvariantChecker, check_idle
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 import tangram
-from tangram._cli import main
-from tangram._generate import WORKLOADS, GenerateConfig, generate
+from tangram._sim._generate import WORKLOADS, GenerateConfig, generate
+from tangram._tools._cli import main
 
 
 @pytest.mark.parametrize("workload", WORKLOADS)

@@ -955,7 +955,7 @@ async def test_a_multi_gpu_replica_waits_for_one_nvlink_group_rather_than_stradd
 
 
 def test_the_default_split_makes_the_largest_stage_as_small_as_it_can_be() -> None:
-    from tangram._gpu import _balance
+    from tangram._gpu._pool import _balance
 
     assert _balance([5, 1, 1, 1, 5], 3) == [1, 3, 1]
     assert max(sum(run) for run in _runs([5, 1, 1, 1, 5], _balance([5, 1, 1, 1, 5], 2))) == 7

@@ -1,10 +1,13 @@
-"""The package's layers know only the layers above them (docs: DESIGN.md, "Layers").
+"""The package's tree is its architecture: each private subpackage is one layer.
 
-model -> policy -> runtime -> executors -> edges: a module may import from its own layer
-and the ones before it, never after. The model and the policy are pure: no event loop, no
-clock, no I/O, so the live runtime and the simulator make the same decisions and the
-policy can be property-tested. Imports are read from the source with :mod:`ast`, so the
-check sees what each module asks for, not what happens to be loaded already.
+model -> policy -> runtime -> executors -> edges (docs/architecture.md). A module may import
+from its own subpackage and from the layers below it, never from a layer above it or from a
+sibling at its own level: the executors do not know each other, and nothing in the library
+imports the tools. The core is pure (no event loop, no clock, no I/O) so that the live
+runtime and the simulator make the same decisions and the policy can be property-tested.
+
+Imports are read from the source with :mod:`ast`, so the check sees what each module asks
+for (lazy imports inside functions included), not what happens to be loaded already.
 """
 
 from __future__ import annotations
@@ -19,74 +22,42 @@ import tangram
 
 PACKAGE = Path(tangram.__file__).parent
 
-LAYERS = ["model", "policy", "runtime", "executors", "package", "edges"]
-
-KNOWN: dict[str, str] = {
-    "errors": "model",
-    "_units": "model",
-    "_resources": "model",
-    "_efficiency": "model",
-    "_demand": "model",
-    "_action": "model",
-    "_estimator": "policy",
-    "_policy": "policy",
-    "_ledger": "policy",
-    "_stats": "policy",
-    "_runtime": "runtime",
-    "_lease": "runtime",
-    "_simulate": "runtime",
-    "_trace": "runtime",
-    "_generate": "runtime",
-    "_baselines": "runtime",
-    # The package facade re-exports the core (model to runtime) and nothing that needs an
-    # extra; executors with optional dependencies have their own public modules.
-    "__init__": "package",
-    "_cli": "edges",
-    "_demo": "edges",
-    # The pytest plugin and invariant checker for users' suites.
-    "testing": "edges",
-    # In-memory sandbox backend and model service for users' tests (testing re-exports).
-    "_memory": "executors",
-    # The config file reads capacities, pools and the Ray mode: it builds on everything.
-    "_config": "edges",
-    "config": "edges",
-    "_doctor": "edges",
-    # The simulator's GPU residency model and the live runtime's trace recorder.
-    "_sim_gpu": "runtime",
-    "_record": "runtime",
-    "_report": "edges",
+# Rank of each top-level name below ``tangram``: imports only point to a lower rank, or to
+# the same subpackage. Names that share a rank are siblings and may not import each other.
+RANKS: dict[str, int] = {
+    # The helper every public module (errors too) ends with, then the error tree.
+    "_core._exports": 0,
+    "errors": 1,
+    # Model and policy, pure: units, resources, demands, the estimator, the policy, the
+    # ledger, stats, the shared validators and the GPU placement rules.
+    "_core": 2,
+    # The live runtime: the scheduler task, leases, instruments.
+    "_runtime": 3,
+    # The virtual-clock simulator and traces (the recorder observes a live runtime).
+    "_sim": 4,
+    # Executors, one subpackage each; none imports another.
+    "_sandbox": 5,
+    "_gpu": 5,
+    "_quota": 5,
+    # Edges: the shared scheduler on Ray (it places work on the executors of each host),
+    # in-memory executors for tests, what the framework adapters build on.
+    "_ray": 6,
+    "_testing": 6,
+    "_frameworks": 7,
+    # The public facades re-export the layers below them.
+    "__init__": 8,
+    "gpu": 8,
+    "quota": 8,
+    "ray": 8,
+    "config": 8,
+    "testing": 8,
+    # The CLI, the bench and the reports: a user of the library, never imported by it.
+    "_tools": 9,
 }
 
-# Modules added by later work land in a layer by name; anything else must be listed above.
-PREFIXES: list[tuple[str, str]] = [
-    ("executors", "executors"),
-    ("_executor", "executors"),
-    ("_quota", "executors"),
-    ("quota", "executors"),
-    ("_sandbox", "executors"),
-    ("_local", "executors"),
-    ("_cgroup", "executors"),
-    ("_container", "executors"),
-    ("_service", "executors"),
-    ("_nvml", "executors"),
-    ("_docker", "executors"),
-    ("_gpu", "executors"),
-    ("gpu", "executors"),
-    ("_cpu", "executors"),
-    ("_api", "executors"),
-    ("_cli", "edges"),
-    ("_demo", "edges"),
-    ("_ray", "edges"),
-    ("ray", "edges"),
-    ("adapters", "edges"),
-    ("_pytest", "edges"),
-    ("pytest_plugin", "edges"),
-    ("_bench", "edges"),
-]
+PURE = {"_core"}
 
-PURE_LAYERS = {"model", "policy"}
-
-# An event loop, a clock, randomness or any I/O: none belongs in a pure layer.
+# An event loop, a clock, randomness or any I/O: none belongs in the pure core.
 IMPURE = {
     "anyio",
     "asyncio",
@@ -131,29 +102,15 @@ def modules() -> Iterator[tuple[str, Path]]:
         yield ".".join(parts), path
 
 
-def layer_of(name: str) -> str | None:
-    if name in KNOWN:
-        return KNOWN[name]
-    top = name.split(".")[0]
-    if top in KNOWN:
-        return KNOWN[top]
-    for prefix, layer in PREFIXES:
-        if top.startswith(prefix):
-            return layer
-    return None
-
-
-def rank(name: str) -> int:
-    layer = layer_of(name)
-    assert layer is not None, name
-    return LAYERS.index(layer)
+def top(name: str) -> str:
+    return name.split(".")[0]
 
 
 def imports(name: str, path: Path) -> Iterator[tuple[int, str, bool]]:
     """(line, imported module, internal?) for every import in the module.
 
-    Internal modules are named below ``tangram`` (``"_policy"``; the package itself is
-    ``"__init__"``); external ones by their top-level name (``"anyio"``).
+    Internal modules are named below ``tangram`` (``"_core._policy"``; the package itself
+    is ``"__init__"``); external ones by their top-level name (``"anyio"``).
     """
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     is_package = path.name == "__init__.py"
@@ -189,33 +146,44 @@ def imports(name: str, path: Path) -> Iterator[tuple[int, str, bool]]:
                     yield node.lineno, prefix or "__init__", True
 
 
-def test_every_module_has_a_layer() -> None:
-    unknown = [name for name, _ in modules() if layer_of(name) is None]
-    assert not unknown, f"add these modules to a layer in tests/test_layers.py: {unknown}"
+def rank(name: str) -> int:
+    return RANKS.get(name, RANKS[top(name)])
 
 
-def test_the_core_modules_exist() -> None:
-    # A renamed module would silently drop out of the checks below.
-    names = {name for name, _ in modules()}
-    missing = {name for name, layer in KNOWN.items() if layer != "edges"} - names
-    assert not missing
+def allowed(importer: str, imported: str) -> bool:
+    if top(importer) == top(imported):
+        return True
+    return rank(imported) < rank(importer)
+
+
+def test_every_module_sits_in_a_layer() -> None:
+    unknown = sorted({top(name) for name, _ in modules()} - set(RANKS))
+    assert "_core._exports" in dict(modules())
+    assert not unknown, f"give these a rank in tests/test_layers.py: {unknown}"
+
+
+def test_the_layers_are_subpackages() -> None:
+    # Private modules live in a layer's subpackage; only public modules sit at the top.
+    flat = [path.name for path in PACKAGE.glob("_*.py") if path.name != "__init__.py"]
+    assert not flat
+    for name in RANKS:
+        if name.startswith("_") and name != "__init__" and "." not in name:
+            assert (PACKAGE / name / "__init__.py").is_file(), name
 
 
 @pytest.mark.parametrize("name", [name for name, _ in modules()])
-def test_imports_follow_the_layer_order(name: str) -> None:
+def test_imports_point_down(name: str) -> None:
     path = dict(modules())[name]
-    if layer_of(name) is None:
-        pytest.fail(f"{name} has no layer (see test_every_module_has_a_layer)")
     wrong = [
-        f"line {line}: {name} ({layer_of(name)}) imports {target} ({layer_of(target)})"
+        f"line {line}: {name} imports {target}"
         for line, target, internal in imports(name, path)
-        if internal and layer_of(target) is not None and rank(target) > rank(name)
+        if internal and not allowed(name, target)
     ]
     assert not wrong
 
 
-@pytest.mark.parametrize("name", [name for name, _ in modules() if layer_of(name) in PURE_LAYERS])
-def test_pure_layers_have_no_loop_clock_or_io(name: str) -> None:
+@pytest.mark.parametrize("name", [name for name, _ in modules() if top(name) in PURE])
+def test_the_core_has_no_loop_clock_or_io(name: str) -> None:
     path = dict(modules())[name]
     impure = [
         f"line {line}: imports {target}"
@@ -235,22 +203,66 @@ def test_pure_layers_have_no_loop_clock_or_io(name: str) -> None:
     assert not impure
 
 
+def test_no_module_is_over_800_lines() -> None:
+    long = {
+        name: n
+        for name, path in modules()
+        if (n := len(path.read_text(encoding="utf-8").splitlines())) > 800
+    }
+    assert not long
+
+
+def test_no_import_cycles() -> None:
+    graph = {
+        name: {t for _, t, internal in imports(name, path) if internal and t != name}
+        for name, path in modules()
+    }
+    # A package's __init__ re-exporting its children is not a cycle between modules.
+    packages = {name for name, path in modules() if path.name == "__init__.py"}
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt in packages:
+                continue
+            if state.get(nxt) == 1:
+                cycles.append([*stack[stack.index(nxt) :], nxt])
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state and name not in packages:
+            visit(name)
+    assert not cycles
+
+
 def test_estimator_depends_on_the_efficiency_models_only() -> None:
-    path = dict(modules())["_estimator"]
-    internal = {target for _, target, is_internal in imports("_estimator", path) if is_internal}
-    assert internal == {"_efficiency"}
+    path = dict(modules())["_core._estimator"]
+    internal = {t for _, t, is_internal in imports("_core._estimator", path) if is_internal}
+    assert internal == {"_core._efficiency"}
 
 
-def test_errors_import_nothing_of_the_package() -> None:
-    path = dict(modules())["errors"]
-    assert not [t for _, t, internal in imports("errors", path) if internal]
+def test_errors_import_only_the_publish_helper() -> None:
+    for name in ("errors", "_core._exports"):
+        found = {t for _, t, internal in imports(name, dict(modules())[name]) if internal}
+        assert found <= {"_core._exports"} - {name}
 
 
 def test_the_checker_sees_imports() -> None:
     # The checker itself: the ledger imports the policy, the runtime the ledger.
-    ledger = {t for _, t, internal in imports("_ledger", PACKAGE / "_ledger.py") if internal}
-    assert {"_policy", "_action", "_estimator", "_resources"} <= ledger
-    runtime = {t for _, t, internal in imports("_runtime", PACKAGE / "_runtime.py") if internal}
-    assert {"_ledger", "errors", "_lease"} <= runtime
-    package = {t for _, t, internal in imports("__init__", PACKAGE / "__init__.py") if internal}
-    assert {"errors", "_runtime", "_policy"} <= package
+    found = dict(modules())
+    ledger = {t for _, t, i in imports("_core._ledger", found["_core._ledger"]) if i}
+    assert {"_core._policy", "_core._action", "_core._estimator"} <= ledger
+    runtime = {t for _, t, i in imports("_runtime._run", found["_runtime._run"]) if i}
+    assert {"_core._ledger", "errors"} <= runtime
+    package = {t for _, t, i in imports("__init__", PACKAGE / "__init__.py") if i}
+    assert {"errors", "_runtime._run", "_core._policy"} <= package
+    assert not allowed("_core._policy", "_runtime._run")
+    assert not allowed("_gpu._pool", "_sandbox._pool")
+    assert allowed("_ray._agent", "_gpu._pool")

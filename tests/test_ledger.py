@@ -4,9 +4,9 @@ import pytest
 from strategies import make_action
 
 from tangram import Amdahl, Elastic, ElasticPolicy, Estimator, FcfsPolicy, Linear, Plan, Rate
-from tangram._ledger import Ledger, held_matches_grants
-from tangram._policy import DONE, RUNNING, WAITING, Policy
-from tangram._resources import parse_capacity
+from tangram._core._ledger import Ledger, held_matches_grants
+from tangram._core._policy import DONE, RUNNING, WAITING, Policy
+from tangram._core._resources import parse_capacity
 
 
 def ledger_for(capacity: dict[str, object], policy: Policy | None = None) -> Ledger:

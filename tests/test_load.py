@@ -32,7 +32,7 @@ import anyio
 import pytest
 
 import tangram
-from tangram._stats import nearest_rank
+from tangram._core._stats import nearest_rank
 from tangram.testing import InvariantChecker, check_idle
 
 LONG = os.environ.get("TANGRAM_LONG") == "1"

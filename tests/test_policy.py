@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from strategies import CAPACITY, ledger_ops, make_action, workloads
 
 from tangram import Amdahl, Elastic, ElasticPolicy, Estimator, FcfsPolicy, Linear, Plan, simulate
-from tangram._ledger import Ledger, held_matches_grants
-from tangram._policy import RUNNING, WAITING, Entry, Policy
-from tangram._resources import parse_capacity
+from tangram._core._ledger import Ledger, held_matches_grants
+from tangram._core._policy import RUNNING, WAITING, Entry, Policy
+from tangram._core._resources import parse_capacity
 
 PROPERTY = settings(deadline=None, max_examples=100, derandomize=True)
 EPS = 1e-6
@@ -508,7 +508,7 @@ def test_a_pass_after_one_finish_looks_at_a_few_of_thousands_running(
     # The split's heaps persist across passes; rebuilding them would look at every one
     # of the 5,000 running actions at each event (the cost that made a 2048-trajectory
     # simulation take two minutes).
-    import tangram._policy as policy_module
+    import tangram._core._policy as policy_module
 
     cap = parse_capacity({"cpu": 12_000})
     ledger = Ledger(cap, ElasticPolicy(), Estimator())

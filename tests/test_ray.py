@@ -198,7 +198,7 @@ def test_importing_tangram_ray_does_not_import_torch() -> None:
 
 
 def test_a_replicas_share_of_devices_never_exceeds_what_its_memory_allows() -> None:
-    from tangram._ray_agent import _NodeGpuLedger
+    from tangram._ray._agent import _NodeGpuLedger
 
     ledger = _NodeGpuLedger(None, None, "gpu@h", {"gpu_mem:a": 3, "gpu_mem:b": 4})  # type: ignore[arg-type]
     thirds = [ledger.share({"gpu_mem:a": 1}) for _ in range(3)]
@@ -227,7 +227,7 @@ async def test_a_grant_made_as_a_silent_process_is_dropped_fails_its_request() -
     it comes back, or its ``acquire`` would wait forever (found as a hang of the test
     above on a loaded machine).
     """
-    from tangram._ray import SchedulerActor
+    from tangram._ray._scheduler import SchedulerActor
 
     actor = SchedulerActor({"cpu": 2}, None, heartbeat=0.05, timeout=0.3, token="t")
     try:

@@ -18,7 +18,7 @@ from test_live_vs_simulated import random_workload, work
 
 import tangram
 from tangram import Elastic, Rate, Step, read_trace
-from tangram._record import TraceRecorder, record_trace
+from tangram._sim._record import TraceRecorder, record_trace
 
 pytestmark = pytest.mark.anyio
 

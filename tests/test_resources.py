@@ -4,7 +4,7 @@ import pytest
 
 import tangram
 from tangram import Rate
-from tangram._resources import Capacity, Shape, parse_capacity
+from tangram._core._resources import Capacity, Shape, parse_capacity
 from tangram.errors import InvalidCapacityError
 
 

@@ -19,14 +19,14 @@ import anyio
 import pytest
 
 import tangram
-from tangram._sandbox import RunResult, Sandbox, SandboxPool
+from tangram._sandbox._pool import RunResult, Sandbox, SandboxPool
 from tangram.errors import SandboxBrokenError
 
 aiodocker = (
     pytest.importorskip("aiodocker") if not os.environ.get("CI") else __import__("aiodocker")
 )
 
-from tangram._docker import (  # noqa: E402
+from tangram._sandbox._docker import (  # noqa: E402
     PARKED_QUOTA_US,
     PERIOD_US,
     DockerBackend,
@@ -125,7 +125,7 @@ async def test_grant_applied_during_the_action_and_parked_after(setup: Setup) ->
         lines = result.stdout.decode().split()
         assert result.ok, result
         assert quota_of(lines[0]) == len(cores) * PERIOD_US
-        assert tangram._sandbox.parse_cpu_list(lines[1]) == list(result.cores)
+        assert tangram._sandbox._pool.parse_cpu_list(lines[1]) == list(result.cores)
         assert int(lines[-1]) == len(cores)
         result = await sbx.run(probe, cpu=1)
         lines = result.stdout.decode().split()

@@ -20,8 +20,8 @@ import anyio
 import pytest
 
 import tangram
-from tangram._local import LocalBackend
-from tangram._sandbox import (
+from tangram._sandbox._local import LocalBackend
+from tangram._sandbox._pool import (
     CoreSet,
     RunResult,
     Sandbox,
@@ -396,7 +396,7 @@ def test_signal_is_reported() -> None:
 
 _OWNER = """
 import sys, anyio, tangram
-from tangram._local import LocalBackend
+from tangram._sandbox._local import LocalBackend
 
 async def main():
     async with (

@@ -26,8 +26,8 @@ from tangram import (
     Step,
     simulate,
 )
-from tangram._policy import Plan, State
-from tangram._sim_gpu import GpuService, Residency
+from tangram._core._policy import Plan, State
+from tangram._sim._residency import Residency, ServiceSpec
 from tangram.errors import CapacityExceededError, UnknownResourceError
 
 PROPERTY = settings(deadline=None, max_examples=50, derandomize=True)
@@ -331,8 +331,8 @@ def test_elastic_policy_beats_fixed_dop_on_mixed_demands() -> None:
 # -- GPU services: residency, restores, batching (evict-on-execution) -------------------
 
 
-def _service(name: str, memory: float = 40.0, restore: float = 2.0, **kw: int) -> GpuService:
-    return GpuService(name=name, gpu_mem_gib=memory, restore_seconds=restore, **kw)
+def _service(name: str, memory: float = 40.0, restore: float = 2.0, **kw: int) -> ServiceSpec:
+    return ServiceSpec(name=name, gpu_mem_gib=memory, restore_seconds=restore, **kw)
 
 
 def test_residency_restores_once_then_hits() -> None:
@@ -374,7 +374,7 @@ def test_residency_never_evicts_a_service_with_a_running_action() -> None:
 
 
 def test_residency_places_a_multi_gpu_replica_on_free_devices() -> None:
-    services = {"big": GpuService(name="big", gpus=2, gpu_mem_gib=140, restore_seconds=4)}
+    services = {"big": ServiceSpec(name="big", gpus=2, gpu_mem_gib=140, restore_seconds=4)}
     model = Residency(3, 80.0, services)
     blocker = model.place(None, 1, now=0.0)
     big = model.place("big", 2, now=0.0)
@@ -578,4 +578,4 @@ def test_service_steps_are_checked(steps: list[Step], match: str) -> None:
 )
 def test_gpu_service_checks_its_fields(fields: dict[str, object], error: type[Exception]) -> None:
     with pytest.raises(error):
-        GpuService(name="x", **fields)  # type: ignore[arg-type]
+        ServiceSpec(name="x", **fields)  # type: ignore[arg-type]

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tangram._cli import main
-from tangram._generate import GenerateConfig, generate
+from tangram._sim._generate import GenerateConfig, generate
+from tangram._tools._cli import main
 
 KEYS = {
     "avg_act",

@@ -11,7 +11,7 @@ import pytest
 from conftest import wait_until
 
 import tangram
-from tangram._stats import Outcome, Recorder, Summary
+from tangram._core._stats import Outcome, Recorder, Summary
 
 
 def summary(values: list[float]) -> Summary:

@@ -15,7 +15,7 @@ import anyio
 import pytest
 
 import tangram
-from tangram._policy import Plan
+from tangram._core._policy import Plan
 from tangram.testing import (
     InvariantChecker,
     InvariantViolation,

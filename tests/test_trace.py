@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import tangram
 from tangram import Amdahl, Elastic, Linear, Rate, read_trace
-from tangram._sim_gpu import GpuService
+from tangram._sim._residency import ServiceSpec
 from tangram.errors import TangramError, TraceFormatError
 
 HEADER = {
@@ -166,11 +166,11 @@ def test_services_become_gpu_services_and_service_steps() -> None:
     del judge["min"], judge["max"], judge["seconds_at_1"], judge["efficiency"]
     trace = read_trace(lines(judge, header=header))
     services = trace.gpu_services()
-    assert services["judge"] == GpuService(
+    assert services["judge"] == ServiceSpec(
         name="judge", gpus=1, gpu_mem_gib=40, restore_seconds=1.5, max_batch=4
     )
     # Unset keys: one GPU, a whole device's memory, a free restore, one action at a time.
-    assert services["bare"] == GpuService(name="bare", gpus=1, gpu_mem_gib=48)
+    assert services["bare"] == ServiceSpec(name="bare", gpus=1, gpu_mem_gib=48)
     assert trace.workload()["t0"][0].service == "judge"
 
 

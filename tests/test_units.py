@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tangram._units import is_count_text, is_rate_text, parse_rate, parse_size
+from tangram._core._units import is_count_text, is_rate_text, parse_rate, parse_size
 from tangram.errors import InvalidCapacityError
 
 

@@ -1,0 +1,100 @@
+"""Argument checks shared by every layer: one wording for "must be a number of seconds".
+
+Each public constructor checks its arguments where the caller made them (attrs validators,
+trio's ``CapacityLimiter``): a ``TypeError`` for a wrong type, a ``ValueError`` for a bad
+range, the parameter named, the value shown. The callers pick the error classes (a demand's
+bad deadline is an :class:`~tangram.errors.InvalidDemandError`, a pool's bad timeout a plain
+``ValueError``), so the checks live here once and the types stay where they belong.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["number", "positive", "non_negative", "seconds", "whole"]
+
+_Error = type[Exception]
+
+
+def number(
+    name: str,
+    value: object,
+    *,
+    minimum: float = 0.0,
+    strict: bool = False,
+    maximum: float | None = None,
+    finite: bool = True,
+    unit: str = "",
+    type_error: _Error = TypeError,
+    value_error: _Error = ValueError,
+) -> float:
+    """``value`` as a float, or the caller's errors naming ``name``.
+
+    NaN is always refused: it compares false with every bound, so it would slip past a
+    range check and stall whatever clock or budget it reaches.
+    """
+    of = f" of {unit}" if unit else ""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise type_error(f"`{name}` must be a number{of} (got {value!r})")
+    low_ok = value > minimum if strict else value >= minimum
+    high_ok = maximum is None or value <= maximum
+    if math.isnan(value) or not low_ok or not high_ok or (finite and math.isinf(value)):
+        bound = f"{'>' if strict else '>='} {minimum:g}"
+        if maximum is not None:
+            bound += f" and <= {maximum:g}"
+        if finite:
+            bound += " and finite"
+        raise value_error(f"`{name}` must be {bound}{' ' + unit if unit else ''} (got {value!r})")
+    return float(value)
+
+
+def seconds(
+    name: str,
+    value: object,
+    *,
+    strict: bool = False,
+    finite: bool = True,
+    type_error: _Error = TypeError,
+    value_error: _Error = ValueError,
+) -> float:
+    """A duration: ``>= 0`` (``> 0`` with ``strict``), finite unless ``finite=False``."""
+    return number(
+        name,
+        value,
+        strict=strict,
+        finite=finite,
+        unit="seconds",
+        type_error=type_error,
+        value_error=value_error,
+    )
+
+
+def whole(
+    name: str,
+    value: object,
+    *,
+    minimum: int = 0,
+    type_error: _Error = TypeError,
+    value_error: _Error = ValueError,
+) -> int:
+    """A whole number ``>= minimum`` (bools refused: ``True`` is not a count)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise type_error(f"`{name}` must be a whole number (got {value!r})")
+    if value < minimum:
+        raise value_error(f"`{name}` must be a whole number >= {minimum} (got {value!r})")
+    return value
+
+
+def _attrs(check: Callable[..., Any], **options: Any) -> Callable[[object, Any, object], None]:
+    def validate(instance: object, attribute: Any, value: object) -> None:
+        check(attribute.name, value, **options)
+
+    return validate
+
+
+positive = _attrs(number, strict=True, finite=False)
+"""attrs validator: a number ``> 0`` (infinity allowed: "no limit")."""
+non_negative = _attrs(number)
+"""attrs validator: a finite number ``>= 0``."""

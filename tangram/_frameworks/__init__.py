@@ -1,0 +1,1 @@
+"""What RL frameworks' adapters build on: the config file and the schedulers it opens."""

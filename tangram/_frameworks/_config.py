@@ -1,0 +1,470 @@
+"""One file that says how a process gets its scheduler: the adapters' configuration.
+
+RL frameworks build tools, reward managers and agent executors themselves, in many worker
+processes, with no arguments tangram could add. What they can pass is a path (in a tool's
+YAML, or the ``TANGRAM_CONFIG`` environment variable every worker inherits), so the whole
+set-up (capacities, policy, sandboxes, GPU services, API quotas, and whether the scheduler
+is this process's own or one shared on Ray) is written once, in a file::
+
+    mode = "local"            # or "ray": one scheduler shared by every worker
+    [capacity]                # exactly what tangram.Runtime(capacity=...) takes
+    cpu = 8
+    search = "5/s"
+    [policy]                  # optional
+    name = "elastic"          # or "fcfs" with dop = N
+    [sandbox]                 # optional: a SandboxPool
+    backend = "local"         # or "docker"
+    warm = 4
+    [ray]                     # used when mode = "ray"
+    name = "tangram"
+    namespace = "my-job"
+    detached = false          # create = false: only look the driver's actor up
+    [adapters.verl]           # settings of one framework's adapter, read by it
+    record = "traces/"        # optional, local mode: each scheduler writes what it
+                              # served there as a tangram-trace/1 file when it stops
+
+Beyond these, ``[gpu]`` declares torch model services (``[[gpu.services]]``) and
+``[quota.NAME]`` the keys of a rate-limited API; their resources join the capacity.
+
+The file is read and checked whole when it is loaded, so a typo fails in the process that
+read it, naming the key, instead of as a scheduler that never admits anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import sys
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import anyio
+import attrs
+
+from .._core._policy import ElasticPolicy, FcfsPolicy, Policy
+from .._core._resources import parse_capacity
+from .._runtime._run import Runtime
+from .._sim._record import record_trace
+from ..errors import ConfigError, InvalidCapacityError
+
+__all__ = [
+    "ENV_VAR",
+    "Config",
+    "ConfigError",
+    "GpuConfig",
+    "GpuServiceConfig",
+    "PolicyConfig",
+    "QuotaConfig",
+    "RayConfig",
+    "SandboxConfig",
+    "load",
+    "open_scheduler",
+    "parse",
+]
+
+#: The environment variable naming the config file when no path is given.
+ENV_VAR = "TANGRAM_CONFIG"
+
+MODES = ("local", "ray")
+BACKENDS = ("local", "docker")
+
+
+def _frozen_mapping(value: Mapping[str, Any]) -> dict[str, Any]:
+    return dict(value)
+
+
+@attrs.frozen(kw_only=True)
+class PolicyConfig:
+    """``[policy]``: which policy, and the keyword arguments it is built with."""
+
+    name: str = "elastic"
+    options: dict[str, Any] = attrs.field(factory=dict, converter=_frozen_mapping)
+
+    def build(self) -> Policy:
+        """The policy object; a bad option is a :class:`ConfigError`."""
+        cls: type[ElasticPolicy] | type[FcfsPolicy]
+        cls = ElasticPolicy if self.name == "elastic" else FcfsPolicy
+        try:
+            return cls(**self.options)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"[policy] {self.name}: {exc}") from exc
+
+
+@attrs.frozen(kw_only=True)
+class SandboxConfig:
+    """``[sandbox]``: a :class:`tangram.SandboxPool` per process.
+
+    ``options`` go to the backend (``LocalBackend(**options)`` or, for Docker,
+    ``DockerConfig(image=image, **options)``).
+    """
+
+    backend: str = "local"
+    image: str | None = None
+    warm: int = 0
+    timeout: float | None = None
+    options: dict[str, Any] = attrs.field(factory=dict, converter=_frozen_mapping)
+
+
+@attrs.frozen(kw_only=True)
+class GpuServiceConfig:
+    """One ``[[gpu.services]]`` entry: a torch module built by ``factory`` (``"pkg.mod:fn"``)."""
+
+    name: str
+    factory: str
+    memory: str | int | None = None
+    options: dict[str, Any] = attrs.field(factory=dict, converter=_frozen_mapping)
+
+
+@attrs.frozen(kw_only=True)
+class GpuConfig:
+    """``[gpu]``: the devices (name to memory) and the torch services placed on them."""
+
+    devices: dict[str, str | int] = attrs.field(factory=dict, converter=_frozen_mapping)
+    services: tuple[GpuServiceConfig, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class QuotaConfig:
+    """One ``[quota.NAME]`` table: the keys of one API (see :class:`tangram.quota.ApiKey`)."""
+
+    name: str
+    keys: tuple[dict[str, Any], ...]
+    options: dict[str, Any] = attrs.field(factory=dict, converter=_frozen_mapping)
+
+
+@attrs.frozen(kw_only=True)
+class RayConfig:
+    """``[ray]``: where the shared scheduler lives when ``mode = "ray"``.
+
+    ``create = false`` only looks the actor up (the driver created it); ``detached = true``
+    lets an actor created by one worker outlive that worker (kill it when the job ends).
+    A non-detached actor shares the fate of the process that created it, so in a job of
+    many workers either the driver creates it or it is detached.
+    """
+
+    name: str = "tangram"
+    namespace: str | None = None
+    address: str | None = None
+    create: bool = True
+    detached: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class Config:
+    """A checked tangram config (see :func:`load`); built from a file or with :func:`parse`."""
+
+    mode: str = "local"
+    capacity: dict[str, Any] = attrs.field(factory=dict, converter=_frozen_mapping)
+    policy: PolicyConfig | None = None
+    sandbox: SandboxConfig | None = None
+    gpu: GpuConfig | None = None
+    quotas: tuple[QuotaConfig, ...] = ()
+    ray: RayConfig = attrs.field(factory=RayConfig)
+    adapters: dict[str, Any] = attrs.field(factory=dict, converter=_frozen_mapping)
+    record: str | None = None
+    source: str | None = None
+
+
+# -- reading -------------------------------------------------------------------------------
+
+
+def load(path: str | os.PathLike[str] | None = None) -> Config:
+    """Read and check a config file (TOML, or JSON with the same structure).
+
+    With no ``path``, the file named by ``$TANGRAM_CONFIG``.
+
+    :raises ConfigError: no path and no ``$TANGRAM_CONFIG``, a missing or unreadable file,
+        a syntax error, an unknown key, or a value of the wrong type or range.
+    """
+    if path is None:
+        named = os.environ.get(ENV_VAR)
+        if not named:
+            raise ConfigError(f"no config path given and ${ENV_VAR} is not set")
+        path = named
+    file = Path(path)
+    try:
+        text = file.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read tangram config {str(file)!r}: {exc}") from exc
+    data = _decode(file, text)
+    return parse(data, source=str(file))
+
+
+def _decode(file: Path, text: str) -> Mapping[str, Any]:
+    where = f"tangram config {str(file)!r}"
+    if file.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{where}: invalid JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where}: the top level must be an object")
+        return data
+    if file.suffix != ".toml":
+        raise ConfigError(f"{where}: the file must end in .toml or .json")
+    if sys.version_info >= (3, 11):
+        import tomllib
+
+        try:
+            return tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{where}: invalid TOML: {exc}") from exc
+    raise ConfigError(  # pragma: no cover - Python 3.10 only
+        f"{where}: reading TOML needs Python 3.11 or later; write the same structure as JSON"
+    )
+
+
+_TOP = {"mode", "capacity", "policy", "sandbox", "gpu", "quota", "ray", "adapters", "record"}
+
+
+def parse(data: Mapping[str, Any], *, source: str | None = None) -> Config:
+    """Check an already decoded config (a dict shaped like the file).
+
+    :raises ConfigError: an unknown key, or a value of the wrong type or range.
+    """
+    where = f"tangram config {source!r}" if source else "tangram config"
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where}: must be a table (got {type(data).__name__})")
+    unknown = sorted(set(data) - _TOP)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; known: {sorted(_TOP)}")
+    mode = data.get("mode", "local")
+    if mode not in MODES:
+        raise ConfigError(f"{where}: `mode` must be one of {list(MODES)} (got {mode!r})")
+    capacity = _table(data, "capacity", where)
+    try:
+        if capacity:  # pools may bring every resource; their own are added at start
+            parse_capacity(capacity)
+    except (InvalidCapacityError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: [capacity]: {exc}") from exc
+    policy = _policy(data, where)
+    sandbox = _sandbox(data, where)
+    gpu = _gpu(data, where)
+    quotas = _quotas(data, where)
+    ray_table = _table(data, "ray", where)
+    here = f"{where}: [ray]"
+    _keys(ray_table, {"name", "namespace", "address", "create", "detached"}, here)
+    for flag in ("create", "detached"):
+        if not isinstance(ray_table.get(flag, False), bool):
+            raise ConfigError(f"{here} `{flag}` must be true or false")
+    ray = RayConfig(
+        name=_str(ray_table, "name", "tangram", here),
+        namespace=_opt_str(ray_table, "namespace", here),
+        address=_opt_str(ray_table, "address", here),
+        create=ray_table.get("create", True),
+        detached=ray_table.get("detached", False),
+    )
+    record = data.get("record")
+    if record is not None:
+        if not isinstance(record, str) or not record:
+            raise ConfigError(f"{where}: `record` must be a directory path (got {record!r})")
+        if mode != "local":
+            # The shared actor's runtime serves every worker; a per-process recorder
+            # would see none of it.
+            raise ConfigError(f"{where}: `record` needs mode = 'local'")
+    if mode == "local" and not capacity and sandbox is None and gpu is None and not quotas:
+        raise ConfigError(
+            f"{where}: nothing to schedule: give [capacity] (or [sandbox], [gpu], [quota.NAME])"
+        )
+    return Config(
+        mode=mode,
+        capacity=capacity,
+        policy=policy,
+        sandbox=sandbox,
+        gpu=gpu,
+        quotas=quotas,
+        ray=ray,
+        adapters=_table(data, "adapters", where),
+        record=record,
+        source=source,
+    )
+
+
+def _table(data: Mapping[str, Any], key: str, where: str) -> dict[str, Any]:
+    value = data.get(key, {})
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where}: [{key}] must be a table (got {value!r})")
+    return dict(value)
+
+
+def _keys(table: Mapping[str, Any], allowed: set[str], where: str) -> None:
+    unknown = sorted(set(table) - allowed)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; known: {sorted(allowed)}")
+
+
+def _str(table: Mapping[str, Any], key: str, default: str, where: str) -> str:
+    value = table.get(key, default)
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{where}: `{key}` must be a non-empty string (got {value!r})")
+    return value
+
+
+def _opt_str(table: Mapping[str, Any], key: str, where: str) -> str | None:
+    value = table.get(key)
+    if value is None:
+        return None
+    return _str(table, key, "", where)
+
+
+def _count(table: Mapping[str, Any], key: str, default: int, where: str) -> int:
+    value = table.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{where}: `{key}` must be a whole number >= 0 (got {value!r})")
+    return value
+
+
+def _policy(data: Mapping[str, Any], where: str) -> PolicyConfig | None:
+    if "policy" not in data:
+        return None
+    table = _table(data, "policy", where)
+    name = table.pop("name", "elastic")
+    if name not in ("elastic", "fcfs"):
+        raise ConfigError(f"{where}: [policy] `name` must be 'elastic' or 'fcfs' (got {name!r})")
+    config = PolicyConfig(name=name, options=table)
+    config.build()  # every option checked now, not in a worker later
+    return config
+
+
+def _sandbox(data: Mapping[str, Any], where: str) -> SandboxConfig | None:
+    if "sandbox" not in data:
+        return None
+    table = _table(data, "sandbox", where)
+    here = f"{where}: [sandbox]"
+    backend = table.pop("backend", "local")
+    if backend not in BACKENDS:
+        raise ConfigError(f"{here} `backend` must be one of {list(BACKENDS)} (got {backend!r})")
+    warm = _count(table, "warm", 0, here)
+    table.pop("warm", None)
+    image = _opt_str(table, "image", here)
+    table.pop("image", None)
+    if image is not None and backend != "docker":
+        raise ConfigError(f"{here} `image` is for the docker backend (backend is {backend!r})")
+    timeout = table.pop("timeout", None)
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0
+    ):
+        raise ConfigError(f"{here} `timeout` must be a number of seconds > 0 (got {timeout!r})")
+    return SandboxConfig(
+        backend=backend,
+        image=image,
+        warm=warm,
+        timeout=None if timeout is None else float(timeout),
+        options=table,
+    )
+
+
+def _gpu(data: Mapping[str, Any], where: str) -> GpuConfig | None:
+    if "gpu" not in data:
+        return None
+    table = _table(data, "gpu", where)
+    here = f"{where}: [gpu]"
+    _keys(table, {"devices", "services"}, here)
+    devices = table.get("devices", {})
+    if not isinstance(devices, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, (str, int)) and not isinstance(v, bool)
+        for k, v in devices.items()
+    ):
+        raise ConfigError(f"{here} `devices` must map device names to memory (got {devices!r})")
+    raw = table.get("services", [])
+    if not isinstance(raw, list) or not raw:
+        raise ConfigError(f"{here} needs at least one [[gpu.services]] entry")
+    services = []
+    for i, entry in enumerate(raw):
+        at = f"{here} services[{i}]"
+        if not isinstance(entry, Mapping):
+            raise ConfigError(f"{at} must be a table (got {entry!r})")
+        entry = dict(entry)
+        name = _str(entry, "name", "", at)
+        factory = _str(entry, "factory", "", at)
+        if ":" not in factory:
+            raise ConfigError(f"{at} `factory` must be 'module:function' (got {factory!r})")
+        memory = entry.pop("memory", None)
+        if memory is not None and (isinstance(memory, bool) or not isinstance(memory, (str, int))):
+            raise ConfigError(f"{at} `memory` must be bytes or a size like '2GiB' (got {memory!r})")
+        del entry["name"], entry["factory"]
+        services.append(GpuServiceConfig(name=name, factory=factory, memory=memory, options=entry))
+    if len({s.name for s in services}) != len(services):
+        raise ConfigError(f"{here} two services share a name")
+    return GpuConfig(devices=dict(devices), services=tuple(services))
+
+
+def _quotas(data: Mapping[str, Any], where: str) -> tuple[QuotaConfig, ...]:
+    table = _table(data, "quota", where)
+    quotas = []
+    for name, body in table.items():
+        at = f"{where}: [quota.{name}]"
+        if not isinstance(body, Mapping):
+            raise ConfigError(f"{at} must be a table (got {body!r})")
+        body = dict(body)
+        keys = body.pop("keys", None)
+        if not isinstance(keys, list) or not keys or not all(isinstance(k, Mapping) for k in keys):
+            raise ConfigError(f"{at} `keys` must be a non-empty list of tables")
+        quotas.append(QuotaConfig(name=name, keys=tuple(dict(k) for k in keys), options=body))
+    return tuple(quotas)
+
+
+# -- the scheduler -------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def open_scheduler(
+    config: Config, *, capacity: Mapping[str, object] | None = None
+) -> AsyncIterator[Any]:
+    """The scheduler the config asks for, current while the block runs.
+
+    ``mode = "local"``: a :class:`tangram.Runtime` of this process. ``mode = "ray"``: a
+    proxy to the named scheduler actor (:func:`tangram.ray.connect`, imported only then, so
+    a local config never imports Ray). ``capacity`` adds resources known only at run time
+    (a sandbox pool's cores, GPU memory, quota keys); the file's values win where both
+    name a resource. With ``record``, the runtime is recorded
+    (:func:`tangram.record_trace`) into a file of its own in that directory, written when
+    the block ends, so a rollout run through the adapters can be replayed under
+    ``tangram simulate`` without a code change.
+
+    :raises ConfigError: the capacity is invalid once merged.
+    """
+    merged = {**(capacity or {}), **config.capacity}
+    if config.mode == "ray":
+        from .._ray import _scheduler as tangram_ray
+
+        ray = config.ray
+        async with tangram_ray.connect(
+            name=ray.name,
+            namespace=ray.namespace,
+            address=ray.address,
+            # Only a creator states a capacity: a worker looking the actor up would have
+            # its own pools' sizes refused as a mismatch.
+            capacity=merged if ray.create and merged else None,
+            create=ray.create,
+            detached=ray.detached,
+            policy=config.policy.build() if config.policy is not None else None,
+        ) as remote:
+            yield remote
+        return
+    try:
+        runtime = Runtime(
+            merged, policy=config.policy.build() if config.policy is not None else None
+        )
+    except (InvalidCapacityError, TypeError) as exc:
+        raise ConfigError(f"{config.source or 'tangram config'}: [capacity]: {exc}") from exc
+    async with runtime:
+        if config.record is None:
+            yield runtime
+            return
+        path = await anyio.to_thread.run_sync(_trace_path, config.record)
+        async with record_trace(runtime, path, name=path.stem):
+            yield runtime
+
+
+_traces = itertools.count(1)
+
+
+def _trace_path(directory: str) -> Path:
+    """A file of its own for each scheduler: several processes and loops share the directory."""
+    folder = Path(directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / f"tangram-{os.getpid()}-{next(_traces)}.jsonl"

@@ -1,0 +1,580 @@
+"""Per-host agents: a Ray actor pinned to a node that owns that node's sandboxes and GPUs.
+
+An action's cores must come from the machine its sandbox lives on, so each host is its
+own capacity kind, ``cpu@<agent>``, registered with the shared scheduler when its agent
+starts. The agent is an ordinary client of the scheduler: its :class:`tangram.SandboxPool`
+acquires through a proxy, so the central policy decides how many cores each action gets
+while the agent turns the count into core ids and runs the command locally.
+
+The scheduler places a trajectory on the least loaded host when its sandbox opens and
+keeps it there: every action of the trajectory runs next to its files. Commands reach the
+agent as one Ray call each; files and output travel by value.
+
+GPUs follow the same split. An agent given model services runs a
+:class:`tangram.gpu.GpuPool` over its node's devices and registers them as
+``gpu@<agent>``, counted in devices. Device memory stays a node-local ledger (the pool's
+own ``gpu_mem:<device>`` kinds, in a runtime inside the agent), because device names
+repeat on every node and eviction is a decision about one node's memory. Each replica's
+grant is mirrored into the shared scheduler as the share of devices its memory takes, so
+the central policy sees and orders GPU work like any other, and a dead agent's share is
+reclaimed like any lease. Torch is imported only by an agent that loads a torch service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, cast
+
+import anyio
+import attrs
+import ray
+import ray.exceptions
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from .._core._demand import Elastic
+from .._runtime._run import Runtime
+from .._sandbox._pool import (
+    Host,
+    RunResult,
+    Sandbox,
+    SandboxBackend,
+    SandboxHandle,
+    SandboxPool,
+    default_backend,
+)
+from ..errors import GpuError, GpuPoolClosedError, GpuServiceError, SandboxBrokenError
+from ._scheduler import RemoteRuntime, SchedulerUnavailableError, attach
+
+if TYPE_CHECKING:
+    from .._gpu._pool import Device, GpuPool, ModelService
+    from .._runtime._lease import Lease
+
+__all__ = [
+    "HostAgent",
+    "RemoteSandbox",
+    "RemoteService",
+    "open_sandbox",
+    "open_service",
+    "start_agent",
+]
+
+BackendSpec = SandboxBackend | Callable[[], SandboxBackend] | None
+# A replica's share of a device, in the shared scheduler, is rounded down to a multiple
+# of this: binary fractions add up exactly, so the shares on a full device sum to at most
+# one device and never trip the shared capacity over the memory the node's ledger allows.
+_SHARE_STEP = 2.0**-20
+
+
+class _HostBackend(SandboxBackend):
+    """The agent's backend with its host's cores counted as ``cpu@<agent>``."""
+
+    def __init__(self, inner: SandboxBackend, agent: str) -> None:
+        self._inner = inner
+        self._agent = agent
+        self._hosts: dict[str, Host] = {}
+        self.python = inner.python
+
+    async def start(self) -> Sequence[Host]:
+        hosts = list(await self._inner.start())
+        if len(hosts) != 1:
+            raise ValueError(
+                f"a host agent's backend must place sandboxes on exactly one host "
+                f"(got {len(hosts)}): start one agent per host"
+            )
+        self._hosts = {host.name: host for host in hosts}
+        return [attrs.evolve(hosts[0], resource=f"cpu@{self._agent}")]
+
+    async def create(self, host: Host) -> SandboxHandle:
+        return await self._inner.create(self._hosts[host.name])
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+class _NodeGpuLedger:
+    """What the agent's GpuPool takes for a runtime: node memory, mirrored centrally.
+
+    A replica's grant is taken first from the node's own runtime (``gpu_mem:<device>``
+    bytes, which decide eviction and fit) and then, for as long as it is held, as its
+    share of devices of ``gpu@<agent>`` from the shared scheduler. Node memory comes
+    first: the shared kind is this agent's alone, so its grant never waits on memory, and
+    the central books show only replicas that really hold a device.
+    """
+
+    def __init__(
+        self, node: Runtime, shared: RemoteRuntime, resource: str, sizes: Mapping[str, int]
+    ) -> None:
+        self._node = node
+        self._shared = shared
+        self._resource = resource
+        self._sizes = dict(sizes)
+
+    def share(self, demand: Mapping[str, object]) -> float:
+        """Devices a demand of ``{gpu_mem:<device>: bytes}`` takes, rounded down."""
+        total = 0.0
+        for kind, amount in demand.items():
+            fraction = float(cast(float, amount)) / self._sizes[kind]
+            total += math.floor(fraction / _SHARE_STEP) * _SHARE_STEP
+        return max(total, _SHARE_STEP)
+
+    def acquire(
+        self, demand: Mapping[str, object], *, kind: str, estimate: float | None = None
+    ) -> contextlib.AbstractAsyncContextManager[Lease]:
+        return self._acquire(dict(demand), kind, estimate)
+
+    @contextlib.asynccontextmanager
+    async def _acquire(
+        self, demand: dict[str, object], kind: str, estimate: float | None
+    ) -> AsyncIterator[Lease]:
+        share = {self._resource: self.share(demand)}
+        async with (
+            self._node.acquire(demand, kind=kind, estimate=estimate) as lease,
+            self._shared.acquire(share, kind=kind, estimate=estimate),
+        ):
+            yield lease
+
+
+class HostAgentActor:
+    """The body of a host agent's Ray actor; its methods are the wire protocol."""
+
+    def __init__(
+        self,
+        name: str,
+        scheduler: Any,
+        backend: BackendSpec,
+        warm: int,
+        services: Sequence[Any] = (),
+        devices: Sequence[Device] | None = None,
+    ) -> None:
+        self._name = name
+        self._scheduler = scheduler
+        self._backend = backend
+        self._warm = warm
+        self._services = list(services)
+        self._devices = None if devices is None else list(devices)
+        self._gpu: GpuPool | None = None
+        self._resident: frozenset[str] = frozenset()
+        self._resident_seq = 0
+        self._pool: SandboxPool | None = None
+        self._sandboxes: dict[str, tuple[contextlib.AsyncExitStack, Sandbox]] = {}
+        self._started: asyncio.Future[dict[str, Any]] | None = None
+        self._stop: asyncio.Event | None = None
+        self._main: asyncio.Task[None] | None = None
+
+    async def start(self) -> dict[str, Any]:
+        if self._started is None:
+            loop = asyncio.get_running_loop()
+            self._started = loop.create_future()
+            self._stop = asyncio.Event()
+            self._main = loop.create_task(self._serve())
+        return await asyncio.shield(self._started)
+
+    async def _serve(self) -> None:
+        assert self._started is not None and self._stop is not None
+        try:
+            spec = self._backend
+            if spec is None:
+                inner = await default_backend()
+            elif isinstance(spec, SandboxBackend):
+                inner = spec
+            else:
+                inner = spec()
+            backend = _HostBackend(inner, self._name)
+            async with attach(self._scheduler) as remote, contextlib.AsyncExitStack() as stack:
+                pool = SandboxPool(backend, runtime=cast(Runtime, remote), warm=self._warm)
+                await stack.enter_async_context(pool)
+                self._pool = pool
+                gpu: dict[str, Any] | None = None
+                if self._services:
+                    gpu = await self._open_gpu(remote, stack)
+                host = pool.hosts[0]
+                me = ray.get_runtime_context().current_actor
+                await self._scheduler.add_host.remote(
+                    self._name, host.resource, len(host.cores), me, remote._id, gpu
+                )
+                await remote._refresh()
+                self._started.set_result(
+                    {
+                        "name": self._name,
+                        "resource": host.resource,
+                        "units": len(host.cores),
+                        "cores": host.cores,
+                        "node_id": ray.get_runtime_context().get_node_id(),
+                        "pid": os.getpid(),
+                        "backend": repr(inner),
+                        "gpu": gpu,
+                    }
+                )
+                try:
+                    await self._stop.wait()
+                finally:
+                    for sandbox_stack, _ in list(self._sandboxes.values()):
+                        await sandbox_stack.aclose()
+                    self._sandboxes.clear()
+        except BaseException as exc:
+            if not self._started.done():
+                self._started.set_exception(exc)
+            raise
+
+    async def _open_gpu(
+        self, remote: RemoteRuntime, stack: contextlib.AsyncExitStack
+    ) -> dict[str, Any]:
+        """Build the services here, on the node, and serve them from a GpuPool."""
+        from .._gpu._pool import GpuPool, ModelService, discover_devices
+
+        services: list[ModelService] = []
+        for spec in self._services:
+            service = spec if isinstance(spec, ModelService) else spec()
+            if not isinstance(service, ModelService):
+                raise TypeError(
+                    f"a service factory must return a tangram.gpu.ModelService (got {service!r})"
+                )
+            services.append(service)
+        devices = self._devices
+        if devices is None:
+            devices = await anyio.to_thread.run_sync(discover_devices)
+            if not devices:
+                raise GpuError(
+                    f"no CUDA device is visible on the node of host agent {self._name!r}; "
+                    "pass devices=[tangram.gpu.Device('cpu:0', memory=...)] to serve on "
+                    "the host"
+                )
+        resource = f"gpu@{self._name}"
+        node = await stack.enter_async_context(
+            Runtime(capacity={d.kind: d.memory for d in devices})
+        )
+        ledger = _NodeGpuLedger(node, remote, resource, {d.kind: d.memory for d in devices})
+        pool = GpuPool(services, devices=devices, runtime=cast(Runtime, ledger))
+        self._gpu = await stack.enter_async_context(pool)
+        return {
+            "resource": resource,
+            "units": len(devices),
+            "devices": [d.name for d in devices],
+            "services": [s.name for s in services],
+            "resident": sorted(self._residency()[1]),
+        }
+
+    def _residency(self) -> tuple[int, list[str]]:
+        """The services resident here, numbered so the scheduler keeps the newest report."""
+        assert self._gpu is not None
+        resident = frozenset(name for name, where in self._gpu.residency().items() if where)
+        if resident != self._resident:
+            self._resident = resident
+            self._resident_seq += 1
+        return self._resident_seq, sorted(resident)
+
+    async def call_service(self, name: str, batch: Any) -> tuple[Any, int, list[str]]:
+        """One action on service ``name`` of this node's pool, and the residency after it."""
+        await self.start()
+        if self._gpu is None:
+            raise LookupError(f"host agent {self._name!r} serves no GPU model services")
+        async with self._gpu.use(name) as svc:
+            result = await svc(batch)
+        return (result, *self._residency())
+
+    async def service_stats(self) -> dict[str, dict[str, float | int | None]]:
+        await self.start()
+        return {} if self._gpu is None else self._gpu.service_stats()
+
+    async def stop(self) -> None:
+        await self.start()
+        assert self._stop is not None and self._main is not None
+        self._stop.set()
+        with contextlib.suppress(Exception):
+            await self._main
+
+    async def open(self, trajectory: str) -> None:
+        await self.start()
+        if trajectory in self._sandboxes:
+            raise ValueError(f"trajectory {trajectory!r} already has a sandbox on this host")
+        assert self._pool is not None
+        stack = contextlib.AsyncExitStack()
+        sandbox = await stack.enter_async_context(self._pool.sandbox(trajectory))
+        self._sandboxes[trajectory] = (stack, sandbox)
+
+    async def close(self, trajectory: str) -> None:
+        entry = self._sandboxes.pop(trajectory, None)
+        if entry is not None:
+            await entry[0].aclose()
+
+    def _sandbox(self, trajectory: str) -> Sandbox:
+        entry = self._sandboxes.get(trajectory)
+        if entry is None:
+            from ..errors import SandboxClosedError
+
+            raise SandboxClosedError(f"trajectory {trajectory!r} has no open sandbox here")
+        return entry[1]
+
+    async def run(self, trajectory: str, kwargs: dict[str, Any]) -> RunResult:
+        return await self._sandbox(trajectory).run(**kwargs)
+
+    async def put(self, trajectory: str, path: str, data: bytes | str) -> None:
+        await self._sandbox(trajectory).put(path, data)
+
+    async def get(self, trajectory: str, path: str) -> bytes:
+        return await self._sandbox(trajectory).get(path)
+
+
+@attrs.frozen
+class HostAgent:
+    """A started host agent: where it runs and what it registered.
+
+    ``resource``/``units`` are its cores (``cpu@<name>``); ``gpu_resource``/``gpus`` its
+    devices (``gpu@<name>``; ``None``/0 without services) and ``services`` the model
+    services it serves. ``await agent.aclose()`` stops it: its sandboxes are destroyed,
+    its services evicted and closed, and its capacity leaves the scheduler.
+    """
+
+    name: str
+    resource: str
+    units: int
+    node_id: str
+    pid: int
+    gpu_resource: str | None
+    gpus: int
+    services: tuple[str, ...]
+    actor: Any = attrs.field(repr=False)
+
+    async def service_stats(self) -> dict[str, dict[str, float | int | None]]:
+        """Its GPU pool's :meth:`tangram.gpu.GpuPool.service_stats` (restores, runs, ...)."""
+        stats: dict[str, dict[str, float | int | None]] = await self.actor.service_stats.remote()
+        return stats
+
+    async def aclose(self) -> None:
+        with contextlib.suppress(ray.exceptions.RayError):
+            await self.actor.stop.remote()
+        ray.kill(self.actor)
+
+
+async def start_agent(
+    remote: RemoteRuntime,
+    *,
+    name: str,
+    node_id: str | None = None,
+    backend: BackendSpec = None,
+    warm: int = 0,
+    services: Sequence[ModelService | Callable[[], ModelService]] = (),
+    devices: Sequence[Device] | None = None,
+) -> HostAgent:
+    """Start a host agent on ``node_id`` (default: this node) and register its capacity.
+
+    With ``services`` the agent also serves GPU model services from a
+    :class:`tangram.gpu.GpuPool` over the node's devices, and registers them as
+    ``gpu@<name>``; workers reach them with ``remote.service(name)``. Each service is
+    built and cold-loaded on the agent's node before this returns.
+
+    :param remote: a proxy on the scheduler the agent serves.
+    :param name: the host's name; its cores become the capacity kind ``cpu@<name>``.
+    :param backend: a :class:`tangram.SandboxBackend`, or a callable building one on the
+        agent's node (better for anything that probes the machine), or ``None`` for
+        Docker when usable there, else the embedded local backend.
+    :param warm: parked sandboxes the agent keeps ready.
+    :param services: the model services, each a :class:`tangram.gpu.ModelService` not
+        loaded yet (a ``TorchService`` carries only its factory until it loads) or a
+        picklable callable that builds one on the node. They travel to the agent's
+        process by pickle: never a live module.
+    :param devices: the node's devices as :class:`tangram.gpu.Device`; default: every
+        CUDA device visible on the agent's node. ``Device("cpu:0", memory=...)`` serves
+        on the host (CPU-only nodes, tests).
+    :raises ValueError: a name in use, a backend that spans several hosts, or devices
+        without services.
+    :raises TypeError: services or devices of the wrong type.
+    :raises tangram.errors.GpuError: no device on the node, or a service that failed to
+        load or fits no device (from the agent).
+    """
+    if not isinstance(name, str) or not name or "@" in name:
+        raise ValueError(f"`name` must be a non-empty string without '@' (got {name!r})")
+    services, devices = _check_gpu_arguments(services, devices)
+    hosts = await remote.actor.hosts.remote()
+    if name in hosts:
+        raise ValueError(f"a host agent named {name!r} is already registered")
+    node = node_id if node_id is not None else ray.get_runtime_context().get_node_id()
+    actor_class: Any = ray.remote(HostAgentActor)
+    actor = actor_class.options(
+        num_cpus=0,
+        max_concurrency=1_000,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
+    ).remote(name, remote.actor, backend, warm, services, devices)
+    try:
+        info = await actor.start.remote()
+    except ray.exceptions.RayTaskError as exc:
+        ray.kill(actor)
+        raise exc.cause from exc
+    await remote._refresh()
+    gpu = info["gpu"]
+    return HostAgent(
+        name=info["name"],
+        resource=info["resource"],
+        units=info["units"],
+        node_id=info["node_id"],
+        pid=info["pid"],
+        gpu_resource=None if gpu is None else gpu["resource"],
+        gpus=0 if gpu is None else gpu["units"],
+        services=() if gpu is None else tuple(gpu["services"]),
+        actor=actor,
+    )
+
+
+def _check_gpu_arguments(
+    services: object, devices: object
+) -> tuple[list[Any], list[Device] | None]:
+    """Refuse bad GPU arguments in the caller, before a process starts on another node."""
+    if not services and devices is None:
+        return [], None
+    # Only the classes: tangram._gpu._pool imports neither torch nor NVML.
+    from .._gpu._pool import Device, ModelService
+
+    if isinstance(services, (str, bytes)) or not isinstance(services, Sequence):
+        raise TypeError(f"`services` must be a list of model services (got {services!r})")
+    checked: list[Any] = []
+    for spec in services:
+        if not isinstance(spec, ModelService) and not callable(spec):
+            raise TypeError(
+                "each service must be a tangram.gpu.ModelService or a callable building one "
+                f"on the agent's node (got {spec!r})"
+            )
+        checked.append(spec)
+    if devices is None:
+        return checked, None
+    if not checked:
+        raise ValueError("`devices` without `services`: an agent's devices serve its services")
+    if isinstance(devices, (str, bytes)) or not isinstance(devices, Sequence):
+        raise TypeError(f"`devices` must be a list of tangram.gpu.Device (got {devices!r})")
+    listed = list(devices)
+    if not listed or not all(isinstance(d, Device) for d in listed):
+        raise TypeError(
+            f"`devices` must be a non-empty list of tangram.gpu.Device (got {devices!r})"
+        )
+    return checked, listed
+
+
+class RemoteSandbox:
+    """A trajectory's sandbox on a host agent: ``run``, ``put`` and ``get`` as on a Sandbox."""
+
+    def __init__(self, agent: Any, trajectory_id: str, host: str) -> None:
+        self._agent = agent
+        self.trajectory_id = trajectory_id
+        self.host = host
+
+    def __repr__(self) -> str:
+        return f"<tangram.ray.RemoteSandbox trajectory={self.trajectory_id!r} host={self.host!r}>"
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return await getattr(self._agent, method).remote(self.trajectory_id, *args)
+        except ray.exceptions.RayTaskError as exc:
+            raise exc.cause from exc
+        except ray.exceptions.RayError as exc:
+            raise SandboxBrokenError(f"the host agent {self.host!r} is gone: {exc}") from exc
+
+    async def run(
+        self,
+        command: str | Sequence[str] | None = None,
+        *,
+        code: str | None = None,
+        cpu: int | float | Elastic = 1,
+        timeout: float | None = None,  # noqa: ASYNC109 - the command's limit (see Sandbox.run)
+        stdin: bytes | str | None = None,
+        env: Mapping[str, str] | None = None,
+        kind: str | None = None,
+    ) -> RunResult:
+        """Run one action on the agent (see :meth:`tangram.Sandbox.run`)."""
+        kwargs = {
+            "command": command,
+            "code": code,
+            "cpu": cpu,
+            "timeout": timeout,
+            "stdin": stdin,
+            "env": env,
+            "kind": kind,
+        }
+        result: RunResult = await self._call("run", kwargs)
+        return result
+
+    async def put(self, path: str, data: bytes | str) -> None:
+        await self._call("put", path, data)
+
+    async def get(self, path: str) -> bytes:
+        data: bytes = await self._call("get", path)
+        return data
+
+
+@contextlib.asynccontextmanager
+async def open_sandbox(remote: RemoteRuntime, trajectory_id: str) -> AsyncIterator[RemoteSandbox]:
+    try:
+        host, agent = await remote.actor.place.remote(trajectory_id)
+    except ray.exceptions.RayTaskError as exc:
+        raise exc.cause from exc
+    except ray.exceptions.RayError as exc:
+        raise SchedulerUnavailableError(f"the scheduler actor is unreachable: {exc}") from exc
+    sandbox = RemoteSandbox(agent, trajectory_id, host)
+    try:
+        await sandbox._call("open")
+        yield sandbox
+    finally:
+        with anyio.CancelScope(shield=True), contextlib.suppress(ray.exceptions.RayError):
+            await agent.close.remote(trajectory_id)
+            await remote.actor.unplace.remote(trajectory_id)
+
+
+class RemoteService:
+    """A GPU model service lent to one block on a host agent: ``await svc(batch)``.
+
+    The cluster form of :class:`tangram.gpu.ServiceHandle`. The block stays on one host;
+    each call is one Ray call to its agent, which runs it as one action of its GpuPool
+    (joining a live replica, or restoring one, evicting idle services for room).
+    Batches and results travel by value.
+    """
+
+    def __init__(self, agent: Any, name: str, host: str) -> None:
+        self._agent = agent
+        self.name = name
+        self.host = host
+        self._open = True
+        self._seq = 0
+        self._resident: list[str] = []
+
+    def __repr__(self) -> str:
+        return f"<tangram.ray.RemoteService {self.name!r} host={self.host!r}>"
+
+    async def __call__(self, batch: Any) -> Any:
+        """Run ``batch`` on the service (see :class:`tangram.gpu.ServiceHandle`).
+
+        :raises GpuServiceError: the service failed, or its host agent is gone (the
+            Ray error in ``__cause__``).
+        :raises GpuPoolClosedError: the handle is used after its block ended.
+        """
+        if not self._open:
+            raise GpuPoolClosedError("the block ended: use the handle inside its `async with`")
+        try:
+            result, seq, resident = await self._agent.call_service.remote(self.name, batch)
+        except ray.exceptions.RayTaskError as exc:
+            raise exc.cause from exc
+        except ray.exceptions.RayError as exc:
+            raise GpuServiceError(
+                f"the host agent {self.host!r} serving {self.name!r} is gone: {exc}"
+            ) from exc
+        if seq > self._seq:
+            self._seq, self._resident = seq, resident
+        return result
+
+
+@contextlib.asynccontextmanager
+async def open_service(remote: RemoteRuntime, name: str) -> AsyncIterator[RemoteService]:
+    try:
+        ticket, host, agent = await remote.actor.place_service.remote(remote._id, name)
+    except ray.exceptions.RayTaskError as exc:
+        raise exc.cause from exc
+    except ray.exceptions.RayError as exc:
+        raise SchedulerUnavailableError(f"the scheduler actor is unreachable: {exc}") from exc
+    service = RemoteService(agent, name, host)
+    try:
+        yield service
+    finally:
+        service._open = False
+        with anyio.CancelScope(shield=True), contextlib.suppress(ray.exceptions.RayError):
+            await remote.actor.unplace_service.remote(ticket, service._seq, service._resident)

@@ -1,0 +1,1 @@
+"""The live runtime: the scheduler task, leases and their lifecycle, instruments."""

@@ -1,0 +1,1 @@
+"""CPU sandboxes: the pool, core sets, and the backends that run commands."""

@@ -1,0 +1,1 @@
+"""Simulation on a virtual clock: traces, the simulator, GPU residency, baselines, recording."""

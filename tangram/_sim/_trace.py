@@ -1,0 +1,297 @@
+"""Reading workload traces in the tangram-trace/1 format (see docs/traces.md).
+
+A trace says what a rollout asks for, never how it was scheduled, so any policy can
+replay it: :meth:`Trace.workload` turns it into the :class:`~tangram.Step` lists that
+:func:`tangram.simulate` drives through the same ledger and policy as the live runtime.
+
+Every malformed line is rejected with its line number and the reason
+(:class:`~tangram.errors.TraceFormatError`), at read time, never halfway through a
+simulation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from .._core._demand import Elastic
+from .._core._efficiency import Efficiency, Linear, efficiency_from_dict
+from .._core._resources import Rate
+from ..errors import InvalidDemandError, TraceFormatError
+from ._residency import ServiceSpec
+from ._simulate import Step
+
+__all__ = ["FORMAT", "Trace", "TraceAction", "read_trace"]
+
+FORMAT = "tangram-trace/1"
+# Kinds held while an action runs; every other capacity kind is an API budget in requests
+# (or tokens) per second, and ``<kind>_concurrency`` its slots.
+_HELD = frozenset({"cpu", "gpu", "mem"})
+
+
+def _is_held(kind: str) -> bool:
+    return kind in _HELD or kind.endswith("_concurrency")
+
+
+@attrs.frozen
+class TraceAction:
+    """One action line: what it needs, for how long, and when it is issued."""
+
+    trajectory: str
+    index: int
+    gap: float
+    kind: str
+    resource: str
+    min: float
+    max: float
+    seconds_at_1: float
+    efficiency: Efficiency
+    service: str | None = None
+    mem_gib: float = 0.0
+    line: int = 0
+
+
+@attrs.frozen
+class Trace:
+    """A whole trace: its header and its actions grouped by trajectory, in index order."""
+
+    name: str
+    capacity: Mapping[str, float]
+    services: Mapping[str, Mapping[str, Any]]
+    gpu_mem_gib_per_device: float
+    trajectories: Mapping[str, tuple[TraceAction, ...]]
+
+    @property
+    def actions(self) -> int:
+        return sum(len(actions) for actions in self.trajectories.values())
+
+    def is_rate(self, kind: str) -> bool:
+        return not _is_held(kind)
+
+    def runtime_capacity(self, overrides: Mapping[str, float] | None = None) -> dict[str, object]:
+        """The capacity for :class:`tangram.Runtime` or :func:`tangram.simulate`.
+
+        API kinds become :class:`tangram.Rate` budgets with one second's worth of burst;
+        memory stays a count of GiB, like ``mem_gib`` on the action lines.
+        """
+        merged = {**self.capacity, **(overrides or {})}
+        return {
+            kind: Rate(value, burst=max(1.0, value)) if self.is_rate(kind) else value
+            for kind, value in merged.items()
+        }
+
+    def gpu_services(self) -> dict[str, ServiceSpec]:
+        """The header's services for ``simulate(services=...)``: residency and restores.
+
+        A service without ``gpus`` takes one GPU; without ``gpu_mem_gib`` it fills one
+        device's memory; without ``restore_seconds`` it restores for free.
+        """
+        return {
+            name: ServiceSpec(
+                name=name,
+                gpus=int(spec.get("gpus", 1)),
+                gpu_mem_gib=float(spec.get("gpu_mem_gib", self.gpu_mem_gib_per_device)),
+                restore_seconds=float(spec.get("restore_seconds", 0.0)),
+                max_batch=int(spec.get("max_batch", 1)),
+            )
+            for name, spec in sorted(self.services.items())
+        }
+
+    def workload(self) -> dict[str, list[Step]]:
+        """Each trajectory's actions as :class:`tangram.Step`, ready for ``simulate``.
+
+        Elastic actions are resizable, as cgroup-backed sandboxes are. GPU actions hold
+        their GPUs for their ``seconds``, plus a restore when their service is not
+        resident if ``simulate`` is given :meth:`gpu_services`.
+        """
+        steps: dict[str, list[Step]] = {}
+        for name, actions in self.trajectories.items():
+            steps[name] = [self._step(action) for action in actions]
+        return steps
+
+    def _step(self, action: TraceAction) -> Step:
+        demand: dict[str, object] = {}
+        if self.is_rate(action.resource):
+            demand[action.resource] = action.max
+            slots = f"{action.resource}_concurrency"
+            if slots in self.capacity:
+                demand[slots] = 1
+        elif action.max > action.min:
+            demand[action.resource] = Elastic(
+                int(action.min), int(action.max), efficiency=action.efficiency, resizable=True
+            )
+        else:
+            demand[action.resource] = action.max
+        if action.mem_gib and "mem" in self.capacity:
+            demand["mem"] = action.mem_gib
+        return Step(
+            demand=demand,
+            seconds_at_1=action.seconds_at_1,
+            efficiency=action.efficiency,
+            gap=action.gap,
+            kind=action.kind,
+            service=action.service,
+        )
+
+
+def read_trace(source: str | Path | Iterable[str]) -> Trace:
+    """Read a trace from a path or from lines of text.
+
+    :raises TraceFormatError: the first malformed line, with its number and the reason.
+    """
+    if isinstance(source, (str, Path)):
+        with open(source, encoding="utf-8") as handle:
+            return _parse(enumerate(handle, start=1))
+    return _parse(enumerate(source, start=1))
+
+
+def _parse(lines: Iterable[tuple[int, str]]) -> Trace:
+    header: Mapping[str, Any] | None = None
+    capacity: dict[str, float] = {}
+    services: dict[str, Mapping[str, Any]] = {}
+    trajectories: dict[str, dict[int, TraceAction]] = {}
+    for number, raw in lines:
+        text = raw.strip()
+        if not text or text.startswith("#"):
+            continue
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise TraceFormatError(f"not JSON ({exc.msg})", number) from None
+        if not isinstance(obj, dict):
+            raise TraceFormatError("each line must be a JSON object", number)
+        if header is None:
+            header = obj
+            capacity, services = _header(number, obj)
+            continue
+        action = _action(number, obj, capacity, services)
+        indexed = trajectories.setdefault(action.trajectory, {})
+        if action.index in indexed:
+            raise TraceFormatError(
+                f"trajectory {action.trajectory!r} has index {action.index} twice "
+                f"(first on line {indexed[action.index].line})",
+                number,
+            )
+        indexed[action.index] = action
+    if header is None:
+        raise TraceFormatError("the trace is empty: the first line must be the header", 0)
+    per_device = header.get("gpu_mem_gib_per_device", 80)
+    return Trace(
+        name=str(header.get("name", "")),
+        capacity=capacity,
+        services=services,
+        gpu_mem_gib_per_device=float(per_device),
+        trajectories={
+            name: tuple(indexed[i] for i in sorted(indexed))
+            for name, indexed in trajectories.items()
+        },
+    )
+
+
+def _number(line: int, obj: Mapping[str, Any], key: str, *, minimum: float = 0.0) -> float:
+    value = obj[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TraceFormatError(f"`{key}` must be a number (got {value!r})", line)
+    if not math.isfinite(value) or value < minimum:
+        raise TraceFormatError(f"`{key}` must be finite and >= {minimum:g} (got {value!r})", line)
+    return float(value)
+
+
+def _header(line: int, obj: Mapping[str, Any]) -> tuple[dict[str, float], dict[str, Any]]:
+    if obj.get("format") != FORMAT:
+        raise TraceFormatError(
+            f'the header must say "format": "{FORMAT}" (got {obj.get("format")!r})', line
+        )
+    raw = obj.get("capacity")
+    if not isinstance(raw, dict) or not raw:
+        raise TraceFormatError("the header needs a non-empty `capacity` object", line)
+    capacity = {str(kind): _number(line, raw, kind) for kind in raw}
+    services = obj.get("services", {})
+    if not isinstance(services, dict):
+        raise TraceFormatError("`services` must be an object", line)
+    for name, spec in services.items():
+        if not isinstance(spec, dict):
+            raise TraceFormatError(f"service {name!r} must be an object", line)
+        for key in ("gpus", "gpu_mem_gib", "restore_seconds", "cold_start_seconds"):
+            if key in spec:
+                _number(line, spec, key)
+        for key in ("gpus", "max_batch"):
+            count = spec.get(key, 1)
+            if key in spec:
+                _number(line, spec, key)
+            if count != int(count) or count < 1:
+                raise TraceFormatError(
+                    f"service {name!r}: `{key}` must be a whole number >= 1 (got {count!r})", line
+                )
+    if "gpu_mem_gib_per_device" in obj:
+        _number(line, obj, "gpu_mem_gib_per_device", minimum=1e-9)
+    return capacity, dict(services)
+
+
+def _action(
+    line: int, obj: Mapping[str, Any], capacity: Mapping[str, float], services: Mapping[str, Any]
+) -> TraceAction:
+    for key in ("trajectory", "index", "gap", "kind", "resource"):
+        if key not in obj:
+            raise TraceFormatError(f"an action needs `{key}`", line)
+    trajectory, kind, resource = obj["trajectory"], obj["kind"], obj["resource"]
+    for key, value in (("trajectory", trajectory), ("kind", kind), ("resource", resource)):
+        if not isinstance(value, str) or not value:
+            raise TraceFormatError(f"`{key}` must be a non-empty string (got {value!r})", line)
+    index = obj["index"]
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        raise TraceFormatError(f"`index` must be a whole number >= 0 (got {index!r})", line)
+    if resource not in capacity:
+        raise TraceFormatError(f"`resource` {resource!r} is not in the header's capacity", line)
+    if "units" in obj:
+        if "min" in obj or "max" in obj:
+            raise TraceFormatError("give `units` or `min` and `max`, not both", line)
+        low = high = _number(line, obj, "units", minimum=1e-9)
+    elif "min" in obj and "max" in obj:
+        low, high = _number(line, obj, "min", minimum=1e-9), _number(line, obj, "max")
+        if high < low:
+            raise TraceFormatError(f"`max` must be >= `min` (got {high:g} < {low:g})", line)
+        if high > low and (low != int(low) or high != int(high)):
+            raise TraceFormatError("an elastic action's `min` and `max` must be whole", line)
+    else:
+        raise TraceFormatError("an action needs `units`, or `min` and `max`", line)
+    limit = capacity[resource] if _is_held(resource) else max(1.0, capacity[resource])
+    if low > limit:
+        raise TraceFormatError(f"needs {low:g} {resource}, more than the capacity {limit:g}", line)
+    if "seconds_at_1" in obj:
+        seconds = _number(line, obj, "seconds_at_1")
+    elif "seconds" in obj:
+        if high > low:
+            raise TraceFormatError("an elastic action needs `seconds_at_1`, not `seconds`", line)
+        seconds = _number(line, obj, "seconds")
+    else:
+        raise TraceFormatError("an action needs `seconds_at_1` (or `seconds` if rigid)", line)
+    efficiency: Efficiency = Linear()
+    if "efficiency" in obj:
+        try:
+            efficiency = efficiency_from_dict(obj["efficiency"])
+        except InvalidDemandError as exc:
+            raise TraceFormatError(f"`efficiency`: {exc}", line) from None
+    service = obj.get("service")
+    if service is not None and service not in services:
+        raise TraceFormatError(f"`service` {service!r} is not in the header's services", line)
+    mem = _number(line, obj, "mem_gib") if "mem_gib" in obj else 0.0
+    return TraceAction(
+        trajectory=trajectory,
+        index=index,
+        gap=_number(line, obj, "gap"),
+        kind=kind,
+        resource=resource,
+        min=low,
+        max=high,
+        seconds_at_1=seconds,
+        efficiency=efficiency,
+        service=service,
+        mem_gib=mem,
+        line=line,
+    )

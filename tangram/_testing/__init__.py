@@ -1,0 +1,1 @@
+"""In-memory executors and test servers for users' suites (re-exported by tangram.testing)."""

@@ -1,0 +1,1 @@
+"""The ``tangram`` command and the tools behind it; the library never imports this package."""

@@ -1,0 +1,229 @@
+"""The ``tangram`` command: a thin layer over the public API.
+
+Errors tangram raises on purpose print as ``Type: message`` and exit 1; anything else is a
+bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from ..errors import TangramError
+from ._bench import BenchConfig
+from ._demo import ArmResult, DemoConfig, DemoResult, run_demo
+from ._report import add_commands as _add_simulate_commands
+from ._report import dispatch as _dispatch_simulate
+
+__all__ = ["main"]
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (got {value})")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 (got {value})")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tangram", description="Action-level resource scheduling for agentic RL."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo = commands.add_parser(
+        "demo",
+        help="run a synthetic rollout step live, under tangram and under static allocation",
+        description=(
+            "Runs the same synthetic coding-agent rollout twice on the live runtime: with "
+            "tangram's elastic policy and with a fixed per-trajectory slot, and prints both."
+        ),
+    )
+    defaults = DemoConfig()
+    demo.add_argument("--trajectories", type=_positive_int, default=defaults.trajectories)
+    demo.add_argument("--turns", type=_positive_int, default=defaults.turns)
+    demo.add_argument("--cores", type=_positive_int, default=defaults.cores)
+    demo.add_argument("--max-cores", type=_positive_int, default=defaults.max_cores)
+    demo.add_argument("--seed", type=int, default=defaults.seed)
+    demo.add_argument(
+        "--time-scale",
+        type=_positive_float,
+        default=defaults.time_scale,
+        help="multiply every modelled duration (smaller runs faster)",
+    )
+    demo.add_argument("--json", type=Path, help="also write the figures to this file")
+    _add_bench_command(commands)
+    commands.add_parser(
+        "doctor",
+        help="print what this host offers tangram and what `tangram bench` will use",
+        description="Probes cores, cgroups, Docker, GPUs (NVML), Ray and torch; never fails.",
+    )
+    _add_simulate_commands(commands)
+    return parser
+
+
+def _add_bench_command(commands: Any) -> None:
+    bench = commands.add_parser(
+        "bench",
+        help="run a real rollout step on this machine, under tangram and under static slots",
+        description=(
+            "Runs the same coding-agent rollout step twice on real executors: tests and builds "
+            "in sandboxes, a rate-limited search service on loopback and torch reward models "
+            "behind the GPU-service pool, once with tangram's elastic policy and once with a "
+            "fixed per-trajectory slot; then prints the measured figures."
+        ),
+    )
+    bench.add_argument("--trajectories", type=_positive_int, help="default: three per core")
+    defaults = attrs.fields(BenchConfig)
+    bench.add_argument(
+        "--turns", type=_positive_int, default=defaults.turns.default, help="turns per trajectory"
+    )
+    bench.add_argument(
+        "--cores", type=_positive_int, help="cores to lend (default: all this process may use)"
+    )
+    bench.add_argument("--seed", type=int, default=defaults.seed.default, help="the plan's seed")
+    bench.add_argument("--sandbox", choices=("local", "docker"), default=defaults.sandbox.default)
+    bench.add_argument(
+        "--time-scale",
+        type=_positive_float,
+        default=defaults.time_scale.default,
+        help="multiply LLM gaps and the jobs per action (smaller runs faster)",
+    )
+    bench.add_argument(
+        "--search-rate",
+        type=_positive_float,
+        default=defaults.search_rate.default,
+        help="the search service's requests per second",
+    )
+    bench.add_argument(
+        "--out",
+        type=Path,
+        help="write report.json, table.txt, act.png and cores.png into this directory",
+    )
+
+
+def _bench(args: argparse.Namespace) -> int:
+    # Imported here: the bench needs torch and httpx, which `tangram demo` does not.
+    from ._bench import default_config, run_bench
+    from ._bench_report import live_progress, table, write_report
+
+    needed = [("tangram.gpu", "gpu"), ("tangram.quota", "api")]
+    if args.out is not None:
+        needed.append(("matplotlib", "plot"))
+    for module, extra in needed:
+        # Checked before anything starts: a missing extra should not cost a half-run.
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            print(
+                f"ImportError: tangram bench{' --out' if extra == 'plot' else ''} needs "
+                f"{module}: pip install 'tangram[{extra}]' ({exc})",
+                file=sys.stderr,
+            )
+            return 1
+    fields = ("trajectories", "cores", "turns", "seed", "sandbox", "time_scale", "search_rate")
+    config = default_config(**{name: getattr(args, name) for name in fields})
+    with live_progress(config.trajectories * (config.turns + 1)) as hook:
+        result = run_bench(config, hook)
+    print(table(result))
+    if args.out is not None:
+        paths = write_report(result, args.out)
+        print("wrote " + ", ".join(str(path) for path in paths))
+    return 0
+
+
+def _doctor() -> int:
+    from ._doctor import diagnose, format_diagnosis
+
+    print(format_diagnosis(diagnose()))
+    return 0
+
+
+def _row(arm: ArmResult) -> str:
+    return (
+        f"{arm.name:<8} {arm.avg_act:>8.3f} {arm.p95_act:>8.3f} {arm.queue:>8.3f} "
+        f"{arm.exec:>8.3f} {arm.overhead:>9.4f} {arm.step_seconds:>8.2f} {arm.core_seconds:>10.1f}"
+    )
+
+
+def _report(result: DemoResult) -> dict[str, object]:
+    config = result.config
+    print(
+        f"tangram demo: {config.trajectories} trajectories x {config.turns} turns on "
+        f"{config.cores} cores (elastic actions up to {config.max_cores}), seed {config.seed}"
+    )
+    print(
+        f"{'policy':<8} {'avg ACT':>8} {'p95 ACT':>8} {'queue':>8} {'exec':>8} "
+        f"{'overhead':>9} {'step s':>8} {'core-s':>10}"
+    )
+    print(_row(result.tangram))
+    print(_row(result.static))
+    ratios = result.ratios()
+    print(
+        "static / tangram: " + ", ".join(f"{name} {value:.2f}x" for name, value in ratios.items())
+    )
+    figures: dict[str, object] = {
+        arm.name: {
+            "avg_act": arm.avg_act,
+            "p95_act": arm.p95_act,
+            "avg_queue": arm.queue,
+            "avg_exec": arm.exec,
+            "avg_overhead": arm.overhead,
+            "step_seconds": arm.step_seconds,
+            "core_seconds": arm.core_seconds,
+            "actions": len(arm.acts),
+        }
+        for arm in (result.tangram, result.static)
+    }
+    figures["ratios"] = ratios
+    return figures
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "demo":
+            config = DemoConfig(
+                trajectories=args.trajectories,
+                turns=args.turns,
+                cores=args.cores,
+                max_cores=args.max_cores,
+                seed=args.seed,
+                time_scale=args.time_scale,
+            )
+            figures = _report(run_demo(config))
+            if args.json is not None:
+                args.json.write_text(json.dumps(figures, indent=2) + "\n")
+        elif args.command == "bench":
+            return _bench(args)
+        elif args.command == "doctor":
+            return _doctor()
+        else:
+            code = _dispatch_simulate(args)
+            if code is not None:
+                return code
+    except TangramError as exc:
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        # Everything the command started was closed while the interrupt unwound it.
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
