@@ -30,8 +30,9 @@ from typing import Any
 import anyio
 
 import tangram
+from tangram._sandbox._backend import SandboxBackend
 from tangram._sandbox._local import LocalBackend
-from tangram._sandbox._pool import SandboxBackend, SandboxPool
+from tangram._sandbox._pool import SandboxPool
 
 # The test suite an action runs: CPU-bound "tests" split over $TANGRAM_CPUS forked workers.
 SUITE = r"""
@@ -99,8 +100,8 @@ async def resize_latency(rounds: int) -> dict[str, float]:
                 started = time.perf_counter()
                 await handle.apply(chosen, quota)
                 fast.append(time.perf_counter() - started)
+        from tangram._sandbox._cores import format_cpu_list
         from tangram._sandbox._docker import PERIOD_US
-        from tangram._sandbox._pool import format_cpu_list
 
         for i in range(max(5, rounds // 4)):
             chosen, quota = grants[i % 2]

@@ -40,19 +40,21 @@ RANKS: dict[str, int] = {
     "_gpu": 5,
     "_quota": 5,
     # Edges: the shared scheduler on Ray (it places work on the executors of each host),
-    # in-memory executors for tests, what the framework adapters build on.
+    # in-memory executors for tests.
     "_ray": 6,
     "_testing": 6,
-    "_frameworks": 7,
-    # The public facades re-export the layers below them.
-    "__init__": 8,
-    "gpu": 8,
-    "quota": 8,
-    "ray": 8,
-    "config": 8,
-    "testing": 8,
+    # The public face of each optional part sits right above it ...
+    "gpu": 7,
+    "quota": 7,
+    "ray": 7,
+    # ... so that what the framework adapters build on uses it as a user would.
+    "_frameworks": 8,
+    # The package facade, the config file's and the test kit's.
+    "__init__": 9,
+    "config": 9,
+    "testing": 9,
     # The CLI, the bench and the reports: a user of the library, never imported by it.
-    "_tools": 9,
+    "_tools": 10,
 }
 
 PURE = {"_core"}

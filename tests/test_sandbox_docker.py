@@ -19,7 +19,8 @@ import anyio
 import pytest
 
 import tangram
-from tangram._sandbox._pool import RunResult, Sandbox, SandboxPool
+from tangram._sandbox._backend import RunResult
+from tangram._sandbox._pool import Sandbox, SandboxPool
 from tangram.errors import SandboxBrokenError
 
 aiodocker = (
@@ -125,7 +126,7 @@ async def test_grant_applied_during_the_action_and_parked_after(setup: Setup) ->
         lines = result.stdout.decode().split()
         assert result.ok, result
         assert quota_of(lines[0]) == len(cores) * PERIOD_US
-        assert tangram._sandbox._pool.parse_cpu_list(lines[1]) == list(result.cores)
+        assert tangram._sandbox._cores.parse_cpu_list(lines[1]) == list(result.cores)
         assert int(lines[-1]) == len(cores)
         result = await sbx.run(probe, cpu=1)
         lines = result.stdout.decode().split()

@@ -20,17 +20,11 @@ import anyio
 import pytest
 
 import tangram
+from tangram._sandbox._backend import RunResult
+from tangram._sandbox._cores import CoreSet, format_cpu_list, parse_cpu_list
 from tangram._sandbox._local import LocalBackend
-from tangram._sandbox._pool import (
-    CoreSet,
-    RunResult,
-    Sandbox,
-    SandboxBrokenError,
-    SandboxClosedError,
-    SandboxPool,
-    format_cpu_list,
-    parse_cpu_list,
-)
+from tangram._sandbox._pool import Sandbox, SandboxPool
+from tangram.errors import SandboxBrokenError, SandboxClosedError
 
 pytestmark = pytest.mark.anyio
 

@@ -42,15 +42,8 @@ import attrs
 
 from .._core._units import parse_size
 from ..errors import SandboxBrokenError, SandboxError
-from ._pool import (
-    ExecRequest,
-    ExecResult,
-    Host,
-    SandboxBackend,
-    SandboxHandle,
-    format_cpu_list,
-    numa_nodes,
-)
+from ._backend import ExecRequest, ExecResult, Host, SandboxBackend, SandboxHandle
+from ._cores import format_cpu_list, numa_nodes
 
 __all__ = ["DockerBackend", "DockerConfig", "docker_usable"]
 
@@ -187,6 +180,10 @@ class DockerBackend(SandboxBackend):
 
     def __repr__(self) -> str:
         return f"<tangram.DockerBackend hosts={self._urls!r} image={self.config.image!r}>"
+
+    @classmethod
+    async def usable(cls) -> bool:
+        return await docker_usable()
 
     async def start(self) -> Sequence[Host]:
         import aiodocker

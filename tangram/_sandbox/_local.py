@@ -48,14 +48,8 @@ import anyio.abc
 
 from .._core._units import parse_size
 from ..errors import SandboxBrokenError
-from ._pool import (
-    ExecRequest,
-    ExecResult,
-    Host,
-    SandboxBackend,
-    SandboxHandle,
-    numa_nodes,
-)
+from ._backend import ExecRequest, ExecResult, Host, SandboxBackend, SandboxHandle
+from ._cores import numa_nodes
 
 __all__ = ["LocalBackend"]
 

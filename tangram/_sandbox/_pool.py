@@ -1,4 +1,4 @@
-"""CPU sandboxes scheduled per action: the pool, the sandbox rollout code sees, and the seam.
+"""CPU sandboxes scheduled per action: the pool and the sandbox rollout code sees.
 
 A trajectory keeps one sandbox for its whole life (files, installed packages, a built
 tree), but holds cores only while one of its actions runs: ``sbx.run(...)`` acquires
@@ -11,19 +11,17 @@ The pool turns the scheduler's *counts* into *core ids*: the runtime decides how
 cores each action holds, the pool's :class:`CoreSet` picks which, keeping one action's
 cores together (one NUMA node when the host has several) and never lending a core to two
 actions at once. Backends turn core ids into effects (a cgroup cpuset and CFS quota for
-Docker, CPU affinity for the embedded local backend) behind :class:`SandboxBackend`.
+Docker, CPU affinity for the embedded local backend) behind the backend seam
+(:mod:`tangram._sandbox._backend`).
 """
 
 from __future__ import annotations
 
-import abc
 import contextlib
 import enum
-import logging
 import math
 import os
 from collections.abc import AsyncIterator, Mapping, Sequence
-from pathlib import Path
 from types import TracebackType
 
 import anyio
@@ -31,329 +29,30 @@ import anyio.abc
 import attrs
 
 from .._core._demand import Elastic
+from .._core._validate import seconds as _seconds
 from .._runtime._lease import Lease
 from .._runtime._run import Runtime, current_runtime
 from ..errors import (
-    InvalidCapacityError,
     SandboxBrokenError,
     SandboxClosedError,
     SandboxError,
 )
-
-__all__ = [
-    "DEFAULT_OUTPUT_LIMIT",
-    "DEFAULT_TIMEOUT",
-    "CoreSet",
-    "ExecRequest",
-    "ExecResult",
-    "Host",
-    "RunResult",
-    "Sandbox",
-    "SandboxBackend",
-    "SandboxHandle",
-    "SandboxPool",
-    "numa_nodes",
-]
-
-logger = logging.getLogger("tangram.sandbox")
-
-DEFAULT_TIMEOUT = 60.0
-"""Seconds an action may run before its process tree is killed."""
-DEFAULT_OUTPUT_LIMIT = 1 << 20
-"""Bytes of stdout and of stderr kept per action; the rest is read and dropped."""
-CPUS_ENV = "TANGRAM_CPUS"
-"""Environment variable that tells a command how many cores it was granted."""
-
-
-# -- value objects --------------------------------------------------------------------
-
-
-@attrs.frozen
-class Host:
-    """One machine sandboxes run on: its cores and the runtime resource that counts them.
-
-    ``resource`` is the runtime capacity kind actions on this host acquire (``"cpu"`` for
-    a single host; ``"cpu@name"`` per host when a pool spans several, because an
-    action's cores must all come from the machine its sandbox lives on).
-    """
-
-    name: str
-    cores: tuple[int, ...]
-    nodes: tuple[tuple[int, ...], ...] = ()
-    resource: str = "cpu"
-
-
-@attrs.frozen
-class ExecRequest:
-    """What a backend runs for one action (already validated by the pool)."""
-
-    argv: tuple[str, ...]
-    stdin: bytes
-    env: Mapping[str, str]
-    timeout: float
-    output_limit: int
-    cores: tuple[int, ...]
-    quota: float
-
-
-@attrs.frozen
-class ExecResult:
-    """What a backend reports for one action."""
-
-    exit_code: int | None
-    stdout: bytes
-    stderr: bytes
-    stdout_truncated: bool = False
-    stderr_truncated: bool = False
-    timed_out: bool = False
-    signal: int | None = None
-    cpu_seconds: float = math.nan
-    leftovers_killed: int = 0
-
-
-@attrs.frozen
-class RunResult:
-    """The outcome of ``await sbx.run(...)``.
-
-    A command that fails, times out or is killed is a *result*, not an exception: rollout
-    code turns it into an observation for the model. Exceptions are kept for the
-    sandbox itself failing (:class:`SandboxBrokenError`).
-
-    ``cores`` are the core ids granted when the action started and ``units`` their count;
-    ``max_units`` the most it held after resizes. ``queue_seconds`` is the wait for the
-    grant, ``overhead_seconds`` applying it, ``exec_seconds`` the run itself.
-    ``cpu_seconds`` is CPU time the action used as its cgroup (or process tree) accounted
-    it, NaN where the backend cannot tell.
-    """
-
-    exit_code: int | None
-    stdout: bytes
-    stderr: bytes
-    stdout_truncated: bool
-    stderr_truncated: bool
-    timed_out: bool
-    signal: int | None
-    cores: tuple[int, ...]
-    units: int
-    max_units: int
-    resizes: int
-    queue_seconds: float
-    overhead_seconds: float
-    exec_seconds: float
-    cpu_seconds: float
-    leftovers_killed: int
-
-    @property
-    def ok(self) -> bool:
-        """Exited with status 0 within its time."""
-        return self.exit_code == 0 and not self.timed_out
-
-    @property
-    def truncated(self) -> bool:
-        """Some output was dropped at the output limit."""
-        return self.stdout_truncated or self.stderr_truncated
-
-
-# -- the backend seam -----------------------------------------------------------------
-
-
-class SandboxHandle(abc.ABC):
-    """One live sandbox in a backend: a container, or a work dir for the local backend.
-
-    The pool calls :meth:`apply` before and during an action, :meth:`park` after it, and
-    never runs two actions on one handle at once.
-    """
-
-    host: Host
-
-    @abc.abstractmethod
-    async def execute(self, request: ExecRequest) -> ExecResult:
-        """Run one action to completion (or its timeout) with ``request.cores``.
-
-        :raises SandboxBrokenError: the sandbox died; the pool will not reuse it.
-        """
-
-    @abc.abstractmethod
-    async def apply(self, cores: tuple[int, ...], quota: float) -> None:
-        """Pin the sandbox to ``cores`` with ``quota`` cores' worth of CPU time.
-
-        Called at an action's start (before :meth:`execute` or concurrently with its
-        start) and on every resize while it runs.
-        """
-
-    @abc.abstractmethod
-    async def park(self) -> None:
-        """Take the cores back after an action: the sandbox keeps its state, no CPU."""
-
-    @abc.abstractmethod
-    async def put_file(self, path: str, data: bytes) -> None:
-        """Write ``data`` to ``path`` (relative to the work dir)."""
-
-    @abc.abstractmethod
-    async def get_file(self, path: str) -> bytes:
-        """Read ``path`` (relative to the work dir).
-
-        :raises FileNotFoundError: there is no such file.
-        """
-
-    @abc.abstractmethod
-    async def destroy(self) -> None:
-        """Remove the sandbox and everything in it; safe to call twice."""
-
-
-class SandboxBackend(abc.ABC):
-    """Where sandboxes live. One required method, :meth:`create`, plus ``aclose``.
-
-    ``python`` is the interpreter ``sbx.run(code=...)`` uses inside the sandbox.
-    """
-
-    python: str = "python3"
-
-    @abc.abstractmethod
-    async def start(self) -> Sequence[Host]:
-        """Connect (once) and return the hosts this backend places sandboxes on."""
-
-    @abc.abstractmethod
-    async def create(self, host: Host) -> SandboxHandle:
-        """Create one parked sandbox on ``host``."""
-
-    async def aclose(self) -> None:  # noqa: B027 - optional hook, most backends hold nothing
-        """Release connections; sandboxes were destroyed by the pool before this."""
-
-
-# -- core choice ----------------------------------------------------------------------
-
-
-def numa_nodes(cores: Sequence[int]) -> tuple[tuple[int, ...], ...]:
-    """Group ``cores`` by the NUMA node Linux reports for them (one group if unknown)."""
-    wanted = set(cores)
-    groups: list[tuple[int, ...]] = []
-    base = Path("/sys/devices/system/node")
-    with contextlib.suppress(OSError):
-        for node in sorted(base.glob("node[0-9]*"), key=lambda p: int(p.name[4:])):
-            listed = parse_cpu_list((node / "cpulist").read_text())
-            group = tuple(c for c in listed if c in wanted)
-            if group:
-                groups.append(group)
-    seen = {c for g in groups for c in g}
-    rest = tuple(c for c in cores if c not in seen)
-    if rest:
-        groups.append(rest)
-    return tuple(groups)
-
-
-def parse_cpu_list(text: str) -> list[int]:
-    """``"0-3,8,10-11"`` -> ``[0, 1, 2, 3, 8, 10, 11]`` (the kernel's cpulist format)."""
-    cores: list[int] = []
-    for part in text.strip().split(","):
-        if not part:
-            continue
-        first, _, last = part.partition("-")
-        cores.extend(range(int(first), int(last or first) + 1))
-    return cores
-
-
-def format_cpu_list(cores: Sequence[int]) -> str:
-    """The inverse of :func:`parse_cpu_list`, with ranges folded."""
-    parts: list[str] = []
-    ordered = sorted(cores)
-    i = 0
-    while i < len(ordered):
-        j = i
-        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
-            j += 1
-        parts.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
-        i = j + 1
-    return ",".join(parts)
-
-
-class CoreSet:
-    """Which core ids are free on one host, and a choice that keeps an action together.
-
-    The runtime guarantees the *count* of cores lent never exceeds the capacity; this
-    picks the ids. A new action goes to the NUMA node whose free cores fit it most
-    tightly (best fit keeps big free blocks for big actions), taking neighbouring ids;
-    a growing action takes free cores of its own node first, nearest first; a shrinking
-    one gives back the cores furthest from its first core.
-    """
-
-    def __init__(self, nodes: Sequence[Sequence[int]]) -> None:
-        self._node_of = {core: index for index, node in enumerate(nodes) for core in node}
-        self._nodes = [tuple(node) for node in nodes]
-        self._free = set(self._node_of)
-
-    @property
-    def free(self) -> frozenset[int]:
-        return frozenset(self._free)
-
-    def __len__(self) -> int:
-        return len(self._node_of)
-
-    def take(self, count: int, near: Sequence[int] = ()) -> tuple[int, ...]:
-        """Take ``count`` free cores, next to ``near`` when given.
-
-        :raises InvalidCapacityError: fewer than ``count`` cores are free, which means
-            the runtime's capacity for this host is larger than the cores it has.
-        """
-        if count > len(self._free):
-            raise InvalidCapacityError(
-                f"asked for {count} cores but only {len(self._free)} of {len(self)} are free: "
-                "the runtime's cpu capacity exceeds the cores the sandbox pool owns"
-            )
-        chosen: list[int] = []
-        if near:
-            anchor = near[0]
-            home = self._node_of[anchor]
-            order = sorted(self._free, key=lambda c: (self._node_of[c] != home, abs(c - anchor), c))
-            chosen = order[:count]
-        else:
-            fits = [
-                (len(free), index, free)
-                for index, node in enumerate(self._nodes)
-                if len(free := [c for c in node if c in self._free]) >= count
-            ]
-            if fits:
-                _, _, free = min(fits, key=lambda item: (item[0], item[1]))
-                chosen = _tightest_window(free, count)
-            else:  # spans nodes: fill the emptiest nodes first
-                by_node = sorted(
-                    ([c for c in node if c in self._free] for node in self._nodes),
-                    key=len,
-                    reverse=True,
-                )
-                for free in by_node:
-                    chosen.extend(free[: count - len(chosen)])
-                    if len(chosen) == count:
-                        break
-        self._free.difference_update(chosen)
-        return tuple(chosen)
-
-    def give(self, cores: Sequence[int]) -> None:
-        """Return ``cores``; returning a core that is free or unknown is a bug."""
-        for core in cores:
-            if core not in self._node_of or core in self._free:
-                raise RuntimeError(f"core {core} returned twice or never lent")
-        self._free.update(cores)
-
-    def resize(self, cores: tuple[int, ...], count: int) -> tuple[int, ...]:
-        """Grow or shrink a held set to ``count`` cores, keeping the ones it had."""
-        if count == len(cores):
-            return cores
-        if count < len(cores):
-            anchor = cores[0]
-            keep = sorted(cores, key=lambda c: (abs(c - anchor), c))[:count]
-            drop = [c for c in cores if c not in keep]
-            self.give(drop)
-            return tuple(c for c in cores if c in keep)
-        extra = self.take(count - len(cores), near=cores)
-        return cores + extra
-
-
-def _tightest_window(free: list[int], count: int) -> list[int]:
-    """The ``count`` free cores spanning the smallest id range (neighbours share caches)."""
-    ordered = sorted(free)
-    best = min(range(len(ordered) - count + 1), key=lambda i: ordered[i + count - 1] - ordered[i])
-    return ordered[best : best + count]
+from ._backend import (
+    CPUS_ENV,
+    DEFAULT_OUTPUT_LIMIT,
+    DEFAULT_TIMEOUT,
+    ExecRequest,
+    ExecResult,
+    Host,
+    RunResult,
+    SandboxBackend,
+    SandboxHandle,
+    default_backend,
+    logger,
+)
+from ._cores import CoreSet
+
+__all__ = ["Sandbox", "SandboxPool"]
 
 
 # -- the pool -------------------------------------------------------------------------
@@ -424,7 +123,7 @@ class SandboxPool:
             raise ValueError(f"`warm` must be a whole number >= 0 (got {warm!r})")
         if isinstance(output_limit, bool) or not isinstance(output_limit, int) or output_limit < 0:
             raise ValueError(f"`output_limit` must be a whole number >= 0 (got {output_limit!r})")
-        _check_timeout(timeout)
+        _seconds("timeout", timeout, strict=True)
         self._backend = backend
         self._runtime = runtime
         self._warm_target = warm
@@ -765,30 +464,6 @@ class SandboxPool:
                 self._replace(active.handle)
 
 
-async def default_backend() -> SandboxBackend:
-    """Docker when it is usable here, else the embedded local backend (logged either way)."""
-    from ._local import LocalBackend
-
-    try:
-        from ._docker import DockerBackend, docker_usable
-
-        if await docker_usable():
-            logger.info("sandbox pool: using the Docker backend")
-            return DockerBackend()
-    except ImportError:
-        pass
-    logger.info("sandbox pool: Docker is not usable here; using the local backend")
-    return LocalBackend()
-
-
-def _check_timeout(timeout: object) -> float:
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"`timeout` must be a number of seconds (got {timeout!r})")
-    if not math.isfinite(timeout) or timeout <= 0:
-        raise ValueError(f"`timeout` must be > 0 and finite seconds (got {timeout!r})")
-    return float(timeout)
-
-
 class Sandbox:
     """One trajectory's sandbox: its files persist across that trajectory's actions.
 
@@ -863,7 +538,9 @@ class Sandbox:
             argv = tuple(command)
         else:
             raise TypeError(f"`command` must be a string or a list of strings (got {command!r})")
-        seconds = self._pool.timeout if timeout is None else _check_timeout(timeout)
+        seconds = (
+            self._pool.timeout if timeout is None else _seconds("timeout", timeout, strict=True)
+        )
         data = stdin.encode() if isinstance(stdin, str) else (stdin or b"")
         if not isinstance(data, bytes):
             raise TypeError(f"`stdin` must be bytes or str (got {stdin!r})")

@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 
 from .._gpu._pool import Device, ModelService
-from .._sandbox._pool import ExecRequest, ExecResult, Host, SandboxBackend, SandboxHandle
+from .._sandbox._backend import ExecRequest, ExecResult, Host, SandboxBackend, SandboxHandle
 from ..errors import GpuOutOfMemoryError, SandboxBrokenError, SandboxClosedError
 
 __all__ = ["MemoryBackend", "MemoryModelService", "MemorySandbox"]

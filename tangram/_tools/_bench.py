@@ -36,7 +36,8 @@ import attrs
 from .._core._demand import Elastic
 from .._core._policy import ElasticPolicy, FcfsPolicy
 from .._runtime._run import Runtime
-from .._sandbox._pool import Sandbox, SandboxBackend, SandboxPool
+from .._sandbox._backend import SandboxBackend
+from .._sandbox._pool import Sandbox, SandboxPool
 from ..errors import InvalidCapacityError, SandboxError
 from ._bench_workload import (
     RUNNER,

@@ -20,7 +20,6 @@ from typing import Any, TextIO
 import attrs
 
 from ._bench import ActionRecord, ArmOutcome, BenchResult, ProgressHook
-from ._demo import ArmResult
 
 __all__ = ["TARGETS", "live_progress", "summarise", "table", "write_report"]
 
@@ -28,10 +27,32 @@ TARGETS = {"step_seconds": 1.5, "avg_act": 2.0}
 """Static over tangram ratios the main job aims for at the default size on 2 cores."""
 
 
-def summarise(arm: ArmOutcome) -> ArmResult:
-    """The arm's figures in the same shape ``tangram demo`` reports."""
+@attrs.frozen
+class ArmSummary:
+    """One arm's figures: per-action ACT split and the step's resource bill."""
+
+    name: str
+    acts: tuple[float, ...]
+    queue: float
+    exec: float
+    overhead: float
+    step_seconds: float
+    core_seconds: float
+
+    @property
+    def avg_act(self) -> float:
+        return statistics.fmean(self.acts)
+
+    @property
+    def p95_act(self) -> float:
+        ordered = sorted(self.acts)
+        return ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
+
+
+def summarise(arm: ArmOutcome) -> ArmSummary:
+    """The arm's averages, as the table and the report show them."""
     records = arm.records
-    return ArmResult(
+    return ArmSummary(
         arm.name,
         tuple(r.act for r in records),
         statistics.fmean(r.queue for r in records),
