@@ -19,6 +19,7 @@ already catch, so ``except ValueError`` around a bad demand keeps working::
     │   └── GpuPoolClosedError (RuntimeError)  your code used the pool outside its block
     ├── QuotaDeadlineError (TimeoutError)    an API request cannot be sent before its deadline
     ├── TraceFormatError (ValueError)        a malformed tangram-trace/1 line (``.line``)
+    ├── PlotUnavailableError (ImportError)   a plot was asked for without matplotlib
     ├── SandboxError                         a CPU sandbox could not run the action
     │   ├── SandboxBrokenError (RuntimeError)  it died (an outside cause, see ``__cause__``)
     │   └── SandboxClosedError (RuntimeError)  your code used it after it closed
@@ -43,6 +44,7 @@ __all__ = [
     "InvalidCapacityError",
     "InvalidDemandError",
     "NoCurrentRuntimeError",
+    "PlotUnavailableError",
     "QuotaDeadlineError",
     "RuntimeClosedError",
     "SandboxBrokenError",
@@ -149,6 +151,10 @@ class TraceFormatError(TangramError, ValueError):
 
     def __str__(self) -> str:
         return f"line {self.line}: {self.reason}" if self.line else self.reason
+
+
+class PlotUnavailableError(TangramError, ImportError):
+    """A plot was asked for (``--plot``, ``--out``) but matplotlib is not installed."""
 
 
 class SandboxError(TangramError):

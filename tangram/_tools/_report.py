@@ -21,10 +21,9 @@ from .._sim._baselines import parse_policy, run_policy
 from .._sim._generate import WORKLOADS, GenerateConfig, generate_lines
 from .._sim._simulate import SimulationResult
 from .._sim._trace import Trace, read_trace
-from ..errors import TangramError
+from ..errors import PlotUnavailableError
 
 __all__ = [
-    "PlotUnavailableError",
     "add_commands",
     "dispatch",
     "plot_acts",
@@ -109,10 +108,6 @@ def _pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
-
-
-class PlotUnavailableError(TangramError, ImportError):
-    """``--plot`` was asked for but matplotlib is not installed."""
 
 
 def plot_acts(results: Mapping[str, SimulationResult], title: str, path: Path) -> None:
