@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 import tangram._tools._cli as cli
-from tangram._tools._bench import ActionRecord, BenchConfig, default_config, make_plan
+from tangram._tools._bench import BenchConfig, MeasuredAction, default_config, make_plan
 from tangram._tools._bench_report import live_progress
 
 SMALL = ["--trajectories", "3", "--turns", "2", "--time-scale", "0.2"]
@@ -155,8 +155,8 @@ class _Terminal(io.StringIO):
         return True
 
 
-def _record(number: int) -> ActionRecord:
-    return ActionRecord("t0", number, "tests", 0.5, 0.1, 0.0, 0.4, 2, 2, "ok")
+def _record(number: int) -> MeasuredAction:
+    return MeasuredAction("t0", number, "tests", 0.5, 0.1, 0.0, 0.4, 2, 2, "ok")
 
 
 def test_progress_is_live_on_a_terminal_and_plain_otherwise() -> None:

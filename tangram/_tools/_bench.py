@@ -56,10 +56,10 @@ if TYPE_CHECKING:
     import torch
 
     from .._gpu._pool import GpuPool
-    from .._quota._client import Quota
+    from .._quota._quota import Quota
 
 __all__ = [
-    "ActionRecord",
+    "MeasuredAction",
     "ArmOutcome",
     "BenchConfig",
     "BenchResult",
@@ -81,7 +81,7 @@ SAMPLE_EVERY = 0.1
 
 
 @attrs.frozen
-class ActionRecord:
+class MeasuredAction:
     """One measured action. Times are seconds from the arm's start; ``act`` = the parts."""
 
     trajectory: str
@@ -105,7 +105,7 @@ class ArmOutcome:
     """Everything measured in one arm."""
 
     name: str
-    records: tuple[ActionRecord, ...]
+    records: tuple[MeasuredAction, ...]
     step_seconds: float
     core_seconds: float
     busy_core_seconds: float
@@ -124,7 +124,7 @@ class BenchResult:
     static: ArmOutcome
 
 
-ProgressHook = Callable[[str, ActionRecord | None], None]
+ProgressHook = Callable[[str, MeasuredAction | None], None]
 """Called with the arm's name and each finished action (``None`` when the arm starts)."""
 
 
@@ -195,7 +195,7 @@ class _Arm:
         self.plans = plans
         self.hook = hook
         self.static = name == "static"
-        self.records: list[ActionRecord] = []
+        self.records: list[MeasuredAction] = []
         self.timeline: list[tuple[float, float, float]] = []
         self.rewards: dict[str, float] = {}
         self.history: dict[str, list[float]] = {}
@@ -339,7 +339,7 @@ class _Arm:
             await anyio.sleep(plan.reward_gap)
             self._finish(await self._reward(gpu, plan, len(plan.turns)))
 
-    def _finish(self, record: ActionRecord) -> None:
+    def _finish(self, record: MeasuredAction) -> None:
         self.records.append(record)
         self.hook(self.name, record)
 
@@ -352,7 +352,7 @@ class _Arm:
         turn: Turn,
         wanted: float,
         waited: float,
-    ) -> ActionRecord:
+    ) -> MeasuredAction:
         """Run one turn's action; ``waited`` is the static arm's wait for its slot."""
         if turn.kind == "search":
             return await self._search(http, plan, number, wanted)
@@ -379,7 +379,7 @@ class _Arm:
         # is what is left of the measured ACT: writing the files, starting the process.
         queue = waited + result.queue_seconds
         overhead = max(0.0, done - wanted - result.exec_seconds - queue)
-        return ActionRecord(
+        return MeasuredAction(
             plan.name,
             number,
             turn.kind,
@@ -394,7 +394,7 @@ class _Arm:
 
     async def _search(
         self, http: httpx.AsyncClient, plan: TrajectoryPlan, number: int, wanted: float
-    ) -> ActionRecord:
+    ) -> MeasuredAction:
         sent: list[float] = []
 
         async def trace(event: str, info: dict[str, Any]) -> None:
@@ -406,7 +406,7 @@ class _Arm:
         )
         done = self._now()
         first = sent[0] if sent else wanted
-        return ActionRecord(
+        return MeasuredAction(
             plan.name,
             number,
             "search",
@@ -419,7 +419,7 @@ class _Arm:
             "ok" if response.status_code == 200 else f"http {response.status_code}",
         )
 
-    async def _reward(self, gpu: GpuPool, plan: TrajectoryPlan, number: int) -> ActionRecord:
+    async def _reward(self, gpu: GpuPool, plan: TrajectoryPlan, number: int) -> MeasuredAction:
         import torch
 
         wanted = self._now()
@@ -438,7 +438,7 @@ class _Arm:
         # Before `ready`: the wait for device memory (queueing), then the restore of an
         # evicted model (overhead), as the pool measured it.
         overhead = min(ready - wanted, restore)
-        return ActionRecord(
+        return MeasuredAction(
             plan.name,
             number,
             "reward",

@@ -19,9 +19,9 @@ from typing import Any, TextIO
 
 import attrs
 
-from ._bench import ActionRecord, ArmOutcome, BenchResult, ProgressHook
+from ._bench import ArmOutcome, BenchResult, MeasuredAction, ProgressHook
 
-__all__ = ["TARGETS", "live_progress", "summarise", "table", "write_report"]
+__all__ = ["TARGETS", "live_progress", "summarise_arm", "bench_table", "write_report"]
 
 TARGETS = {"step_seconds": 1.5, "avg_act": 2.0}
 """Static over tangram ratios the main job aims for at the default size on 2 cores."""
@@ -49,7 +49,7 @@ class ArmSummary:
         return ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
 
 
-def summarise(arm: ArmOutcome) -> ArmSummary:
+def summarise_arm(arm: ArmOutcome) -> ArmSummary:
     """The arm's averages, as the table and the report show them."""
     records = arm.records
     return ArmSummary(
@@ -65,7 +65,7 @@ def summarise(arm: ArmOutcome) -> ArmSummary:
 
 def ratios(result: BenchResult) -> dict[str, float]:
     """Static over tangram: above 1 means tangram is better."""
-    ours, base = summarise(result.tangram), summarise(result.static)
+    ours, base = summarise_arm(result.tangram), summarise_arm(result.static)
     return {
         "avg_act": base.avg_act / ours.avg_act,
         "p95_act": base.p95_act / ours.p95_act,
@@ -74,7 +74,7 @@ def ratios(result: BenchResult) -> dict[str, float]:
     }
 
 
-def table(result: BenchResult) -> str:
+def bench_table(result: BenchResult) -> str:
     """The text table printed at the end of a run (and quoted in the docs)."""
     config = result.config
     lines = [
@@ -84,7 +84,7 @@ def table(result: BenchResult) -> str:
         f"{'overhead':>8} {'step s':>7} {'core-s':>7}",
     ]
     for arm in (result.tangram, result.static):
-        s = summarise(arm)
+        s = summarise_arm(arm)
         lines.append(
             f"{s.name:<8} {len(s.acts):>7} {s.avg_act:>8.3f} {s.p95_act:>8.3f} {s.queue:>7.3f} "
             f"{s.exec:>7.3f} {s.overhead:>8.3f} {s.step_seconds:>7.1f} {s.core_seconds:>7.1f}"
@@ -120,7 +120,7 @@ def _rounded(value: Any) -> Any:
 
 
 def _arm_json(arm: ArmOutcome) -> dict[str, Any]:
-    s = summarise(arm)
+    s = summarise_arm(arm)
     return {
         "actions": len(arm.records),
         "avg_act": s.avg_act,
@@ -174,7 +174,7 @@ def write_report(result: BenchResult, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "report.json", out / "act.png", out / "cores.png", out / "table.txt"]
     paths[0].write_text(json.dumps(_rounded(report(result)), separators=(",", ":")) + "\n")
-    paths[3].write_text(table(result) + "\n")
+    paths[3].write_text(bench_table(result) + "\n")
     colours = {"tangram": "tab:blue", "static": "tab:orange"}
 
     figure = Figure(figsize=(7, 3.6))
@@ -234,7 +234,7 @@ def live_progress(total: int, stream: TextIO | None = None) -> Iterator[Progress
         return
     done: dict[str, int] = {}
 
-    def plain(arm: str, record: ActionRecord | None) -> None:
+    def plain(arm: str, record: MeasuredAction | None) -> None:
         if record is None:
             done[arm] = 0
             print(f"{arm}: running {total} actions", file=stream, flush=True)
@@ -266,7 +266,7 @@ def _rich_progress(total: int, stream: TextIO) -> Iterator[ProgressHook]:
     )
     tasks: dict[str, Any] = {}
 
-    def hook(arm: str, record: ActionRecord | None) -> None:
+    def hook(arm: str, record: MeasuredAction | None) -> None:
         if record is None:
             tasks[arm] = progress.add_task(arm, total=total, last="")
             return

@@ -95,7 +95,7 @@ def _add_bench_command(commands: Any) -> None:
 def _bench(args: argparse.Namespace) -> int:
     # Imported here: the bench needs torch and httpx, which `tangram simulate` does not.
     from ._bench import default_config, run_bench
-    from ._bench_report import live_progress, table, write_report
+    from ._bench_report import bench_table, live_progress, write_report
 
     needed = [("tangram.gpu", "gpu"), ("tangram.quota", "api")]
     if args.out is not None:
@@ -115,7 +115,7 @@ def _bench(args: argparse.Namespace) -> int:
     config = default_config(**{name: getattr(args, name) for name in fields})
     with live_progress(config.trajectories * (config.turns + 1)) as hook:
         result = run_bench(config, hook)
-    print(table(result))
+    print(bench_table(result))
     if args.out is not None:
         paths = write_report(result, args.out)
         print("wrote " + ", ".join(str(path) for path in paths))

@@ -1,6 +1,6 @@
 """Turning simulation results into the table, the JSON and the plots of ``tangram simulate``.
 
-The JSON is the "simulation result" of TRACES.md. It is written with sorted keys and every
+The JSON is the "simulation result" of docs/traces.md. It is written with sorted keys and every
 float rounded to 6 significant digits, so the same trace and seed give the same bytes on
 any machine whose floating point agrees to that precision (a sum's last bits can depend
 on summation order; six digits never do here). Plots need matplotlib, imported only when
