@@ -1,6 +1,6 @@
 """Throughput under an API limit: tangram's quota client vs a bare semaphore client.
 
-A loopback :class:`tangram.quota.QuotaServer` enforcing a request rate runs in a child
+A loopback :class:`tangram.testing.QuotaServer` enforcing a request rate runs in a child
 process (a provider is another machine: sharing the client's event loop and CPU would
 make the server's own clock lag and bunch arrivals that left the client evenly spaced).
 The same load goes through
@@ -27,7 +27,8 @@ import httpx
 import stamina.instrumentation
 
 import tangram
-from tangram.quota import DEFAULT_HEADROOM, ApiKey, Limit, Quota, QuotaServer
+from tangram.quota import DEFAULT_HEADROOM, ApiKey, Quota
+from tangram.testing import Limit, QuotaServer
 
 LIMIT = 50.0  # requests per second the server allows
 BURST = 10.0  # the server's burst

@@ -1,7 +1,8 @@
 """API quotas for tangram: ``from tangram import quota`` needs the ``api`` extra (httpx).
 
 Kept out of ``tangram/__init__`` so that the core imports without httpx; see
-:mod:`tangram._quota._client` for how quotas are scheduled.
+:mod:`tangram._quota._quota` for how quotas are scheduled. The loopback server that
+enforces a provider's limits in tests is :class:`tangram.testing.QuotaServer`.
 """
 
 from __future__ import annotations
@@ -13,17 +14,15 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("tangram.quota needs httpx and stamina: pip install 'tangram[api]'") from exc
 
 from ._core._exports import publish as _publish
-from ._quota._client import DEFAULT_HEADROOM as DEFAULT_HEADROOM
-from ._quota._client import DEFAULT_JITTER as DEFAULT_JITTER
-from ._quota._client import Adapt as Adapt
-from ._quota._client import ApiKey as ApiKey
-from ._quota._client import KeyStats as KeyStats
-from ._quota._client import Quota as Quota
-from ._quota._client import QuotaTransport as QuotaTransport
-from ._quota._client import Retry as Retry
-from ._quota._client import SetAside as SetAside
-from ._testing._quota_server import Limit as Limit
-from ._testing._quota_server import QuotaServer as QuotaServer
+from ._quota._adapt import Adapt as Adapt
+from ._quota._aside import SetAside as SetAside
+from ._quota._keys import DEFAULT_HEADROOM as DEFAULT_HEADROOM
+from ._quota._keys import DEFAULT_JITTER as DEFAULT_JITTER
+from ._quota._keys import ApiKey as ApiKey
+from ._quota._keys import KeyStats as KeyStats
+from ._quota._quota import Quota as Quota
+from ._quota._retry import Retry as Retry
+from ._quota._transport import QuotaTransport as QuotaTransport
 from .errors import QuotaDeadlineError as QuotaDeadlineError
 
 __all__ = [
@@ -32,10 +31,8 @@ __all__ = [
     "Adapt",
     "ApiKey",
     "KeyStats",
-    "Limit",
     "Quota",
     "QuotaDeadlineError",
-    "QuotaServer",
     "QuotaTransport",
     "Retry",
     "SetAside",

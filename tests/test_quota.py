@@ -20,12 +20,11 @@ import tangram
 from tangram.quota import (
     Adapt,
     ApiKey,
-    Limit,
     Quota,
     QuotaDeadlineError,
-    QuotaServer,
     SetAside,
 )
+from tangram.testing import Limit, QuotaServer
 
 pytestmark = pytest.mark.anyio
 

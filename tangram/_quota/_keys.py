@@ -1,0 +1,278 @@
+"""A provider's keys: their configured limits, their state between requests, and which key
+a request goes to.
+
+Each key is up to three resource kinds of the runtime (``"<quota>.<key>.requests"``,
+``".tokens"``, ``".concurrency"``). A request goes to the key whose budgets let it start
+soonest; ties go to the key that has sent least, which keeps keys in balance. Keys that
+are set aside, probing or not yet contacted are chosen only when nothing else is left.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import anyio
+import attrs
+
+from .._core._resources import Rate
+from .._core._units import is_rate_text, parse_rate
+from .._core._validate import whole
+from .._runtime._run import Runtime
+from ..errors import InvalidCapacityError
+
+__all__ = [
+    "DEFAULT_HEADROOM",
+    "DEFAULT_JITTER",
+    "ApiKey",
+    "KeyState",
+    "KeyStats",
+    "choose",
+    "ready_in",
+    "start_estimate",
+]
+
+#: Share of each configured rate the client uses by default. Loopback and provider clocks
+#: differ and requests reorder on the wire; 3% headroom lets the provider's bucket stay
+#: full in steady state so that jitter never trips it.
+DEFAULT_HEADROOM = 0.97
+#: Seconds by which a request may reach the provider later than others admitted after it
+#: (default for ``Quota(jitter=...)``). The client's bucket counts *admissions*, the
+#: provider's counts *arrivals*: a request that spends ``d`` seconds more than the others
+#: between the two (opening a connection, a busy event loop) lets ``rate * d`` requests
+#: admitted after it arrive in the same window, past the provider's burst. Measured on
+#: the loopback server (tests/test_quota.py): the first requests of a run wait 60-120 ms
+#: for their connections while later ones arrive within 1-10 ms, which is what caused
+#: stray 429s with a client burst only one unit below the provider's. The client's burst
+#: is therefore the provider's less ``rate * jitter`` (at least one unit less, and at
+#: least 2 where the provider's is: see ``KeyState.rates``), and a key's first request
+#: goes alone, the others waiting for its answer, so connection set-up is out of the way.
+DEFAULT_JITTER = 0.15
+
+
+def _requests(value: object) -> Rate | None:
+    return _rate("requests", value)
+
+
+def _tokens(value: object) -> Rate | None:
+    return _rate("tokens", value)
+
+
+def _rate(name: str, value: object) -> Rate | None:
+    if value is None or isinstance(value, Rate):
+        return value
+    if isinstance(value, str) and is_rate_text(value):
+        per_second = parse_rate(value)
+        return Rate(per_second, burst=max(1.0, per_second))
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return Rate(value, burst=max(1.0, float(value)))
+    raise InvalidCapacityError(
+        f"`{name}` must be a rate like '50/s', a number per second or tangram.Rate (got {value!r})"
+    )
+
+
+def _concurrency(value: object) -> int | None:
+    if value is None:
+        return None
+    return whole(
+        "concurrency",
+        value,
+        minimum=1,
+        type_error=InvalidCapacityError,
+        value_error=InvalidCapacityError,
+    )
+
+
+def _headers(value: Mapping[str, str]) -> dict[str, str]:
+    """A private copy: the caller's mapping may change after the key is made."""
+    return dict(value)
+
+
+@attrs.frozen(kw_only=True)
+class ApiKey:
+    """One key (or endpoint) of a provider and the limits the provider gives it.
+
+    :param name: a label, unique in its quota; it names the key's resource kinds.
+    :param requests: requests per second (``"50/s"``, ``"3000/min"``, a number or
+        :class:`tangram.Rate` for an explicit burst).
+    :param tokens: tokens per second, charged per request (see :class:`Quota`).
+    :param concurrency: requests in flight at once.
+    :param headers: added to each request sent with this key (``Authorization`` ...).
+    :param url: a base URL that replaces scheme, host and port: a key per endpoint.
+    """
+
+    name: str = attrs.field()
+    requests: Rate | None = attrs.field(default=None, converter=_requests)
+    tokens: Rate | None = attrs.field(default=None, converter=_tokens)
+    concurrency: int | None = attrs.field(default=None, converter=_concurrency)
+    headers: Mapping[str, str] = attrs.field(factory=dict, converter=_headers)
+    url: str | None = None
+
+    @name.validator
+    def _check_name(self, attribute: attrs.Attribute[str], value: str) -> None:
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"`name` must be a non-empty string (got {value!r})")
+
+    def __attrs_post_init__(self) -> None:
+        if self.requests is None and self.tokens is None and self.concurrency is None:
+            raise InvalidCapacityError(
+                f"key {self.name!r} needs at least one of `requests`, `tokens`, `concurrency`"
+            )
+
+
+@attrs.frozen
+class KeyStats:
+    """What one key did: requests sent, answered, limited (429/503) and failed."""
+
+    sent: int
+    ok: int
+    limited: int
+    failed: int
+    in_flight: int
+    set_aside: bool
+    #: effective rate now as a share of the configured one (AIMD's state).
+    rate_share: float
+
+
+class KeyState:
+    """Mutable per-key state: the scheduler's view of one key between requests.
+
+    One object for every concern of a key (its budgets, AIMD's memory, setting it aside,
+    its first contact), because each reads the others' fields: choosing a key reads the
+    pause and the set-aside, AIMD reads the counts of what was sent and accepted.
+    """
+
+    def __init__(self, quota_name: str, key: ApiKey, headroom: float, jitter: float) -> None:
+        self.key = key
+        prefix = f"{quota_name}.{key.name}"
+        self.requests_kind = f"{prefix}.requests" if key.requests is not None else None
+        self.tokens_kind = f"{prefix}.tokens" if key.tokens is not None else None
+        self.slots_kind = f"{prefix}.concurrency" if key.concurrency is not None else None
+        self.headroom = headroom
+        self.jitter = jitter
+        #: the provider's rates as configured, and the share of them used at most.
+        self.provider: dict[str, Rate] = {}
+        self.configured: dict[str, Rate] = {}
+        for kind, rate in ((self.requests_kind, key.requests), (self.tokens_kind, key.tokens)):
+            if kind is not None and rate is not None:
+                self.provider[kind] = rate
+                self.configured[kind] = Rate(rate.per_second * headroom, burst=rate.burst)
+        #: the largest amount one request asked of each rate: no burst goes below it.
+        self.largest: dict[str, float] = {}
+        self.share = 1.0
+        self.ceiling = 1.0
+        self.cut_at = -math.inf
+        self.adapted_at = -math.inf
+        self.first_sent = math.inf
+        self.paused_until = -math.inf
+        self.aside_until = -math.inf
+        self.aside_at = -math.inf
+        self.asides = 0
+        self.probing = False
+        # A key's first request goes alone and the rest wait for its answer: it opens the
+        # first connection (name lookup, the executor's threads, TCP set-up), which takes
+        # 60-120 ms on a busy machine against 1-10 ms for later requests, and the budget
+        # that refills meanwhile would otherwise arrive at the provider all at once.
+        self.contacted = False
+        self.contact: anyio.Event | None = None
+        # AIMD's memory: the share at which the provider last refused (or the share it
+        # was seen to accept then, when lower) and when the rate last reached below it.
+        self.refused = math.inf
+        self.plateau_since = math.inf
+        self.failures = 0
+        self.waiting: dict[str, float] = dict.fromkeys(self.configured, 0.0)
+        self.waiting_count = 0
+        self.in_flight = 0
+        self.sent = self.ok = self.limited = self.failed = 0
+        self.retaken = 0
+        # Requests (and their tokens) sent since the last cut that the provider accepted,
+        # and when the last of them was sent: AIMD's measure of the real limit.
+        self.accepted = 0
+        self.accepted_tokens = 0.0
+        self.accepted_until = -math.inf
+
+    def rates(self) -> dict[str, Rate]:
+        """The effective rates: the provider's scaled by headroom and AIMD's share.
+
+        Bursts: a provider's burst is believed to scale with its rate (AIMD cuts both),
+        less the jitter margin (see :data:`DEFAULT_JITTER`); but at least 2 units where
+        the provider allows 2, because with a burst of 1 every millisecond the timer
+        fires late is budget lost for good (measured: 86% of the limit instead of 97%
+        at 50 requests/s on a busy loop), and never below the largest request seen.
+        """
+        rates: dict[str, Rate] = {}
+        for kind, rate in self.provider.items():
+            per_second = rate.per_second * self.headroom * self.share
+            believed = rate.burst * self.share
+            margin = max(1.0, per_second * self.jitter)
+            burst = max(min(2.0, believed), min(believed * self.headroom, believed - margin))
+            rates[kind] = Rate(per_second, burst=max(1.0, burst, self.largest.get(kind, 0.0)))
+        return rates
+
+    def need(self, tokens: float) -> dict[str, float]:
+        need: dict[str, float] = {}
+        if self.requests_kind is not None:
+            need[self.requests_kind] = 1.0
+        if self.tokens_kind is not None and tokens > 0:
+            need[self.tokens_kind] = tokens
+            if tokens > self.largest.get(self.tokens_kind, 0.0):
+                self.largest[self.tokens_kind] = tokens
+        if self.slots_kind is not None:
+            need[self.slots_kind] = 1.0
+        return need
+
+    def stats(self, now: float) -> KeyStats:
+        return KeyStats(
+            self.sent,
+            self.ok,
+            self.limited,
+            self.failed,
+            self.in_flight,
+            self.aside_until > now,
+            self.share,
+        )
+
+
+def _level(runtime: Runtime, kind: str, now: float) -> float:
+    """A rate budget's level now (the ledger refills lazily, at each scheduling step)."""
+    return runtime._ledger.level(kind, now)
+
+
+def start_estimate(runtime: Runtime, key: KeyState, need: Mapping[str, float]) -> float:
+    """Seconds until ``key``'s budgets could admit ``need`` behind what already waits."""
+    now = anyio.current_time()
+    start = max(0.0, key.paused_until - now)
+    if key.aside_until > now:
+        start = max(start, key.aside_until - now)
+    rates = runtime._ledger.rates
+    for kind in key.configured:
+        amount = need.get(kind, 0.0) + key.waiting[kind]
+        if amount > 0 and kind in rates:
+            deficit = amount - _level(runtime, kind, now)
+            start = max(start, deficit / rates[kind])
+    return start
+
+
+def choose(runtime: Runtime, keys: Sequence[KeyState], tokens: float) -> tuple[KeyState, float]:
+    """The key a request of ``tokens`` goes to, and seconds until it could start there."""
+    now = anyio.current_time()
+    best: tuple[float, float, int] | None = None
+    chosen = keys[0]
+    for key in keys:
+        # Set aside, its one probe still out, or its first request not yet answered:
+        # only if nothing else is left.
+        busy = key.aside_until > now or key.probing or key.contact is not None
+        penalty = 1e9 if busy else 0.0
+        start = start_estimate(runtime, key, key.need(tokens))
+        load = (key.in_flight + key.waiting_count) / (key.key.concurrency or 1_000_000)
+        rank = (penalty + round(start, 3), load, key.sent)
+        if best is None or rank < best:
+            best, chosen = rank, key
+    assert best is not None
+    start = start_estimate(runtime, chosen, chosen.need(tokens))
+    return chosen, start
+
+
+def ready_in(runtime: Runtime, keys: Sequence[KeyState], tokens: float) -> float:
+    """Seconds until some key could take a retry: the backoff after a 429."""
+    return min(start_estimate(runtime, k, k.need(tokens)) for k in keys)
