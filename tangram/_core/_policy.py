@@ -52,6 +52,7 @@ from typing import Literal, Protocol
 import attrs
 
 from ._action import Action
+from ._validate import number, validator, whole
 
 __all__ = ["ElasticPolicy", "Entry", "FcfsPolicy", "Plan", "Policy", "Split", "State", "View"]
 
@@ -258,20 +259,11 @@ class Policy(Protocol):
     def plan(self, state: State) -> Plan: ...
 
 
-def _positive(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"`{attribute.name}` must be > 0 (got {value!r})")
-
-
-def _count(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"`{attribute.name}` must be a whole number >= 0 (got {value!r})")
-
-
-def _window(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    # A window of 0 looks at nothing and so admits nothing, ever.
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"`{attribute.name}` must be a whole number >= 1 (got {value!r})")
+# A wrong type is a ValueError here too, as these settings have always raised.
+_positive = validator(number, strict=True, finite=False, type_error=ValueError)
+_count = validator(whole, type_error=ValueError)
+# A window of 0 looks at nothing and so admits nothing, ever.
+_window = validator(whole, minimum=1, type_error=ValueError)
 
 
 class _Scan:

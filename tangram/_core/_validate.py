@@ -13,9 +13,11 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["number", "positive", "non_negative", "seconds", "whole"]
+__all__ = ["non_negative", "number", "positive", "seconds", "validator", "whole"]
 
-_Error = type[Exception]
+#: What a check raises: an exception class, or a function that builds one from the message
+#: (a config loader's, which says where in the file the value was found).
+_Error = Callable[[str], Exception]
 
 
 def number(
@@ -35,18 +37,18 @@ def number(
     NaN is always refused: it compares false with every bound, so it would slip past a
     range check and stall whatever clock or budget it reaches.
     """
-    of = f" of {unit}" if unit else ""
+    what = f"a number of {unit} " if unit else ""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise type_error(f"`{name}` must be a number{of} (got {value!r})")
+        raise type_error(f"`{name}` must be {what or 'a number '}(got {value!r})")
     low_ok = value > minimum if strict else value >= minimum
     high_ok = maximum is None or value <= maximum
     if math.isnan(value) or not low_ok or not high_ok or (finite and math.isinf(value)):
         bound = f"{'>' if strict else '>='} {minimum:g}"
         if maximum is not None:
             bound += f" and <= {maximum:g}"
-        if finite:
+        elif finite:
             bound += " and finite"
-        raise value_error(f"`{name}` must be {bound}{' ' + unit if unit else ''} (got {value!r})")
+        raise value_error(f"`{name}` must be {what}{bound} (got {value!r})")
     return float(value)
 
 
@@ -80,21 +82,25 @@ def whole(
     value_error: _Error = ValueError,
 ) -> int:
     """A whole number ``>= minimum`` (bools refused: ``True`` is not a count)."""
+    # The bound in both messages: "must be a whole number" alone hides that 0 is refused.
+    message = f"`{name}` must be a whole number >= {minimum} (got {value!r})"
     if isinstance(value, bool) or not isinstance(value, int):
-        raise type_error(f"`{name}` must be a whole number (got {value!r})")
+        raise type_error(message)
     if value < minimum:
-        raise value_error(f"`{name}` must be a whole number >= {minimum} (got {value!r})")
+        raise value_error(message)
     return value
 
 
-def _attrs(check: Callable[..., Any], **options: Any) -> Callable[[object, Any, object], None]:
+def validator(check: Callable[..., Any], **options: Any) -> Callable[[object, Any, object], None]:
+    """An attrs validator: ``check`` (one of the above) with ``options``, named by the field."""
+
     def validate(instance: object, attribute: Any, value: object) -> None:
         check(attribute.name, value, **options)
 
     return validate
 
 
-positive = _attrs(number, strict=True, finite=False)
+positive = validator(number, strict=True, finite=False)
 """attrs validator: a number ``> 0`` (infinity allowed: "no limit")."""
-non_negative = _attrs(number)
+non_negative = validator(number)
 """attrs validator: a finite number ``>= 0``."""
