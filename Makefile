@@ -6,16 +6,20 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint docs bench clean
 
+ADAPTERS := adapters/verl adapters/openrlhf
 ADAPTER_REQS := adapters/requirements.txt adapters/requirements-nodeps.txt
 
 # verl and OpenRLHF are installed without their dependencies (vLLM, flash-attn, DeepSpeed
-# and CUDA builds, which pip extras cannot leave out): see adapters/requirements.txt.
-$(STAMP): pyproject.toml $(ADAPTER_REQS)
+# and CUDA builds, which pip extras cannot leave out): see adapters/requirements.txt. The
+# adapters' own distributions (tangram-verl, tangram-openrlhf) need only tangram, installed
+# editable above: --no-deps keeps pip from resolving it again.
+$(STAMP): pyproject.toml $(ADAPTER_REQS) $(ADAPTERS:%=%/pyproject.toml)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	$(BIN)/python -m pip install -q -r adapters/requirements.txt
 	$(BIN)/python -m pip install -q --no-deps -r adapters/requirements-nodeps.txt
+	$(BIN)/python -m pip install -q --no-deps $(ADAPTERS:%=-e %)
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 import tangram
-from adapters import _process
+from tangram._frameworks import _session
 from tangram.config import ConfigError
 
 
@@ -29,7 +29,7 @@ def config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 async def _scheduler() -> Any:
-    async with _process.session() as resources:
+    async with _session.session() as resources:
         assert tangram.current_runtime() is resources.scheduler
         return resources.scheduler
 
@@ -39,7 +39,7 @@ def test_one_scheduler_per_loop_shared_by_its_calls(config: Path) -> None:
         # Five first calls at once start one scheduler, not five.
         found = await asyncio.gather(*(_scheduler() for _ in range(5)))
         again = await _scheduler()
-        await _process.aclose()
+        await _session.aclose()
         return (*found, again)
 
     first = asyncio.run(main())
@@ -62,7 +62,7 @@ def test_a_loop_in_another_thread_gets_its_own(config: Path) -> None:
         thread = threading.Thread(target=worker)
         thread.start()
         await asyncio.to_thread(thread.join)
-        await _process.aclose()
+        await _session.aclose()
 
     asyncio.run(main())
     here, there = found
@@ -73,11 +73,11 @@ def test_a_loop_in_another_thread_gets_its_own(config: Path) -> None:
 
 def test_the_scheduler_is_current_only_inside_the_session(config: Path) -> None:
     async def main() -> None:
-        async with _process.session(), tangram.acquire(cpu=3) as lease:
+        async with _session.session(), tangram.acquire(cpu=3) as lease:
             assert lease.grant["cpu"] == 3
         with pytest.raises(tangram.errors.NoCurrentRuntimeError):
             tangram.current_runtime()
-        await _process.aclose()
+        await _session.aclose()
 
     asyncio.run(main())
 
@@ -93,9 +93,9 @@ def test_a_recording_config_writes_each_schedulers_trace_when_it_stops(
 
     async def main() -> None:
         for turn in range(4):
-            async with _process.session(), tangram.acquire(cpu=1, trajectory="t1"):
+            async with _session.session(), tangram.acquire(cpu=1, trajectory="t1"):
                 await asyncio.sleep(0.001 * turn)
-        await _process.aclose()
+        await _session.aclose()
 
     asyncio.run(main())
     (trace_file,) = folder.iterdir()
@@ -115,7 +115,7 @@ def test_a_failed_start_reaches_every_caller_and_is_retried(tmp_path: Path) -> N
 
     async def main() -> list[BaseException | Any]:
         async def one() -> Any:
-            async with _process.session(path) as resources:
+            async with _session.session(path) as resources:
                 return resources
 
         first = await asyncio.gather(one(), one(), return_exceptions=True)
@@ -130,29 +130,30 @@ def test_a_failed_start_reaches_every_caller_and_is_retried(tmp_path: Path) -> N
 
 def test_sync_callers_reach_a_loop_of_their_own(config: Path) -> None:
     async def grant() -> float:
-        async with _process.session(), tangram.acquire(cpu=2) as lease:
+        async with _session.session(), tangram.acquire(cpu=2) as lease:
             return float(lease.grant["cpu"])
 
-    assert _process.portal_call(grant) == 2.0
+    assert _session.portal_call(grant) == 2.0
     with pytest.raises(RuntimeError, match="blocks"):
         asyncio.run(_call_in_loop(grant))
 
 
 async def _call_in_loop(fn: Any) -> Any:
-    return _process.portal_call(fn)
+    return _session.portal_call(fn)
 
 
 def test_factories_are_named_module_colon_name() -> None:
-    assert _process.load_object("tangram:Runtime") is tangram.Runtime
+    assert _session.load_object("tangram:Runtime") is tangram.Runtime
     with pytest.raises(ConfigError, match="module:name"):
-        _process.load_object("tangram.Runtime")
+        _session.load_object("tangram.Runtime")
     with pytest.raises(ConfigError, match="cannot load"):
-        _process.load_object("tangram:Nope")
+        _session.load_object("tangram:Nope")
 
 
-def test_importing_tangram_or_the_adapters_package_imports_no_framework() -> None:
+def test_importing_tangram_or_what_the_adapters_share_imports_no_framework() -> None:
     code = (
-        "import sys, tangram, tangram.config, adapters, adapters._process\n"
+        "import sys, tangram, tangram.config\n"
+        "import tangram._frameworks._session, tangram._frameworks._convert\n"
         "heavy = {'verl', 'openrlhf', 'ray', 'torch', 'vllm'} & set(sys.modules)\n"
         "assert not heavy, heavy\n"
     )

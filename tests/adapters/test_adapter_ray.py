@@ -20,7 +20,7 @@ import pytest
 
 ray = pytest.importorskip("ray") if not os.environ.get("CI") else __import__("ray")
 
-from adapters import _process  # noqa: E402
+from tangram._frameworks import _session  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def _hold_in_two_loops(path: Path) -> tuple[list[tuple[float, float]], list[str]
     both_started = threading.Barrier(2)
 
     async def hold() -> None:
-        async with _process.session(path) as resources:
+        async with _session.session(path) as resources:
             # Both schedulers (or proxies) are up before either asks: the asks coincide.
             await asyncio.to_thread(both_started.wait, 30)
             async with resources.scheduler.acquire(conn=1, kind="call"):
@@ -53,7 +53,7 @@ def _hold_in_two_loops(path: Path) -> tuple[list[tuple[float, float]], list[str]
             async with resources.sandbox_pool().sandbox(uuid.uuid4().hex) as sandbox:
                 result = await sandbox.run(code="import os; print(os.environ['TANGRAM_CPUS'])")
                 cores.append(result.stdout.decode().strip())
-        await _process.aclose(path)
+        await _session.aclose(path)
 
     threads = [threading.Thread(target=asyncio.run, args=(hold(),)) for _ in range(2)]
     for thread in threads:

@@ -1,10 +1,10 @@
 """The OpenRLHF adapter on the real OpenRLHF package (0.11.2), on the CPU.
 
 OpenRLHF's own ``MultiTurnAgentExecutor.execute`` drives tangram's ``AgentInstance``,
-loaded from ``adapters/openrlhf/agent.py`` the way OpenRLHF's vLLM actor loads
+loaded from ``tangram_openrlhf/agent.py`` the way OpenRLHF's vLLM actor loads
 ``--train.agent_func_path`` (``_load_agent_executor`` lives in a module that imports
 vLLM, so its three lines are repeated here); its ``SingleTurnAgentExecutor`` loads and
-calls ``reward_func`` from ``adapters/openrlhf/reward.py`` as ``--reward.remote_url``
+calls ``reward_func`` from ``tangram_openrlhf/reward.py`` as ``--reward.remote_url``
 does. Tool calls and rewards run in real sandboxes (tangram's local backend). The one
 stand-in is the vLLM engine and its sampling parameters (vLLM needs a GPU): the engine
 returns fixed turns, encoded by a real tokenizer built in the test.
@@ -29,13 +29,13 @@ openrlhf = pytest.importorskip("openrlhf") if not os.environ.get("CI") else __im
 # turn them into errors.
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
+    import tangram_openrlhf.agent as agent_module
+    import tangram_openrlhf.reward as reward_module
     from _tiny import tiny_tokenizer
     from openrlhf.utils.agent import AgentExecutorBase, SingleTurnAgentExecutor
+    from tangram_openrlhf.agent import parse_tool_calls
 
-    import adapters.openrlhf.agent as agent_module
-    import adapters.openrlhf.reward as reward_module
-    from adapters import _process
-    from adapters.openrlhf.agent import parse_tool_calls
+    from tangram._frameworks import _session
 
 
 @pytest.fixture
@@ -51,7 +51,7 @@ async def config(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Path]:
     """The docs' config as ``$TANGRAM_CONFIG``; this loop's scheduler stopped after."""
     monkeypatch.setenv("TANGRAM_CONFIG", str(DOCS_CONFIG))
     yield DOCS_CONFIG
-    await _process.aclose()
+    await _session.aclose()
 
 
 class _Engine:
@@ -137,7 +137,7 @@ async def test_the_multi_turn_executor_runs_tool_calls_in_one_sandbox_per_prompt
         found = transcript.split("found ", 1)[1].split("\n", 1)[0].split()
         assert found[0] == str(n)  # its own file, not another episode's
         assert 1 <= int(found[1]) <= 4
-    async with _process.session() as resources:
+    async with _session.session() as resources:
         stats = resources.scheduler.stats()
         assert stats.kinds["run_code"].completed == 6
         assert stats.kinds["reward"].completed == 3

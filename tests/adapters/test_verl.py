@@ -47,10 +47,11 @@ with warnings.catch_warnings():
     from verl.tools.tool_registry import initialize_tools_from_config
     from verl.workers.rollout.replica import TokenOutput
 
+from tangram_verl import SandboxTool, TangramTool, run_code, with_tangram  # noqa: E402
+
 import tangram  # noqa: E402
-from adapters import _process  # noqa: E402
-from adapters.verl import SandboxTool, TangramTool, run_code, with_tangram  # noqa: E402
-from tangram.quota import Limit, QuotaServer  # noqa: E402
+from tangram._frameworks import _session  # noqa: E402
+from tangram.testing import Limit, QuotaServer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOLS_YAML = ROOT / "docs" / "examples" / "verl_tools.yaml"
@@ -67,7 +68,7 @@ async def docs_config(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Path]:
     """The docs' tangram config as ``$TANGRAM_CONFIG``; this loop's scheduler stopped after."""
     monkeypatch.setenv("TANGRAM_CONFIG", str(TANGRAM_TOML))
     yield TANGRAM_TOML
-    await _process.aclose()
+    await _session.aclose()
 
 
 def test_the_docs_tool_yaml_loads_with_verls_loader(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -166,7 +167,7 @@ async def test_tool_agent_loop_runs_the_call_in_a_tangram_sandbox(
     assert output.num_turns == 6
     assert "The sum is 45." in tokenizer.decode(output.response_ids)
 
-    async with _process.session() as resources:
+    async with _session.session() as resources:
         stats = resources.scheduler.stats()
         assert stats.kinds["run_python"].completed == 2
         assert stats.resources["cpu"].held == 0
@@ -237,7 +238,7 @@ async def test_the_wrapper_puts_an_unchanged_tool_under_the_api_limits(
     assert len(server.rejected) == refused
     assert all('"key"' in text for text in results)
     assert elapsed >= 0.3  # 8 requests at 5/s: 3 wait past the burst
-    async with _process.session() as resources:
+    async with _session.session() as resources:
         stats = resources.scheduler.stats()
         assert stats.kinds["search"].completed == 8
         assert stats.resources["search_conn"].peak == 4
@@ -256,7 +257,7 @@ async def test_an_api_judge_reward_goes_through_the_quota(tmp_path: Path) -> Non
         'quota = "judge"\n'
         'judge = "_tiny:ask_judge"\n'
     )
-    from adapters.verl.reward import compute_score
+    from tangram_verl.reward import compute_score
 
     scores: dict[int, float] = {}
     try:
@@ -280,7 +281,7 @@ async def test_an_api_judge_reward_goes_through_the_quota(tmp_path: Path) -> Non
         assert not server.rejected  # 6 concurrent samples, never more than 2 in flight
         assert server.peak_in_flight["a"] == 2
     finally:
-        await _process.aclose()
+        await _session.aclose()
 
 
 @pytest.mark.anyio
@@ -312,7 +313,7 @@ async def test_function_tools_run_through_tangram(docs_config: Path) -> None:
         for x in range(6):
             tg.start_soon(ask, x)
     assert sorted(answers, key=int) == [str(x * x) for x in range(6)]
-    async with _process.session() as resources:
+    async with _session.session() as resources:
         stats = resources.scheduler.stats()
         assert stats.kinds["square"].completed == 6
         assert stats.kinds["run_code"].completed == 6
@@ -335,7 +336,7 @@ def _reward_config(tmp_path: Path, tokenizer_dir: Path, manager: str) -> tuple[A
     source = {"source": "register", "name": "naive", "module": {"path": None}}
     if manager == "custom_function":
         custom = {
-            "path": "pkg://adapters.verl.reward",
+            "path": "pkg://tangram_verl.reward",
             "name": "compute_score",
             "reward_kwargs": {"tangram_config": str(toml)},
         }
@@ -343,7 +344,7 @@ def _reward_config(tmp_path: Path, tokenizer_dir: Path, manager: str) -> tuple[A
         source = {
             "source": "importlib",
             "name": "TangramRewardManager",
-            "module": {"path": "pkg://adapters.verl.reward"},
+            "module": {"path": "pkg://tangram_verl.reward"},
         }
     config = OmegaConf.create(
         {
@@ -399,14 +400,14 @@ async def test_rewards_score_on_the_gpu_pool_under_verls_reward_loop(
     try:
         outputs = await worker.compute_score_batch(data)
         assert [o["reward_score"] for o in outputs] == [1.0, 0.0, 1.0, 0.0]
-        async with _process.session(toml) as resources:
+        async with _session.session(toml) as resources:
             stats = resources.gpu_pool().service_stats()["judge"]
             # Four samples, scored concurrently: the pool batched them into fewer runs.
             assert stats["batched"] == 4
             assert stats["runs"] < 4
             assert resources.scheduler.stats().resources["gpu_mem:cpu:0"].held == 0
     finally:
-        await _process.aclose()
+        await _session.aclose()
 
 
 @pytest.fixture(scope="module")
@@ -447,7 +448,7 @@ def test_rewards_score_under_verls_reward_loop_manager_on_ray(
         import asyncio
 
         async def read() -> tuple[Any, ...]:
-            async with _process.session(toml) as resources:
+            async with _session.session(toml) as resources:
                 stats = resources.gpu_pool().service_stats()["judge"]
                 held = resources.scheduler.stats().resources["gpu_mem:cpu:0"].held
                 return stats, held, os.getpid()

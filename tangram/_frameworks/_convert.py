@@ -1,26 +1,24 @@
-"""What the verl and OpenRLHF adapters share: reading demands from YAML, showing results."""
+"""What the verl and OpenRLHF adapters share at their edges: demands as a framework's YAML
+writes them, a sandbox's result as the model and the framework's metrics read it.
+
+Both adapters take their settings from files the framework hands over unchecked, so the
+demands are checked here, naming where they came from, before any call is scheduled.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import re
 from collections.abc import Mapping
 from typing import Any
 
-import tangram
-from tangram.config import ConfigError
+from .._core._demand import Elastic
+from .._sandbox._backend import RunResult
+from ..errors import ConfigError
 
-__all__ = [
-    "cpu_demand",
-    "demand_of",
-    "extract_code",
-    "format_result",
-    "release_later",
-    "result_metrics",
-]
+__all__ = ["cpu_demand", "demand_of", "extract_code", "format_result", "result_metrics"]
 
 
-def cpu_demand(value: object, where: str) -> int | tangram.Elastic:
+def cpu_demand(value: object, where: str) -> int | Elastic:
     """``2`` (rigid cores) or ``{min: 1, max: 4, resizable: true}`` (elastic), from YAML/TOML.
 
     :raises ConfigError: anything else, naming ``where``.
@@ -32,7 +30,7 @@ def cpu_demand(value: object, where: str) -> int | tangram.Elastic:
         if unknown:
             raise ConfigError(f"{where}: unknown key(s) {unknown} in `cpu`")
         try:
-            return tangram.Elastic(
+            return Elastic(
                 int(value.get("min", 1)),
                 int(value["max"]),
                 resizable=bool(value.get("resizable", False)),
@@ -52,7 +50,7 @@ def demand_of(value: object, where: str) -> dict[str, object]:
     return demand
 
 
-def format_result(result: tangram.RunResult) -> str:
+def format_result(result: RunResult) -> str:
     """What the model reads back: output, errors and why a run stopped, in that order."""
     parts = [result.stdout.decode(errors="replace")]
     if result.stdout_truncated:
@@ -66,7 +64,7 @@ def format_result(result: tangram.RunResult) -> str:
     return "".join(parts)
 
 
-def result_metrics(result: tangram.RunResult) -> dict[str, Any]:
+def result_metrics(result: RunResult) -> dict[str, Any]:
     """Per-call numbers for the framework's metrics: the ACT split and the grant."""
     return {
         "exit_code": result.exit_code,
@@ -84,22 +82,3 @@ def extract_code(text: str) -> str | None:
     """The last fenced code block of a model's answer (``None`` when it has none)."""
     blocks = _FENCE.findall(text)
     return blocks[-1] if blocks else None
-
-
-def release_later(loop: asyncio.AbstractEventLoop, block: Any) -> None:
-    """Leave a sandbox's ``async with`` block from a finalizer, on the loop that entered it.
-
-    For sandboxes bound to an object the framework owns and drops without telling anyone
-    (an episode whose ``execute`` failed, a verl trajectory's state): when it is collected
-    the sandbox goes back, whichever thread the collector runs in.
-    """
-    if loop.is_closed():
-        return
-
-    def start() -> None:
-        loop.create_task(block.__aexit__(None, None, None))
-
-    try:
-        loop.call_soon_threadsafe(start)
-    except RuntimeError:  # closed between the check and the call
-        return

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from adapters import _process
-from adapters._common import cpu_demand, extract_code
+from tangram._frameworks import _session
+from tangram._frameworks._convert import cpu_demand, extract_code
 from tangram.config import ConfigError
 
 __all__ = ["reward_func", "score_code"]
@@ -26,7 +26,7 @@ __all__ = ["reward_func", "score_code"]
 
 async def score_code(query: str, prompt: str, label: str) -> tuple[float, int]:
     """(reward, exit code) of one query: -1 when the answer holds no code block."""
-    config = _process.config_for(None)
+    config = _session.config_for(None)
     settings = dict(config.adapters.get("openrlhf", {}))
     cpu = cpu_demand(settings.get("cpu", 1), "[adapters.openrlhf]")
     answer = query[len(prompt) :] if query.startswith(prompt) else query
@@ -34,7 +34,7 @@ async def score_code(query: str, prompt: str, label: str) -> tuple[float, int]:
     if code is None:
         return 0.0, -1
     async with (
-        _process.session(None) as resources,
+        _session.session(None) as resources,
         resources.sandbox_pool().sandbox(uuid.uuid4().hex) as sandbox,
     ):
         result = await sandbox.run(
@@ -59,7 +59,7 @@ def reward_func(queries: list[str], prompts: list[str], labels: list[Any]) -> di
     """
     if not (len(queries) == len(prompts) == len(labels)):
         raise ConfigError("queries, prompts and labels must have the same length")
-    scored = _process.portal_call(_score_all, list(queries), list(prompts), list(labels))
+    scored = _session.portal_call(_score_all, list(queries), list(prompts), list(labels))
     rewards = torch.tensor([reward for reward, _ in scored])
     exit_codes = torch.tensor([float(code) for _, code in scored])
     return {"rewards": rewards, "scores": rewards, "extra_logs": {"exit_code": exit_codes}}

@@ -37,7 +37,7 @@ from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 from verl.utils.reward_score import default_compute_score
 
 import tangram
-from adapters import _process
+from tangram._frameworks import _session
 from tangram.config import ConfigError
 
 __all__ = ["TangramRewardManager", "compute_score"]
@@ -47,7 +47,7 @@ _SETTINGS = {"tangram_config", "service", "encode", "quota", "judge", "base_url"
 
 def _settings(overrides: Mapping[str, Any]) -> dict[str, Any]:
     path = overrides.get("tangram_config")
-    config = _process.config_for(path)
+    config = _session.config_for(path)
     table = config.adapters.get("verl", {}).get("reward", {})
     settings = {**table, **{k: v for k, v in overrides.items() if k in _SETTINGS}}
     unknown = sorted(set(table) - _SETTINGS)
@@ -67,15 +67,15 @@ async def score(
 ) -> float:
     """One sample's score through the service or the judge the settings name."""
     info = {"data_source": data_source, "extra_info": extra_info}
-    async with _process.session(settings.get("tangram_config")) as resources:
+    async with _session.session(settings.get("tangram_config")) as resources:
         if "service" in settings:
-            encode = _process.load_object(settings.get("encode", ""))
+            encode = _session.load_object(settings.get("encode", ""))
             row = encode(solution_str, ground_truth, **info)
             async with resources.gpu_pool().use(settings["service"]) as service:
                 output = await service(row)
             return float(output.reshape(-1)[0])
         if "quota" in settings:
-            judge = _process.load_object(settings.get("judge", ""))
+            judge = _session.load_object(settings.get("judge", ""))
             quota = resources.quota(settings["quota"])
             options = {"base_url": settings["base_url"]} if "base_url" in settings else {}
             async with quota.client(**options) as client:
@@ -151,11 +151,11 @@ class TangramRewardManager(RewardManagerBase):
                 extra_info=extra_info,
             )
         elif self.custom_is_async:
-            async with _process.session(self.settings.get("tangram_config")):
+            async with _session.session(self.settings.get("tangram_config")):
                 result = await self.custom(**arguments)
         else:
             async with (
-                _process.session(self.settings.get("tangram_config")),
+                _session.session(self.settings.get("tangram_config")),
                 tangram.acquire(cpu=self.cpu, kind="reward"),
             ):
                 result = await anyio.to_thread.run_sync(functools.partial(self.custom, **arguments))

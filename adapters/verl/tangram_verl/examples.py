@@ -1,4 +1,4 @@
-"""A plain verl tool with no tangram in it, for :class:`adapters.verl.tools.TangramTool` to wrap.
+"""A plain verl tool with no tangram in it, for :class:`tangram_verl.tools.TangramTool` to wrap.
 
 It stands for the tools projects already have (a web search behind an API key): it knows
 nothing of quotas, and the wrapper puts it under one from the YAML alone.

@@ -5,7 +5,7 @@
 ``cls(config=..., tool_schema=...)`` once per agent-loop worker process and calls
 ``create`` / ``execute`` / ``release`` from that worker's event loop. Nothing here is
 passed a runtime: each call takes this process and loop's scheduler from
-:func:`adapters._process.session`, started on first use from the file named by the
+:func:`tangram._frameworks._session.session`, started on first use from the file named by the
 tool's ``config.tangram_config`` or ``$TANGRAM_CONFIG``.
 """
 
@@ -25,14 +25,9 @@ from verl.tools.tool_registry import get_tool_class
 from verl.utils.rollout_trace import rollout_trace_op
 
 import tangram
-from adapters import _process
-from adapters._common import (
-    cpu_demand,
-    demand_of,
-    format_result,
-    release_later,
-    result_metrics,
-)
+from tangram._frameworks import _session
+from tangram._frameworks._convert import cpu_demand, demand_of, format_result, result_metrics
+from tangram._frameworks._session import release_later
 from tangram.config import ConfigError
 
 __all__ = ["SandboxTool", "TangramTool", "run_code", "with_tangram"]
@@ -90,7 +85,7 @@ class SandboxTool(BaseTool):
     ) -> tuple[str, ToolResponse]:
         instance_id = instance_id or uuid.uuid4().hex
         if self.scope == "instance":
-            async with _process.session(self.config_path) as resources:
+            async with _session.session(self.config_path) as resources:
                 block = resources.sandbox_pool().sandbox(instance_id)
                 sandbox = await block.__aenter__()
             self._instances[instance_id] = (block, sandbox)
@@ -101,7 +96,7 @@ class SandboxTool(BaseTool):
             sandbox = self._trajectories.get(trajectory)
             if sandbox is None:
                 name = str(getattr(trajectory, "request_id", uuid.uuid4().hex))
-                async with _process.session(self.config_path) as resources:
+                async with _session.session(self.config_path) as resources:
                     block = resources.sandbox_pool().sandbox(name)
                     sandbox = await block.__aenter__()
                 self._trajectories[trajectory] = sandbox
@@ -121,14 +116,14 @@ class SandboxTool(BaseTool):
         else:
             if instance_id not in self._instances and self.scope == "trajectory":
                 # Called without verl's trajectory state: the instance is all there is.
-                async with _process.session(self.config_path) as resources:
+                async with _session.session(self.config_path) as resources:
                     block = resources.sandbox_pool().sandbox(instance_id)
                     self._instances[instance_id] = (block, await block.__aenter__())
             entry = self._instances.get(instance_id)
             if entry is None:
                 raise KeyError(f"no sandbox for instance {instance_id!r}: call create first")
             sandbox = entry[1]
-        async with _process.session(self.config_path):
+        async with _session.session(self.config_path):
             if self.language == "python":
                 result = await sandbox.run(
                     code=code, cpu=self.cpu, timeout=self.timeout, kind=self.kind
@@ -148,7 +143,7 @@ class TangramTool(BaseTool):
 
     The YAML entry names this class and the tool it wraps::
 
-        - class_name: adapters.verl.tools.TangramTool
+        - class_name: tangram_verl.tools.TangramTool
           config:
             type: native
             wraps: my_project.tools.SearchTool   # the tool's own class
@@ -190,7 +185,7 @@ class TangramTool(BaseTool):
         self, instance_id: str, parameters: dict[str, Any], **kwargs: Any
     ) -> tuple[ToolResponse, float, dict[str, Any]]:
         async with (
-            _process.session(self.config_path),
+            _session.session(self.config_path),
             tangram.acquire(self.demand, kind=self.kind, trajectory=instance_id),
         ):
             result: tuple[ToolResponse, float, dict[str, Any]] = await self.inner.execute(
@@ -238,7 +233,7 @@ def with_tangram(
 
         @functools.wraps(fn)
         async def call(*args: Any, **kwargs: Any) -> Any:
-            async with _process.session(config):
+            async with _session.session(config):
                 if not wanted:
                     return await fn(*args, **kwargs)
                 async with tangram.acquire(wanted, kind=action):
@@ -258,7 +253,7 @@ async def run_code(
     config: str | None = None,
 ) -> tangram.RunResult:
     """Run Python in a fresh sandbox of this process's pool (for stateless function tools)."""
-    async with _process.session(config) as resources:
+    async with _session.session(config) as resources:
         name = uuid.uuid4().hex
         async with resources.sandbox_pool().sandbox(name) as sandbox:
             return await sandbox.run(code=code, cpu=cpu, timeout=timeout, kind=kind)

@@ -1,7 +1,7 @@
 """An OpenRLHF agent whose tool calls and reward run through tangram.
 
 Pass this file to OpenRLHF: ``--train.agent_func_path $(python -c "import
-adapters.openrlhf.agent as m; print(m.__file__)")``. OpenRLHF loads it by path, builds
+tangram_openrlhf.agent as m; print(m.__file__)")``. OpenRLHF loads it by path, builds
 ``AgentExecutor()`` with no arguments in each vLLM engine actor and calls ``execute`` on
 the engine's event loop, one ``AgentInstance()`` per prompt. So configuration comes from
 the tangram config named by ``$TANGRAM_CONFIG`` (set it in the Ray job's runtime
@@ -35,8 +35,9 @@ from openrlhf.utils.agent import (  # type: ignore[import-untyped]
 )
 
 import tangram
-from adapters import _process
-from adapters._common import cpu_demand, extract_code, format_result, release_later
+from tangram._frameworks import _session
+from tangram._frameworks._convert import cpu_demand, extract_code, format_result
+from tangram._frameworks._session import release_later
 from tangram.config import ConfigError
 
 __all__ = ["AgentExecutor", "AgentInstance", "parse_tool_calls"]
@@ -60,7 +61,7 @@ def parse_tool_calls(text: str) -> list[dict[str, Any]]:
 
 
 def _settings() -> dict[str, Any]:
-    config = _process.config_for(None)
+    config = _session.config_for(None)
     table = dict(config.adapters.get("openrlhf", {}))
     unknown = sorted(set(table) - _SETTINGS)
     if unknown:
@@ -88,7 +89,7 @@ class AgentInstance(AgentInstanceBase):  # type: ignore[misc]
         self._finalizer: weakref.finalize[Any, AgentInstance] | None = None
 
     async def reset(self, states: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
-        async with _process.session(self.config_path) as resources:
+        async with _session.session(self.config_path) as resources:
             self._block = resources.sandbox_pool().sandbox(f"openrlhf-{id(self):x}")
             self._sandbox = await self._block.__aenter__()
         self._finalizer = weakref.finalize(
@@ -139,7 +140,7 @@ class AgentInstance(AgentInstanceBase):  # type: ignore[misc]
     async def _run(self, code: str) -> tangram.RunResult:
         if self._sandbox is None:
             raise RuntimeError("step() before reset(): the episode has no sandbox")
-        async with _process.session(self.config_path):
+        async with _session.session(self.config_path):
             return await self._sandbox.run(
                 code=code, cpu=self.cpu, timeout=self.timeout, kind=self.kind
             )
@@ -149,7 +150,7 @@ class AgentInstance(AgentInstanceBase):  # type: ignore[misc]
             code = extract_code(action) or self.last_code
             if code is None or self._sandbox is None:
                 return 0.0
-            async with _process.session(self.config_path):
+            async with _session.session(self.config_path):
                 result = await self._sandbox.run(
                     code=f"{code}\n\n{label or ''}\n",
                     cpu=self.cpu,
@@ -157,8 +158,8 @@ class AgentInstance(AgentInstanceBase):  # type: ignore[misc]
                     kind="reward",
                 )
             return 1.0 if result.exit_code == 0 and not result.timed_out else 0.0
-        fn = _process.load_object(self.reward)
-        async with _process.session(self.config_path):
+        fn = _session.load_object(self.reward)
+        async with _session.session(self.config_path):
             return float(await fn(action, label, self._sandbox))
 
     async def _release(self) -> None:

@@ -35,11 +35,22 @@ from typing import Any
 
 import attrs
 
-import tangram
-from tangram import config as tangram_config
-from tangram._runtime._run import _enter_current, _exit_current
+from .._runtime._run import _enter_current, _exit_current
+from .._sandbox._backend import SandboxBackend
+from .._sandbox._docker import DockerBackend, DockerConfig
+from .._sandbox._local import LocalBackend
+from .._sandbox._pool import SandboxPool
+from ._config import ENV_VAR, Config, ConfigError, GpuConfig, SandboxConfig, load, open_scheduler
 
-__all__ = ["Resources", "aclose", "config_for", "load_object", "portal_call", "session"]
+__all__ = [
+    "Resources",
+    "aclose",
+    "config_for",
+    "load_object",
+    "portal_call",
+    "release_later",
+    "session",
+]
 
 
 @attrs.frozen
@@ -47,30 +58,28 @@ class Resources:
     """What one loop's scheduler serves: the scheduler and the pools the config declared."""
 
     scheduler: Any
-    config: tangram_config.Config
-    sandboxes: tangram.SandboxPool | None = None
+    config: Config
+    sandboxes: SandboxPool | None = None
     gpu: Any = None  # tangram.gpu.GpuPool; typed loosely so torch stays an optional import
     quotas: Mapping[str, Any] = attrs.field(factory=dict)
 
-    def sandbox_pool(self) -> tangram.SandboxPool:
+    def sandbox_pool(self) -> SandboxPool:
         if self.sandboxes is None:
-            raise tangram_config.ConfigError(
+            raise ConfigError(
                 f"{self.config.source or 'the tangram config'} has no [sandbox] table"
             )
         return self.sandboxes
 
     def gpu_pool(self) -> Any:
         if self.gpu is None:
-            raise tangram_config.ConfigError(
-                f"{self.config.source or 'the tangram config'} has no [gpu] table"
-            )
+            raise ConfigError(f"{self.config.source or 'the tangram config'} has no [gpu] table")
         return self.gpu
 
     def quota(self, name: str) -> Any:
         try:
             return self.quotas[name]
         except KeyError:
-            raise tangram_config.ConfigError(
+            raise ConfigError(
                 f"{self.config.source or 'the tangram config'} has no [quota.{name}] "
                 f"(have {sorted(self.quotas)})"
             ) from None
@@ -87,29 +96,29 @@ class _Hosted:
 
 
 _lock = threading.Lock()
-_configs: dict[str, tangram_config.Config] = {}
+_configs: dict[str, Config] = {}
 _hosted: dict[str, weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Hosted]] = {}
 
 
 def _key(path: str | os.PathLike[str] | None) -> str:
     if path is None:
-        named = os.environ.get(tangram_config.ENV_VAR)
+        named = os.environ.get(ENV_VAR)
         if not named:
-            raise tangram_config.ConfigError(
-                f"no tangram config: set ${tangram_config.ENV_VAR} or name one in the "
+            raise ConfigError(
+                f"no tangram config: set ${ENV_VAR} or name one in the "
                 "adapter's settings (`tangram_config`)"
             )
         path = named
     return str(Path(path).resolve())
 
 
-def config_for(path: str | os.PathLike[str] | None = None) -> tangram_config.Config:
+def config_for(path: str | os.PathLike[str] | None = None) -> Config:
     """The config at ``path`` (default ``$TANGRAM_CONFIG``), read once per process."""
     key = _key(path)
     with _lock:
         found = _configs.get(key)
     if found is None:
-        found = tangram_config.load(key)
+        found = load(key)
         with _lock:
             found = _configs.setdefault(key, found)
     return found
@@ -119,11 +128,11 @@ def load_object(spec: str) -> Any:
     """``"package.module:name"`` -> the object (a config names factories this way)."""
     module, _, name = spec.partition(":")
     if not module or not name:
-        raise tangram_config.ConfigError(f"expected 'module:name' (got {spec!r})")
+        raise ConfigError(f"expected 'module:name' (got {spec!r})")
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as exc:
-        raise tangram_config.ConfigError(f"cannot load {spec!r}: {exc}") from exc
+        raise ConfigError(f"cannot load {spec!r}: {exc}") from exc
 
 
 async def _resources(path: str | os.PathLike[str] | None) -> Resources:
@@ -148,7 +157,7 @@ async def _resources(path: str | os.PathLike[str] | None) -> Resources:
         raise
 
 
-async def _host(config: tangram_config.Config, hosted: _Hosted) -> None:
+async def _host(config: Config, hosted: _Hosted) -> None:
     try:
         async with contextlib.AsyncExitStack() as stack:
             resources = await _open(config, stack)
@@ -164,7 +173,7 @@ async def _host(config: tangram_config.Config, hosted: _Hosted) -> None:
         raise
 
 
-async def _open(config: tangram_config.Config, stack: contextlib.AsyncExitStack) -> Resources:
+async def _open(config: Config, stack: contextlib.AsyncExitStack) -> Resources:
     capacity: dict[str, object] = {}
     sandboxes = None
     if config.sandbox is not None:
@@ -176,49 +185,56 @@ async def _open(config: tangram_config.Config, stack: contextlib.AsyncExitStack)
         capacity.update(gpu.capacity())
     quotas: dict[str, Any] = {}
     if config.quotas:
-        from tangram import quota as tangram_quota
+        try:
+            from .._quota._keys import ApiKey
+            from .._quota._quota import Quota
+        except ModuleNotFoundError as exc:
+            if exc.name not in {"httpx", "stamina"}:
+                raise
+            # The hint ``import tangram.quota`` gives: the config asked for the api extra.
+            raise ImportError(
+                "tangram.quota needs httpx and stamina: pip install 'tangram[api]'"
+            ) from exc
 
         for q in config.quotas:
             try:
-                keys = [tangram_quota.ApiKey(**k) for k in q.keys]
-                quotas[q.name] = tangram_quota.Quota(keys, name=q.name, **q.options)
+                keys = [ApiKey(**k) for k in q.keys]
+                quotas[q.name] = Quota(keys, name=q.name, **q.options)
             except (TypeError, ValueError) as exc:
-                raise tangram_config.ConfigError(f"[quota.{q.name}]: {exc}") from exc
+                raise ConfigError(f"[quota.{q.name}]: {exc}") from exc
             capacity.update(quotas[q.name].capacity())
-    scheduler = await stack.enter_async_context(
-        tangram_config.open_scheduler(config, capacity=capacity)
-    )
+    scheduler = await stack.enter_async_context(open_scheduler(config, capacity=capacity))
     return Resources(scheduler, config, sandboxes, gpu, quotas)
 
 
-def _sandbox_pool(sandbox: tangram_config.SandboxConfig) -> tangram.SandboxPool:
-    backend: tangram.SandboxBackend
+def _sandbox_pool(sandbox: SandboxConfig) -> SandboxPool:
+    backend: SandboxBackend
     try:
         if sandbox.backend == "docker":
             options = dict(sandbox.options)
             if sandbox.image is not None:
                 options["image"] = sandbox.image
-            backend = tangram.DockerBackend(config=tangram.DockerConfig(**options))
+            backend = DockerBackend(config=DockerConfig(**options))
         else:
-            backend = tangram.LocalBackend(**sandbox.options)
+            backend = LocalBackend(**sandbox.options)
     except (TypeError, ValueError) as exc:
-        raise tangram_config.ConfigError(f"[sandbox]: {exc}") from exc
+        raise ConfigError(f"[sandbox]: {exc}") from exc
     extra: dict[str, Any] = {} if sandbox.timeout is None else {"timeout": sandbox.timeout}
-    return tangram.SandboxPool(backend, warm=sandbox.warm, **extra)
+    return SandboxPool(backend, warm=sandbox.warm, **extra)
 
 
-def _gpu_pool(gpu_config: tangram_config.GpuConfig) -> Any:
-    from tangram import gpu
+def _gpu_pool(gpu_config: GpuConfig) -> Any:
+    from .._gpu._pool import Device, GpuPool, TorchService
 
     try:
         services = [
-            gpu.TorchService(s.name, load_object(s.factory), memory=s.memory, **dict(s.options))
+            TorchService(s.name, load_object(s.factory), memory=s.memory, **dict(s.options))
             for s in gpu_config.services
         ]
-        devices = [gpu.Device(name, memory=memory) for name, memory in gpu_config.devices.items()]
+        devices = [Device(name, memory=memory) for name, memory in gpu_config.devices.items()]
     except (TypeError, ValueError) as exc:
-        raise tangram_config.ConfigError(f"[gpu]: {exc}") from exc
-    return gpu.GpuPool(services, devices=devices or None)
+        raise ConfigError(f"[gpu]: {exc}") from exc
+    return GpuPool(services, devices=devices or None)
 
 
 @contextlib.asynccontextmanager
@@ -278,6 +294,25 @@ def _stop_at_exit() -> None:
 
 
 atexit.register(_stop_at_exit)
+
+
+def release_later(loop: asyncio.AbstractEventLoop, block: Any) -> None:
+    """Leave a sandbox's ``async with`` block from a finalizer, on the loop that entered it.
+
+    For sandboxes bound to an object the framework owns and drops without telling anyone
+    (an episode whose ``execute`` failed, a verl trajectory's state): when it is collected
+    the sandbox goes back, whichever thread the collector runs in.
+    """
+    if loop.is_closed():
+        return
+
+    def start() -> None:
+        loop.create_task(block.__aexit__(None, None, None))
+
+    try:
+        loop.call_soon_threadsafe(start)
+    except RuntimeError:  # closed between the check and the call
+        return
 
 
 # -- callers without a loop ----------------------------------------------------------------

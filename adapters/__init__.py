@@ -1,1 +1,0 @@
-"""Framework adapters (verl, OpenRLHF). Importing :mod:`tangram` never imports this package."""
