@@ -13,6 +13,7 @@ already catch, so ``except ValueError`` around a bad demand keeps working::
     ├── WaitTimeoutError (TimeoutError)      queued for longer than ``wait_timeout``
     ├── RuntimeClosedError (RuntimeError)    your code used a runtime that is not running
     ├── NoCurrentRuntimeError (RuntimeError) ``tangram.acquire`` outside ``async with runtime``
+    ├── AcquireReusedError (RuntimeError)    your code entered one ``acquire(...)`` twice
     ├── GpuError                             a GPU model service could not serve the action
     │   ├── GpuOutOfMemoryError (MemoryError)  a restore or load ran out of device memory
     │   ├── GpuServiceError (RuntimeError)     the service failed (an outside cause)
@@ -23,7 +24,8 @@ already catch, so ``except ValueError`` around a bad demand keeps working::
     ├── SandboxError                         a CPU sandbox could not run the action
     │   ├── SandboxBrokenError (RuntimeError)  it died (an outside cause, see ``__cause__``)
     │   └── SandboxClosedError (RuntimeError)  your code used it after it closed
-    └── SchedulerUnavailableError (RuntimeError)  the shared Ray scheduler cannot serve you
+    ├── SchedulerUnavailableError (RuntimeError)  the shared Ray scheduler cannot serve you
+    └── AsyncioRequiredError (RuntimeError)  ``tangram.ray`` on a loop other than asyncio
 
 Bad arguments fail at the call that made them, before anything is queued: a demand that
 cannot be served never waits in the queue to fail later.
@@ -34,6 +36,8 @@ from __future__ import annotations
 from ._core._exports import publish as _publish
 
 __all__ = [
+    "AcquireReusedError",
+    "AsyncioRequiredError",
     "CapacityExceededError",
     "ConfigError",
     "DemandTypeError",
@@ -105,6 +109,14 @@ class NoCurrentRuntimeError(TangramError, RuntimeError):
 
     The current runtime is a context variable; tasks started inside the ``async with``
     block inherit it, tasks started elsewhere do not.
+    """
+
+
+class AcquireReusedError(TangramError, RuntimeError):
+    """An ``acquire(...)`` context was entered a second time.
+
+    Each one stands for one action and its one lease; call ``acquire`` again for another.
+    A mistake in the calling code.
     """
 
 
@@ -180,6 +192,15 @@ class SchedulerUnavailableError(TangramError, RuntimeError):
 
     An outside cause (detail in ``__cause__`` when Ray raised one). Leases held when it
     happened stay usable until their block ends; their releases change nothing.
+    """
+
+
+class AsyncioRequiredError(TangramError, RuntimeError):
+    """``tangram.ray`` was used on an event loop other than asyncio, such as trio.
+
+    A Ray call is awaited only on asyncio (trio would pay a thread per call), so the
+    shared scheduler is refused at ``connect``, before anything reaches Ray. A mistake in
+    the calling code: run the worker's loop on asyncio.
     """
 
 

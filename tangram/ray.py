@@ -25,17 +25,17 @@ from __future__ import annotations
 
 from ._core._exports import publish as _publish
 from ._ray._agent import HostAgent as HostAgent
-from ._ray._agent import RemoteSandbox as RemoteSandbox
-from ._ray._agent import RemoteService as RemoteService
 from ._ray._agent import start_agent as start_agent
-from ._ray._scheduler import DEFAULT_HEARTBEAT as DEFAULT_HEARTBEAT
-from ._ray._scheduler import DEFAULT_TIMEOUT as DEFAULT_TIMEOUT
-from ._ray._scheduler import RemoteAcquireContext as RemoteAcquireContext
-from ._ray._scheduler import RemoteLease as RemoteLease
-from ._ray._scheduler import RemoteRuntime as RemoteRuntime
-from ._ray._scheduler import SchedulerUnavailableError as SchedulerUnavailableError
-from ._ray._scheduler import attach as attach
-from ._ray._scheduler import connect as connect
+from ._ray._connect import attach as attach
+from ._ray._connect import connect as connect
+from ._ray._hosts import RemoteSandbox as RemoteSandbox
+from ._ray._hosts import RemoteService as RemoteService
+from ._ray._protocol import DEFAULT_HEARTBEAT as DEFAULT_HEARTBEAT
+from ._ray._protocol import DEFAULT_TIMEOUT as DEFAULT_TIMEOUT
+from ._ray._proxy import RemoteAcquireContext as RemoteAcquireContext
+from ._ray._proxy import RemoteLease as RemoteLease
+from ._ray._proxy import RemoteRuntime as RemoteRuntime
+from .errors import SchedulerUnavailableError as SchedulerUnavailableError
 
 __all__ = [
     "DEFAULT_HEARTBEAT",

@@ -25,6 +25,8 @@ from ray_support import held, wait_for
 
 import tangram
 from tangram.errors import (
+    AcquireReusedError,
+    AsyncioRequiredError,
     CapacityExceededError,
     DemandTypeError,
     GpuError,
@@ -214,8 +216,36 @@ def test_trio_is_refused_with_a_clear_error() -> None:
         async with tray.connect():
             pass
 
-    with pytest.raises(RuntimeError, match="asyncio"):
+    with pytest.raises(AsyncioRequiredError, match="asyncio"):
         trio.run(main)
+    assert issubclass(AsyncioRequiredError, RuntimeError)
+
+
+def test_the_host_book_keeps_a_trajectory_on_the_least_loaded_host() -> None:
+    from tangram._ray._placement import HostBook
+
+    book = HostBook()
+    with pytest.raises(tray.SchedulerUnavailableError, match="no host agent"):
+        book.place("t0")
+    gpu = {"resource": "gpu@b", "units": 1, "services": ["judge"], "resident": []}
+    assert book.add("a", "cpu@a", 4, "agent-a", "cid-a", None) == {"cpu@a": 4}
+    assert book.add("b", "cpu@b", 2, "agent-b", "cid-b", gpu) == {"cpu@b": 2, "gpu@b": 1}
+    assert book.place("t1") == ("a", "agent-a")  # both empty: the first by name
+    assert book.place("t2") == ("b", "agent-b")  # a has a sandbox per 4 cores, b none
+    assert book.place("t1") == ("a", "agent-a")  # a trajectory stays where its files are
+    with pytest.raises(LookupError, match="no host agent serves 'other'"):
+        book.place_service("cid-w", "other")
+    ticket, host, _ = book.place_service("cid-w", "judge")
+    assert host == "b" and book.describe()["b"]["calls"] == 1
+    # The worker's proxy is dropped: its service block ends; host b's agent is dropped
+    # next, and its cores and devices leave the capacity.
+    assert book.drop("cid-w") == {}
+    assert book.describe()["b"]["calls"] == 0
+    assert book.drop("cid-b") == {"cpu@b": 0, "gpu@b": 0}
+    assert sorted(book.describe()) == ["a"]
+    book.unplace_service(ticket, 1, ["judge"])  # a late end of the block changes nothing
+    book.unplace("t1")
+    assert book.describe()["a"]["placed"] == 0
 
 
 async def test_a_grant_made_as_a_silent_process_is_dropped_fails_its_request() -> None:
@@ -418,6 +448,16 @@ async def test_a_resizable_grant_follows_the_shared_scheduler(cluster: None) -> 
         await wait_for(lambda: _equals(held(remote), 0.0), 5)
         stats = await remote.stats()
         assert stats.resources["cpu"].peak == 4 and stats.resizes >= 1
+
+
+async def test_an_acquire_context_is_entered_once(cluster: None) -> None:
+    async with _connect(_name(), capacity={"cpu": 2}) as remote:
+        context = remote.acquire(cpu=1)
+        async with context as lease:
+            with pytest.raises(AcquireReusedError, match="only once"):
+                await context.__aenter__()
+            assert lease.active and await held(remote) == 1
+        await wait_for(lambda: _equals(held(remote), 0.0), 5)
 
 
 async def test_an_existing_scheduler_with_other_limits_is_refused(cluster: None) -> None:

@@ -7,8 +7,9 @@ acquires through a proxy, so the central policy decides how many cores each acti
 while the agent turns the count into core ids and runs the command locally.
 
 The scheduler places a trajectory on the least loaded host when its sandbox opens and
-keeps it there: every action of the trajectory runs next to its files. Commands reach the
-agent as one Ray call each; files and output travel by value.
+keeps it there (:mod:`._placement`): every action of the trajectory runs next to its
+files. Commands reach the agent as one Ray call each from a worker's handle
+(:mod:`._hosts`); files and output travel by value.
 
 GPUs follow the same split. An agent given model services runs a
 :class:`tangram.gpu.GpuPool` over its node's devices and registers them as
@@ -35,32 +36,24 @@ import ray
 import ray.exceptions
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from .._core._demand import Elastic
 from .._runtime._run import Runtime
-from .._sandbox._pool import (
+from .._sandbox._backend import (
     Host,
     RunResult,
-    Sandbox,
     SandboxBackend,
     SandboxHandle,
-    SandboxPool,
     default_backend,
 )
-from ..errors import GpuError, GpuPoolClosedError, GpuServiceError, SandboxBrokenError
-from ._scheduler import RemoteRuntime, SchedulerUnavailableError, attach
+from .._sandbox._pool import Sandbox, SandboxPool
+from ..errors import GpuError, SandboxClosedError
+from ._connect import attach
+from ._proxy import RemoteRuntime
 
 if TYPE_CHECKING:
     from .._gpu._pool import Device, GpuPool, ModelService
     from .._runtime._lease import Lease
 
-__all__ = [
-    "HostAgent",
-    "RemoteSandbox",
-    "RemoteService",
-    "open_sandbox",
-    "open_service",
-    "start_agent",
-]
+__all__ = ["HostAgent", "start_agent"]
 
 BackendSpec = SandboxBackend | Callable[[], SandboxBackend] | None
 # A replica's share of a device, in the shared scheduler, is rounded down to a multiple
@@ -304,8 +297,6 @@ class HostAgentActor:
     def _sandbox(self, trajectory: str) -> Sandbox:
         entry = self._sandboxes.get(trajectory)
         if entry is None:
-            from ..errors import SandboxClosedError
-
             raise SandboxClosedError(f"trajectory {trajectory!r} has no open sandbox here")
         return entry[1]
 
@@ -450,131 +441,3 @@ def _check_gpu_arguments(
             f"`devices` must be a non-empty list of tangram.gpu.Device (got {devices!r})"
         )
     return checked, listed
-
-
-class RemoteSandbox:
-    """A trajectory's sandbox on a host agent: ``run``, ``put`` and ``get`` as on a Sandbox."""
-
-    def __init__(self, agent: Any, trajectory_id: str, host: str) -> None:
-        self._agent = agent
-        self.trajectory_id = trajectory_id
-        self.host = host
-
-    def __repr__(self) -> str:
-        return f"<tangram.ray.RemoteSandbox trajectory={self.trajectory_id!r} host={self.host!r}>"
-
-    async def _call(self, method: str, *args: Any) -> Any:
-        try:
-            return await getattr(self._agent, method).remote(self.trajectory_id, *args)
-        except ray.exceptions.RayTaskError as exc:
-            raise exc.cause from exc
-        except ray.exceptions.RayError as exc:
-            raise SandboxBrokenError(f"the host agent {self.host!r} is gone: {exc}") from exc
-
-    async def run(
-        self,
-        command: str | Sequence[str] | None = None,
-        *,
-        code: str | None = None,
-        cpu: int | float | Elastic = 1,
-        timeout: float | None = None,  # noqa: ASYNC109 - the command's limit (see Sandbox.run)
-        stdin: bytes | str | None = None,
-        env: Mapping[str, str] | None = None,
-        kind: str | None = None,
-    ) -> RunResult:
-        """Run one action on the agent (see :meth:`tangram.Sandbox.run`)."""
-        kwargs = {
-            "command": command,
-            "code": code,
-            "cpu": cpu,
-            "timeout": timeout,
-            "stdin": stdin,
-            "env": env,
-            "kind": kind,
-        }
-        result: RunResult = await self._call("run", kwargs)
-        return result
-
-    async def put(self, path: str, data: bytes | str) -> None:
-        await self._call("put", path, data)
-
-    async def get(self, path: str) -> bytes:
-        data: bytes = await self._call("get", path)
-        return data
-
-
-@contextlib.asynccontextmanager
-async def open_sandbox(remote: RemoteRuntime, trajectory_id: str) -> AsyncIterator[RemoteSandbox]:
-    try:
-        host, agent = await remote.actor.place.remote(trajectory_id)
-    except ray.exceptions.RayTaskError as exc:
-        raise exc.cause from exc
-    except ray.exceptions.RayError as exc:
-        raise SchedulerUnavailableError(f"the scheduler actor is unreachable: {exc}") from exc
-    sandbox = RemoteSandbox(agent, trajectory_id, host)
-    try:
-        await sandbox._call("open")
-        yield sandbox
-    finally:
-        with anyio.CancelScope(shield=True), contextlib.suppress(ray.exceptions.RayError):
-            await agent.close.remote(trajectory_id)
-            await remote.actor.unplace.remote(trajectory_id)
-
-
-class RemoteService:
-    """A GPU model service lent to one block on a host agent: ``await svc(batch)``.
-
-    The cluster form of :class:`tangram.gpu.ServiceHandle`. The block stays on one host;
-    each call is one Ray call to its agent, which runs it as one action of its GpuPool
-    (joining a live replica, or restoring one, evicting idle services for room).
-    Batches and results travel by value.
-    """
-
-    def __init__(self, agent: Any, name: str, host: str) -> None:
-        self._agent = agent
-        self.name = name
-        self.host = host
-        self._open = True
-        self._seq = 0
-        self._resident: list[str] = []
-
-    def __repr__(self) -> str:
-        return f"<tangram.ray.RemoteService {self.name!r} host={self.host!r}>"
-
-    async def __call__(self, batch: Any) -> Any:
-        """Run ``batch`` on the service (see :class:`tangram.gpu.ServiceHandle`).
-
-        :raises GpuServiceError: the service failed, or its host agent is gone (the
-            Ray error in ``__cause__``).
-        :raises GpuPoolClosedError: the handle is used after its block ended.
-        """
-        if not self._open:
-            raise GpuPoolClosedError("the block ended: use the handle inside its `async with`")
-        try:
-            result, seq, resident = await self._agent.call_service.remote(self.name, batch)
-        except ray.exceptions.RayTaskError as exc:
-            raise exc.cause from exc
-        except ray.exceptions.RayError as exc:
-            raise GpuServiceError(
-                f"the host agent {self.host!r} serving {self.name!r} is gone: {exc}"
-            ) from exc
-        if seq > self._seq:
-            self._seq, self._resident = seq, resident
-        return result
-
-
-@contextlib.asynccontextmanager
-async def open_service(remote: RemoteRuntime, name: str) -> AsyncIterator[RemoteService]:
-    try:
-        ticket, host, agent = await remote.actor.place_service.remote(remote._id, name)
-    except ray.exceptions.RayTaskError as exc:
-        raise exc.cause from exc
-    except ray.exceptions.RayError as exc:
-        raise SchedulerUnavailableError(f"the scheduler actor is unreachable: {exc}") from exc
-    service = RemoteService(agent, name, host)
-    try:
-        yield service
-    finally:
-        service._open = False
-        with anyio.CancelScope(shield=True), contextlib.suppress(ray.exceptions.RayError):
-            await remote.actor.unplace_service.remote(ticket, service._seq, service._resident)

@@ -1,0 +1,74 @@
+"""The named actor ``connect`` creates: the scheduler's books and the host book, together.
+
+The scheduler (:mod:`._scheduler`) knows proxies and their leases, the host book
+(:mod:`._placement`) knows hosts and what is placed on them; neither imports the other.
+They meet in one actor because a host is also a client: its agent acquires through a
+proxy of its own, and when that proxy goes silent and is dropped, the host's cores and
+devices leave the shared capacity with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from .._core._policy import Policy
+from ._placement import HostBook
+from ._scheduler import SchedulerActor
+
+__all__ = ["ClusterSchedulerActor"]
+
+
+class ClusterSchedulerActor(SchedulerActor):
+    """The shared scheduler with host agents: its methods are the wire protocol."""
+
+    def __init__(
+        self,
+        capacity: Mapping[str, object],
+        policy: Policy | None,
+        heartbeat: float,
+        timeout: float,
+        token: str,
+    ) -> None:
+        super().__init__(capacity, policy, heartbeat, timeout, token)
+        self._book = HostBook()
+
+    def _drop_client(self, cid: str, *, expired: bool = False) -> bool:
+        if not super()._drop_client(cid, expired=expired):
+            return False
+        gone = self._book.drop(cid)
+        if gone:
+            self._runtime.set_capacity(gone)
+        return True
+
+    async def add_host(
+        self,
+        name: str,
+        resource: str,
+        units: int,
+        agent: Any,
+        cid: str,
+        gpu: Mapping[str, Any] | None = None,
+    ) -> None:
+        runtime = await self._ready()
+        runtime.set_capacity(self._book.add(name, resource, units, agent, cid, gpu))
+
+    async def hosts(self) -> dict[str, dict[str, Any]]:
+        await self._ready()
+        return self._book.describe()
+
+    async def place(self, trajectory: str) -> tuple[str, Any]:
+        await self._ready()
+        return self._book.place(trajectory)
+
+    async def unplace(self, trajectory: str) -> None:
+        await self._ready()
+        self._book.unplace(trajectory)
+
+    async def place_service(self, cid: str, service: str) -> tuple[int, str, Any]:
+        await self._ready()
+        return self._book.place_service(cid, service)
+
+    async def unplace_service(self, ticket: int, seq: int, resident: list[str]) -> None:
+        await self._ready()
+        self._book.unplace_service(ticket, seq, resident)

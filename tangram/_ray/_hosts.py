@@ -1,0 +1,160 @@
+"""A worker's handles on host agents: a trajectory's sandbox, a block on a GPU service.
+
+What ``remote.sandbox(...)`` and ``remote.service(...)`` open: the scheduler actor picks
+the host (:mod:`._placement`), then every call goes straight to that host's agent as one
+Ray call, by value. A Ray error on the way is converted here into the error the local
+executor would raise for a dead sandbox or service.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import ray
+import ray.exceptions
+
+from ..errors import (
+    GpuPoolClosedError,
+    GpuServiceError,
+    SandboxBrokenError,
+    SchedulerUnavailableError,
+)
+
+if TYPE_CHECKING:
+    from .._core._demand import Elastic
+    from .._sandbox._backend import RunResult
+
+__all__ = ["RemoteSandbox", "RemoteService", "open_sandbox", "open_service"]
+
+
+class RemoteSandbox:
+    """A trajectory's sandbox on a host agent: ``run``, ``put`` and ``get`` as on a Sandbox."""
+
+    def __init__(self, agent: Any, trajectory_id: str, host: str) -> None:
+        self._agent = agent
+        self.trajectory_id = trajectory_id
+        self.host = host
+
+    def __repr__(self) -> str:
+        return f"<tangram.ray.RemoteSandbox trajectory={self.trajectory_id!r} host={self.host!r}>"
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return await getattr(self._agent, method).remote(self.trajectory_id, *args)
+        except ray.exceptions.RayTaskError as exc:
+            raise exc.cause from exc
+        except ray.exceptions.RayError as exc:
+            raise SandboxBrokenError(f"the host agent {self.host!r} is gone: {exc}") from exc
+
+    async def run(
+        self,
+        command: str | Sequence[str] | None = None,
+        *,
+        code: str | None = None,
+        cpu: int | float | Elastic = 1,
+        timeout: float | None = None,  # noqa: ASYNC109 - the command's limit (see Sandbox.run)
+        stdin: bytes | str | None = None,
+        env: Mapping[str, str] | None = None,
+        kind: str | None = None,
+    ) -> RunResult:
+        """Run one action on the agent (see :meth:`tangram.Sandbox.run`)."""
+        kwargs = {
+            "command": command,
+            "code": code,
+            "cpu": cpu,
+            "timeout": timeout,
+            "stdin": stdin,
+            "env": env,
+            "kind": kind,
+        }
+        result: RunResult = await self._call("run", kwargs)
+        return result
+
+    async def put(self, path: str, data: bytes | str) -> None:
+        await self._call("put", path, data)
+
+    async def get(self, path: str) -> bytes:
+        data: bytes = await self._call("get", path)
+        return data
+
+
+@contextlib.asynccontextmanager
+async def open_sandbox(scheduler: Any, trajectory_id: str) -> AsyncIterator[RemoteSandbox]:
+    """Place ``trajectory_id`` through the ``scheduler`` actor and open its sandbox there."""
+    try:
+        host, agent = await scheduler.place.remote(trajectory_id)
+    except ray.exceptions.RayTaskError as exc:
+        raise exc.cause from exc
+    except ray.exceptions.RayError as exc:
+        raise SchedulerUnavailableError(f"the scheduler actor is unreachable: {exc}") from exc
+    sandbox = RemoteSandbox(agent, trajectory_id, host)
+    try:
+        await sandbox._call("open")
+        yield sandbox
+    finally:
+        with anyio.CancelScope(shield=True), contextlib.suppress(ray.exceptions.RayError):
+            await agent.close.remote(trajectory_id)
+            await scheduler.unplace.remote(trajectory_id)
+
+
+class RemoteService:
+    """A GPU model service lent to one block on a host agent: ``await svc(batch)``.
+
+    The cluster form of :class:`tangram.gpu.ServiceHandle`. The block stays on one host;
+    each call is one Ray call to its agent, which runs it as one action of its GpuPool
+    (joining a live replica, or restoring one, evicting idle services for room).
+    Batches and results travel by value.
+    """
+
+    def __init__(self, agent: Any, name: str, host: str) -> None:
+        self._agent = agent
+        self.name = name
+        self.host = host
+        self._open = True
+        self._seq = 0
+        self._resident: list[str] = []
+
+    def __repr__(self) -> str:
+        return f"<tangram.ray.RemoteService {self.name!r} host={self.host!r}>"
+
+    async def __call__(self, batch: Any) -> Any:
+        """Run ``batch`` on the service (see :class:`tangram.gpu.ServiceHandle`).
+
+        :raises GpuServiceError: the service failed, or its host agent is gone (the
+            Ray error in ``__cause__``).
+        :raises GpuPoolClosedError: the handle is used after its block ended.
+        """
+        if not self._open:
+            raise GpuPoolClosedError("the block ended: use the handle inside its `async with`")
+        try:
+            result, seq, resident = await self._agent.call_service.remote(self.name, batch)
+        except ray.exceptions.RayTaskError as exc:
+            raise exc.cause from exc
+        except ray.exceptions.RayError as exc:
+            raise GpuServiceError(
+                f"the host agent {self.host!r} serving {self.name!r} is gone: {exc}"
+            ) from exc
+        if seq > self._seq:
+            self._seq, self._resident = seq, resident
+        return result
+
+
+@contextlib.asynccontextmanager
+async def open_service(scheduler: Any, cid: str, name: str) -> AsyncIterator[RemoteService]:
+    """Place one block on service ``name`` for the proxy ``cid``; ends its ticket after."""
+    try:
+        ticket, host, agent = await scheduler.place_service.remote(cid, name)
+    except ray.exceptions.RayTaskError as exc:
+        raise exc.cause from exc
+    except ray.exceptions.RayError as exc:
+        raise SchedulerUnavailableError(f"the scheduler actor is unreachable: {exc}") from exc
+    service = RemoteService(agent, name, host)
+    try:
+        yield service
+    finally:
+        service._open = False
+        with anyio.CancelScope(shield=True), contextlib.suppress(ray.exceptions.RayError):
+            await scheduler.unplace_service.remote(ticket, service._seq, service._resident)

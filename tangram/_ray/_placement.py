@@ -1,0 +1,184 @@
+"""The host book: which host agent a trajectory's sandbox or a service block runs on.
+
+Pure bookkeeping, kept by the scheduler actor next to its leases: hosts as their agents
+registered them (cores as ``cpu@<agent>``, devices as ``gpu@<agent>``), where each open
+trajectory lives, and the open ``remote.service`` blocks per host. It knows nothing of
+leases or of the runtime; the actor applies the capacity changes it returns.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import SchedulerUnavailableError
+from ._protocol import logger
+
+__all__ = ["HostBook"]
+
+
+class _Host:
+    __slots__ = (
+        "agent",
+        "calls",
+        "cid",
+        "gpu_resource",
+        "gpus",
+        "name",
+        "placed",
+        "resident",
+        "resource",
+        "seen_seq",
+        "services",
+        "units",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        resource: str,
+        units: int,
+        agent: Any,
+        cid: str,
+        gpu: Mapping[str, Any] | None,
+    ) -> None:
+        self.name = name
+        self.resource = resource
+        self.units = units
+        self.agent = agent
+        self.cid = cid
+        self.placed = 0
+        self.gpu_resource: str | None = None if gpu is None else gpu["resource"]
+        self.gpus: int = 0 if gpu is None else gpu["units"]
+        self.services: frozenset[str] = frozenset(() if gpu is None else gpu["services"])
+        self.resident: frozenset[str] = frozenset(() if gpu is None else gpu["resident"])
+        self.seen_seq = 0  # the agent's residency report this copy is from
+        self.calls = 0  # open ``remote.service`` blocks placed here
+
+
+class HostBook:
+    """The registered hosts and what is placed on them."""
+
+    def __init__(self) -> None:
+        self._hosts: dict[str, _Host] = {}
+        self._placements: dict[str, str] = {}
+        self._tickets = itertools.count(1)
+        self._service_calls: dict[int, tuple[str, str]] = {}  # ticket -> (host, cid)
+
+    def add(
+        self,
+        name: str,
+        resource: str,
+        units: int,
+        agent: Any,
+        cid: str,
+        gpu: Mapping[str, Any] | None,
+    ) -> dict[str, object]:
+        """Register a host agent (whose proxy is ``cid``); returns the capacity it adds."""
+        host = _Host(name, resource, units, agent, cid, gpu)
+        self._hosts[name] = host
+        updates: dict[str, object] = {resource: units}
+        if host.gpu_resource is not None:
+            updates[host.gpu_resource] = host.gpus
+        return updates
+
+    def drop(self, cid: str) -> dict[str, object]:
+        """A proxy is gone: its service blocks end, its hosts leave; returns the capacity lost."""
+        for ticket, (_, owner) in list(self._service_calls.items()):
+            if owner == cid:
+                self._end_service_call(ticket)
+        gone: dict[str, object] = {}
+        for host in [h for h in self._hosts.values() if h.cid == cid]:
+            logger.warning("host agent %r stopped answering; its capacity is now 0", host.name)
+            del self._hosts[host.name]
+            gone[host.resource] = 0
+            if host.gpu_resource is not None:
+                gone[host.gpu_resource] = 0
+        return gone
+
+    def describe(self) -> dict[str, dict[str, Any]]:
+        return {
+            h.name: {
+                "resource": h.resource,
+                "units": h.units,
+                "placed": h.placed,
+                "gpu_resource": h.gpu_resource,
+                "gpus": h.gpus,
+                "services": sorted(h.services),
+                "resident": sorted(h.resident),
+                "calls": h.calls,
+            }
+            for h in self._hosts.values()
+        }
+
+    def place(self, trajectory: str) -> tuple[str, Any]:
+        """The host for ``trajectory``'s sandbox: where it already is, else the least loaded.
+
+        Load is sandboxes placed per core; a trajectory's actions then all run on the
+        host that keeps its files.
+
+        :raises SchedulerUnavailableError: no host agent is registered.
+        """
+        name = self._placements.get(trajectory)
+        host = self._hosts.get(name) if name is not None else None
+        if host is None:
+            if not self._hosts:
+                raise SchedulerUnavailableError("no host agent is registered with the scheduler")
+            host = min(self._hosts.values(), key=lambda h: (h.placed / max(h.units, 1), h.name))
+            host.placed += 1
+            self._placements[trajectory] = host.name
+        return host.name, host.agent
+
+    def unplace(self, trajectory: str) -> None:
+        name = self._placements.pop(trajectory, None)
+        host = self._hosts.get(name) if name is not None else None
+        if host is not None:
+            host.placed -= 1
+
+    def place_service(self, cid: str, service: str) -> tuple[int, str, Any]:
+        """The host for one ``remote.service(service)`` block, and its ticket.
+
+        Mirrors the pool's own rule one level up: a host where the service is resident
+        (no restore) wins while it has fewer open blocks than devices; once every such
+        host is that busy, the least busy host that serves it, so calls spread over the
+        cluster's devices instead of queueing on one.
+
+        :raises LookupError: no registered host serves ``service``.
+        """
+        serving = [h for h in self._hosts.values() if service in h.services and h.gpus > 0]
+        if not serving:
+            offered = sorted({s for h in self._hosts.values() for s in h.services})
+            raise LookupError(
+                f"no host agent serves {service!r} (served: {offered}): start one with "
+                "tangram.ray.start_agent(..., services=[...])"
+            )
+
+        def key(h: _Host) -> tuple[bool, bool, float, str]:
+            load = h.calls / h.gpus
+            return (load >= 1, service not in h.resident, load, h.name)
+
+        host = min(serving, key=key)
+        host.calls += 1
+        ticket = next(self._tickets)
+        self._service_calls[ticket] = (host.name, cid)
+        return ticket, host.name, host.agent
+
+    def unplace_service(self, ticket: int, seq: int, resident: list[str]) -> None:
+        """A service block ended; ``resident`` is its agent's residency as of report ``seq``."""
+        name = self._end_service_call(ticket)
+        host = self._hosts.get(name) if name is not None else None
+        # Reports travel through workers, and calls to an async actor may overtake each
+        # other: only a newer report than the one applied replaces it.
+        if host is not None and seq > host.seen_seq:
+            host.seen_seq = seq
+            host.resident = frozenset(resident)
+
+    def _end_service_call(self, ticket: int) -> str | None:
+        entry = self._service_calls.pop(ticket, None)
+        if entry is None:
+            return None
+        host = self._hosts.get(entry[0])
+        if host is not None:
+            host.calls -= 1
+        return entry[0]

@@ -1,0 +1,451 @@
+"""A worker's handle on the shared scheduler: ``acquire`` and ``run`` as on a Runtime.
+
+Every process talks to the scheduler actor through a :class:`RemoteRuntime`, which has
+the runtime's ``acquire``/``run`` and becomes what ``tangram.acquire`` reaches. It keeps
+at most one *send* in flight: acquires, releases and withdrawals made while it travels go
+in the next one, so a burst of a loop iteration is one call. Grants come back on the
+send's answer when the scheduler decided at once, otherwise on the *poll* it keeps
+waiting at the actor, which is also the heartbeat of the leases it holds (the wire is
+:mod:`._protocol`).
+
+Only asyncio: awaiting a Ray call needs an asyncio loop (trio code would pay a thread per
+call).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import math
+import uuid
+from collections.abc import Mapping
+from types import MappingProxyType, TracebackType
+from typing import Any
+
+import anyio
+import anyio.abc
+import anyio.lowlevel
+import ray
+import ray.exceptions
+
+from .._core._action import Action
+from .._core._resources import Capacity
+from .._runtime._lease import LeaseBase
+from .._runtime._run import RunMixin, Runtime
+from ..errors import (
+    AcquireReusedError,
+    InvalidCapacityError,
+    RuntimeClosedError,
+    SchedulerUnavailableError,
+)
+from ._hosts import RemoteSandbox, RemoteService, open_sandbox, open_service
+from ._protocol import CANCELLED, COMPLETED, FAILED, logger
+
+__all__ = ["RemoteAcquireContext", "RemoteLease", "RemoteRuntime"]
+
+
+class RemoteLease(LeaseBase):
+    """What ``async with remote.acquire(...) as lease:`` gives the body in a worker.
+
+    The same reading surface as :class:`tangram.Lease`: ``grant``, ``units``,
+    ``wait_resized()`` and the loop-clock times, taken in this process.
+    ``reclaimed`` says the actor took the units back because heartbeats stopped
+    arriving (this process stalled longer than the timeout); the block may still finish,
+    but its units may already serve someone else.
+    """
+
+    __slots__ = ("_action", "_grant", "_units", "lease_id", "reclaimed")
+
+    def __init__(
+        self,
+        action: Action,
+        lease_id: int,
+        grant: Mapping[str, float],
+        units: int | None,
+        queued_at: float,
+        now: float,
+    ) -> None:
+        self._action = action
+        self.lease_id = lease_id
+        self._grant = dict(grant)
+        self._units = units
+        self._resized: anyio.Event | None = None
+        self._seen = 0
+        self.resizes = 0
+        self.reclaimed = False
+        self.queued_at = queued_at
+        self.admitted_at = now
+        self.started_at = now
+        self.finished_at = math.nan
+
+    def __repr__(self) -> str:
+        return (
+            f"<tangram.ray.RemoteLease #{self.lease_id} kind={self._action.kind!r} "
+            f"grant={self._grant!r}>"
+        )
+
+    @property
+    def action(self) -> Action:
+        return self._action
+
+    @property
+    def grant(self) -> Mapping[str, float]:
+        return MappingProxyType(self._grant)
+
+    @property
+    def units(self) -> int | None:
+        return self._units
+
+    @property
+    def active(self) -> bool:
+        return math.isnan(self.finished_at) and not self.reclaimed
+
+    async def wait_resized(self) -> int:
+        """Wait until the scheduler changes this action's elastic units (see Lease)."""
+        await self._next_resize()
+        return self._units if self._units is not None else 0
+
+    def _resize(self, grant: Mapping[str, float], units: int | None) -> None:
+        self._grant = dict(grant)
+        self._units = units
+        self.resizes += 1
+        event, self._resized = self._resized, None
+        if event is not None:
+            event.set()
+
+
+class _Pending:
+    __slots__ = ("action", "done", "error", "lease", "queued_at")
+
+    def __init__(self, action: Action, queued_at: float) -> None:
+        self.action = action
+        self.queued_at = queued_at
+        self.done = anyio.Event()
+        self.lease: RemoteLease | None = None
+        self.error: BaseException | None = None
+
+
+class RemoteAcquireContext:
+    """The async context manager ``RemoteRuntime.acquire`` returns; enter it once.
+
+    A second entry raises :class:`~tangram.errors.AcquireReusedError`, as a local
+    context does: one context is one action.
+    """
+
+    __slots__ = ("_action", "_lease", "_remote", "_request")
+
+    def __init__(self, remote: RemoteRuntime, action: Action, request: tuple[Any, ...]) -> None:
+        self._remote = remote
+        self._action = action
+        self._request = request
+        self._lease: RemoteLease | None = None
+
+    @property
+    def action(self) -> Action:
+        return self._action
+
+    async def __aenter__(self) -> RemoteLease:
+        if self._lease is not None:
+            raise AcquireReusedError("an acquire context can be entered only once")
+        self._lease = await self._remote._enter(self._action, self._request)
+        return self._lease
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        assert self._lease is not None
+        if exc_type is None:
+            outcome = COMPLETED
+        elif issubclass(exc_type, Exception) and not issubclass(exc_type, asyncio.CancelledError):
+            outcome = FAILED
+        else:
+            outcome = CANCELLED
+        self._remote._release(self._lease, outcome)
+
+
+class RemoteRuntime(RunMixin):
+    """A worker's handle on the shared scheduler: ``acquire`` and ``run`` as on a Runtime.
+
+    Got from ``async with tangram.ray.connect(...) as remote:``, which also makes it what
+    ``tangram.acquire`` reaches. Demands are checked here, against the capacity the actor
+    reported, so bad input fails at the call with the same typed error as a local
+    runtime; the actor checks again (its capacity may have changed since).
+    """
+
+    def __init__(self, actor: Any, *, heartbeat: float, capacity: Capacity) -> None:
+        self._actor = actor
+        self._heartbeat = heartbeat
+        self._shadow = Runtime(capacity)
+        self._id = uuid.uuid4().hex
+        self._requests = itertools.count(1)
+        self._submits: dict[int, tuple[Any, ...]] = {}
+        self._releases: list[tuple[int, int]] = []
+        self._sending: Any = None  # the flusher's call in flight (a Ray ObjectRef)
+        self._withdraws: list[int] = []
+        self._pending: dict[int, _Pending] = {}
+        self._leases: dict[int, RemoteLease] = {}
+        self._dirty = anyio.Event()
+        self._task_group: anyio.abc.TaskGroup | None = None
+        self._open = False
+        self._error: BaseException | None = None
+        self.calls = 0
+
+    def __repr__(self) -> str:
+        state = "open" if self._open else "closed"
+        return f"<tangram.ray.RemoteRuntime {state} client={self._id[:8]}>"
+
+    @property
+    def actor(self) -> Any:
+        """The Ray actor handle of the scheduler."""
+        return self._actor
+
+    @property
+    def capacity(self) -> Capacity:
+        """The capacity as of the last refresh (connect, or ``set_capacity`` from here)."""
+        return self._shadow.capacity
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    async def _start(self) -> None:
+        task_group = anyio.create_task_group()
+        await task_group.__aenter__()
+        self._task_group = task_group
+        self._open = True
+        task_group.start_soon(self._flusher)
+        task_group.start_soon(self._poller)
+
+    async def _stop(self) -> None:
+        self._open = False
+        task_group, self._task_group = self._task_group, None
+        if task_group is not None:
+            task_group.cancel_scope.cancel()
+            await task_group.__aexit__(None, None, None)
+        error = RuntimeClosedError("the remote runtime closed while this action was waiting")
+        for pending in self._pending.values():
+            pending.error = error
+            pending.done.set()
+        self._pending.clear()
+        if self._error is None:
+            releases, self._releases = self._releases, []
+            with anyio.CancelScope(shield=True), contextlib.suppress(ray.exceptions.RayError):
+                if self._sending is not None:
+                    # An async actor does not run one caller's calls in order: the last
+                    # releases must land before the disconnect, or it would record them
+                    # as cancelled and ignore them when they come.
+                    await self._sending
+                await self._actor.disconnect.remote(self._id, releases)
+
+    # -- acquiring -------------------------------------------------------------------
+
+    def acquire(
+        self,
+        demand: Mapping[str, object] | None = None,
+        /,
+        *,
+        kind: str = "action",
+        trajectory: str | None = None,
+        estimate: float | None = None,
+        wait_timeout: float | None = None,
+        **amounts: object,
+    ) -> RemoteAcquireContext:
+        """Ask the shared scheduler for ``demand``: see :meth:`tangram.Runtime.acquire`.
+
+        :raises InvalidDemandError: (and its subclasses) at the call, as locally.
+        """
+        local = self._shadow.acquire(
+            demand,
+            kind=kind,
+            trajectory=trajectory,
+            estimate=estimate,
+            wait_timeout=wait_timeout,
+            **amounts,
+        )
+        sent = dict(demand) if demand is not None else dict(amounts)
+        return RemoteAcquireContext(
+            self, local.action, (sent, kind, trajectory, estimate, wait_timeout)
+        )
+
+    async def _enter(self, action: Action, request: tuple[Any, ...]) -> RemoteLease:
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        if self._error is not None:
+            raise SchedulerUnavailableError(
+                f"the scheduler actor is unreachable: {self._error}"
+            ) from self._error
+        if not self._open:
+            raise RuntimeClosedError("the remote runtime is not open")
+        request_id = next(self._requests)
+        pending = _Pending(action, anyio.current_time())
+        self._pending[request_id] = pending
+        self._submits[request_id] = (request_id, *request)
+        self._dirty.set()
+        try:
+            await pending.done.wait()
+        except BaseException:
+            self._pending.pop(request_id, None)
+            if pending.lease is not None:
+                self._release(pending.lease, CANCELLED)
+            elif self._submits.pop(request_id, None) is None:
+                self._withdraws.append(request_id)
+                self._dirty.set()
+            raise
+        if pending.error is not None:
+            raise pending.error
+        assert pending.lease is not None
+        return pending.lease
+
+    def _release(self, lease: RemoteLease, outcome: int) -> None:
+        if not math.isnan(lease.finished_at):
+            return
+        lease.finished_at = anyio.current_time()
+        self._leases.pop(lease.lease_id, None)
+        # Sent even for a lease the actor reclaimed: it finds nothing and changes nothing.
+        if self._error is None:
+            self._releases.append((lease.lease_id, outcome))
+            self._dirty.set()
+
+    # -- the two loops --------------------------------------------------------------------
+
+    async def _flusher(self) -> None:
+        """Send what accumulated, one call at a time: a call in flight batches the next."""
+        while True:
+            await self._dirty.wait()
+            self._dirty = anyio.Event()
+            # Let every task made ready in this loop iteration add to the batch first.
+            await anyio.lowlevel.checkpoint()
+            submits = list(self._submits.values())
+            releases, withdraws = self._releases, self._withdraws
+            self._submits, self._releases, self._withdraws = {}, [], []
+            self.calls += 1
+            self._sending = self._actor.send.remote(self._id, submits, releases, withdraws)
+            try:
+                events = await self._sending
+            except ray.exceptions.RayError as exc:
+                self._sending = None
+                self._fail(exc)
+                return
+            self._sending = None
+            self._dispatch(events)
+
+    async def _poller(self) -> None:
+        """Wait for grants at the actor; every call is also the heartbeat of our leases."""
+        while True:
+            self.calls += 1
+            try:
+                events = await self._actor.poll.remote(
+                    self._id, list(self._leases), self._heartbeat
+                )
+            except ray.exceptions.RayError as exc:
+                self._fail(exc)
+                return
+            self._dispatch(events)
+
+    def _fail(self, exc: BaseException) -> None:
+        logger.error("lost the scheduler actor: %s", exc)
+        self._error = exc
+        for pending in self._pending.values():
+            pending.error = SchedulerUnavailableError(f"the scheduler actor is unreachable: {exc}")
+            pending.error.__cause__ = exc
+            pending.done.set()
+        self._pending.clear()
+
+    def _dispatch(self, events: list[tuple[Any, ...]]) -> None:
+        now = anyio.current_time()
+        for event in events:
+            tag = event[0]
+            if tag == "grant":
+                _, request, lease_id, grant, units = event
+                pending = self._pending.pop(request, None)
+                if pending is None:
+                    continue  # withdrawn: the actor releases it when the withdrawal lands
+                lease = RemoteLease(pending.action, lease_id, grant, units, pending.queued_at, now)
+                self._leases[lease_id] = lease
+                pending.lease = lease
+                pending.done.set()
+            elif tag == "error":
+                _, request, error = event
+                pending = self._pending.pop(request, None)
+                if pending is not None:
+                    pending.error = error
+                    pending.done.set()
+            elif tag == "resize":
+                _, lease_id, grant, units = event
+                held = self._leases.get(lease_id)
+                if held is not None:
+                    held._resize(grant, units)
+            elif tag == "reclaimed":
+                self._reclaimed(event[1])
+            elif tag == "expired":
+                _, requests, leases = event
+                error = SchedulerUnavailableError(
+                    "this process sent no heartbeat for longer than the lease timeout; "
+                    "the scheduler dropped its waiting request"
+                )
+                for request in requests:
+                    pending = self._pending.pop(request, None)
+                    if pending is not None:
+                        pending.error = error
+                        pending.done.set()
+                for lease_id in leases:
+                    self._reclaimed(lease_id)
+
+    def _reclaimed(self, lease_id: int) -> None:
+        held = self._leases.pop(lease_id, None)
+        if held is not None:
+            held.reclaimed = True
+            logger.warning("the scheduler reclaimed lease %d (heartbeats late)", lease_id)
+
+    # -- sandboxes on host agents ----------------------------------------------------
+
+    def sandbox(self, trajectory_id: str) -> contextlib.AbstractAsyncContextManager[RemoteSandbox]:
+        """A sandbox for ``trajectory_id`` on the host the scheduler places it on.
+
+        ``async with remote.sandbox("traj-7") as sbx: await sbx.run("pytest -q", cpu=2)``:
+        the sandbox lives on one host agent (see :func:`tangram.ray.start_agent`) for the
+        block's whole life, so every action of the trajectory runs where its files are.
+        """
+        if not isinstance(trajectory_id, str):
+            raise TypeError(f"`trajectory_id` must be a string (got {trajectory_id!r})")
+        return open_sandbox(self._actor, trajectory_id)
+
+    def service(self, name: str) -> contextlib.AbstractAsyncContextManager[RemoteService]:
+        """A GPU model service on the host the scheduler picks, like ``GpuPool.use``.
+
+        ``async with remote.service("judge") as svc: scores = await svc(batch)``: the
+        block runs on one host agent that serves ``name`` (see
+        :func:`tangram.ray.start_agent`), preferably one where it is resident; each call
+        is one action on that agent's :class:`tangram.gpu.GpuPool`.
+
+        :raises TypeError: ``name`` is not a non-empty string (at the call).
+        :raises LookupError: no live host agent serves ``name`` (entering the block).
+        """
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"`name` must be a non-empty string (got {name!r})")
+        return open_service(self._actor, self._id, name)
+
+    # -- remote introspection ---------------------------------------------------------
+
+    async def _refresh(self) -> None:
+        """Fetch the actor's capacity again (a host agent added its cores)."""
+        info = await self._actor.info.remote()
+        self._shadow = Runtime(info["capacity"])
+
+    async def stats(self) -> Any:
+        """The shared runtime's :class:`tangram.Stats`."""
+        return await self._actor.stats.remote()
+
+    async def set_capacity(
+        self, capacity: Mapping[str, object] | None = None, /, **amounts: object
+    ) -> None:
+        """Change the shared capacity (see :meth:`tangram.Runtime.set_capacity`)."""
+        if capacity is not None and not isinstance(capacity, Mapping):
+            raise InvalidCapacityError(
+                f"capacity must be a mapping of name to amount (got {capacity!r})"
+            )
+        updates = dict(capacity or {}, **amounts)
+        self._shadow.capacity.with_updates(updates)  # the same errors, raised here
+        new = await self._actor.set_capacity.remote(updates)
+        self._shadow = Runtime(new)
