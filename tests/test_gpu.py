@@ -122,6 +122,15 @@ def test_core_import_does_not_import_torch() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_gpu_import_does_not_import_torch_nor_nvml() -> None:
+    # torch comes with the first service that loads, NVML with the first device query.
+    code = (
+        "import sys, tangram.gpu; "
+        "assert 'torch' not in sys.modules; assert 'pynvml' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_device_parses_sizes_and_rejects_nonsense() -> None:
     assert Device("cpu:0", memory="64MiB").memory == 64 * MIB
     assert Device("cuda:1", memory=10).kind == "gpu_mem:cuda:1"
@@ -955,7 +964,7 @@ async def test_a_multi_gpu_replica_waits_for_one_nvlink_group_rather_than_stradd
 
 
 def test_the_default_split_makes_the_largest_stage_as_small_as_it_can_be() -> None:
-    from tangram._gpu._pool import _balance
+    from tangram._gpu._torch import _balance
 
     assert _balance([5, 1, 1, 1, 5], 3) == [1, 3, 1]
     assert max(sum(run) for run in _runs([5, 1, 1, 1, 5], _balance([5, 1, 1, 1, 5], 2))) == 7

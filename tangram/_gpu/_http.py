@@ -24,7 +24,8 @@ import anyio
 import httpx
 
 from ..errors import GpuOutOfMemoryError, GpuServiceError
-from ._pool import Device, ModelService
+from ._devices import Device
+from ._service import ModelService
 
 __all__ = ["HttpModelService", "SglangService", "VllmService"]
 

@@ -38,6 +38,7 @@ from .._core._estimator import Estimator
 from .._core._ledger import Ledger
 from .._core._policy import RUNNING, ElasticPolicy, Entry, FcfsPolicy, Policy
 from .._core._resources import Capacity, parse_capacity
+from .._core._validate import number
 from ._simulate import ActionRecord, SimulationResult, simulate
 from ._trace import Trace, TraceAction
 
@@ -582,13 +583,8 @@ def simulate_k8s(
 
     :raises ValueError: a negative or non-finite lag.
     """
-    if (
-        isinstance(lag, bool)
-        or not isinstance(lag, (int, float))
-        or not (math.isfinite(lag) and lag >= 0)
-    ):
-        raise ValueError(f"`lag` must be >= 0 seconds and finite (got {lag!r})")
-    return _K8s(trace, overrides, static_units, float(lag)).run()
+    lag = number("lag", lag, type_error=ValueError)
+    return _K8s(trace, overrides, static_units, lag).run()
 
 
 def simulate_static(

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import attrs
 
+from .._core._validate import whole
 from ._trace import FORMAT
 
 __all__ = ["WORKLOADS", "GenerateConfig", "generate", "generate_lines"]
@@ -51,8 +52,7 @@ def _workload(instance: object, attribute: attrs.Attribute[str], value: str) -> 
 
 
 def _at_least_one(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"`{attribute.name}` must be a whole number >= 1 (got {value!r})")
+    whole(attribute.name, value, minimum=1, type_error=ValueError)
 
 
 @attrs.frozen(kw_only=True)

@@ -11,25 +11,26 @@ running action is never evicted: its devices are busy, and only free devices are
 chosen. Which actions share a replica (batching) is the simulator's pool model, not this.
 
 No clock and no I/O: times are passed in, so the model is a pure function of the calls.
+The rules it shares with the live pool (which idle replicas an eviction takes, how the
+devices are warmed) are those of ``tangram/_core/_placement.py``; what is its own is the
+simulator's device model, a count of GPUs with no topology, each of ``memory_gib``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import attrs
+
+from .._core import _placement as rules
+from .._core._validate import non_negative, whole
 
 __all__ = ["ServiceSpec", "Placement", "Residency"]
 
 
-# attrs' own validators: a number of seconds or GiB (>= 0, finite), a whole count >= 1.
-_AMOUNT = [
-    attrs.validators.instance_of((int, float)),
-    attrs.validators.ge(0.0),
-    attrs.validators.lt(math.inf),
-]
-_COUNT = [attrs.validators.instance_of(int), attrs.validators.ge(1)]
+def _count(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    whole(attribute.name, value, minimum=1)
 
 
 @attrs.frozen(kw_only=True)
@@ -43,17 +44,20 @@ class ServiceSpec:
     """
 
     name: str
-    gpus: int = attrs.field(default=1, validator=_COUNT)
-    gpu_mem_gib: float = attrs.field(default=0.0, validator=_AMOUNT)
-    restore_seconds: float = attrs.field(default=0.0, validator=_AMOUNT)
-    max_batch: int = attrs.field(default=1, validator=_COUNT)
+    gpus: int = attrs.field(default=1, validator=_count)
+    gpu_mem_gib: float = attrs.field(default=0.0, validator=non_negative)
+    restore_seconds: float = attrs.field(default=0.0, validator=non_negative)
+    max_batch: int = attrs.field(default=1, validator=_count)
 
     @property
     def per_device(self) -> float:
         return self.gpu_mem_gib / self.gpus
 
 
-class _Replica:
+class _ResidentCopy:
+    """One replica of a service in the simulated devices' memory; ``busy`` while an
+    action runs on it."""
+
     __slots__ = ("busy", "devices", "last_used", "service")
 
     def __init__(self, service: str, devices: tuple[int, ...], now: float) -> None:
@@ -69,7 +73,7 @@ class Placement:
 
     devices: tuple[int, ...]
     restore_seconds: float
-    replica: _Replica | None = attrs.field(eq=False, repr=False)
+    replica: _ResidentCopy | None = attrs.field(eq=False, repr=False)
 
 
 class Residency:
@@ -94,7 +98,7 @@ class Residency:
         self.services = dict(services)
         self.memory = memory_gib
         self._busy = [False] * devices
-        self._resident: list[list[_Replica]] = [[] for _ in range(devices)]
+        self._resident: list[list[_ResidentCopy]] = [[] for _ in range(devices)]
         self._used = [0.0] * devices
         self.restores = 0
         self.evictions = 0
@@ -104,9 +108,9 @@ class Residency:
     def devices(self) -> int:
         return len(self._busy)
 
-    def _idle_replica(self, service: str) -> _Replica | None:
+    def _idle_replica(self, service: str) -> _ResidentCopy | None:
         """The most recently used resident replica of ``service`` whose devices are free."""
-        best: _Replica | None = None
+        best: _ResidentCopy | None = None
         for device in range(self.devices):
             if self._busy[device]:
                 continue
@@ -128,27 +132,26 @@ class Residency:
         each while there is room, and so on, as the static baseline shares its GPUs out.
         Evicts nothing, and never puts two replicas of a service on one device.
         """
-        placed = 0
-        while True:
-            before = placed
-            for name, service in self.services.items():
-                need = service.per_device
-                room = [
-                    d
-                    for d in range(self.devices)
-                    if self.memory - self._used[d] >= need - 1e-9
-                    and all(r.service != name for r in self._resident[d])
-                ]
-                if len(room) < service.gpus:
-                    continue
-                replica = _Replica(name, tuple(room[: service.gpus]), -math.inf)
-                replica.busy = False
-                for device in replica.devices:
-                    self._resident[device].append(replica)
-                    self._used[device] += need
-                placed += 1
-            if placed == before:
-                return placed
+        wanted = [rules.Wanted(name, s.per_device) for name, s in self.services.items()]
+        free = {d: self.memory - self._used[d] for d in range(self.devices)}
+        plan = rules.fill(wanted, free, self._warm_devices)
+        for name, devices in plan:
+            replica = _ResidentCopy(name, devices, -math.inf)
+            replica.busy = False
+            for device in devices:
+                self._resident[device].append(replica)
+                self._used[device] += self.services[name].per_device
+        return len(plan)
+
+    def _warm_devices(
+        self, wanted: rules.Wanted, free: Mapping[int, float], taken: Collection[int]
+    ) -> tuple[int, ...] | None:
+        """The first devices with room for one more replica, in device order."""
+        room = [
+            d for d in range(self.devices) if d not in taken and rules.fits(free[d], wanted.need)
+        ]
+        gpus = self.services[wanted.name].gpus
+        return tuple(room[:gpus]) if len(room) >= gpus else None
 
     def restore_cost(self, service: str) -> float:
         """Seconds an action on ``service`` arriving now would spend restoring it.
@@ -185,7 +188,7 @@ class Residency:
             return Placement(chosen, 0.0, None)
         for device in chosen:
             self._make_room(device, need, service)
-        replica = _Replica(service, chosen, now)
+        replica = _ResidentCopy(service, chosen, now)
         for device in chosen:
             self._resident[device].append(replica)
             self._used[device] += need
@@ -242,22 +245,17 @@ class Residency:
         costs.sort()
         return tuple(sorted(device for *_, device in costs[:count]))
 
-    def _victims(self, device: int, need: float, service: str | None) -> list[_Replica]:
+    def _victims(self, device: int, need: float, service: str | None) -> list[_ResidentCopy]:
         """Idle replicas to evict from ``device``, least recently used first, for ``need``."""
         idle = sorted(self._resident[device], key=lambda r: r.last_used)
         # A replica of the same service on these devices is stale (its other devices are
         # busy): it goes, so a service never has two replicas on one device.
-        victims = [r for r in idle if r.service == service]
-        free = self.memory - self._used[device] + sum(self._share(r) for r in victims)
-        for replica in idle:
-            if free >= need - 1e-9:
-                break
-            if replica.service != service:
-                victims.append(replica)
-                free += self._share(replica)
-        return victims
+        stale = [r for r in idle if r.service == service]
+        free = self.memory - self._used[device] + sum(self._share(r) for r in stale)
+        others = [rules.Idle(r, self._share(r), r.last_used) for r in idle if r.service != service]
+        return stale + rules.evictions(others, free=free, need=need)
 
-    def _share(self, replica: _Replica) -> float:
+    def _share(self, replica: _ResidentCopy) -> float:
         return self.services[replica.service].per_device
 
     def _make_room(self, device: int, need: float, service: str) -> None:

@@ -16,6 +16,7 @@ from typing import Literal, cast
 
 import attrs
 
+from .._core import _placement as rules
 from .._core._action import Action
 from .._core._demand import Demand, build_demand
 from .._core._efficiency import Efficiency, Estimate, Linear
@@ -24,24 +25,17 @@ from .._core._ledger import Ledger
 from .._core._policy import RUNNING, ElasticPolicy, Entry, Policy
 from .._core._resources import Capacity, parse_capacity
 from .._core._stats import nearest_rank
+from .._core._validate import seconds
 from ._residency import Placement, Residency, ServiceSpec
 
 __all__ = ["ActionRecord", "SimulationResult", "Step", "simulate"]
 
 _ARRIVE, _FINISH, _WAKE, _SERVED = 0, 1, 2, 3
-# A running replica is asked to drain for a waiting one only after holding its GPUs this
-# many times its restore time, so a restore is at most a third of a replica's tenure.
-# Measured on mopd-2048 at 10 GPUs, seeds 0 and 2: mean ACT 0.77 and 0.78 s with 0, 0.72
-# and 0.73 s with 2, 1.18 and 0.94 s with 4 (a popular service then waits too long).
-_TENURE = 2.0
 
 
 def _seconds(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
     # A negative or NaN time would move the virtual clock backwards or stall it.
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"`{attribute.name}` must be a number of seconds (got {value!r})")
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"`{attribute.name}` must be >= 0 and finite (got {value!r})")
+    seconds(attribute.name, value)
 
 
 def _step_efficiency(
@@ -365,7 +359,9 @@ class _Pool:
     resident) plus the action's run time as its estimate: the ledger and the policy decide
     when a replica gets GPUs, :class:`~tangram._sim._residency.Residency` which devices and
     whether a restore is paid. The grant goes back when the replica's last action ends;
-    the replica stays resident, idle and evictable.
+    the replica stays resident, idle and evictable. Which replica a newcomer joins, when
+    it waits rather than start another, and which replicas drain for a waiter are the
+    live pool's rules, called from ``tangram/_core/_placement.py``.
     """
 
     def __init__(self, residency: Residency, ledger: Ledger) -> None:
@@ -394,10 +390,22 @@ class _Pool:
         if self.draining:
             # A replica chosen to hand its GPUs on takes no newcomer, so it drains.
             live = [h for h in live if h not in self.draining]
-        roomy = [h for h in live if h.users < spec.max_batch]
         restore = self.residency.restore_cost(service)
-        if roomy or (live and self._queue_on(live, spec, action, restore)):
-            hold = min(roomy or live, key=lambda h: h.users)
+        pick = rules.seat([h.users for h in live], seats=spec.max_batch, may_grow=True)
+        if pick is None and live:
+            # A new replica needs GPUs free now (one that waits for GPUs serves no one
+            # sooner), and a restore unless an idle one is resident.
+            room = self.ledger.free["gpu"] - self.asked >= spec.gpus
+            least = min(live, key=lambda h: h.users)
+            if rules.queues(
+                least.users,
+                seats=spec.max_batch,
+                run_seconds=action.estimate.seconds_at_1,
+                restore_seconds=restore if room else None,
+            ):
+                pick = live.index(least)
+        if pick is not None:
+            hold = live[pick]
             hold.users += 1
             hold.pending.append((action, step, index, now))
             if hold.entry.state == RUNNING:
@@ -413,51 +421,25 @@ class _Pool:
         self.asked += spec.gpus
         return entry
 
-    def _queue_on(
-        self, live: list[_Hold], spec: ServiceSpec, action: Action, restore: float
-    ) -> bool:
-        """Whether a newcomer finding every replica full waits on one rather than a new one.
-
-        A new replica needs GPUs free now (one that waits for GPUs serves no one sooner),
-        and a restore unless an idle one is resident. A full replica frees a seat every
-        ``seconds / max_batch`` on average, so the newcomer waits there unless its place in
-        line is further back than the restore: on mopd-2048 at 16 GPUs, restoring a third
-        replica of the busiest teacher at once cost more than queueing on the two it had.
-        """
-        if self.ledger.free["gpu"] - self.asked < spec.gpus:
-            return True
-        backlog = min(h.users for h in live) - spec.max_batch + 1
-        return backlog * action.estimate.seconds_at_1 / spec.max_batch < restore
-
     def _yield(self, now: float) -> None:
-        """Choose running replicas to drain until the waiting ones' GPUs are on the way.
-
-        A busy service keeps joining its replica and would hold its GPUs for as long as it
-        is busy, starving a service that waits for devices. So the least loaded running
-        replicas that have held their GPUs for ``_TENURE`` restores (then the longest
-        granted) stop taking newcomers, as many as the waiters need beyond the free GPUs;
-        every other replica keeps serving. Draining every replica whenever any waited (the
-        rule before) made each busy service ask for a new replica too, so one waiter
-        rotated the whole pool.
-        """
-        coming = sum(h.gpus for h in self.draining)
-        deficit = self.asked - max(0.0, self.ledger.free["gpu"]) - coming
-        if deficit <= 0:
-            return
+        """Mark running replicas draining until the waiting ones' GPUs are on the way
+        (the rule and its reasons: :func:`tangram._core._placement.drains`)."""
         services = self.residency.services
         running = [
-            h
-            for h in self.holds.values()
-            if h.entry.state == RUNNING
-            and h not in self.draining
-            and now - h.entry.admitted_at >= _TENURE * services[h.service].restore_seconds
+            rules.Holding(
+                hold,
+                {"gpu": hold.gpus},
+                users=hold.users,
+                granted_at=hold.entry.admitted_at,
+                restore_seconds=services[hold.service].restore_seconds,
+                draining=hold in self.draining,
+            )
+            for hold in self.holds.values()
+            if hold.entry.state == RUNNING
         ]
-        running.sort(key=lambda h: (h.users, h.entry.admitted_at, h.entry.seq))
-        for hold in running:
-            if deficit <= 0:
-                break
-            self.draining.add(hold)
-            deficit -= hold.gpus
+        wanted = {"gpu": float(self.asked)}
+        free = {"gpu": self.ledger.free["gpu"]}
+        self.draining.update(rules.drains(running, wanted=wanted, free=free, now=now))
 
     def granted(self, entry: Entry, now: float, push: Callable[[float, int, object], None]) -> bool:
         """Place a replica whose grant came; start its actions once restored."""

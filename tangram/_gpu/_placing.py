@@ -1,0 +1,274 @@
+"""The live pool's books, and its decisions made from them by the pure placement rules.
+
+The books: each device's resident, granted and peak bytes, the NVLink groups, every
+service's replicas. The decisions (which replica an action joins, where a new one goes,
+which running ones drain for a waiter, which idle one is evicted, what is warmed) are the
+rules of ``tangram/_core/_placement.py``, which the simulator calls too; this module only
+turns the books into their arguments and their answers back into replicas. Synchronous
+and without a clock: the time comes in as an argument, as it does to the rules.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Collection, Mapping, Sequence
+
+from .._core import _placement as rules
+from ..errors import GpuOutOfMemoryError
+from ._devices import Device
+from ._replica import PoolReplica, Residency, ServiceState
+
+__all__ = ["Placer"]
+
+
+class Placer:
+    """Where a GPU pool's replicas are and go: its books and its placement decisions."""
+
+    def __init__(self, services: Mapping[str, ServiceState]) -> None:
+        self.services = services
+        self.devices: list[Device] = []
+        self.groups: list[tuple[int, ...]] = []
+        self.resident: dict[str, int] = {}
+        self.leased: dict[str, int] = {}
+        self.peak: dict[str, int] = {}
+        self._clock = 0
+
+    def open(self, devices: Sequence[Device], groups: Sequence[tuple[int, ...]]) -> None:
+        """Start the books on ``devices`` (each with an index) linked as ``groups``."""
+        self.devices = list(devices)
+        self.groups = list(groups)
+        for device in self.devices:
+            self.resident[device.name] = self.leased[device.name] = self.peak[device.name] = 0
+
+    def tick(self) -> float:
+        """The next use stamp: LRU order needs only which use came last, not a clock."""
+        self._clock += 1
+        return float(self._clock)
+
+    def check_fits(self, state: ServiceState) -> None:
+        """Refuse a service bound to unknown devices, or larger than the devices.
+
+        :raises ValueError: a slot names a device the pool does not have.
+        :raises GpuOutOfMemoryError: too few devices can hold one replica's memory.
+        """
+        service = state.service
+        assert service.memory is not None
+        slots = service.slots()
+        if slots is not None:
+            names = {d.name for d in self.devices}
+            for slot in slots:
+                unknown = [n for n in slot if n not in names]
+                if unknown:
+                    raise ValueError(f"{service.name!r} is bound to unknown devices {unknown}")
+        big_enough = [d for d in self.devices if d.memory >= service.memory]
+        if len(big_enough) < service.gpus:
+            raise GpuOutOfMemoryError(
+                f"{service.name!r} needs {service.memory} bytes on {service.gpus} device(s); "
+                f"the largest device has {max(d.memory for d in self.devices)}"
+            )
+
+    # -- actions ---------------------------------------------------------------------------
+
+    def attach(self, state: ServiceState, now: float) -> tuple[PoolReplica, bool] | None:
+        """The replica a new action runs on, and whether it must be started for it.
+
+        ``None`` when the service's own draining replicas block every option (their
+        devices, or ``max_replicas``): the action waits for one of them to stop.
+        """
+        self.drain(now)
+        service = state.service
+        alive = [r for r in state.replicas if r.alive]
+        live = [r for r in alive if r.error is None and not r.draining]
+        seats = rules.seats(service.max_batch, service.batching)
+        may_grow = len(alive) < service.max_replicas
+        index = rules.seat([r.users for r in live], seats=seats, may_grow=may_grow)
+        if index is not None:
+            return live[index], False
+        if live:
+            least = min(live, key=lambda r: r.users)
+            # Elastic: another copy only when a device has room now, and when the
+            # newcomer's place in line on ``least`` is longer than that copy's restore.
+            devices = self.choose(state, room_now=True)
+            restore = None if devices is None else self._restore_on(state, devices)
+            if rules.queues(
+                least.users, seats=seats, run_seconds=state.run_seconds, restore_seconds=restore
+            ):
+                return least, False
+            assert devices is not None
+        else:
+            if not may_grow:
+                return None
+            devices = self.choose(state, room_now=False)
+            if devices is None:
+                return None
+        return self.replica_on(state, devices), True
+
+    def _restore_on(self, state: ServiceState, devices: tuple[Device, ...]) -> float:
+        """What a new replica on ``devices`` costs before it serves: 0 where an idle copy
+        is resident there, else a restore."""
+        resident = any(
+            r.devices == devices and r.residency is Residency.RESIDENT and not r.alive
+            for r in state.replicas
+        )
+        return 0.0 if resident else state.restore_estimate()
+
+    def drain(self, now: float) -> None:
+        """Mark running replicas draining until the waiting ones' memory is on the way
+        (the rule and its reasons: :func:`tangram._core._placement.drains`)."""
+        replicas = [r for state in self.services.values() for r in state.replicas]
+        wanted = dict.fromkeys(self.leased, 0)
+        for r in replicas:
+            if r.alive and not r.leased and r.users > 0:
+                for d in r.devices:
+                    wanted[d.name] += r.memory
+        if not any(wanted.values()):
+            return
+        free = {d.name: d.memory - self.leased[d.name] for d in self.devices}
+        running = [
+            rules.Holding(
+                r,
+                dict.fromkeys((d.name for d in r.devices), r.memory),
+                users=r.users,
+                granted_at=r.granted_at,
+                restore_seconds=r.state.restore_estimate(),
+                draining=r.draining,
+                restored=r.ready.is_set(),  # a first restore's time is known by now
+            )
+            for r in replicas
+            if r.alive and r.leased
+        ]
+        for replica in rules.drains(running, wanted=wanted, free=free, now=now):
+            replica.draining = True
+
+    def replica_on(self, state: ServiceState, devices: tuple[Device, ...]) -> PoolReplica:
+        """The service's stopped replica on ``devices`` (it may still be resident), or a
+        new one numbered with the lowest free index."""
+        for replica in state.replicas:
+            if replica.devices == devices and not replica.alive:
+                return replica
+        used = {r.index for r in state.replicas}
+        index = next(i for i in itertools.count() if i not in used)
+        replica = PoolReplica(state, index, devices)
+        state.replicas.append(replica)
+        return replica
+
+    def free_now(self, device: Device) -> int:
+        """Memory not granted and not asked for by a replica waiting for its grant."""
+        asked = 0
+        for state in self.services.values():
+            for r in state.replicas:
+                if r.alive and not r.leased and device in r.devices:
+                    asked += r.memory
+        return device.memory - self.leased[device.name] - asked
+
+    def choose(self, state: ServiceState, *, room_now: bool) -> tuple[Device, ...] | None:
+        """Devices for a new replica of ``state``'s service (the rule:
+        :func:`tangram._core._placement.replica_devices`)."""
+        service = state.service
+        assert service.memory is not None
+        busy = {d.name for r in state.replicas if r.alive for d in r.devices}
+        by_name = {d.name: d for d in self.devices}
+        by_index = {d.index: d for d in self.devices if d.index is not None}
+        slots = service.slots()
+        open_devices: Collection[int] | None = None
+        if slots is not None:
+            places = [tuple(by_name[n] for n in slot) for slot in slots]
+            places = [o for o in places if not any(d.name in busy for d in o)]
+        else:
+            places = [
+                r.devices
+                for r in state.replicas
+                if not r.alive
+                and r.residency is Residency.RESIDENT
+                and not any(d.name in busy for d in r.devices)
+            ]
+            if not places or room_now:
+                open_devices = [
+                    d.index
+                    for d in self.devices
+                    if d.index is not None and d.name not in busy and d.memory >= service.memory
+                ]
+        pick = rules.replica_devices(
+            [_indices(o) for o in places],
+            groups=self.groups,
+            count=service.gpus,
+            need=service.memory,
+            free={i: float(self.free_now(d)) for i, d in by_index.items()},
+            open_devices=open_devices,
+            resident={
+                _indices(r.devices) for r in state.replicas if r.residency is Residency.RESIDENT
+            },
+            room_now=room_now,
+        )
+        return None if pick is None else tuple(by_index[i] for i in pick)
+
+    def victim(self, device: Device, keep: PoolReplica) -> PoolReplica | None:
+        """The replica on ``device`` to evict for ``keep``: one another restore is evicting
+        already, else the least recently used resident one that holds no grant."""
+        idle = [
+            rules.Idle(r, r.memory, r.last_used, going=r.residency is Residency.EVICTING)
+            for state in self.services.values()
+            for r in state.replicas
+            if r is not keep
+            and device in r.devices
+            and r.residency in (Residency.RESIDENT, Residency.EVICTING)
+            and not r.leased
+        ]
+        free = device.memory - self.resident[device.name]
+        chosen = rules.evictions(idle, free=free, need=keep.memory)
+        return chosen[0] if chosen else None
+
+    # -- warming ---------------------------------------------------------------------------
+
+    def warm_plan(self) -> list[PoolReplica]:
+        """The idle replicas to restore when the pool is entered (the rule:
+        :func:`tangram._core._placement.fill`), made on the books before any restore."""
+        wanted = []
+        for state in self.services.values():
+            assert state.service.memory is not None
+            wanted.append(
+                rules.Wanted(state.service.name, state.service.memory, state.service.max_replicas)
+            )
+        free = {d.name: float(d.memory - self.resident[d.name]) for d in self.devices}
+        plan = rules.fill(wanted, free, self._warm_devices)
+        by_name = {d.name: d for d in self.devices}
+        return [
+            self.replica_on(self.services[name], tuple(by_name[n] for n in names))
+            for name, names in plan
+        ]
+
+    def _warm_devices(
+        self, wanted: rules.Wanted, free: Mapping[str, float], taken: Collection[str]
+    ) -> tuple[str, ...] | None:
+        """Devices with room for one more idle replica of a service, or ``None``."""
+        service = self.services[wanted.name].service
+        need = wanted.need
+        slots = service.slots()
+        if slots is not None:
+            for slot in slots:
+                if not any(n in taken for n in slot) and all(
+                    rules.fits(free[n], need) for n in slot
+                ):
+                    return tuple(slot)
+            return None
+        capable = {
+            d.index: free[d.name]
+            for d in self.devices
+            if d.index is not None and d.name not in taken and d.memory >= need
+        }
+        roomy = {i: f for i, f in capable.items() if rules.fits(f, need)}
+        pick = rules.place(self.groups, roomy, service.gpus)
+        if pick is None:
+            return None
+        if not rules.linked(self.groups, pick):
+            # As for an action: a replica stays where it was restored, so it is not put
+            # across NVLink groups while one group could hold it once memory frees up.
+            wider = rules.place(self.groups, capable, service.gpus)
+            if wider is not None and rules.linked(self.groups, wider):
+                return None
+        by_index = {d.index: d.name for d in self.devices}
+        return tuple(by_index[i] for i in pick)
+
+
+def _indices(devices: Sequence[Device]) -> tuple[int, ...]:
+    return tuple(d.index for d in devices if d.index is not None)

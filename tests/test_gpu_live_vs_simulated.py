@@ -1,0 +1,258 @@
+"""The live GPU pool and the simulator place, evict and drain replicas the same way.
+
+Both call the placement rules of ``tangram/_core/_placement.py``; this runs one workload
+through each and compares what they did. Live: a :class:`tangram.gpu.GpuPool` on two CPU
+stand-in devices (``cpu:0``, ``cpu:1``: no GPU here, and none is needed, since the pool's
+decisions are the same code on any device) with model services that only take virtual
+time to restore and run, on trio with ``MockClock(autojump_threshold=0)``. Simulated:
+:func:`tangram.simulate` with the same services on two devices of one service's memory
+each.
+
+The two keep different books (the pool grants each device's bytes, the simulator a count
+of GPUs; the pool learns run times, the simulator is told them), so the workloads are
+chosen where the books agree: every service fills a device, so a device holds one
+replica; one action per replica at a time (``max_batch=1``, whose merged runs and the
+simulator's concurrent ones are then the same); ``max_replicas`` equal to the devices, so
+only the devices bound the replicas, as in the simulator; one replica waits for a grant
+at a time; each service's actions take the same time, so the pool's learnt run time is
+the simulator's; no two events at one instant except those one decision causes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import anyio
+import pytest
+import trio.testing
+from conftest import Backend, virtual_backend
+
+import tangram
+from tangram._sim import _simulate
+from tangram._sim._residency import Placement, Residency, ServiceSpec
+from tangram.gpu import Device, GpuPool, ModelService
+
+pytestmark = pytest.mark.anyio
+
+TOLERANCE = 1e-6
+DEVICES = 2
+MEMORY = 1000  # bytes live, one "GiB" simulated: a replica fills its device
+# (time, "restore" or "evict", service, device indices)
+Event = tuple[float, str, str, tuple[int, ...]]
+# (trajectory, step) -> (start of its run, end of its run)
+Runs = dict[tuple[str, int], tuple[float, float]]
+# trajectory -> [(service, seconds, gap before it)]
+Workload = Mapping[str, Sequence[tuple[str, float, float]]]
+
+
+@pytest.fixture
+def anyio_backend(autojump_clock: trio.testing.MockClock) -> Backend:
+    return virtual_backend(autojump_clock)
+
+
+# A waiter forcing a drain: a1 and a2 hold both devices with A, C comes and waits for
+# cpu:0, so when a3 comes A's replica there (the least loaded, then the longest held, past
+# its tenure) drains and a3 queues on the other one; C gets cpu:0 when a1 ends. Then B
+# waits for cpu:0 until C ends. Three services, two devices.
+DRAIN_RESTORES = {"A": 0.5, "B": 0.7, "C": 0.65}
+DRAIN: Workload = {
+    "a1": [("A", 3.0, 0.1)],
+    "a2": [("A", 3.0, 0.2)],
+    "c": [("C", 1.0, 1.0)],
+    "a3": [("A", 3.0, 2.0)],
+    "b": [("B", 1.0, 4.0)],
+}
+
+# Waiting in line against a restore: once A's run time (1 s) is known, a newcomer that
+# finds A's replica full waits there (one run) rather than restore A beside it (2 s);
+# B's actions find B resident where the pool was warmed.
+QUEUE_RESTORES = {"A": 2.0, "B": 0.3}
+QUEUE: Workload = {
+    "a": [("A", 1.0, 0.1), ("A", 1.0, 0.4)],
+    "a2": [("A", 1.0, 1.6)],
+    "b": [("B", 0.5, 1.7), ("B", 0.5, 0.45)],
+}
+
+
+class Stand(ModelService):
+    """A service that takes virtual time to restore and to run, and says what it did."""
+
+    def __init__(self, name: str, restore_seconds: float, log: list[Any]) -> None:
+        super().__init__(name, memory=MEMORY, max_replicas=DEVICES, max_batch=1)
+        self.restore_seconds = restore_seconds
+        self.log = log
+        self.where: dict[int, tuple[int, ...]] = {}
+        self.runs: Runs = {}
+        self.start = 0.0
+
+    def _now(self) -> float:
+        return anyio.current_time() - self.start
+
+    async def load(self) -> None:
+        pass
+
+    async def restore(self, replica: int, devices: tuple[Device, ...]) -> None:
+        where = tuple(int(d.name.split(":")[1]) for d in devices)
+        self.where[replica] = where
+        self.log.append((self._now(), "restore", self.name, where))
+        await anyio.sleep(self.restore_seconds)
+
+    async def evict(self, replica: int) -> None:
+        self.log.append((self._now(), "evict", self.name, self.where[replica]))
+
+    async def run(self, replica: int, batches: Sequence[Any]) -> list[Any]:
+        [(key, seconds)] = batches
+        started = self._now()
+        await anyio.sleep(seconds)
+        self.runs[key] = (started, self._now())
+        return [None]
+
+
+async def run_live(
+    workload: Workload, restores: Mapping[str, float]
+) -> tuple[dict[str, list[tuple[int, ...]]], list[Event], Runs, dict[str, Any]]:
+    log: list[Any] = []
+    services = [Stand(name, seconds, log) for name, seconds in restores.items()]
+    devices = [Device(f"cpu:{i}", memory=MEMORY) for i in range(DEVICES)]
+    async with GpuPool(services, devices=devices, links=[]) as pool:
+        warmed = {
+            name: [tuple(int(n.split(":")[1]) for n in names) for names in where]
+            for name, where in pool.residency().items()
+            if where
+        }
+        log.clear()
+        async with tangram.Runtime(capacity=pool.capacity()):
+            start = anyio.current_time()
+            for service in services:
+                service.start = start
+
+            async def rollout(name: str, steps: Sequence[tuple[str, float, float]]) -> None:
+                for index, (service, seconds, gap) in enumerate(steps):
+                    await anyio.sleep(gap)
+                    async with pool.use(service) as svc:
+                        await svc(((name, index), seconds))
+
+            async with anyio.create_task_group() as tg:
+                for name, steps in workload.items():
+                    tg.start_soon(rollout, name, steps)
+        # Before the pool closes, which evicts everything.
+        events = sorted(log, key=lambda e: e[0])
+        stats = pool.service_stats()
+    runs = {key: times for service in services for key, times in service.runs.items()}
+    return warmed, events, runs, stats
+
+
+class Recording(Residency):
+    """The simulator's residency model, noting each restore and eviction as it places."""
+
+    made: ClassVar[list[Recording]] = []
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.log: list[Event] = []
+        self.warmed: dict[str, list[tuple[int, ...]]] = {}
+        Recording.made.append(self)
+
+    def warm(self) -> int:
+        placed = super().warm()
+        self.warmed = self.resident()
+        return placed
+
+    def place(self, service: str | None, gpus: int, now: float) -> Placement:
+        before, restores = self.resident(), self.restores
+        placement = super().place(service, gpus, now)
+        after = self.resident()
+        for name, where in before.items():
+            for devices in where:
+                if devices not in after.get(name, []):
+                    self.log.append((now, "evict", name, devices))
+        if self.restores > restores:
+            assert service is not None
+            self.log.append((now, "restore", service, placement.devices))
+        return placement
+
+
+def run_simulated(
+    workload: Workload, restores: Mapping[str, float], monkeypatch: pytest.MonkeyPatch
+) -> tuple[Recording, Runs, tangram.SimulationResult]:
+    Recording.made = []
+    monkeypatch.setattr(_simulate, "Residency", Recording)
+    trajectories = {
+        name: [
+            tangram.Step(
+                demand={"gpu": 1}, seconds_at_1=seconds, gap=gap, kind=service, service=service
+            )
+            for service, seconds, gap in steps
+        ]
+        for name, steps in workload.items()
+    }
+    services = {
+        name: ServiceSpec(name=name, gpu_mem_gib=1.0, restore_seconds=seconds, max_batch=1)
+        for name, seconds in restores.items()
+    }
+    result = tangram.simulate(
+        trajectories, {"gpu": DEVICES}, services=services, gpu_mem_gib_per_device=1.0
+    )
+    [residency] = Recording.made
+    runs = {(r.trajectory, r.index): (r.admitted + r.overhead, r.finished) for r in result.records}
+    return residency, runs, result
+
+
+def assert_same_events(simulated: Sequence[Event], live: Sequence[Event]) -> None:
+    assert [e[1:] for e in live] == [e[1:] for e in simulated]
+    for got, want in zip(live, simulated, strict=True):
+        assert got[0] == pytest.approx(want[0], abs=TOLERANCE), f"{want} at {got[0]}"
+
+
+def assert_same_runs(simulated: Runs, live: Runs) -> None:
+    assert live.keys() == simulated.keys()
+    assert sorted(live, key=lambda k: live[k]) == sorted(simulated, key=lambda k: simulated[k])
+    for key, (start, end) in simulated.items():
+        assert live[key] == (
+            pytest.approx(start, abs=TOLERANCE),
+            pytest.approx(end, abs=TOLERANCE),
+        ), key
+
+
+@pytest.mark.parametrize(
+    ("workload", "restores"),
+    [(DRAIN, DRAIN_RESTORES), (QUEUE, QUEUE_RESTORES)],
+    ids=["drain", "queue"],
+)
+async def test_live_pool_places_as_the_simulator(
+    workload: Workload, restores: Mapping[str, float], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    residency, simulated_runs, result = run_simulated(workload, restores, monkeypatch)
+    warmed, live_events, live_runs, stats = await run_live(workload, restores)
+    assert warmed == residency.warmed
+    assert_same_events(residency.log, live_events)
+    assert_same_runs(simulated_runs, live_runs)
+    assert sum(s["restores"] for s in stats.values()) == result.restores
+    assert sum(s["evictions"] for s in stats.values()) == result.unloads
+
+
+def test_the_drain_workload_drains(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the drain workload is for, spelt out: without the drain, a3 would queue on
+    cpu:0 behind a1 and C would wait for a3 too."""
+    residency, runs, _ = run_simulated(DRAIN, DRAIN_RESTORES, monkeypatch)
+    assert residency.warmed == {"A": [(0,)], "B": [(1,)]}
+    assert residency.log == [
+        (pytest.approx(0.2), "evict", "B", (1,)),
+        (pytest.approx(0.2), "restore", "A", (1,)),
+        (pytest.approx(3.1), "evict", "A", (0,)),
+        (pytest.approx(3.1), "restore", "C", (0,)),
+        (pytest.approx(4.75), "evict", "C", (0,)),
+        (pytest.approx(4.75), "restore", "B", (0,)),
+    ]
+    # a3 waits for a2 on cpu:1, not for a1 on the draining replica on cpu:0.
+    assert runs["a3", 0] == (pytest.approx(3.7), pytest.approx(6.7))
+    assert runs["c", 0] == (pytest.approx(3.75), pytest.approx(4.75))
+    assert runs["b", 0] == (pytest.approx(5.45), pytest.approx(6.45))
+
+
+def test_the_queue_workload_queues(monkeypatch: pytest.MonkeyPatch) -> None:
+    residency, runs, result = run_simulated(QUEUE, QUEUE_RESTORES, monkeypatch)
+    assert residency.log == []  # nothing restored beside A: the line was shorter
+    assert runs["a2", 0] == (pytest.approx(2.5), pytest.approx(3.5))
+    assert (result.restores, result.unloads) == (0, 0)

@@ -1,0 +1,326 @@
+"""The GPU placement rules alone: pure functions of loads, free amounts and times.
+
+The live pool and the simulator both decide with these (``tests/test_gpu_live_vs_simulated.py``
+checks they then decide alike); here each rule is checked on small cases and, with
+hypothesis, on arbitrary inputs.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Collection, Mapping
+from pathlib import Path
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+import tangram
+from tangram._core import _placement as rules
+from tangram._core._placement import TENURE, Holding, Idle, Wanted
+
+loads = st.lists(st.integers(0, 8), max_size=6)
+
+
+# -- newcomers -----------------------------------------------------------------------------
+
+
+def test_seats_are_the_batch_of_a_batching_service_else_one() -> None:
+    assert rules.seats(4, batching=True) == 4
+    assert rules.seats(4, batching=False) == 1
+    assert rules.seats(None, batching=True) == 1
+
+
+@given(loads, st.integers(1, 4), st.booleans())
+def test_a_newcomer_joins_the_least_loaded_replica_with_a_seat(
+    seen: list[int], seats: int, may_grow: bool
+) -> None:
+    index = rules.seat(seen, seats=seats, may_grow=may_grow)
+    if not seen:
+        assert index is None
+        return
+    least = min(seen)
+    if least < seats or not may_grow:
+        # The first of the least loaded: the oldest replica wins a tie.
+        assert index == seen.index(least)
+    else:
+        assert index is None  # every one is full and another may start: weigh it
+
+
+def test_a_full_line_waits_where_it_is_when_that_is_sooner_than_a_restore() -> None:
+    # Second in line on a replica that frees a seat every 1 s, against a 3 s restore.
+    assert rules.queues(2, seats=1, run_seconds=1.0, restore_seconds=3.0)
+    assert not rules.queues(4, seats=1, run_seconds=1.0, restore_seconds=3.0)
+    # Four seats: a seat frees every 0.25 s, so the fifth action waits 0.25 s.
+    assert rules.queues(4, seats=4, run_seconds=1.0, restore_seconds=0.5)
+    # No room for another replica now: wait; an idle copy resident there: start it.
+    assert rules.queues(9, seats=1, run_seconds=1.0, restore_seconds=None)
+    assert not rules.queues(1, seats=1, run_seconds=1.0, restore_seconds=0.0)
+    # Before any run was measured the line's length is unknown: start another.
+    assert not rules.queues(1, seats=1, run_seconds=None, restore_seconds=100.0)
+
+
+@given(
+    st.integers(1, 20),
+    st.integers(1, 4),
+    st.floats(0.0, 10.0),
+    st.floats(0.0, 10.0),
+    st.floats(0.0, 10.0),
+)
+def test_a_longer_restore_never_turns_waiting_into_starting(
+    load: int, seats: int, run: float, restore: float, more: float
+) -> None:
+    load = max(load, seats)  # the replica is full
+    if rules.queues(load, seats=seats, run_seconds=run, restore_seconds=restore):
+        assert rules.queues(load, seats=seats, run_seconds=run, restore_seconds=restore + more)
+
+
+# -- draining ------------------------------------------------------------------------------
+
+
+def holding(
+    key: str,
+    users: int = 1,
+    granted_at: float = 0.0,
+    restore: float = 1.0,
+    where: str = "d0",
+    **kw: bool,
+) -> Holding[str]:
+    return Holding(key, {where: 1.0}, users, granted_at, restore, **kw)
+
+
+def test_the_least_loaded_replica_past_its_tenure_drains_for_a_waiter() -> None:
+    running = [
+        holding("busy", users=3, granted_at=0.0),
+        holding("light", users=1, granted_at=1.0),
+        holding("fresh", users=0, granted_at=9.5),  # granted 0.5 s ago: not past tenure
+    ]
+    assert rules.drains(running, wanted={"d0": 1.0}, free={"d0": 0.0}, now=10.0) == ["light"]
+    # Two waiters: the next least loaded goes too.
+    assert rules.drains(running, wanted={"d0": 2.0}, free={"d0": 0.0}, now=10.0) == [
+        "light",
+        "busy",
+    ]
+
+
+def test_nothing_drains_while_the_free_or_draining_amounts_cover_the_waiters() -> None:
+    running = [holding("a"), holding("b", draining=True)]
+    assert rules.drains(running, wanted={"d0": 1.0}, free={"d0": 1.0}, now=10.0) == []
+    assert rules.drains(running, wanted={"d0": 1.0}, free={"d0": 0.0}, now=10.0) == []
+    assert rules.drains(running, wanted={"d0": 2.0}, free={"d0": 0.0}, now=10.0) == ["a"]
+    assert rules.drains(running, wanted={}, free={}, now=10.0) == []
+
+
+def test_only_replicas_on_the_resources_the_waiters_lack_drain() -> None:
+    running = [holding("there", where="d1"), holding("here", users=5, where="d0")]
+    assert rules.drains(running, wanted={"d0": 1.0}, free={"d0": 0.0, "d1": 0.0}, now=10.0) == [
+        "here"
+    ]
+
+
+def test_the_tenure_is_counted_in_restore_times_and_waits_for_the_restore() -> None:
+    now = 10.0
+    at_tenure = holding("a", granted_at=now - TENURE * 2.0, restore=2.0)
+    short = holding("b", granted_at=now - TENURE * 2.0 + 0.01, restore=2.0)
+    restoring = holding("c", granted_at=0.0, restored=False)
+    got = rules.drains([at_tenure, short, restoring], wanted={"d0": 3.0}, free={}, now=now)
+    assert got == ["a"]
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 5),
+            st.floats(0.0, 10.0),
+            st.floats(0.0, 3.0),
+            st.booleans(),
+            st.sampled_from(["d0", "d1", "d2"]),
+        ),
+        max_size=8,
+    ),
+    st.dictionaries(st.sampled_from(["d0", "d1", "d2"]), st.floats(0.0, 4.0)),
+    st.dictionaries(st.sampled_from(["d0", "d1", "d2"]), st.floats(-1.0, 4.0)),
+)
+def test_drains_only_eligible_replicas_least_loaded_first_and_no_more_than_needed(
+    specs: list[tuple[int, float, float, bool, str]],
+    wanted: dict[str, float],
+    free: dict[str, float],
+) -> None:
+    now = 10.0
+    running = [
+        Holding(i, {where: 1.0}, users, granted, restore, draining=draining)
+        for i, (users, granted, restore, draining, where) in enumerate(specs)
+    ]
+    chosen = rules.drains(running, wanted=wanted, free=free, now=now)
+    picked = [running[i] for i in chosen]
+    assert len(set(chosen)) == len(chosen)
+    for h in picked:
+        assert not h.draining and now - h.granted_at >= TENURE * h.restore_seconds
+    assert [(h.users, h.granted_at) for h in picked] == sorted(
+        (h.users, h.granted_at) for h in picked
+    )
+    # Each drained replica was still needed: the waiters lacked what it holds, beyond the
+    # free amounts and what the draining replicas before it give back.
+    given_back: dict[str, float] = {}
+    for h in running:
+        if h.draining:
+            for k, v in h.holds.items():
+                given_back[k] = given_back.get(k, 0.0) + v
+    for h in picked:
+        [(where, amount)] = h.holds.items()
+        lack = wanted.get(where, 0.0) - max(0.0, free.get(where, 0.0)) - given_back.get(where, 0)
+        assert lack > 0
+        given_back[where] = given_back.get(where, 0.0) + amount
+
+
+# -- eviction and warming ------------------------------------------------------------------
+
+
+def test_evictions_take_a_going_replica_first_then_the_least_recently_used() -> None:
+    idle = [Idle("new", 1.0, 5.0), Idle("old", 1.0, 1.0), Idle("going", 1.0, 9.0, going=True)]
+    assert rules.evictions(idle, free=0.0, need=1.0) == ["going"]
+    assert rules.evictions(idle, free=0.0, need=2.0) == ["going", "old"]
+    assert rules.evictions(idle, free=1.0, need=1.0) == []
+    assert rules.evictions(idle, free=0.0, need=9.0) == ["going", "old", "new"]  # runs out
+
+
+@given(
+    st.lists(st.tuples(st.floats(0.1, 4.0), st.floats(-5.0, 5.0), st.booleans()), max_size=6),
+    st.floats(0.0, 4.0),
+    st.floats(0.0, 8.0),
+)
+def test_evictions_are_the_fewest_in_lru_order_that_make_room(
+    specs: list[tuple[float, float, bool]], free: float, need: float
+) -> None:
+    idle = [Idle(i, size, used, going) for i, (size, used, going) in enumerate(specs)]
+    chosen = rules.evictions(idle, free=free, need=need)
+    order = sorted(idle, key=lambda r: (not r.going, r.last_used))
+    assert chosen == [r.key for r in order[: len(chosen)]]
+    freed = free + sum(idle[i].size for i in chosen)
+    assert rules.fits(freed, need) or len(chosen) == len(idle)
+    if chosen:
+        assert not rules.fits(freed - idle[chosen[-1]].size, need)
+
+
+def first_fit(
+    wanted: Wanted, free: Mapping[int, float], taken: Collection[int], gpus: int = 1
+) -> tuple[int, ...] | None:
+    room = [d for d in sorted(free) if d not in taken and rules.fits(free[d], wanted.need)]
+    return tuple(room[:gpus]) if len(room) >= gpus else None
+
+
+def test_fill_warms_one_of_each_service_then_a_second_while_there_is_room() -> None:
+    services = [Wanted("a", 40.0, most=2), Wanted("b", 40.0), Wanted("c", 60.0)]
+    plan = rules.fill(services, {0: 80.0, 1: 80.0, 2: 80.0}, first_fit)
+    assert plan == [("a", (0,)), ("b", (0,)), ("c", (1,)), ("a", (2,)), ("b", (2,))]
+
+
+@given(
+    st.lists(
+        st.tuples(st.floats(1.0, 50.0), st.none() | st.integers(0, 3)), min_size=1, max_size=4
+    ),
+    st.lists(st.floats(0.0, 100.0), min_size=1, max_size=4),
+)
+def test_fill_never_overcommits_nor_doubles_a_service_on_a_device(
+    specs: list[tuple[float, int | None]], memory: list[float]
+) -> None:
+    services = [Wanted(f"s{i}", need, most) for i, (need, most) in enumerate(specs)]
+    free = dict(enumerate(memory))
+    plan = rules.fill(services, free, first_fit)
+    used = dict.fromkeys(free, 0.0)
+    seen: set[tuple[str, int]] = set()
+    count: dict[str, int] = {}
+    by_name = {s.name: s for s in services}
+    for name, devices in plan:
+        count[name] = count.get(name, 0) + 1
+        for d in devices:
+            assert (name, d) not in seen
+            seen.add((name, d))
+            used[d] += by_name[name].need
+    for d in free:
+        assert used[d] <= free[d] + 1e-6
+    for s in services:
+        assert s.most is None or count.get(s.name, 0) <= s.most
+    # Round by round: a service's k-th replica comes after every service's (k-1)-th.
+    rounds = [sum(1 for n, _ in plan[: i + 1] if n == name) for i, (name, _) in enumerate(plan)]
+    assert rounds == sorted(rounds)
+
+
+# -- devices -------------------------------------------------------------------------------
+
+
+def test_a_replica_goes_where_its_service_is_resident_or_the_memory_is_freest() -> None:
+    groups = [(0, 1), (2, 3)]
+    free = {0: 10.0, 1: 10.0, 2: 50.0, 3: 40.0}
+    pick = rules.replica_devices(
+        [],
+        groups=groups,
+        count=1,
+        need=10.0,
+        free=free,
+        open_devices=[0, 1, 2, 3],
+        resident=set(),
+        room_now=False,
+    )
+    assert pick == (2,)
+    # A resident copy with room beats freer memory elsewhere.
+    pick = rules.replica_devices(
+        [(1,)],
+        groups=groups,
+        count=1,
+        need=10.0,
+        free=free,
+        open_devices=[0, 1, 2, 3],
+        resident={(1,)},
+        room_now=True,
+    )
+    assert pick == (1,)
+
+
+def test_a_multi_gpu_replica_waits_inside_one_nvlink_group_rather_than_straddle() -> None:
+    groups = [(0, 1), (2, 3)]
+    free = {0: 0.0, 1: 20.0, 2: 20.0, 3: 0.0}  # room now only across the groups
+    args = {"groups": groups, "count": 2, "need": 10.0, "free": free, "resident": set()}
+    waits = rules.replica_devices([], open_devices=[0, 1, 2, 3], room_now=False, **args)
+    assert waits in {(0, 1), (2, 3)}
+    assert rules.replica_devices([], open_devices=[0, 1, 2, 3], room_now=True, **args) == (1, 2)
+    assert rules.replica_devices([], open_devices=None, room_now=True, **args) is None
+
+
+@given(
+    st.dictionaries(st.integers(0, 5), st.floats(0.0, 100.0), min_size=1),
+    st.integers(1, 3),
+    st.floats(1.0, 60.0),
+    st.booleans(),
+)
+def test_with_room_now_a_replica_only_goes_where_it_fits(
+    free: dict[int, float], count: int, need: float, room_now: bool
+) -> None:
+    groups = rules.nvlink_groups(free, [(0, 1), (2, 3)])
+    pick = rules.replica_devices(
+        [],
+        groups=groups,
+        count=count,
+        need=need,
+        free=free,
+        open_devices=list(free),
+        resident=set(),
+        room_now=room_now,
+    )
+    if pick is None:
+        assert len(free) < count or room_now
+        return
+    assert len(set(pick)) == count and set(pick) <= set(free)
+    if room_now:
+        assert all(rules.fits(free[d], need) for d in pick)
+
+
+def test_the_tenure_is_defined_once() -> None:
+    package = Path(tangram.__file__).parent
+    defined = [
+        path.relative_to(package).as_posix()
+        for path in package.rglob("*.py")
+        if re.search(r"^_?TENURE\s*=", path.read_text(encoding="utf-8"), re.MULTILINE)
+    ]
+    assert defined == ["_core/_placement.py"]
+    assert math.isfinite(TENURE) and TENURE > 0
