@@ -224,7 +224,9 @@ def _sandbox_pool(sandbox: SandboxConfig) -> SandboxPool:
 
 
 def _gpu_pool(gpu_config: GpuConfig) -> Any:
-    from .._gpu._pool import Device, GpuPool, TorchService
+    from .._gpu._devices import Device
+    from .._gpu._pool import GpuPool
+    from .._gpu._torch import TorchService
 
     try:
         services = [

@@ -43,19 +43,11 @@ from ._holding import Holder
 from ._placing import Placer
 from ._replica import Call, PoolReplica, Residency, ServiceState
 from ._service import ModelService
-from ._torch import TorchService
 
 # Device, ModelService, TorchService and discover_devices are listed for the modules that
 # import them from here (the Ray agent, the in-memory testing pool, the framework session,
 # the bench) until they import them from ``_devices``, ``_service`` and ``_torch``.
-__all__ = [
-    "Device",
-    "GpuPool",
-    "ModelService",
-    "ServiceHandle",
-    "TorchService",
-    "discover_devices",
-]
+__all__ = ["GpuPool", "ServiceHandle"]
 
 logger = logging.getLogger("tangram.gpu")
 

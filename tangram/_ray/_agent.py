@@ -50,7 +50,9 @@ from ._connect import attach
 from ._proxy import RemoteRuntime
 
 if TYPE_CHECKING:
-    from .._gpu._pool import Device, GpuPool, ModelService
+    from .._gpu._devices import Device
+    from .._gpu._pool import GpuPool
+    from .._gpu._service import ModelService
     from .._runtime._lease import Lease
 
 __all__ = ["HostAgent", "start_agent"]
@@ -217,7 +219,9 @@ class HostAgentActor:
         self, remote: RemoteRuntime, stack: contextlib.AsyncExitStack
     ) -> dict[str, Any]:
         """Build the services here, on the node, and serve them from a GpuPool."""
-        from .._gpu._pool import GpuPool, ModelService, discover_devices
+        from .._gpu._devices import discover_devices
+        from .._gpu._pool import GpuPool
+        from .._gpu._service import ModelService
 
         services: list[ModelService] = []
         for spec in self._services:
@@ -416,8 +420,9 @@ def _check_gpu_arguments(
     """Refuse bad GPU arguments in the caller, before a process starts on another node."""
     if not services and devices is None:
         return [], None
-    # Only the classes: tangram._gpu._pool imports neither torch nor NVML.
-    from .._gpu._pool import Device, ModelService
+    # Only the classes: neither module imports torch or NVML.
+    from .._gpu._devices import Device
+    from .._gpu._service import ModelService
 
     if isinstance(services, (str, bytes)) or not isinstance(services, Sequence):
         raise TypeError(f"`services` must be a list of model services (got {services!r})")

@@ -17,7 +17,8 @@ from typing import Any
 
 import attrs
 
-from .._gpu._pool import Device, ModelService
+from .._gpu._devices import Device
+from .._gpu._service import ModelService
 from .._sandbox._backend import ExecRequest, ExecResult, Host, SandboxBackend, SandboxHandle
 from ..errors import GpuOutOfMemoryError, SandboxBrokenError, SandboxClosedError
 
