@@ -18,9 +18,11 @@ from ._core._efficiency import SpeedupTable as SpeedupTable
 from ._core._estimator import Estimate as Estimate
 from ._core._estimator import Estimator as Estimator
 from ._core._policy import ElasticPolicy as ElasticPolicy
+from ._core._policy import Entry as Entry
 from ._core._policy import FcfsPolicy as FcfsPolicy
 from ._core._policy import Plan as Plan
 from ._core._policy import Policy as Policy
+from ._core._policy import State as State
 from ._core._resources import Capacity as Capacity
 from ._core._resources import Rate as Rate
 from ._core._stats import KindStats as KindStats
@@ -28,6 +30,7 @@ from ._core._stats import Outcome as Outcome
 from ._core._stats import ResourceStats as ResourceStats
 from ._core._stats import Stats as Stats
 from ._core._stats import Summary as Summary
+from ._runtime._instrument import Instrument as Instrument
 from ._runtime._lease import Lease as Lease
 from ._runtime._run import AcquireContext as AcquireContext
 from ._runtime._run import Runtime as Runtime
@@ -71,6 +74,7 @@ __all__ = [
     "Efficiency",
     "Elastic",
     "ElasticPolicy",
+    "Entry",
     "Estimate",
     "Estimator",
     "ExecRequest",
@@ -78,6 +82,7 @@ __all__ = [
     "FcfsPolicy",
     "ServiceSpec",
     "Host",
+    "Instrument",
     "KindStats",
     "Lease",
     "Linear",
@@ -95,6 +100,7 @@ __all__ = [
     "SandboxHandle",
     "SandboxPool",
     "SimulationResult",
+    "State",
     "Stats",
     "Step",
     "Summary",

@@ -1,8 +1,8 @@
 """Test support for suites that use tangram: an invariant checker and a pytest plugin.
 
-:class:`InvariantChecker` watches a :class:`tangram.Runtime` from the inside: it wraps the
-runtime's bookkeeping so that every scheduling decision, every release and every capacity
-change is followed by the checks that make a scheduler trustworthy (units held equal the
+:class:`InvariantChecker` watches a :class:`tangram.Runtime` from the inside: an
+:class:`tangram.Instrument`, it follows every scheduling decision, every action's end and
+every capacity change with the checks that make a scheduler trustworthy (units held equal the
 sum of live grants, no kind over its capacity unless a capacity cut left it there, every
 elastic grant within its range, no lease left behind by a task that ended). A violation is
 recorded where it happened and raised by :meth:`InvariantChecker.verify`, so it is found
@@ -39,24 +39,30 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from ._core._exports import publish as _publish
 from ._core._ledger import held_matches_grants
 from ._core._policy import RUNNING, WAITING
+from ._runtime._instrument import Instrument
 from ._runtime._run import Runtime
 from ._sandbox._pool import SandboxPool
 from ._testing._memory import Applied, Handler, MemoryBackend, MemoryModelService, MemorySandbox
+from ._testing._quota_server import Limit, QuotaServer
 
 if TYPE_CHECKING:
-    from ._core._action import Action
-    from ._core._policy import Entry
+    from ._core._policy import Entry, Plan
+    from ._core._resources import Capacity
+    from ._core._stats import Outcome
     from ._runtime._lease import Lease
 
 __all__ = [
     "Applied",
     "InvariantChecker",
     "InvariantViolation",
+    "Limit",
     "MemoryBackend",
     "MemoryModelService",
     "MemorySandbox",
+    "QuotaServer",
     "check_idle",
     "checked_runtime",
     "checker_of",
@@ -106,12 +112,12 @@ def _current_task() -> object | None:
     return None
 
 
-class InvariantChecker:
-    """Check a runtime's invariants after every decision, release and capacity change.
+class InvariantChecker(Instrument):
+    """Check a runtime's invariants after every decision, action's end and capacity change.
 
     ``checker = InvariantChecker(runtime)`` before or after ``async with runtime:``; run
     the workload; ``checker.verify()`` raises :class:`InvariantViolation` for the first
-    violation seen (all of them are in :attr:`violations`). Checked after each call:
+    violation seen (all of them are in :attr:`violations`). Checked after each event:
 
     - units held per kind equal the sum of the live grants, and none is negative;
     - no kind holds more than its capacity, unless a capacity cut left it there, and then
@@ -120,15 +126,17 @@ class InvariantChecker:
     - no rate budget is overdrawn;
     - every running action has a registered lease, and every registered lease belongs to
       a waiting or running action whose acquiring task is still alive;
-    - a lease is gone once its ``async with`` block has exited.
+    - a lease is gone once its action has finished.
 
     Each check walks the running actions, O(running) per decision, and the whole lease
-    registry (the queue too) every 64th decision and on :meth:`check`. It patches the
-    runtime instance, not the class, so other runtimes are untouched; :meth:`detach`
-    restores it.
+    registry (the queue too) every 64th decision and on :meth:`check`. It attaches as an
+    instrument (:meth:`tangram.Runtime.add_instrument`), beside any others;
+    :meth:`detach` removes it. ``submitted`` counts actions queued, ``released`` actions
+    finished (their units back, or their wait over), both while attached.
 
     :param raise_immediately: raise from inside the runtime call that broke an invariant
-        (the traceback then points at it) instead of only recording it.
+        (the traceback then points at it) instead of only recording it. The runtime is
+        left as the violation found it: for a test that is about to fail anyway.
     """
 
     def __init__(self, runtime: Runtime, *, raise_immediately: bool = False) -> None:
@@ -136,20 +144,15 @@ class InvariantChecker:
             raise TypeError(f"`runtime` must be a tangram.Runtime (got {runtime!r})")
         self.runtime = runtime
         self.raise_immediately = raise_immediately
+        self._raises = raise_immediately
         self.violations: list[str] = []
         self.checks = 0
         self.submitted = 0
         self.released = 0
-        self._depth = 0
         self._decisions = 0
         self._ceiling: dict[str, float] = {}
         self._holders: dict[Entry, object] = {}
-        self._patched: dict[tuple[object, str], object] = {}
-        ledger = runtime._ledger
-        for name in ("step", "finish", "withdraw", "set_capacity"):
-            self._wrap(ledger, name, self._checked(name, getattr(ledger, name)))
-        self._wrap(ledger, "submit", self._counting_submit(ledger.submit))
-        self._wrap(runtime, "_release", self._checked_release(runtime._release))
+        runtime.add_instrument(self)
 
     def __repr__(self) -> str:
         return (
@@ -157,66 +160,34 @@ class InvariantChecker:
             f"violations={len(self.violations)}>"
         )
 
-    # -- patching ----------------------------------------------------------------------
-
-    def _wrap(self, target: object, name: str, replacement: object) -> None:
-        self._patched[(target, name)] = target.__dict__.get(name, _MISSING)
-        setattr(target, name, replacement)
-
     def detach(self) -> None:
-        """Stop checking: put the runtime's own methods back."""
-        for (target, name), old in self._patched.items():
-            if old is _MISSING:
-                with contextlib.suppress(AttributeError):
-                    delattr(target, name)
-            else:
-                setattr(target, name, old)
-        self._patched.clear()
+        """Stop checking (safe twice, and after the runtime detached a checker that raised)."""
+        with contextlib.suppress(KeyError):
+            self.runtime.remove_instrument(self)
 
-    def _checked(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            self._depth += 1
-            try:
-                result = method(*args, **kwargs)
-            finally:
-                self._depth -= 1
-            if name in ("finish", "withdraw"):
-                self._holders.pop(args[0], None)
-            elif name == "set_capacity":
-                self._note_cut()
-            if self._depth:
-                return result  # a step inside a larger change: check when it is whole
-            # A capacity change withdraws the entries that can no longer fit before the
-            # runtime fails their leases, and a release drops the lease before the units:
-            # the lease registry is checked at decisions only, when both are settled.
-            self._check(f"after ledger.{name}", leases=name == "step")
-            return result
+    # -- hooks -------------------------------------------------------------------------
 
-        return call
+    def action_queued(self, lease: Lease) -> None:
+        self.submitted += 1
+        self._holders[lease._entry] = _current_task()
 
-    def _counting_submit(self, method: Callable[..., Any]) -> Callable[..., Any]:
-        def submit(action: Action, now: float) -> Entry:
-            self.submitted += 1
-            entry: Entry = method(action, now)
-            self._holders[entry] = _current_task()
-            return entry
+    def action_finished(self, lease: Lease, outcome: Outcome) -> None:
+        self.released += 1
+        entry = lease._entry
+        self._holders.pop(entry, None)
+        if entry in self.runtime._leases or entry.state == RUNNING:
+            self._fail(f"lease of action #{entry.action.id} still registered after it finished")
+        # A capacity change withdraws the entries that can no longer fit before the
+        # runtime fails their leases: the lease registry is checked at decisions only,
+        # when both are settled.
+        self._check(f"after action #{entry.action.id} finished ({outcome.value})", leases=False)
 
-        return submit
+    def after_plan(self, plan: Plan, now: float) -> None:
+        self._check("after a planning pass", leases=True)
 
-    def _checked_release(self, method: Callable[..., Any]) -> Callable[..., Any]:
-        def release(lease: Lease, exc_type: type[BaseException] | None) -> None:
-            try:
-                method(lease, exc_type)
-            finally:
-                self.released += 1
-                entry = lease._entry
-                if entry in self.runtime._leases or entry.state == RUNNING:
-                    self._fail(
-                        f"lease of action #{entry.action.id} still registered after its "
-                        "`async with` exited"
-                    )
-
-        return release
+    def capacity_changed(self, capacity: Capacity) -> None:
+        self._note_cut()
+        self._check("after a capacity change", leases=False)
 
     # -- checks ------------------------------------------------------------------------
 
@@ -310,7 +281,6 @@ class InvariantChecker:
         return sum(k.completed + k.failed + k.cancelled for k in kinds)
 
 
-_MISSING = object()
 _CHECKERS: weakref.WeakKeyDictionary[Runtime, InvariantChecker] = weakref.WeakKeyDictionary()
 
 
@@ -422,3 +392,6 @@ if _pytest is not None:
         yield attach
         for checker in checkers:
             checker.verify()
+
+
+_publish("tangram.testing", globals())

@@ -66,17 +66,14 @@ def after_grant(runtime: tangram.Runtime, running: int, callback: Callable[[], o
     here acts in the window between a grant and the granted task resuming, which no
     task of the test can reach by itself (the pass may run in the runtime's own task).
     """
-    original = runtime._reschedule
-    done = False
 
-    def reschedule(now: float | None = None) -> None:
-        nonlocal done
-        original(now)
-        if not done and runtime.stats().running == running:
-            done = True
-            callback()
+    class AfterGrant(tangram.Instrument):
+        def after_plan(self, plan: tangram.Plan, now: float) -> None:
+            if runtime.stats().running == running:
+                runtime.remove_instrument(self)
+                callback()
 
-    runtime._reschedule = reschedule  # type: ignore[method-assign]
+    runtime.add_instrument(AfterGrant())
 
 
 def assert_idle(runtime: tangram.Runtime) -> None:

@@ -143,10 +143,12 @@ async def test_detach_restores_the_runtime() -> None:
     async with tangram.Runtime({"cpu": 4}) as runtime:
         checker = InvariantChecker(runtime)
         checker.detach()
-        assert "step" not in vars(runtime._ledger) and "_release" not in vars(runtime)
+        checker.detach()  # twice is harmless
+        with pytest.raises(KeyError):
+            runtime.remove_instrument(checker)  # no longer attached
         async with runtime.acquire(cpu=1):
             pass
-        assert checker.checks == 0
+        assert checker.checks == checker.submitted == checker.released == 0
 
 
 async def test_checked_runtime_checks_idle_at_the_end() -> None:

@@ -10,8 +10,11 @@ import enum
 import math
 from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 import attrs
+
+from ._action import Action
 
 __all__ = ["KindStats", "Outcome", "Recorder", "ResourceStats", "Stats", "Summary"]
 
@@ -146,8 +149,25 @@ class _KindRecord:
         series.total += act
 
 
+class Timed(Protocol):
+    """What the recorder reads of an action that ended: a lease's four times."""
+
+    @property
+    def action(self) -> Action: ...
+
+    queued_at: float
+    admitted_at: float
+    started_at: float
+    finished_at: float
+
+
 class Recorder:
-    """Collects per-kind outcomes and durations; keeps at most ``max_kinds`` kinds."""
+    """Collects per-kind outcomes and durations; keeps at most ``max_kinds`` kinds.
+
+    The runtime's statistics listen to the same event as a :class:`tangram.Instrument`
+    (:meth:`action_finished`), but the runtime calls them directly, ahead of the attached
+    instruments: its own figures cannot be detached, and every action pays for them.
+    """
 
     def __init__(self, *, window: int = 2048, max_kinds: int = 1024) -> None:
         self._window = window
@@ -175,6 +195,26 @@ class Recorder:
         rec.queue.add(queue)
         if outcome is not Outcome.CANCELLED or exec_ > 0:
             rec.add_run(overhead, exec_, queue + overhead + exec_)
+
+    def action_finished(self, lease: Timed, outcome: Outcome) -> None:
+        """Record an action that ended: the three parts of its time if it ran, else its wait.
+
+        An action withdrawn from the queue has no admission time (NaN) and spent all its
+        time queued.
+        """
+        admitted = lease.admitted_at
+        if math.isnan(admitted):
+            queue = lease.finished_at - lease.queued_at
+            self.record(lease.action.kind, outcome, queue, 0.0, 0.0)
+        else:
+            started = lease.started_at
+            self.record(
+                lease.action.kind,
+                outcome,
+                admitted - lease.queued_at,
+                started - admitted,
+                lease.finished_at - started,
+            )
 
     def kinds(self) -> dict[str, KindStats]:
         return {

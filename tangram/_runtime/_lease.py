@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import anyio
 import anyio.lowlevel
@@ -13,10 +13,16 @@ import anyio.lowlevel
 from .._core._action import Action
 from .._core._policy import RUNNING, Entry
 
-if TYPE_CHECKING:
-    from ._run import Runtime, _Waitable
+__all__ = ["Lease", "LeaseBase", "Waitable"]
 
-__all__ = ["Lease"]
+
+class Waitable(Protocol):
+    """What the runtime wakes a waiting lease with: ``anyio.Event`` or a bare
+    ``asyncio.Event`` (the runtime picks the cheaper for the running loop)."""
+
+    def set(self) -> None: ...
+
+    async def wait(self) -> object: ...
 
 
 class LeaseBase:
@@ -76,12 +82,11 @@ class Lease(LeaseBase):
     ``finished_at`` when the units went back.
     """
 
-    __slots__ = ("_entry", "_error", "_final_units", "_ready", "_runtime")
+    __slots__ = ("_entry", "_error", "_final_units", "_ready")
 
-    def __init__(self, runtime: Runtime, entry: Entry, now: float) -> None:
-        self._runtime = runtime
+    def __init__(self, entry: Entry, now: float) -> None:
         self._entry = entry
-        self._ready: _Waitable | None = None
+        self._ready: Waitable | None = None
         self._resized: anyio.Event | None = None
         self._error: BaseException | None = None
         self._final_units: int | None = None

@@ -35,7 +35,9 @@ from .._core._ledger import Ledger
 from .._core._policy import RUNNING, WAITING, ElasticPolicy, Entry, Policy
 from .._core._resources import Capacity, Resource, parse_capacity
 from .._core._stats import Outcome, Recorder, ResourceStats, Stats
+from .._core._validate import seconds
 from ..errors import (
+    AcquireReusedError,
     CapacityExceededError,
     DemandTypeError,
     InvalidCapacityError,
@@ -44,7 +46,8 @@ from ..errors import (
     RuntimeClosedError,
     WaitTimeoutError,
 )
-from ._lease import Lease
+from ._instrument import Instrument, Instruments
+from ._lease import Lease, Waitable
 
 __all__ = ["AcquireContext", "Runtime", "acquire", "current_runtime"]
 
@@ -61,15 +64,13 @@ class _State(enum.Enum):
     CLOSED = "closed"
 
 
-def _check_seconds(name: str, value: object, *, finite: bool = False) -> float | None:
+def _seconds(name: str, value: object, *, finite: bool) -> float | None:
+    """A duration argument of ``acquire`` (``None``: not given), as demand errors."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise DemandTypeError(f"`{name}` must be a number of seconds (got {value!r})")
-    if math.isnan(value) or value < 0 or (finite and math.isinf(value)):
-        bound = ">= 0 and finite" if finite else ">= 0"
-        raise InvalidDemandError(f"`{name}` must be {bound} seconds (got {value!r})")
-    return float(value)
+    return seconds(
+        name, value, finite=finite, type_error=DemandTypeError, value_error=InvalidDemandError
+    )
 
 
 class _Acquirer(Protocol):
@@ -139,6 +140,7 @@ class Runtime(RunMixin):
         self._estimator = estimator if estimator is not None else Estimator()
         self._ledger = Ledger(self._capacity, self._policy, self._estimator)
         self._recorder = Recorder()
+        self._instruments = Instruments()
         self._state = _State.NEW
         self._leases: dict[Entry, Lease] = {}
         self._ids = 0
@@ -151,7 +153,7 @@ class Runtime(RunMixin):
         self._token: contextvars.Token[Runtime] | None = None
         self._demands: dict[tuple[tuple[str, object], ...], tuple[Demand, tuple[type, ...]]] = {}
         self._now: Callable[[], float] = anyio.current_time
-        self._new_event: Callable[[], _Waitable] = anyio.Event
+        self._new_event: Callable[[], Waitable] = anyio.Event
         self._cancelled: type[BaseException] = BaseException
         self._checkpoint_if_cancelled: Callable[[], Awaitable[None]]
         self._shielded_checkpoint: Callable[[], Awaitable[None]]
@@ -219,8 +221,10 @@ class Runtime(RunMixin):
         del self._leases[entry]
         self._ledger.withdraw(entry)
         lease._finish(now)
-        self._recorder.record(entry.action.kind, Outcome.CANCELLED, now - lease.queued_at, 0.0, 0.0)
+        self._recorder.action_finished(lease, Outcome.CANCELLED)
         lease._fail(error)
+        if self._instruments.action_finished:
+            self._instruments.call("action_finished", lease, Outcome.CANCELLED)
 
     async def _timer(self) -> None:
         """Wake the scheduler when a rate budget refills or a deferred pass is due."""
@@ -235,6 +239,27 @@ class Runtime(RunMixin):
             # A fresh event only now: the pass above may book a wake-up, which the loop
             # reads anyway; a poke left set by it would spin this loop.
             self._poke = anyio.Event()
+
+    # -- instruments -------------------------------------------------------------------
+
+    def add_instrument(self, instrument: Instrument) -> None:
+        """Attach an observer: its hooks hear every event from now on.
+
+        Any number may be attached and removed in any order; attaching one already attached
+        does nothing. A hook that raises detaches its instrument (the error is logged on
+        the ``tangram`` logger) and the scheduler carries on.
+
+        :raises TypeError: ``instrument`` is not a :class:`tangram.Instrument`.
+        """
+        self._instruments.add(instrument)
+
+    def remove_instrument(self, instrument: Instrument) -> None:
+        """Detach an observer attached with :meth:`add_instrument`.
+
+        :raises KeyError: it is not attached: never was, already removed, or detached
+            because a hook raised.
+        """
+        self._instruments.remove(instrument)
 
     # -- acquiring ---------------------------------------------------------------------
 
@@ -269,7 +294,7 @@ class Runtime(RunMixin):
             served, raised here, before anything is queued.
         """
         action = self._action(demand, amounts, kind, trajectory, estimate)
-        timeout = None if wait_timeout is None else _check_seconds("wait_timeout", wait_timeout)
+        timeout = _seconds("wait_timeout", wait_timeout, finite=False)
         return AcquireContext(self, action, timeout)
 
     def _action(
@@ -297,8 +322,8 @@ class Runtime(RunMixin):
             raise DemandTypeError(f"`trajectory` must be a string or None (got {trajectory!r})")
         built = self._demand(amounts)
         # An infinite estimate would turn the policy's completion-time sums into NaN.
-        seconds = None if estimate is None else _check_seconds("estimate", estimate, finite=True)
-        if seconds is None:
+        given = _seconds("estimate", estimate, finite=True)
+        if given is None:
             guess = self._estimator.predict(kind)
         else:
             elastic = built.elastic
@@ -307,7 +332,7 @@ class Runtime(RunMixin):
                 if elastic is not None and elastic.efficiency is not None
                 else self._estimator.predict(kind).efficiency
             )
-            guess = Estimate(max(seconds, 1e-9), efficiency)
+            guess = Estimate(max(given, 1e-9), efficiency)
         self._ids += 1
         return Action(self._ids, kind, trajectory, built, guess)
 
@@ -335,8 +360,10 @@ class Runtime(RunMixin):
             raise RuntimeClosedError(f"the runtime is {self._state.value}, not running")
         now = self._now()
         entry = self._ledger.submit(action, now)
-        lease = Lease(self, entry, now)
+        lease = Lease(entry, now)
         self._leases[entry] = lease
+        if self._instruments.action_queued:
+            self._instruments.call("action_queued", lease)
         # Checked against the capacity when the demand was built; again only if the
         # capacity changed since (a set_capacity between acquire() and entering).
         if epoch != self._epoch and not self._ledger.could_ever_fit(entry):
@@ -409,19 +436,13 @@ class Runtime(RunMixin):
             self._ledger.finish(entry, now, exec_seconds, ok=outcome is Outcome.COMPLETED)
             if math.isnan(lease.admitted_at):
                 lease.admitted_at = entry.admitted_at
-            admitted = lease.admitted_at
-            self._recorder.record(
-                entry.action.kind,
-                outcome,
-                admitted - lease.queued_at,
-                lease.started_at - admitted,
-                exec_seconds,
-            )
         else:
             self._ledger.withdraw(entry)
-            self._recorder.record(entry.action.kind, outcome, now - lease.queued_at, 0.0, 0.0)
+        self._recorder.action_finished(lease, outcome)
         if self._ledger.waiting_count or self._ledger.resizing:
             self._defer()
+        if self._instruments.action_finished:
+            self._instruments.call("action_finished", lease, outcome)
 
     def _defer(self) -> None:
         """Run the next pass from the timer task, after the tasks already ready to run."""
@@ -442,15 +463,24 @@ class Runtime(RunMixin):
             self._planning = False
         leases = self._leases
         now = self._ledger.now
+        instruments = self._instruments
         for entry, _ in plan.admits:
-            leases[entry]._admit(now)
+            lease = leases[entry]
+            lease._admit(now)
+            if instruments.action_granted:
+                instruments.call("action_granted", lease)
         for entry, units in plan.resizes:
             logger.debug("resized action %d to %d units", entry.action.id, units)
-            leases[entry]._notify_resize()
+            lease = leases[entry]
+            lease._notify_resize()
+            if instruments.action_resized:
+                instruments.call("action_resized", lease, now)
         if plan.wake_at != self._wake_at:
             self._wake_at = plan.wake_at
             if self._poke is not None:
                 self._poke.set()
+        if instruments.after_plan:
+            instruments.call("after_plan", plan, now)
 
     # -- run-time changes and introspection --------------------------------------------
 
@@ -474,6 +504,8 @@ class Runtime(RunMixin):
         self._epoch += 1
         now = self._now() if self._state is _State.RUNNING else self._ledger.now
         impossible = self._ledger.set_capacity(self._capacity, now)
+        if self._instruments.capacity_changed:
+            self._instruments.call("capacity_changed", self._capacity)
         for entry in impossible:
             need = dict(entry.action.demand.minimum)
             error = CapacityExceededError(f"capacity lowered below this demand {need!r}")
@@ -543,7 +575,7 @@ class AcquireContext:
 
     async def __aenter__(self) -> Lease:
         if self._lease is not None:
-            raise RuntimeError("an acquire context can be entered only once")
+            raise AcquireReusedError("an acquire context can be entered only once")
         self._lease = await self._runtime._enter(self._action, self._wait_timeout, self._epoch)
         return self._lease
 
@@ -557,13 +589,7 @@ class AcquireContext:
         self._runtime._release(self._lease, exc_type)
 
 
-class _Waitable(Protocol):
-    def set(self) -> None: ...
-
-    async def wait(self) -> object: ...
-
-
-def _loop_clock() -> tuple[Callable[[], float], type[BaseException], Callable[[], _Waitable]]:
+def _loop_clock() -> tuple[Callable[[], float], type[BaseException], Callable[[], Waitable]]:
     """The running loop's clock, cancellation class and event type, looked up once.
 
     ``anyio.current_time()`` and ``anyio.Event()`` find the async library on every call;

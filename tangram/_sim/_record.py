@@ -2,9 +2,9 @@
 
 A real rollout, replayed under other policies by ``tangram simulate``, answers "what would
 static slots (or a bigger cluster) have cost on *this* step" without running it again.
-The recorder hooks one runtime instance the way :class:`tangram.testing.InvariantChecker`
-does, by wrapping its ledger's bookkeeping methods on the instance (never the class), and
-sees every action's arrival, grant, resizes and end on the runtime's own clock.
+The recorder is a :class:`tangram.Instrument` of one runtime, beside any others (the
+:class:`tangram.testing.InvariantChecker` of a test, say), and sees every action's arrival,
+grant, resizes and end on the runtime's own clock.
 
 What a line says is what *ran*, in the trace's terms: an elastic action's
 ``seconds_at_1`` is the work it did (the integral of its speedup over the units it held),
@@ -28,15 +28,15 @@ from typing import Any
 import anyio
 
 from .._core._efficiency import Amdahl, Efficiency, Linear, Power, SpeedupTable
-from .._core._ledger import Ledger
-from .._core._policy import RUNNING, Entry, Plan
 from .._core._resources import Shape
+from .._core._stats import Outcome
+from .._runtime._instrument import Instrument
+from .._runtime._lease import Lease
 from .._runtime._run import Runtime
 from ._trace import FORMAT
 
 __all__ = ["TraceRecorder", "record_trace"]
 
-_MISSING = object()
 # Kinds the format holds while an action runs; every other name is read as an API budget.
 _HELD = frozenset({"cpu", "gpu", "mem"})
 _GIB = float(1 << 30)
@@ -49,18 +49,29 @@ def _holdable(name: str) -> bool:
 class _Seen:
     """One action as the recorder saw it."""
 
-    __slots__ = ("admitted", "arrival", "finished", "last", "units", "work")
+    __slots__ = ("admitted", "arrival", "finished", "last", "order", "speedup", "units", "work")
 
-    def __init__(self, arrival: float) -> None:
-        self.arrival = arrival
+    def __init__(self, lease: Lease, order: int) -> None:
+        action = lease.action
+        elastic = action.demand.elastic
+        # The speedup the scheduler plans with: the demand's own model, else the estimate's.
+        efficiency = elastic.efficiency if elastic and elastic.efficiency else None
+        self.speedup: Callable[[float], float] = (efficiency or action.estimate.efficiency).speedup
+        self.arrival = lease.queued_at
+        self.order = order
         self.admitted = math.nan
         self.finished = math.nan
         self.last = math.nan
         self.units = 0
         self.work = 0.0
 
+    def ran_until(self, now: float) -> None:
+        """Add the work done at the units held since the last change."""
+        speed = self.speedup(self.units) if self.units > 0 else 1.0
+        self.work += (now - self.last) * speed
 
-class TraceRecorder:
+
+class TraceRecorder(Instrument):
     """Record every action ``runtime`` serves; :meth:`lines` or :meth:`write` the trace.
 
     Attach before the rollout (before or after ``async with runtime:``), run it, then
@@ -68,6 +79,9 @@ class TraceRecorder:
     (``gpu_mem:<device>`` of :class:`tangram.gpu.GpuPool`, other custom counts and sizes)
     are left out of the header, and actions that need them are skipped and counted in
     :attr:`skipped`: their replay would need devices the trace cannot describe.
+
+    It attaches itself as an instrument (:meth:`tangram.Runtime.add_instrument`);
+    :meth:`detach` removes it, in any order with other instruments.
 
     :param name: the trace's ``name`` in its header.
     :raises TypeError: ``runtime`` is not a :class:`tangram.Runtime`.
@@ -80,14 +94,10 @@ class TraceRecorder:
         self.name = name
         self.withdrawn = 0
         self.skipped = 0
-        self._seen: dict[Entry, _Seen] = {}
-        self._done: list[tuple[Entry, _Seen]] = []
-        self._patched: dict[str, object] = {}
-        ledger = runtime._ledger
-        self._wrap(ledger, "submit", self._submit(ledger.submit))
-        self._wrap(ledger, "step", self._step(ledger.step))
-        self._wrap(ledger, "finish", self._finish(ledger.finish))
-        self._wrap(ledger, "withdraw", self._withdraw(ledger.withdraw))
+        self._queued = 0
+        self._seen: dict[Lease, _Seen] = {}
+        self._done: list[tuple[Lease, _Seen]] = []
+        runtime.add_instrument(self)
 
     def __repr__(self) -> str:
         return f"<tangram.TraceRecorder {self.name!r} actions={len(self._done)}>"
@@ -97,65 +107,39 @@ class TraceRecorder:
         """Actions recorded so far (ended after running)."""
         return len(self._done)
 
+    def detach(self) -> None:
+        """Stop recording (what was seen is kept); safe twice."""
+        with contextlib.suppress(KeyError):
+            self.runtime.remove_instrument(self)
+
     # -- hooks -------------------------------------------------------------------------
 
-    def _wrap(self, ledger: Ledger, name: str, replacement: object) -> None:
-        self._patched[name] = ledger.__dict__.get(name, _MISSING)
-        setattr(ledger, name, replacement)
+    def action_queued(self, lease: Lease) -> None:
+        self._queued += 1
+        self._seen[lease] = _Seen(lease, self._queued)
 
-    def detach(self) -> None:
-        """Stop recording: put the ledger's own methods back (what was seen is kept)."""
-        ledger = self.runtime._ledger
-        for name, old in self._patched.items():
-            if old is _MISSING:
-                delattr(ledger, name)
-            else:
-                setattr(ledger, name, old)
-        self._patched.clear()
+    def action_granted(self, lease: Lease) -> None:
+        seen = self._seen.get(lease)
+        if seen is not None:
+            seen.admitted = seen.last = lease.admitted_at
+            seen.units = lease.units or 0
 
-    def _submit(self, method: Callable[..., Entry]) -> Callable[..., Entry]:
-        def submit(action: Any, now: float) -> Entry:
-            entry = method(action, now)
-            self._seen[entry] = _Seen(now)
-            return entry
+    def action_resized(self, lease: Lease, now: float) -> None:
+        seen = self._seen.get(lease)
+        if seen is not None and lease.active:
+            seen.ran_until(now)
+            seen.last, seen.units = now, lease.units or 0
 
-        return submit
-
-    def _step(self, method: Callable[..., Plan]) -> Callable[..., Plan]:
-        def step(now: float) -> Plan:
-            plan = method(now)
-            for entry, _ in plan.resizes:
-                seen = self._seen.get(entry)
-                if seen is not None and entry.state == RUNNING:
-                    seen.work += (now - seen.last) * entry.speed(seen.units)
-                    seen.last, seen.units = now, entry.units
-            for entry, _ in plan.admits:
-                seen = self._seen.get(entry)
-                if seen is not None:
-                    seen.admitted = seen.last = now
-                    seen.units = entry.units
-            return plan
-
-        return step
-
-    def _finish(self, method: Callable[..., None]) -> Callable[..., None]:
-        def finish(entry: Entry, now: float, *args: Any, **kwargs: Any) -> None:
-            seen = self._seen.pop(entry, None)
-            if seen is not None and entry.state == RUNNING:
-                seen.work += (now - seen.last) * entry.speed(seen.units)
-                seen.finished = now
-                self._done.append((entry, seen))
-            method(entry, now, *args, **kwargs)
-
-        return finish
-
-    def _withdraw(self, method: Callable[[Entry], None]) -> Callable[[Entry], None]:
-        def withdraw(entry: Entry) -> None:
-            if self._seen.pop(entry, None) is not None:
-                self.withdrawn += 1
-            method(entry)
-
-        return withdraw
+    def action_finished(self, lease: Lease, outcome: Outcome) -> None:
+        seen = self._seen.pop(lease, None)
+        if seen is None:
+            return
+        if math.isnan(seen.admitted):
+            self.withdrawn += 1
+        else:
+            seen.ran_until(lease.finished_at)
+            seen.finished = lease.finished_at
+            self._done.append((lease, seen))
 
     # -- the trace -----------------------------------------------------------------------
 
@@ -176,18 +160,18 @@ class TraceRecorder:
         capacity = self.runtime.capacity
         header = self.header()
         yield json.dumps(header, sort_keys=True) + "\n"
-        done = sorted(self._done, key=lambda item: (item[1].arrival, item[0].seq))
+        done = sorted(self._done, key=lambda item: (item[1].arrival, item[1].order))
         start = done[0][1].arrival if done else 0.0
         ended: dict[str, float] = {}
         index: dict[str, int] = {}
         out: list[tuple[str, int, dict[str, Any]]] = []
         self.skipped = 0
-        for entry, seen in done:
-            fields = self._fields(entry, seen, capacity, header["capacity"])
+        for lease, seen in done:
+            fields = self._fields(lease, seen, capacity, header["capacity"])
             if fields is None:
                 self.skipped += 1
                 continue
-            action = entry.action
+            action = lease.action
             trajectory = action.trajectory if action.trajectory is not None else f"_a{action.id}"
             previous = ended.get(trajectory, start)
             i = index.get(trajectory, 0)
@@ -204,19 +188,19 @@ class TraceRecorder:
         await anyio.Path(path).write_text(text, encoding="utf-8")
 
     def _fields(
-        self, entry: Entry, seen: _Seen, capacity: Any, named: dict[str, float]
+        self, lease: Lease, seen: _Seen, capacity: Any, named: dict[str, float]
     ) -> dict[str, Any] | None:
-        demand = entry.action.demand
+        demand = lease.action.demand
         kinds = [kind for kind, _ in demand.rigid]
         if demand.elastic_kind is not None:
             kinds.append(demand.elastic_kind)
         if any(kind not in named for kind in kinds) or not kinds:
             return None
-        line: dict[str, Any] = {"kind": entry.action.kind}
+        line: dict[str, Any] = {"kind": lease.action.kind}
         ran = seen.finished - seen.admitted
         elastic = demand.elastic
         if elastic is not None and demand.elastic_kind is not None:
-            efficiency: Efficiency = elastic.efficiency or entry.action.estimate.efficiency
+            efficiency: Efficiency = elastic.efficiency or lease.action.estimate.efficiency
             line.update(
                 resource=demand.elastic_kind,
                 min=elastic.min,
