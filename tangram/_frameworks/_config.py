@@ -37,7 +37,7 @@ import itertools
 import json
 import os
 import sys
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ import attrs
 
 from .._core._policy import ElasticPolicy, FcfsPolicy, Policy
 from .._core._resources import parse_capacity
+from .._core._validate import seconds, whole
 from .._runtime._run import Runtime
 from .._sim._record import record_trace
 from ..errors import ConfigError, InvalidCapacityError
@@ -310,11 +311,18 @@ def _opt_str(table: Mapping[str, Any], key: str, where: str) -> str | None:
     return _str(table, key, "", where)
 
 
+def _error_at(where: str) -> Callable[[str], ConfigError]:
+    """The shared checks' errors as :class:`ConfigError`, saying where in the file."""
+
+    def error(message: str) -> ConfigError:
+        return ConfigError(f"{where} {message}")
+
+    return error
+
+
 def _count(table: Mapping[str, Any], key: str, default: int, where: str) -> int:
-    value = table.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"{where}: `{key}` must be a whole number >= 0 (got {value!r})")
-    return value
+    error = _error_at(f"{where}:")
+    return whole(key, table.get(key, default), type_error=error, value_error=error)
 
 
 def _policy(data: Mapping[str, Any], where: str) -> PolicyConfig | None:
@@ -344,15 +352,14 @@ def _sandbox(data: Mapping[str, Any], where: str) -> SandboxConfig | None:
     if image is not None and backend != "docker":
         raise ConfigError(f"{here} `image` is for the docker backend (backend is {backend!r})")
     timeout = table.pop("timeout", None)
-    if timeout is not None and (
-        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0
-    ):
-        raise ConfigError(f"{here} `timeout` must be a number of seconds > 0 (got {timeout!r})")
+    if timeout is not None:
+        error = _error_at(here)
+        timeout = seconds("timeout", timeout, strict=True, type_error=error, value_error=error)
     return SandboxConfig(
         backend=backend,
         image=image,
         warm=warm,
-        timeout=None if timeout is None else float(timeout),
+        timeout=timeout,
         options=table,
     )
 
@@ -429,7 +436,7 @@ async def open_scheduler(
     """
     merged = {**(capacity or {}), **config.capacity}
     if config.mode == "ray":
-        from .._ray import _scheduler as tangram_ray
+        from .. import ray as tangram_ray
 
         ray = config.ray
         async with tangram_ray.connect(
