@@ -64,10 +64,11 @@ class _State(enum.Enum):
     CLOSED = "closed"
 
 
-def _seconds(name: str, value: object, *, finite: bool) -> float | None:
-    """A duration argument of ``acquire`` (``None``: not given), as demand errors."""
-    if value is None:
-        return None
+def _seconds(name: str, value: object, *, finite: bool) -> float:
+    """A duration argument of ``acquire``, refused as a demand error.
+
+    Callers test for ``None`` (not given) themselves: every acquire passes here twice.
+    """
     return seconds(
         name, value, finite=finite, type_error=DemandTypeError, value_error=InvalidDemandError
     )
@@ -294,7 +295,9 @@ class Runtime(RunMixin):
             served, raised here, before anything is queued.
         """
         action = self._action(demand, amounts, kind, trajectory, estimate)
-        timeout = _seconds("wait_timeout", wait_timeout, finite=False)
+        timeout = (
+            None if wait_timeout is None else _seconds("wait_timeout", wait_timeout, finite=False)
+        )
         return AcquireContext(self, action, timeout)
 
     def _action(
@@ -322,7 +325,7 @@ class Runtime(RunMixin):
             raise DemandTypeError(f"`trajectory` must be a string or None (got {trajectory!r})")
         built = self._demand(amounts)
         # An infinite estimate would turn the policy's completion-time sums into NaN.
-        given = _seconds("estimate", estimate, finite=True)
+        given = None if estimate is None else _seconds("estimate", estimate, finite=True)
         if given is None:
             guess = self._estimator.predict(kind)
         else:
