@@ -52,5 +52,4 @@ __all__ = [
     "place",
 ]
 
-# The errors are re-exported for ``except gpu.GpuError``; they keep saying tangram.errors.
-_publish("tangram.gpu", {**globals(), "__all__": [n for n in __all__ if not n.endswith("Error")]})
+_publish("tangram.gpu", globals())

@@ -66,3 +66,22 @@ def test_errors_module_is_the_public_one() -> None:
 
 def test_version_matches_the_distribution() -> None:
     assert tangram.__version__ == importlib.metadata.version("tangram")
+
+
+def test_facades_that_reexport_errors_leave_them_in_tangram_errors() -> None:
+    # tangram.gpu and tangram.quota re-export their errors for ``except gpu.GpuError``;
+    # publishing their own names must not relabel what tangram.errors owns.
+    import tangram.gpu
+    import tangram.quota
+
+    reexported = {
+        name
+        for module in (tangram.gpu, tangram.quota)
+        for name in module.__all__
+        if name in tangram.errors.__all__
+    }
+    assert reexported
+    for name in reexported:
+        assert getattr(tangram.errors, name).__module__ == "tangram.errors"
+    assert tangram.gpu.GpuPool.__module__ == "tangram.gpu"
+    assert tangram.quota.Quota.__module__ == "tangram.quota"

@@ -14,15 +14,18 @@ __all__ = ["publish"]
 
 
 def publish(module: str, namespace: Mapping[str, object]) -> None:
-    """Set ``__module__`` of every name in ``namespace["__all__"]`` defined under tangram.
+    """Set ``__module__`` of every name in ``namespace["__all__"]`` defined in a private module.
 
-    Names re-exported from other projects, modules, and constants (whose type cannot take a
-    ``__module__``) are left as they are.
+    A name another public module owns keeps its home (``tangram.quota`` re-exports
+    ``QuotaDeadlineError``, which stays ``tangram.errors.QuotaDeadlineError``); names from
+    other projects, and constants (whose type cannot take a ``__module__``), are left as
+    they are.
     """
     names = namespace["__all__"]
     assert isinstance(names, (list, tuple))
     for name in names:
         obj = namespace[name]
-        if getattr(obj, "__module__", "").startswith("tangram."):
+        home = getattr(obj, "__module__", None)
+        if isinstance(home, str) and (home.startswith("tangram._") or home == module):
             with contextlib.suppress(AttributeError, TypeError):
                 obj.__module__ = module
