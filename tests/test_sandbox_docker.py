@@ -27,12 +27,12 @@ aiodocker = (
     pytest.importorskip("aiodocker") if not os.environ.get("CI") else __import__("aiodocker")
 )
 
+from tangram._sandbox._cgroupfs import CgroupFiles  # noqa: E402
 from tangram._sandbox._docker import (  # noqa: E402
     PARKED_QUOTA_US,
     PERIOD_US,
     DockerBackend,
     DockerConfig,
-    _CgroupFiles,
     docker_usable,
 )
 
@@ -405,7 +405,7 @@ def test_cgroup_v2_files_are_found_and_written_in_v2_format(tmp_path: Path) -> N
             f"{scope}/cpuset.cpus": "\n",
         },
     )
-    files = _CgroupFiles.find(42, "2", tmp_path)
+    files = CgroupFiles.find(42, "2", tmp_path)
     assert files is not None
     assert files.quota == tmp_path / scope / "cpu.max"
     files.write("0-1", 2 * PERIOD_US, growing=True)
@@ -413,7 +413,7 @@ def test_cgroup_v2_files_are_found_and_written_in_v2_format(tmp_path: Path) -> N
     assert files.read() == ("0-1", 2 * PERIOD_US)
     files.write("3", PARKED_QUOTA_US, growing=False)
     assert files.read() == ("3", PARKED_QUOTA_US)
-    assert _CgroupFiles.find(43, "2", tmp_path) is None  # no such process
+    assert CgroupFiles.find(43, "2", tmp_path) is None  # no such process
 
 
 def test_cgroup_v1_files_are_found_through_the_mount_table(tmp_path: Path) -> None:
@@ -430,7 +430,7 @@ def test_cgroup_v1_files_are_found_through_the_mount_table(tmp_path: Path) -> No
             "sys/fs/cgroup/cpuset/docker/abc/cpuset.cpus": "0-3\n",
         },
     )
-    files = _CgroupFiles.find(42, "1", tmp_path)
+    files = CgroupFiles.find(42, "1", tmp_path)
     assert files is not None
     assert files.read() == ("0-3", -1)
     files.write("2", PERIOD_US, growing=False)

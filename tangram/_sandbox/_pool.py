@@ -550,6 +550,7 @@ class Sandbox:
                 raise TypeError(f"`env` must map names to strings (got {key!r}: {value!r})")
         if isinstance(cpu, bool) or not isinstance(cpu, (int, float, Elastic)):
             raise TypeError(f"`cpu` must be a number of cores or tangram.Elastic (got {cpu!r})")
+        _exec_safe(argv, variables)
         async with self._lock:
             self._check()
             return await self._pool._run(
@@ -571,6 +572,22 @@ class Sandbox:
         async with self._lock:
             self._check()
             return await self._handle.get_file(_relative(path))
+
+
+def _exec_safe(argv: tuple[str, ...], env: Mapping[str, str]) -> None:
+    """Refuse what no ``execve`` can take, before anything is queued or sent.
+
+    A NUL byte in model-written code cannot reach a process: caught in the sandbox it
+    cost a round trip and, before the runner answered cancels while idle, the sandbox.
+
+    :raises ValueError: a NUL byte in an argument or the environment, or an empty name.
+    """
+    for part in argv:
+        if "\0" in part:
+            raise ValueError(f"the command or code contains a NUL byte (got {part[:80]!r})")
+    for key, value in env.items():
+        if not key or "\0" in key or "\0" in value:
+            raise ValueError(f"`env` names must be non-empty, without NUL bytes (got {key!r})")
 
 
 def _relative(path: str) -> str:

@@ -1,33 +1,133 @@
 """The runner: one long-lived process per Docker sandbox that runs actions on request.
 
 It is the container's main process (``python3 -c`` with this file's text, so an image
-needs nothing installed but ``python3``) and reads one JSON request per line on its
-attached stdin, answering one JSON line on stdout. An action therefore costs a line each
-way instead of a ``docker exec`` (an API round trip plus a runc start), while still
-running inside the container's cgroup, so the grant applies and CPU is accounted per
-action from the cgroup's own counters.
+needs nothing installed but ``python3``) and reads length-prefixed frames on its attached
+stdin, answering frames on stdout. An action therefore costs a frame each way instead of
+a ``docker exec`` (an API round trip plus a runc start), while still running inside the
+container's cgroup, so the grant applies and CPU is accounted per action from the
+cgroup's own counters.
+
+The channel is sealed from the commands it runs, which are hostile: the runner is root
+inside the container (holding only the capabilities to switch users and to kill) and not
+dumpable, while every command runs as the sandbox user with no capabilities and
+``no_new_privs``, its own pipes for stdin, stdout and stderr, and no other descriptor. A
+command can therefore neither trace the runner nor open ``/proc/1/fd``; and every reply
+carries the request's id and a key the host sent as the first frame, which no command
+ever sees, so a forged reply would be recognised even if one reached the channel.
 
 As PID 1 of the container it also reaps orphans and, after each action, kills every other
-process in the container: nothing an action starts outlives it.
+process in the container: nothing an action starts outlives it. File moves run with the
+sandbox user's effective ids and through directory descriptors that never follow a
+symlink, so a ``get`` or ``put`` reaches nothing a command could not reach itself.
 
 This module is never imported by the SDK; ``RUNNER_SOURCE`` is its text.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
+import ctypes
+import fcntl
 import json
 import os
+import secrets
 import selectors
 import signal
+import stat
+import struct
 import subprocess
 import sys
 import time
+from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 WORK = "/work"
+HEADER = struct.Struct(">IQ")
+"""A frame: metadata length, data length, then the JSON metadata and the raw data."""
+CHUNK = 1 << 20
+"""Most data bytes in one frame of a file move or of stdin."""
+META_LIMIT = 16 << 20
+DATA_LIMIT = 2 * CHUNK
+MESSAGE_LIMIT = 2000
+"""Characters of an error message sent back; a path can be long, a reply stays small."""
+PR_SET_DUMPABLE = 4
+PR_GET_DUMPABLE = 3
+PR_SET_NO_NEW_PRIVS = 38
+F_SETPIPE_SZ = 1031
+
+LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+class Cancelled(Exception):
+    """The host asked to stop a request before all of its data had come."""
+
+
+class Channel:
+    """Frames on fds 0 and 1. Frames read ahead (a cancel during a run) wait in ``pending``."""
+
+    def __init__(self) -> None:
+        self.buffer = bytearray()
+        self.pending: deque[tuple[dict[str, Any], bytes]] = deque()
+        self.closed = False
+        self.key = ""
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(0, F_SETPIPE_SZ, CHUNK)
+
+    def fill(self) -> bool:
+        """Read what the host sent so far; False once it hung up."""
+        chunk = os.read(0, CHUNK + HEADER.size)
+        if not chunk:
+            self.closed = True
+        self.buffer += chunk
+        return bool(chunk)
+
+    def parse(self) -> None:
+        """Move every complete frame in the buffer to ``pending``."""
+        while len(self.buffer) >= HEADER.size:
+            meta_len, data_len = HEADER.unpack_from(self.buffer)
+            if meta_len > META_LIMIT or data_len > DATA_LIMIT:
+                raise SystemExit("a frame larger than the channel allows")
+            end = HEADER.size + meta_len + data_len
+            if len(self.buffer) < end:
+                return
+            meta = json.loads(bytes(self.buffer[HEADER.size : HEADER.size + meta_len]))
+            data = bytes(self.buffer[HEADER.size + meta_len : end])
+            del self.buffer[:end]
+            self.pending.append((meta, data))
+
+    def next(self) -> tuple[dict[str, Any], bytes] | None:
+        """The next frame, waiting for it; None once the host hung up."""
+        while not self.pending:
+            if self.closed or not self.fill():
+                return None
+            self.parse()
+        return self.pending.popleft()
+
+    def data(self, size: int) -> Iterator[bytes]:
+        """The ``size`` bytes of a request's data frames, as they come.
+
+        :raises Cancelled: another frame (a cancel) came first; it stays pending.
+        """
+        left = size
+        while left > 0:
+            frame = self.next()
+            if frame is None:
+                raise Cancelled
+            meta, data = frame
+            if meta.get("op") != "data" or len(data) > left:
+                self.pending.appendleft(frame)
+                raise Cancelled
+            left -= len(data)
+            yield data
+
+    def send(self, meta: dict[str, Any], data: bytes = b"") -> None:
+        meta["key"] = self.key
+        body = json.dumps(meta).encode()
+        view = memoryview(HEADER.pack(len(body), len(data)) + body + data)
+        while view:
+            view = view[os.write(1, view) :]
 
 
 def cpu_usage() -> float:
@@ -91,195 +191,322 @@ def kill_others() -> int:
     return most
 
 
-def run(request: dict[str, Any]) -> dict[str, Any]:
-    limit = int(request["output_limit"])
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": WORK, "TMPDIR": WORK}
-    env.update(request["env"])
-    before = cpu_usage()
-    try:
-        proc = subprocess.Popen(
-            request["argv"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            cwd=WORK,
-            env=env,
-            start_new_session=True,
-        )
-    except OSError as exc:
-        kill_others()
-        return {
-            "exit_code": 127 if isinstance(exc, FileNotFoundError) else 126,
-            "stdout": "",
-            "stderr": base64.b64encode(f"{exc}\n".encode()).decode(),
-        }
-    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
-    data = base64.b64decode(request["stdin"])
-    out_fd, err_fd, in_fd = proc.stdout.fileno(), proc.stderr.fileno(), proc.stdin.fileno()
-    out = {out_fd: bytearray(), err_fd: bytearray()}
-    dropped = dict.fromkeys(out, False)
-    sel = selectors.DefaultSelector()
-    for pipe in (proc.stdout, proc.stderr):
-        os.set_blocking(pipe.fileno(), False)
-        sel.register(pipe.fileno(), selectors.EVENT_READ)
-    if data:
-        os.set_blocking(proc.stdin.fileno(), False)
-        sel.register(proc.stdin.fileno(), selectors.EVENT_WRITE)
-    else:
-        proc.stdin.close()
-    deadline = time.monotonic() + float(request["timeout"])
-    timed_out = False
-    exited_at: float | None = None
-    first_kill = 0
-    sel.register(0, selectors.EVENT_READ)  # a cancel request can come while it runs
-    cancelled = False
-    while out_fd in sel.get_map() or err_fd in sel.get_map():
-        now = time.monotonic()
-        if exited_at is None and wants_cancel():
-            cancelled = True
-            exited_at = now
-            first_kill = kill_others()
-        if exited_at is None and proc.poll() is not None:
-            # The command is done: leftovers holding its pipes go now, so reads end.
-            exited_at = now
-            first_kill = kill_others()
-        if now >= deadline and exited_at is None:
-            timed_out = True
-            exited_at = now
-            first_kill = kill_others()
-        if exited_at is not None and now - exited_at > 2.0:
-            break
-        for key, _ in sel.select(timeout=0.05):
-            fd = key.fd
-            if fd == 0:
-                if not read_stdin():
-                    sel.unregister(0)
-                    STOP.append(True)  # the host hung up: stop the command, then exit
-                continue
-            if fd == in_fd:
-                try:
-                    written = os.write(fd, data[:65536])
-                    data = data[written:]
-                except OSError:
-                    data = b""
-                if not data:
-                    sel.unregister(fd)
-                    proc.stdin.close()
-                continue
-            try:
-                chunk = os.read(fd, 65536)
-            except BlockingIOError:
-                continue
-            if not chunk:
-                sel.unregister(fd)
-                continue
-            room = limit - len(out[fd])
-            if room > 0:
-                out[fd] += chunk[:room]
-            if len(chunk) > room:
-                dropped[fd] = True
-    if exited_at is None:
-        # Both pipes closed first: the command may still be working (or just exiting).
+class Runner:
+    def __init__(self, channel: Channel, uid: int, gid: int) -> None:
+        self.channel = channel
+        self.uid = uid
+        self.gid = gid
+
+    def enter(self) -> None:
+        """In the command's process, after the switch to the sandbox user: no new privileges."""
+        os.chdir(WORK)
+        if LIBC.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+            os._exit(126)
+
+    def run(self, request: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+        size = int(request["stdin"])
+        data = bytearray(size)
+        got = 0
         try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            timed_out = True
-    sel.close()
-    leftovers = kill_others() + first_kill
-    status = proc.wait()
-    for pipe in (proc.stdout, proc.stderr):
-        pipe.close()
-    if not proc.stdin.closed:
-        proc.stdin.close()
-    stdout, stderr = bytes(out[out_fd]), bytes(out[err_fd])
-    return {
-        "exit_code": None if timed_out or cancelled or status < 0 else status,
-        "cancelled": cancelled,
-        "signal": -status if status < 0 else None,
-        "timed_out": timed_out,
-        "stdout": base64.b64encode(stdout).decode(),
-        "stderr": base64.b64encode(stderr).decode(),
-        "stdout_truncated": dropped[out_fd],
-        "stderr_truncated": dropped[err_fd],
-        "cpu_seconds": cpu_usage() - before,
-        "leftovers": leftovers,
-    }
+            for chunk in self.channel.data(size):
+                data[got : got + len(chunk)] = chunk
+                got += len(chunk)
+        except Cancelled:
+            return {"ok": True, "cancelled": True, "exit_code": None, "stdout_len": 0}, b""
+        limit = int(request["output_limit"])
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": WORK, "TMPDIR": WORK}
+        env.update(request["env"])
+        before = cpu_usage()
+        try:
+            proc = subprocess.Popen(
+                request["argv"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=env,
+                user=self.uid,
+                group=self.gid,
+                extra_groups=[],
+                preexec_fn=self.enter,
+                start_new_session=True,
+            )
+        except (OSError, subprocess.SubprocessError) as exc:
+            kill_others()
+            missing = isinstance(exc, FileNotFoundError)
+            return {"ok": True, "exit_code": 127 if missing else 126, "stdout_len": 0}, (
+                f"{exc}\n".encode()
+            )
+        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+        view = memoryview(data)
+        out_fd, err_fd, in_fd = proc.stdout.fileno(), proc.stderr.fileno(), proc.stdin.fileno()
+        out = {out_fd: bytearray(), err_fd: bytearray()}
+        dropped = dict.fromkeys(out, False)
+        sel = selectors.DefaultSelector()
+        for pipe in (proc.stdout, proc.stderr):
+            os.set_blocking(pipe.fileno(), False)
+            sel.register(pipe.fileno(), selectors.EVENT_READ)
+        if view:
+            os.set_blocking(in_fd, False)
+            sel.register(in_fd, selectors.EVENT_WRITE)
+        else:
+            proc.stdin.close()
+        deadline = time.monotonic() + float(request["timeout"])
+        timed_out = False
+        exited_at: float | None = None
+        first_kill = 0
+        if not self.channel.closed:
+            sel.register(0, selectors.EVENT_READ)  # a cancel can come while it runs
+        cancelled = False
+        while out_fd in sel.get_map() or err_fd in sel.get_map():
+            now = time.monotonic()
+            if exited_at is None and (self.channel.pending or self.channel.closed):
+                cancelled = True
+                exited_at = now
+                first_kill = kill_others()
+            if exited_at is None and proc.poll() is not None:
+                # The command is done: leftovers holding its pipes go now, so reads end.
+                exited_at = now
+                first_kill = kill_others()
+            if now >= deadline and exited_at is None:
+                timed_out = True
+                exited_at = now
+                first_kill = kill_others()
+            if exited_at is not None and now - exited_at > 2.0:
+                break
+            for key, _ in sel.select(timeout=0.05):
+                fd = key.fd
+                if fd == 0:
+                    if not self.channel.fill():
+                        sel.unregister(0)
+                    self.channel.parse()
+                    continue
+                if fd == in_fd:
+                    try:
+                        view = view[os.write(fd, view[:CHUNK]) :]
+                    except BlockingIOError:
+                        continue
+                    except OSError:
+                        view = view[:0]
+                    if not view:
+                        sel.unregister(fd)
+                        proc.stdin.close()
+                    continue
+                try:
+                    chunk = os.read(fd, 65536)
+                except BlockingIOError:
+                    continue
+                if not chunk:
+                    sel.unregister(fd)
+                    continue
+                room = limit - len(out[fd])
+                if room > 0:
+                    out[fd] += chunk[:room]
+                if len(chunk) > room:
+                    dropped[fd] = True
+        if exited_at is None:
+            # Both pipes closed first: the command may still be working (or just exiting).
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+        sel.close()
+        leftovers = kill_others() + first_kill
+        status = proc.wait()
+        for pipe in (proc.stdout, proc.stderr):
+            pipe.close()
+        if not proc.stdin.closed:
+            proc.stdin.close()
+        stdout, stderr = bytes(out[out_fd]), bytes(out[err_fd])
+        reply = {
+            "ok": True,
+            "exit_code": None if timed_out or cancelled or status < 0 else status,
+            "cancelled": cancelled,
+            "signal": -status if status < 0 else None,
+            "timed_out": timed_out,
+            "stdout_len": len(stdout),
+            "stdout_truncated": dropped[out_fd],
+            "stderr_truncated": dropped[err_fd],
+            "cpu_seconds": cpu_usage() - before,
+            "leftovers": leftovers,
+        }
+        return reply, stdout + stderr
+
+    @contextlib.contextmanager
+    def as_sandbox_user(self) -> Iterator[None]:
+        """File moves with the sandbox user's rights: they reach what a command can, no more."""
+        os.setegid(self.gid)
+        os.seteuid(self.uid)
+        try:
+            yield
+        finally:
+            os.seteuid(0)
+            os.setegid(0)
+
+    def walk(self, path: str, create: bool) -> tuple[int, str]:
+        """A descriptor of ``path``'s parent, reached without following a symlink; its name."""
+        parts = path.split("/")
+        if any(part in ("", ".", "..") for part in parts):
+            raise PermissionError(f"{path!r} leads outside the work dir")
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(WORK, flags)
+        try:
+            for part in parts[:-1]:
+                try:
+                    inner = os.open(part, flags, dir_fd=fd)
+                except FileNotFoundError:
+                    if not create:
+                        raise FileNotFoundError(f"no such file in the sandbox: {path!r}") from None
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(part, 0o755, dir_fd=fd)
+                    inner = self.open_dir(part, fd, path)
+                except OSError as exc:
+                    raise refusal(path, exc) from None
+                os.close(fd)
+                fd = inner
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, parts[-1]
+
+    def open_dir(self, name: str, parent: int, path: str) -> int:
+        try:
+            return os.open(
+                name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent
+            )
+        except OSError as exc:
+            raise refusal(path, exc) from None
+
+    def put(self, request: dict[str, Any]) -> dict[str, Any]:
+        path, size = str(request["path"]), int(request["size"])
+        chunks = self.channel.data(size)
+        try:
+            with self.as_sandbox_user():
+                self.write(path, chunks)
+        except Cancelled:
+            raise
+        except Exception:
+            for _ in chunks:  # the rest of its data is still on the channel
+                pass
+            raise
+        return {"ok": True}
+
+    def write(self, path: str, chunks: Iterator[bytes]) -> None:
+        parent, name = self.walk(path, create=True)
+        temp = f".tangram-put-{secrets.token_hex(8)}"
+        try:
+            fd = os.open(
+                temp,
+                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                0o644,
+                dir_fd=parent,
+            )
+            try:
+                for chunk in chunks:
+                    view = memoryview(chunk)
+                    while view:
+                        view = view[os.write(fd, view) :]
+            finally:
+                os.close(fd)
+            # A rename replaces whatever had the name (a FIFO, a symlink) without opening
+            # it, so nothing is ever written through it.
+            os.rename(temp, name, src_dir_fd=parent, dst_dir_fd=parent)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temp, dir_fd=parent)
+            raise
+        finally:
+            os.close(parent)
+
+    def get(self, request: dict[str, Any]) -> dict[str, Any]:
+        path = str(request["path"])
+        with self.as_sandbox_user():
+            parent, name = self.walk(path, create=False)
+            try:
+                fd = os.open(
+                    name,
+                    os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC,
+                    dir_fd=parent,
+                )
+            except FileNotFoundError:
+                raise FileNotFoundError(f"no such file in the sandbox: {path!r}") from None
+            except OSError as exc:
+                raise refusal(path, exc) from None
+            finally:
+                os.close(parent)
+        try:
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISDIR(mode):
+                raise IsADirectoryError(f"{path!r} is a directory")
+            if not stat.S_ISREG(mode):
+                raise PermissionError(f"{path!r} is not a regular file (a FIFO or device)")
+            size = 0
+            while chunk := os.read(fd, CHUNK):
+                size += len(chunk)
+                self.channel.send({"id": request["id"], "more": True}, chunk)
+        finally:
+            os.close(fd)
+        return {"ok": True, "size": size}
+
+    def handle(self, request: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+        op = request.get("op")
+        if op == "run":
+            return self.run(request)
+        if op == "put":
+            return self.put(request), b""
+        if op == "get":
+            return self.get(request), b""
+        if op == "cancel":
+            return {"ok": True, "cancelled": False}, b""  # nothing of it is running now
+        if op == "ping":
+            return {"ok": True, "pid": os.getpid()}, b""
+        raise ValueError(f"unknown op {op!r}")
 
 
-def inside(path: str) -> Path:
-    target = Path(WORK, path).resolve()
-    if not str(target).startswith(WORK + "/"):
-        raise PermissionError(f"{path!r} leads outside the work dir")
-    return target
+def refusal(path: str, exc: OSError) -> OSError:
+    """What a symlink or a non-directory on the way becomes: a refusal, never a follow."""
+    if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError)):
+        return exc
+    return PermissionError(f"{path!r} goes through a symlink or a non-directory: refused")
 
 
-def handle(request: dict[str, Any]) -> dict[str, Any]:
-    op = request["op"]
-    if op == "run":
-        return run(request)
-    if op == "put":
-        target = inside(request["path"])
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(base64.b64decode(request["data"]))
-        return {}
-    if op == "get":
-        return {"data": base64.b64encode(inside(request["path"]).read_bytes()).decode()}
-    if op == "ping":
-        return {"pid": os.getpid()}
-    raise ValueError(f"unknown op {op!r}")
-
-
-BUFFER = bytearray()
-STOP: list[bool] = []
-
-
-def read_stdin() -> bool:
-    """Read what the host sent so far into ``BUFFER``; False once the host hung up."""
-    chunk = os.read(0, 65536)
-    BUFFER.extend(chunk)
-    return bool(chunk)
-
-
-def next_request() -> dict[str, Any] | None:
-    while b"\n" not in BUFFER:
-        if STOP or not read_stdin():
-            return None
-    line, _, rest = bytes(BUFFER).partition(b"\n")
-    BUFFER[:] = rest
-    request: dict[str, Any] = json.loads(line)
-    return request
-
-
-def wants_cancel() -> bool:
-    """Whether a cancel request (or a hang-up) arrived while an action runs."""
-    if STOP:
-        return True
-    lines = bytes(BUFFER).split(b"\n")
-    for line in lines[:-1]:
-        if json.loads(line).get("op") == "cancel":
-            # Everything up to and including the cancel is consumed; the host sends
-            # nothing else while an action runs.
-            BUFFER.clear()
-            return True
-    return False
+def seal() -> str | None:
+    """Make this process untraceable; why it could not be, or None."""
+    if LIBC.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0 or LIBC.prctl(PR_GET_DUMPABLE, 0, 0, 0, 0):
+        return f"prctl(PR_SET_DUMPABLE) failed: errno {ctypes.get_errno()}"
+    try:
+        os.setgroups([])
+    except OSError as exc:
+        return f"cannot drop supplementary groups: {exc}"
+    return None
 
 
 def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    stdout = sys.stdout.buffer
-    stdout.write(b'{"ready": true}\n')
-    stdout.flush()
-    while (request := next_request()) is not None:
-        if request.get("op") == "cancel":
-            continue  # it came after its action had finished: nothing to stop
+    uid, gid = int(sys.argv[1]), int(sys.argv[2])
+    channel = Channel()
+    hello = channel.next()
+    if hello is None or hello[0].get("op") != "hello":
+        return
+    channel.key = str(hello[0]["key"])
+    problem = seal()
+    if problem is None and (os.getuid() == uid or uid == 0):
+        problem = f"the runner's uid {os.getuid()} must differ from the sandbox user's {uid}"
+    if problem is not None:
+        channel.send({"id": 0, "ok": False, "error": "SealError", "message": problem})
+        return
+    channel.send({"id": 0, "ok": True, "ready": True, "pid": os.getpid()})
+    runner = Runner(channel, uid, gid)
+    while (request := channel.next()) is not None:
+        meta, _ = request
         try:
-            reply = handle(request)
-            reply["ok"] = True
+            reply, data = runner.handle(meta)
+        except Cancelled:
+            reply, data = {"ok": False, "error": "Cancelled", "message": "cancelled"}, b""
         except Exception as exc:
-            reply = {"ok": False, "error": type(exc).__name__, "message": str(exc)}
-        reply["id"] = request.get("id")
-        stdout.write(json.dumps(reply).encode() + b"\n")
-        stdout.flush()
+            message = str(exc)[:MESSAGE_LIMIT]
+            reply, data = {"ok": False, "error": type(exc).__name__, "message": message}, b""
+        reply["id"] = meta.get("id")
+        channel.send(reply, data)
 
 
 if __name__ == "__main__":

@@ -43,10 +43,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True)
     _add_bench_command(commands)
-    commands.add_parser(
+    doctor = commands.add_parser(
         "doctor",
         help="print what this host offers tangram and what `tangram bench` will use",
         description="Probes cores, cgroups, Docker, GPUs (NVML), Ray and torch; never fails.",
+    )
+    doctor.add_argument(
+        "--reap",
+        action="store_true",
+        help="remove the sandbox containers left by trainers of this host that are gone",
     )
     _add_simulate_commands(commands)
     return parser
@@ -122,9 +127,18 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _doctor() -> int:
-    from ._doctor import diagnose, format_diagnosis
+def _doctor(args: argparse.Namespace) -> int:
+    from ._doctor import diagnose, format_diagnosis, reap_orphaned_sandboxes
 
+    if args.reap:
+        try:
+            removed = reap_orphaned_sandboxes()
+        except Exception as exc:  # no daemon, or no aiodocker: said, as the probes do
+            print(f"cannot reap: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
+        print(f"removed {len(removed)} orphaned sandbox containers")
+        for ident in removed:
+            print(f"  {ident[:12]}")
     print(format_diagnosis(diagnose()))
     return 0
 
@@ -135,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "bench":
             return _bench(args)
         elif args.command == "doctor":
-            return _doctor()
+            return _doctor(args)
         else:
             code = _dispatch_simulate(args)
             if code is not None:

@@ -10,13 +10,13 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import anyio
 
-__all__ = ["diagnose", "format_diagnosis"]
+__all__ = ["diagnose", "format_diagnosis", "orphaned_sandboxes", "reap_orphaned_sandboxes"]
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -75,8 +75,43 @@ def _docker() -> str:
         return False
 
     if anyio.run(probe):
-        return f"reachable, image {DockerConfig().image} present"
+        try:
+            orphans = len(orphaned_sandboxes())
+        except Exception:  # the daemon went away since the probe: reachability says it
+            orphans = 0
+        left = f"; {orphans} orphaned sandboxes (tangram doctor --reap)" if orphans else ""
+        return f"reachable, image {DockerConfig().image} present{left}"
     return "not reachable (no daemon answers, or the sandbox image is missing)"
+
+
+def orphaned_sandboxes() -> list[dict[str, str]]:
+    """Sandbox containers on the default daemon left by owners on this host that are gone.
+
+    A pool removes them when it starts; this lists them without starting one.
+    """
+    from .._sandbox._reaper import orphans
+
+    found: list[dict[str, str]] = anyio.run(_on_docker, orphans)
+    return found
+
+
+def reap_orphaned_sandboxes() -> list[str]:
+    """Remove what :func:`orphaned_sandboxes` lists; the ids removed."""
+    from .._sandbox._reaper import reap
+
+    removed: list[str] = anyio.run(_on_docker, reap)
+    return removed
+
+
+async def _on_docker(call: Callable[[Any], Awaitable[Any]]) -> Any:
+    import aiodocker
+
+    client = aiodocker.Docker()
+    try:
+        with anyio.fail_after(60):
+            return await call(client)
+    finally:
+        await client.close()
 
 
 def _gpus() -> str:

@@ -1,0 +1,220 @@
+"""One Docker daemon as the sandboxes see it: the container spec and the host's clients.
+
+:class:`DockerConfig` turns settings into the Engine API's container spec; :class:`HostInfo`
+holds one daemon's two clients (API calls, and the attach streams each live sandbox keeps
+open, from a pool without aiohttp's cap of 100) and gives every API call a deadline, so a
+daemon that stalls is a :class:`SandboxBrokenError` rather than a hang.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
+
+import anyio
+import attrs
+
+from .._core._units import parse_size
+from .._core._validate import positive
+from ..errors import SandboxBrokenError, SandboxError
+from ._backend import Host
+from ._cgroupfs import PERIOD_US
+from ._reaper import LABEL, owner_labels
+
+__all__ = ["DockerConfig", "HostInfo", "stream_client"]
+
+BOOTS = 8
+"""Containers created and started at once per host: a burst of 512 warm sandboxes would
+otherwise queue hundreds of requests in the daemon and each could pass its deadline."""
+RUNNER_CAPS = ("SETUID", "SETGID", "KILL")
+"""What the runner keeps: switching to the sandbox user, and killing its leftovers."""
+STREAM_HEADROOM = 16
+"""Connections kept for API calls where attach streams must share the client's pool."""
+
+T = TypeVar("T")
+
+
+def _size(value: str | int) -> int:
+    return int(parse_size(value)) if isinstance(value, str) else int(value)
+
+
+def _sandbox_user(instance: object, attribute: Any, value: object) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"`user` must be a string 'UID' or 'UID:GID' (got {value!r})")
+    uid, _, gid = value.partition(":")
+    if not uid.isdigit() or not (gid.isdigit() or not gid):
+        raise ValueError(f"`user` must be numeric, 'UID' or 'UID:GID' (got {value!r})")
+    if int(uid) == 0 or (gid and int(gid) == 0):
+        raise ValueError(
+            f"`user` must not be root (got {value!r}): commands run under a user other than "
+            "the runner's, so they can neither write on its channel nor trace it"
+        )
+
+
+@attrs.frozen(kw_only=True)
+class DockerConfig:
+    """How sandbox containers are made. Defaults are the hardened ones.
+
+    :param image: any image with ``python3`` (and its ``ctypes``) on its ``PATH``.
+    :param memory: memory limit (swap included), ``None`` for none.
+    :param pids: most processes (threads count too) in the container, ``None`` for none.
+    :param network: ``"none"`` (default) or a Docker network name to allow network.
+    :param read_only: read-only root file system (the work dir and ``/tmp`` are tmpfs).
+    :param work_size: size of the tmpfs work dir (``/work``), also the most one ``get``
+        returns.
+    :param user: the numeric ``"UID:GID"`` commands run as (never root). The runner runs
+        as root inside the container with only the capabilities to switch to this user
+        and to kill what it leaves behind, so no command can reach the runner's channel.
+    :param cap_drop: capabilities dropped (default all); ``cap_add`` puts some back.
+    :param no_new_privileges: forbid setuid gains for the runner (commands never get any).
+    :param fast_path: write cgroup files directly when the daemon is local.
+    :param sync_docker_view: after a direct write, also send the values to the API once
+        they have held ``sync_after`` seconds, so ``docker inspect`` shows the grant.
+    :param api_timeout: seconds any one Engine API call may take before the daemon is
+        taken as stalled (:class:`SandboxBrokenError`).
+    :param io_timeout: seconds a file move (or stopping a cancelled action) may go without
+        progress on the runner's channel before the sandbox is taken as broken.
+    """
+
+    image: str = "tangram-sandbox-test:latest"
+    memory: str | int | None = "1GiB"
+    pids: int | None = 256
+    network: str = "none"
+    read_only: bool = True
+    work_size: str | int = "512MiB"
+    tmp_size: str | int = "64MiB"
+    user: str = attrs.field(default="65534:65534", validator=_sandbox_user)
+    cap_drop: tuple[str, ...] = ("ALL",)
+    cap_add: tuple[str, ...] = ()
+    no_new_privileges: bool = True
+    fast_path: bool = True
+    sync_docker_view: bool = True
+    sync_after: float = 1.0
+    api_timeout: float = attrs.field(default=30.0, validator=positive)
+    io_timeout: float = attrs.field(default=30.0, validator=positive)
+    env: Mapping[str, str] = attrs.field(factory=dict)
+
+    @property
+    def work_bytes(self) -> int:
+        """The work dir's size in bytes: no file in it can be larger."""
+        return _size(self.work_size)
+
+    @property
+    def ids(self) -> tuple[int, int]:
+        """The sandbox user's uid and gid."""
+        uid, _, gid = self.user.partition(":")
+        return int(uid), int(gid or uid)
+
+    def container_spec(self, name: str, cores: str, python: str, runner: str) -> dict[str, Any]:
+        uid, gid = self.ids
+        tmpfs = {
+            "/work": f"rw,exec,size={self.work_bytes},mode=0700,uid={uid},gid={gid}",
+            "/tmp": f"rw,nosuid,size={_size(self.tmp_size)},mode=1777",
+        }
+        host: dict[str, Any] = {
+            "NetworkMode": self.network,
+            "ReadonlyRootfs": self.read_only,
+            "Tmpfs": tmpfs,
+            "CapDrop": list(self.cap_drop),
+            "CapAdd": [*RUNNER_CAPS, *(cap for cap in self.cap_add if cap not in RUNNER_CAPS)],
+            "SecurityOpt": ["no-new-privileges"] if self.no_new_privileges else [],
+            "CpusetCpus": cores,
+            "CpuPeriod": PERIOD_US,
+            # Booted with one core's quota (the runner's start at the parked 1% would take
+            # seconds), parked as soon as it answers.
+            "CpuQuota": PERIOD_US,
+            "AutoRemove": False,
+            # The channel carries every reply; a log would copy each one to the daemon's
+            # disk, without a bound. Attaching works without a log.
+            "LogConfig": {"Type": "none", "Config": {}},
+        }
+        if self.memory is not None:
+            host["Memory"] = _size(self.memory)
+            host["MemorySwap"] = _size(self.memory)
+        if self.pids is not None:
+            host["PidsLimit"] = self.pids
+        return {
+            "Image": self.image,
+            "Cmd": [python, "-c", runner, str(uid), str(gid)],
+            "User": "0:0",
+            "WorkingDir": "/",
+            "Env": [f"{k}={v}" for k, v in self.env.items()],
+            "OpenStdin": True,
+            "StdinOnce": False,
+            "AttachStdin": True,
+            "AttachStdout": True,
+            "AttachStderr": True,
+            "Tty": False,
+            "NetworkDisabled": self.network == "none",
+            "Labels": {LABEL: name, **owner_labels()},
+            "HostConfig": host,
+        }
+
+
+def stream_client(client: Any) -> tuple[Any, int | None]:
+    """A client for the attach streams whose pool has no cap, and the cap where it must.
+
+    Made for the connections aiodocker makes itself (a Unix socket, plain TCP) from the
+    API client's own settings, so both reach the same daemon. Over TLS or SSH the streams
+    share the API client's pool: then the live sandboxes on that host are capped below its
+    size (the cap is returned) so that API calls always find a connection.
+    """
+    import aiodocker
+    import aiohttp
+
+    connector = client.connector
+    if isinstance(connector, aiohttp.UnixConnector):
+        unbounded: aiohttp.BaseConnector = aiohttp.UnixConnector(connector.path, limit=0)
+    elif isinstance(connector, aiohttp.TCPConnector) and client.docker_host.startswith(
+        ("tcp://", "http://")
+    ):
+        unbounded = aiohttp.TCPConnector(limit=0)
+    else:
+        return client, max(1, connector.limit - STREAM_HEADROOM) if connector.limit else None
+    return aiodocker.Docker(url=client.docker_host, connector=unbounded), None
+
+
+@attrs.define(eq=False)
+class HostInfo:
+    host: Host
+    client: Any
+    streams: Any
+    local: bool
+    cgroup_version: str
+    url: str
+    stream_limit: int | None
+    streams_open: int = 0
+    boots: anyio.CapacityLimiter = attrs.field(factory=lambda: anyio.CapacityLimiter(BOOTS))
+
+    async def call(
+        self,
+        what: str,
+        call: Callable[[], Awaitable[T]],
+        timeout: float,  # noqa: ASYNC109 - each call's own deadline, not the caller's
+    ) -> T:
+        """One Engine API call with a deadline; its failure as a typed error.
+
+        :raises SandboxBrokenError: the daemon did not answer within ``timeout``.
+        :raises SandboxError: the daemon answered with an error (the cause attached).
+        """
+        try:
+            with anyio.fail_after(timeout):
+                return await call()
+        except TimeoutError as exc:
+            raise SandboxBrokenError(
+                f"the Docker daemon at {self.url} did not answer {what} within {timeout:g} s"
+            ) from exc
+        except Exception as exc:
+            raise SandboxError(f"the Docker daemon at {self.url} failed {what}: {exc}") from exc
+
+    def take_stream(self) -> None:
+        """Count one more attach connection held by a sandbox of this host.
+
+        :raises SandboxError: all are taken (only where streams share the API's pool).
+        """
+        if self.stream_limit is not None and self.streams_open >= self.stream_limit:
+            raise SandboxError(
+                f"at most {self.stream_limit} live sandboxes on {self.url}: the attach "
+                "connections share the HTTP client's pool there (TLS or SSH)"
+            )
+        self.streams_open += 1
