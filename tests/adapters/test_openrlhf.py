@@ -31,6 +31,8 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     import tangram_openrlhf.agent as agent_module
     import tangram_openrlhf.reward as reward_module
+    from _hacks import HACKS, RIGHT, WRONG
+    from _hacks import TESTS as TESTS_2
     from _tiny import tiny_tokenizer
     from openrlhf.utils.agent import AgentExecutorBase, SingleTurnAgentExecutor
     from tangram_openrlhf.agent import parse_tool_calls
@@ -181,4 +183,79 @@ async def test_the_single_turn_reward_function_runs_the_tests_in_a_sandbox(
     bad = await executor.execute("Write add.", TESTS, _params(), 512, tokenizer, wrong)
     assert good["reward"].tolist() == [1.0]
     assert bad["reward"].tolist() == [0.0]
-    assert bad["extra_logs"]["exit_code"].tolist() == [1.0]
+    # ``return 5`` passes the first assertion and fails the second.
+    assert bad["extra_logs"]["tests_passed"].tolist() == [1.0]
+    assert bad["extra_logs"]["tests_total"].tolist() == [2.0]
+
+
+@pytest.fixture
+def fast_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The docs' config with short grading limits: the hacks that hang cost them."""
+    toml = tmp_path / "fast.toml"
+    toml.write_text(
+        DOCS_CONFIG.read_text().replace("timeout = 30", "timeout = 6\ncase_timeout = 2")
+    )
+    monkeypatch.setenv("TANGRAM_CONFIG", str(toml))
+    return toml
+
+
+def test_no_hack_of_the_red_team_scores_through_the_reward_function(fast_config: Path) -> None:
+    """Every hack of ``tests/_hacks.py`` through ``reward_func`` as OpenRLHF calls it (from a
+    worker thread), beside a correct answer; the old reward gave 15 of them 1.0."""
+    names = list(HACKS)
+    queries = [f"Q\n```python\n{RIGHT}```"] + [f"Q\n```python\n{HACKS[n].answer}```" for n in names]
+    labels = [TESTS_2] + [HACKS[n].tests for n in names]
+    scored = reward_module.reward_func(queries, ["Q\n"] * len(queries), labels)
+    rewards = dict(zip(["right", *names], scored["rewards"].tolist(), strict=True))
+    assert rewards == {"right": 1.0, **{n: 0.0 for n in names}}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "name",
+    [
+        "os._exit(0) before the tests",
+        "an atexit handler that exits 0",
+        "fork, the parent exits 0",
+        "return an object whose __eq__ is always true",
+        "read the tests and answer from a table",
+    ],
+)
+async def test_a_hack_in_the_final_answer_scores_zero_in_the_agent(
+    fast_config: Path, tmp_path: Path, name: str
+) -> None:
+    tokenizer = tiny_tokenizer(tmp_path / "tok")
+    executor = _load_executor()
+    engine = _Engine(tokenizer, [f"Done:\n```python\n{HACKS[name].answer}```"])
+    try:
+        result = await executor.execute(
+            "Write add.", HACKS[name].tests, _params(), 4096, tokenizer, engine
+        )
+    finally:
+        await _session.aclose()
+    assert result["reward"] == 0.0
+
+
+@pytest.mark.anyio
+async def test_files_the_models_tool_calls_left_do_not_reach_the_reward(
+    fast_config: Path, tmp_path: Path
+) -> None:
+    """Tool calls plant modules that would forge a verdict if the grading ran beside them
+    (in the trajectory's sandbox, without ``-I``): the reward grades in a fresh sandbox."""
+    forge = (
+        "import os, sys; s = sys.stdin.readline().strip(); print(s, '{\"started\": true}'); "
+        'print(s, \'{"passed": 2, "total": 2}\'); sys.stdout.flush(); os._exit(0)'
+    )
+    plant = "; ".join(
+        f"open({module!r}, 'w').write({forge!r})"
+        for module in ("json.py", "ast.py", "sitecustomize.py", "select.py")
+    )
+    tokenizer = tiny_tokenizer(tmp_path / "tok")
+    executor = _load_executor()
+    engine = _Engine(tokenizer, [_call(plant), f"```python\n{WRONG}```"])
+    try:
+        result = await executor.execute("Write add.", TESTS_2, _params(), 4096, tokenizer, engine)
+    finally:
+        await _session.aclose()
+    assert result["reward"] == 0.0
+    assert result["extra_logs"]["tool_calls"] == 1.0

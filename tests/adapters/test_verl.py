@@ -284,6 +284,62 @@ async def test_an_api_judge_reward_goes_through_the_quota(tmp_path: Path) -> Non
         await _session.aclose()
 
 
+def _tests_toml(tmp_path: Path) -> Path:
+    toml = tmp_path / "tests.toml"
+    toml.write_text(
+        '[sandbox]\nbackend = "local"\nwarm = 2\n'
+        "[adapters.verl.reward]\ntests = true\ntimeout = 6\ncase_timeout = 2\n"
+    )
+    return toml
+
+
+@pytest.mark.anyio
+async def test_a_code_reward_grades_the_answer_against_its_tests(tmp_path: Path) -> None:
+    """compute_score with ``tests``: assertion tests and verl's SandboxFusion JSON (stdio),
+    right answers 1.0, wrong ones and every hack of the red team 0.0."""
+    from _hacks import HACKS, RIGHT, RIGHT_MAIN, STDIO, TESTS, WRONG
+    from tangram_verl.reward import compute_score
+
+    toml = _tests_toml(tmp_path)
+    samples = {
+        "right": (RIGHT, TESTS, 1.0),
+        "wrong": (WRONG, TESTS, 0.0),
+        "right stdio": (RIGHT_MAIN, json.dumps(STDIO), 1.0),
+        **{name: (hack.answer, hack.tests, 0.0) for name, hack in HACKS.items()},
+    }
+    try:
+        for name, (answer, truth, expected) in samples.items():
+            solution = f"Let me write it.\n```python\n{answer}```\nDone."
+            score = await compute_score("code", solution, truth, {}, tangram_config=str(toml))
+            assert score == expected, name
+        assert await compute_score("code", "no code", TESTS, {}, tangram_config=str(toml)) == 0.0
+        async with _session.session(toml) as resources:
+            stats = resources.scheduler.stats()
+            assert stats.kinds["reward"].completed == len(samples)
+            assert stats.resources["cpu"].held == 0
+    finally:
+        await _session.aclose()
+
+
+@pytest.mark.anyio
+async def test_the_reward_manager_grades_code_under_verls_reward_loop(tmp_path: Path) -> None:
+    from _hacks import HACKS, RIGHT, TESTS
+
+    tokenizer = tiny_tokenizer(tmp_path / "tok")
+    toml = _tests_toml(tmp_path)
+    config, _ = _reward_config(tmp_path, tmp_path / "tok", "reward_manager")
+    config.reward.tangram.tangram_config = str(toml)
+    worker = RewardLoopWorker(config)
+    hacks = ["os._exit(0) before the tests", "return an object whose __eq__ is always true"]
+    answers = [RIGHT, *(HACKS[name].answer for name in hacks)]
+    data = _batch(tokenizer, [f"```python\n{a}```" for a in answers], [TESTS] * len(answers))
+    try:
+        outputs = await worker.compute_score_batch(data)
+        assert [o["reward_score"] for o in outputs] == [1.0, 0.0, 0.0]
+    finally:
+        await _session.aclose()
+
+
 @pytest.mark.anyio
 async def test_function_tools_run_through_tangram(docs_config: Path) -> None:
     _Probe.active = _Probe.peak = 0

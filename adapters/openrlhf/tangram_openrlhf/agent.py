@@ -9,9 +9,14 @@ environment), table ``[adapters.openrlhf]``:
 
 - ``max_turns`` (4): model turns before the episode ends;
 - ``cpu`` (1, or ``{min, max}``), ``timeout``, ``kind`` (``"run_code"``): each tool call;
-- ``reward`` (``"tests"``): run the answer's code followed by the label (assertions) in
-  the trajectory's sandbox and score 1.0 when it exits 0; or ``"pkg.mod:fn"``, awaited as
+- ``reward`` (``"tests"``): grade the answer's code (its last fenced block, else its last
+  tool call's) against the label's tests with tangram's grading harness, in a fresh
+  sandbox (never the trajectory's, which the model's own code has run in), and score 1.0
+  when every test passes (``docs/rewards.md``); or ``"pkg.mod:fn"``, awaited as
   ``fn(action_text, label, sandbox)`` with the trajectory's :class:`tangram.Sandbox`;
+- ``case_timeout`` (10), ``partial`` (false): the ``"tests"`` reward's limit per call into
+  the answer (``timeout`` bounds the whole grading), and whether it scores the fraction of
+  tests passed instead of all or nothing;
 - ``feedback``: the text appended after a tool call, ``{output}`` standing for its output.
 
 A tool call is written as verl and Qwen write them:
@@ -25,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import uuid
 import weakref
 from typing import Any
 
@@ -37,13 +43,24 @@ from openrlhf.utils.agent import (  # type: ignore[import-untyped]
 import tangram
 from tangram._frameworks import _session
 from tangram._frameworks._convert import cpu_demand, extract_code, format_result
+from tangram._frameworks._grade import grade, parse_tests
 from tangram._frameworks._session import release_later
 from tangram.config import ConfigError
 
 __all__ = ["AgentExecutor", "AgentInstance", "parse_tool_calls"]
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-_SETTINGS = {"max_turns", "cpu", "timeout", "kind", "reward", "feedback", "tangram_config"}
+_SETTINGS = {
+    "max_turns",
+    "cpu",
+    "timeout",
+    "kind",
+    "reward",
+    "feedback",
+    "tangram_config",
+    "case_timeout",
+    "partial",
+}
 DEFAULT_FEEDBACK = "\n<tool_response>\n{output}</tool_response>\n"
 
 
@@ -81,6 +98,8 @@ class AgentInstance(AgentInstanceBase):  # type: ignore[misc]
         self.kind: str = settings.get("kind", "run_code")
         self.reward: str = settings.get("reward", "tests")
         self.feedback: str = settings.get("feedback", DEFAULT_FEEDBACK)
+        self.case_timeout: float | None = settings.get("case_timeout")
+        self.partial = bool(settings.get("partial", False))
         self.turns = 0
         self.tool_calls = 0
         self.last_code: str | None = None
@@ -147,17 +166,23 @@ class AgentInstance(AgentInstanceBase):  # type: ignore[misc]
 
     async def _score(self, action: str, label: Any) -> float:
         if self.reward == "tests":
+            tests = parse_tests(label)
             code = extract_code(action) or self.last_code
-            if code is None or self._sandbox is None:
+            if code is None:
                 return 0.0
-            async with _session.session(self.config_path):
-                result = await self._sandbox.run(
-                    code=f"{code}\n\n{label or ''}\n",
+            async with (
+                _session.session(self.config_path) as resources,
+                resources.sandbox_pool().sandbox(f"reward-{uuid.uuid4().hex}") as sandbox,
+            ):
+                verdict = await grade(
+                    sandbox,
+                    code,
+                    tests,
                     cpu=self.cpu,
                     timeout=self.timeout,
-                    kind="reward",
+                    case_timeout=self.case_timeout,
                 )
-            return 1.0 if result.exit_code == 0 and not result.timed_out else 0.0
+            return verdict.score(partial=self.partial)
         fn = _session.load_object(self.reward)
         async with _session.session(self.config_path):
             return float(await fn(action, label, self._sandbox))

@@ -1,13 +1,18 @@
-"""A single-turn OpenRLHF reward that runs each answer's code against its tests in tangram.
+"""A single-turn OpenRLHF reward that grades each answer's code against its tests in tangram.
 
 Pass this file as ``--reward.remote_url``: OpenRLHF loads ``reward_func(queries, prompts,
 labels)`` from it and calls it in a worker thread (``asyncio.to_thread``), one query at a
-time. The answer's last fenced code block runs, followed by the label (its assertions),
-in a fresh sandbox of the ``[sandbox]`` pool, with the cores of ``[adapters.openrlhf]``'s
-``cpu``; the reward is 1.0 when it exits 0 within ``timeout``.
+time. The answer's last fenced code block is graded against the label (assertion tests,
+or input/output tests: see ``docs/rewards.md``) by tangram's grading harness, in a fresh
+sandbox of the ``[sandbox]`` pool, with the cores of ``[adapters.openrlhf]``'s ``cpu``.
+The reward is 1.0 when every test passes (with ``partial = true``, the fraction passed);
+the verdict comes from the harness, never from the answer's exit status, so an answer
+that exits 0 early, hooks ``atexit`` or forges ``__eq__`` scores 0.
 
 The call blocks only its own worker thread: the work runs on this process's tangram loop
-(one thread with one scheduler, started on first use), never on vLLM's.
+(one thread with one scheduler, started on first use), never on vLLM's. A sandbox that
+cannot run the harness raises :class:`tangram.errors.SandboxBrokenError` rather than
+scoring the answer 0.
 """
 
 from __future__ import annotations
@@ -19,33 +24,38 @@ import torch
 
 from tangram._frameworks import _session
 from tangram._frameworks._convert import cpu_demand, extract_code
+from tangram._frameworks._grade import Verdict, grade, parse_tests
 from tangram.config import ConfigError
 
 __all__ = ["reward_func", "score_code"]
 
 
-async def score_code(query: str, prompt: str, label: str) -> tuple[float, int]:
-    """(reward, exit code) of one query: -1 when the answer holds no code block."""
+async def score_code(query: str, prompt: str, label: Any) -> tuple[float, Verdict | None]:
+    """(reward, verdict) of one query; the verdict is ``None`` when the answer has no code.
+
+    :raises ValueError: the label holds no test that can be run.
+    """
     config = _session.config_for(None)
     settings = dict(config.adapters.get("openrlhf", {}))
     cpu = cpu_demand(settings.get("cpu", 1), "[adapters.openrlhf]")
+    tests = parse_tests(label)
     answer = query[len(prompt) :] if query.startswith(prompt) else query
     code = extract_code(answer)
     if code is None:
-        return 0.0, -1
+        return 0.0, None
     async with (
         _session.session(None) as resources,
-        resources.sandbox_pool().sandbox(uuid.uuid4().hex) as sandbox,
+        resources.sandbox_pool().sandbox(f"reward-{uuid.uuid4().hex}") as sandbox,
     ):
-        result = await sandbox.run(
-            code=f"{code}\n\n{label or ''}\n",
+        verdict = await grade(
+            sandbox,
+            code,
+            tests,
             cpu=cpu,
             timeout=settings.get("timeout"),
-            kind="reward",
+            case_timeout=settings.get("case_timeout"),
         )
-    ok = result.exit_code == 0 and not result.timed_out
-    # A command killed by a signal has no exit code: -1 tells it from a clean failure.
-    return (1.0 if ok else 0.0), -1 if result.exit_code is None else result.exit_code
+    return verdict.score(partial=bool(settings.get("partial", False))), verdict
 
 
 async def _score_all(queries: list[str], prompts: list[str], labels: list[Any]) -> list[Any]:
@@ -55,11 +65,22 @@ async def _score_all(queries: list[str], prompts: list[str], labels: list[Any]) 
 def reward_func(queries: list[str], prompts: list[str], labels: list[Any]) -> dict[str, Any]:
     """OpenRLHF's reward hook: ``{"rewards", "scores", "extra_logs"}`` for the queries.
 
+    ``extra_logs`` holds ``tests_passed`` and ``tests_total`` per query (0 and 0 for an
+    answer without code).
+
     :raises ConfigError: no tangram config, or one without ``[sandbox]``.
+    :raises ValueError: a label holds no test that can be run.
     """
     if not (len(queries) == len(prompts) == len(labels)):
         raise ConfigError("queries, prompts and labels must have the same length")
     scored = _session.portal_call(_score_all, list(queries), list(prompts), list(labels))
     rewards = torch.tensor([reward for reward, _ in scored])
-    exit_codes = torch.tensor([float(code) for _, code in scored])
-    return {"rewards": rewards, "scores": rewards, "extra_logs": {"exit_code": exit_codes}}
+    verdicts = [verdict or Verdict(0, 0) for _, verdict in scored]
+    return {
+        "rewards": rewards,
+        "scores": rewards,
+        "extra_logs": {
+            "tests_passed": torch.tensor([float(v.passed) for v in verdicts]),
+            "tests_total": torch.tensor([float(v.total) for v in verdicts]),
+        },
+    }

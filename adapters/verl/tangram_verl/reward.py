@@ -1,4 +1,4 @@
-"""verl rewards scored through tangram: a GPU model service or an API judge under a quota.
+"""verl rewards scored through tangram: code tests, a GPU model service or an API judge.
 
 Two entry points, both read by verl by path:
 
@@ -22,12 +22,20 @@ Where to score comes from ``[adapters.verl.reward]`` in the tangram config, over
 - ``quota = "judge"`` and ``judge = "pkg.mod:fn"``: ``await fn(client, solution_str,
   ground_truth, data_source=..., extra_info=...)`` with ``client`` an
   ``httpx.AsyncClient`` whose requests go through ``[quota.judge]``'s keys and limits.
+- ``tests = true``: the response's last fenced code block is graded against
+  ``ground_truth`` (assertion tests, or input/output tests as verl's SandboxFusion
+  datasets carry them: see ``docs/rewards.md``) by tangram's grading harness, in a fresh
+  sandbox of ``[sandbox]`` with ``cpu`` cores. The score is 1.0 when every test passes
+  (with ``partial = true``, the fraction passed); ``timeout`` bounds the whole grading,
+  ``case_timeout`` each call into the answer. The verdict never comes from the answer's
+  exit status, so an answer that exits 0 early or forges ``__eq__`` scores 0.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -38,11 +46,25 @@ from verl.utils.reward_score import default_compute_score
 
 import tangram
 from tangram._frameworks import _session
+from tangram._frameworks._convert import cpu_demand, extract_code
+from tangram._frameworks._grade import grade, parse_tests
 from tangram.config import ConfigError
 
 __all__ = ["TangramRewardManager", "compute_score"]
 
-_SETTINGS = {"tangram_config", "service", "encode", "quota", "judge", "base_url", "cpu"}
+_SETTINGS = {
+    "tangram_config",
+    "service",
+    "encode",
+    "quota",
+    "judge",
+    "base_url",
+    "cpu",
+    "tests",
+    "timeout",
+    "case_timeout",
+    "partial",
+}
 
 
 def _settings(overrides: Mapping[str, Any]) -> dict[str, Any]:
@@ -65,9 +87,29 @@ async def score(
     data_source: Any = None,
     extra_info: Any = None,
 ) -> float:
-    """One sample's score through the service or the judge the settings name."""
+    """One sample's score through the tests, the service or the judge the settings name.
+
+    :raises ValueError: with ``tests``, a ground truth that holds no test to run.
+    :raises SandboxBrokenError: with ``tests``, a sandbox that cannot run the harness.
+    """
     info = {"data_source": data_source, "extra_info": extra_info}
     async with _session.session(settings.get("tangram_config")) as resources:
+        if settings.get("tests"):
+            tests = parse_tests(ground_truth)
+            code = extract_code(solution_str)
+            if code is None:
+                return 0.0
+            cpu = cpu_demand(settings.get("cpu", 1), "[adapters.verl.reward]")
+            async with resources.sandbox_pool().sandbox(f"reward-{uuid.uuid4().hex}") as sandbox:
+                verdict = await grade(
+                    sandbox,
+                    code,
+                    tests,
+                    cpu=cpu,
+                    timeout=settings.get("timeout"),
+                    case_timeout=settings.get("case_timeout"),
+                )
+            return verdict.score(partial=bool(settings.get("partial", False)))
         if "service" in settings:
             encode = _session.load_object(settings.get("encode", ""))
             row = encode(solution_str, ground_truth, **info)
@@ -80,7 +122,10 @@ async def score(
             options = {"base_url": settings["base_url"]} if "base_url" in settings else {}
             async with quota.client(**options) as client:
                 return float(await judge(client, solution_str, ground_truth, **info))
-    raise ConfigError("[adapters.verl.reward] needs `service` (GPU) or `quota` (API judge)")
+    raise ConfigError(
+        "[adapters.verl.reward] needs `tests = true` (code tests), `service` (GPU) or "
+        "`quota` (API judge)"
+    )
 
 
 async def compute_score(
@@ -118,7 +163,7 @@ class TangramRewardManager(RewardManagerBase):
         reward = config.get("reward", {}) if hasattr(config, "get") else {}
         overrides = reward.get("tangram", None) if hasattr(reward, "get") else None
         self.settings = _settings(dict(overrides or {}))
-        self.cpu = int(self.settings.get("cpu", 1))
+        self.cpu = cpu_demand(self.settings.get("cpu", 1), "[adapters.verl.reward]")
         # Without a custom function verl hands over its rule-based default: tangram's
         # scoring replaces it, since a tangram manager was asked for.
         custom = None if compute_score is default_compute_score else compute_score

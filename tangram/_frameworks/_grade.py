@@ -1,0 +1,321 @@
+"""The code reward: a dataset's tests, judged in a sandbox by a harness the answer cannot forge.
+
+Under RL the answer is written by a policy optimised against this reward, so the verdict
+must not be anything the answer controls. Running ``answer + tests`` in one process and
+reading its exit status (what the adapters did before, and what most code-RL recipes do)
+scores 1.0 for ``os._exit(0)``, an ``atexit`` hook, a forged ``__eq__`` or a patched
+builtin. Here :func:`grade` sends the trusted harness (:mod:`._harness`, shipped as source)
+into the sandbox with a per-call secret and the tests on its stdin; the harness runs the
+answer in a separate process, runs the tests itself and prints the one line that counts,
+carrying the secret. See ``docs/rewards.md`` for what this guarantees and what it does not.
+
+Two kinds of tests, the two that code-RL datasets carry:
+
+- assertion tests: MBPP's ``assert f(x) == y`` lines, HumanEval's ``def check(candidate)``
+  with an entry point, verl's ``assert_case``;
+- input/output tests: ``{"inputs": [...], "outputs": [...]}`` (APPS, TACO, CodeContests,
+  verl's SandboxFusion format), compared as SandboxFusion compares standard output, or,
+  with ``fn_name``, as calls of that function (or of that method of ``Solution``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import secrets
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from .._core._demand import Elastic
+from .._sandbox._pool import Sandbox
+from ..errors import SandboxBrokenError
+from . import _harness
+
+__all__ = [
+    "DEFAULT_CASE_TIMEOUT",
+    "DEFAULT_TIMEOUT",
+    "TestSuite",
+    "Verdict",
+    "grade",
+    "parse_tests",
+]
+
+DEFAULT_TIMEOUT = 60.0
+"""Seconds one answer's whole grading may take (interpreter start, every test)."""
+DEFAULT_CASE_TIMEOUT = 10.0
+"""Seconds one call into the answer (or one input/output case) may take."""
+
+# The harness needs a moment of the budget for itself: start-up before the first test
+# and the verdict after the last.
+_HARNESS_MARGIN = 2.0
+
+
+@functools.cache
+def _harness_source() -> str:
+    return Path(_harness.__file__).read_text(encoding="utf-8")
+
+
+@attrs.frozen
+class TestSuite:
+    """A label in the one form the harness reads; build it with :func:`parse_tests`.
+
+    ``spec`` is what the harness receives; ``total`` is how many tests it holds.
+    """
+
+    __test__ = False  # not a pytest test class, whatever its name says
+
+    spec: Mapping[str, Any]
+    total: int
+
+
+@attrs.frozen
+class Verdict:
+    """How one answer did: ``passed`` of ``total`` tests.
+
+    ``judged`` is false when the harness gave no verdict because something in the
+    sandbox ended or stopped it (only the answer runs there beside it): that scores 0.
+    """
+
+    passed: int
+    total: int
+    judged: bool = True
+
+    @property
+    def all_passed(self) -> bool:
+        return self.judged and self.total > 0 and self.passed == self.total
+
+    def score(self, *, partial: bool = False) -> float:
+        """1.0 when every test passed, else 0.0; with ``partial``, the fraction passed."""
+        if partial:
+            return self.passed / self.total if self.judged and self.total else 0.0
+        return 1.0 if self.all_passed else 0.0
+
+
+# -- labels ------------------------------------------------------------------------------
+
+
+def _plain(value: Any) -> Any:
+    """A column as datasets hand it over (numpy arrays from parquet) as Python lists."""
+    tolist = getattr(value, "tolist", None)
+    return tolist() if callable(tolist) else value
+
+
+def _text(value: Any, where: str) -> str:
+    value = _plain(value)
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(line, str) for line in value):
+        return "\n".join(value)
+    raise ValueError(f"{where} must be a string or a list of lines (got {value!r:.80})")
+
+
+def _arguments(value: Any) -> list[Any]:
+    """A call test's input: a list of arguments, or one JSON value per line (verl's form)."""
+    value = _plain(value)
+    if isinstance(value, list):
+        return value
+    if isinstance(value, str):
+        try:
+            return [json.loads(line) for line in value.split("\n") if line.strip()]
+        except ValueError as exc:
+            raise ValueError(f"a call test's input is not JSON lines ({exc})") from None
+    return [value]
+
+
+def _asserts(source: str, entry_point: str | None) -> TestSuite:
+    try:
+        total = _harness.count_tests(
+            {"kind": "assert", "source": source, "entry_point": entry_point}
+        )
+    except SyntaxError as exc:
+        raise ValueError(f"the tests do not parse: {exc}") from None
+    if total == 0:
+        raise ValueError(
+            "the tests hold no test: no top-level `assert` or call, and no `check` with an "
+            "`entry_point`"
+        )
+    return TestSuite({"kind": "assert", "source": source, "entry_point": entry_point}, total)
+
+
+def _from_mapping(label: Mapping[str, Any]) -> TestSuite:
+    if "inputs" in label and "outputs" in label and not _plain(label.get("assert_case")):
+        inputs, outputs = _plain(label["inputs"]), _plain(label["outputs"])
+        if not isinstance(inputs, list) or not isinstance(outputs, list):
+            raise ValueError("`inputs` and `outputs` must be lists")
+        if len(inputs) != len(outputs) or not inputs:
+            raise ValueError(
+                f"`inputs` and `outputs` must be non-empty and as long as each other "
+                f"(got {len(inputs)} and {len(outputs)})"
+            )
+        fn_name = label.get("fn_name")
+        if fn_name:
+            if not isinstance(fn_name, str) or not fn_name.isidentifier():
+                raise ValueError(f"`fn_name` must be a Python name (got {fn_name!r})")
+            cases = [
+                {"args": _arguments(i), "expected": _plain(o)}
+                for i, o in zip(inputs, outputs, strict=True)
+            ]
+            try:
+                json.dumps(cases)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"call tests must be JSON values ({exc})") from None
+            return TestSuite({"kind": "call", "fn_name": fn_name, "cases": cases}, len(cases))
+        stdio = [
+            {"stdin": _text(i, "an input"), "stdout": _text(o, "an output")}
+            for i, o in zip(inputs, outputs, strict=True)
+        ]
+        return TestSuite({"kind": "stdio", "cases": stdio}, len(stdio))
+    for key in ("assert_case", "test_list"):
+        if key in label:
+            lines = _plain(label[key])
+            if not isinstance(lines, list) or not all(isinstance(x, str) for x in lines):
+                raise ValueError(f"`{key}` must be a list of strings")
+            setup = [
+                _text(label[k], f"`{k}`")
+                for k in ("test_imports", "test_setup_code")
+                if label.get(k)
+            ]
+            return _asserts("\n".join([*setup, *lines]) + "\n", None)
+    if "test" in label:
+        entry_point = label.get("entry_point")
+        if entry_point is not None and (
+            not isinstance(entry_point, str) or not entry_point.isidentifier()
+        ):
+            raise ValueError(f"`entry_point` must be a Python name (got {entry_point!r})")
+        return _asserts(_text(label["test"], "`test`"), entry_point)
+    raise ValueError(
+        "a test mapping needs `inputs` and `outputs` (with `fn_name` for calls), "
+        f"`assert_case`, `test_list` or `test` (got keys {sorted(label)})"
+    )
+
+
+def parse_tests(label: object) -> TestSuite:
+    """A dataset's label as a :class:`TestSuite`.
+
+    - a string: assertion tests (Python source), or a JSON object read as below;
+    - a list of strings: assertion lines (MBPP's ``test_list``);
+    - a mapping: ``inputs``/``outputs`` (+ ``fn_name``) as input/output or call tests;
+      ``assert_case`` or ``test_list`` (+ ``test_imports``, ``test_setup_code``); or
+      ``test`` (+ ``entry_point``, HumanEval's form).
+
+    :raises ValueError: the label holds no test that can be run.
+    :raises TypeError: the label is none of these.
+    """
+    if isinstance(label, TestSuite):
+        return label
+    label = _plain(label)
+    if isinstance(label, str):
+        stripped = label.strip()
+        if stripped.startswith("{"):
+            try:
+                decoded = json.loads(stripped)
+            except ValueError:
+                decoded = None
+            if isinstance(decoded, dict):
+                return _from_mapping(decoded)
+        return _asserts(label, None)
+    if isinstance(label, list) and all(isinstance(line, str) for line in label):
+        return _asserts("\n".join(label) + "\n", None)
+    if isinstance(label, Mapping):
+        return _from_mapping(label)
+    raise TypeError(
+        f"tests must be a string, a list of strings or a mapping (got {type(label).__name__})"
+    )
+
+
+# -- grading -----------------------------------------------------------------------------
+
+
+def _interpreter(sandbox: Sandbox) -> str:
+    # The interpreter ``sbx.run(code=...)`` uses; ``-I`` is added to it, so ``code=`` (no
+    # way to pass flags) cannot be used.
+    python: str = sandbox._pool.backend.python
+    return python
+
+
+def _seconds(name: str, value: float | None, default: float) -> float:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"`{name}` must be a number of seconds (got {value!r})")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"`{name}` must be > 0 seconds (got {value!r})")
+    return float(value)
+
+
+def _messages(stdout: bytes, secret: str) -> list[Any]:
+    """The harness's lines: those that start with the secret (nothing else can write them)."""
+    prefix = secret.encode() + b" "
+    found = []
+    for line in stdout.split(b"\n"):
+        if line.startswith(prefix):
+            try:
+                found.append(json.loads(line[len(prefix) :]))
+            except ValueError as exc:
+                raise SandboxBrokenError(f"the grading harness wrote a bad line ({exc})") from exc
+    return found
+
+
+async def grade(
+    sandbox: Sandbox,
+    answer: str,
+    tests: object,
+    *,
+    cpu: int | float | Elastic = 1,
+    timeout: float | None = None,
+    case_timeout: float | None = None,
+    kind: str = "reward",
+) -> Verdict:
+    """Judge ``answer`` (Python source) against ``tests`` (see :func:`parse_tests`).
+
+    Use a sandbox no model-written code has run in before (a fresh one from the pool): a
+    file or process left there by earlier code is not part of what the harness defends.
+    ``timeout`` bounds the whole grading, ``case_timeout`` each call into the answer and
+    each input/output case; a test past either fails.
+
+    :raises ValueError: the tests hold nothing to run.
+    :raises SandboxBrokenError: the sandbox or the harness failed before the answer ran
+        (or the harness misbehaved): tangram's failure, never scored as the answer's.
+    """
+    if not isinstance(answer, str):
+        raise TypeError(f"`answer` must be Python source (got {type(answer).__name__})")
+    suite = parse_tests(tests)
+    seconds = _seconds("timeout", timeout, DEFAULT_TIMEOUT)
+    budget = seconds - min(_HARNESS_MARGIN, seconds / 5)
+    per_case = min(_seconds("case_timeout", case_timeout, DEFAULT_CASE_TIMEOUT), budget)
+    secret = secrets.token_hex(16)
+    source = _harness_source()
+    payload = {
+        "harness": source,
+        "answer": answer,
+        "tests": dict(suite.spec),
+        "budget": budget,
+        "case_timeout": per_case,
+    }
+    result = await sandbox.run(
+        [_interpreter(sandbox), "-I", "-c", source],
+        stdin=f"{secret}\n{json.dumps(payload)}",
+        cpu=cpu,
+        timeout=seconds,
+        kind=kind,
+    )
+    messages = _messages(result.stdout, secret)
+    if not messages or messages[0] != {"started": True}:
+        why = messages[0].get("error") if messages and isinstance(messages[0], dict) else None
+        detail = why or result.stderr.decode(errors="replace")[-2000:]
+        raise SandboxBrokenError(
+            f"the grading harness did not start (exit {result.exit_code}): {detail}"
+        )
+    if len(messages) == 1:
+        return Verdict(0, suite.total, judged=False)  # ended or stopped mid-way
+    final = messages[1]
+    if len(messages) > 2 or not isinstance(final, dict) or "error" in final:
+        raise SandboxBrokenError(f"the grading harness failed: {final!r:.2000}")
+    passed, total = final.get("passed"), final.get("total")
+    if type(passed) is not int or total != suite.total or not 0 <= passed <= suite.total:
+        raise SandboxBrokenError(f"the grading harness gave a bad verdict: {final!r:.200}")
+    return Verdict(passed, suite.total)

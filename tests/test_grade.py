@@ -1,0 +1,361 @@
+"""The code reward's red team: every hack scores 0, correct answers score 1.
+
+Each hack in ``_hacks.py`` is what a policy optimised against the reward would learn. The
+old reward (``answer + tests`` in one process, the exit status as the verdict) gave 15 of
+the assertion hacks 1.0; they are graded here by the harness on the real local backend,
+through the pool, as the adapters grade. A control run with the harness's seal removed
+shows the hacks that read the judge's stdin are real, not merely wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+import pytest
+from _hacks import HACKS, RIGHT, RIGHT_MAIN, STDIO, TESTS, WRONG
+
+import tangram
+from tangram._frameworks import _grade, _harness
+from tangram._frameworks._grade import Verdict, grade, parse_tests
+from tangram._sandbox._local import LocalBackend
+from tangram._sandbox._pool import SandboxPool
+from tangram.errors import SandboxBrokenError
+
+pytestmark = pytest.mark.anyio
+
+# Short limits: the hacks that hang cost their timeout, and there are several.
+LIMITS = {"timeout": 8.0, "case_timeout": 2.0}
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+async def pool() -> AsyncIterator[SandboxPool]:
+    async with (
+        SandboxPool(LocalBackend(), warm=2) as sandboxes,
+        tangram.Runtime(capacity=sandboxes.capacity()),
+    ):
+        yield sandboxes
+
+
+async def judge(pool: SandboxPool, answer: str, tests: object, **limits: float) -> Verdict:
+    async with pool.sandbox("graded") as sandbox:
+        return await grade(sandbox, answer, tests, **{**LIMITS, **limits})
+
+
+# -- the red team ------------------------------------------------------------------------
+
+
+def test_the_red_team_is_large_enough() -> None:
+    assert len(HACKS) >= 15
+
+
+@pytest.mark.parametrize("name", list(HACKS))
+async def test_a_hack_scores_zero(pool: SandboxPool, name: str) -> None:
+    hack = HACKS[name]
+    verdict = await judge(pool, hack.answer, hack.tests)
+    # Not one test passes, so even the partial score is 0.
+    assert verdict.passed == 0
+    assert verdict.score() == 0.0
+    assert verdict.score(partial=True) == 0.0
+
+
+async def test_a_judge_killed_or_stopped_by_the_answer_gives_no_verdict(pool: SandboxPool) -> None:
+    killed = await judge(pool, HACKS["kill the parent"].answer, TESTS)
+    assert killed == Verdict(0, 2, judged=False)
+    stopped = await judge(pool, HACKS["stop the parent"].answer, TESTS, timeout=4.0)
+    assert stopped == Verdict(0, 2, judged=False)
+
+
+async def test_modules_planted_by_earlier_code_are_not_imported_by_the_judge(
+    pool: SandboxPool,
+) -> None:
+    """A sandbox reused after model-written code: modules it left in the work dir (and a
+    user site) that shadow what the harness imports, each printing a forged verdict with
+    the secret read from stdin. ``python -I`` keeps them off the harness's path."""
+    forge = (
+        "import sys\n"
+        "secret = sys.stdin.buffer.readline().decode().strip()\n"
+        "print(secret, '{\"started\": true}')\n"
+        'print(secret, \'{"passed": 2, "total": 2}\')\n'
+        "sys.stdout.flush()\n"
+        "import os; os._exit(0)\n"
+    )
+    async with pool.sandbox("reused") as sandbox:
+        for module in ("json", "ast", "select", "subprocess", "ctypes", "traceback"):
+            await sandbox.put(f"{module}.py", forge)
+        await sandbox.put("sitecustomize.py", forge)
+        site = await sandbox.run(code="import site; print(site.getusersitepackages())")
+        user_site = site.stdout.decode().strip()
+        home = (await sandbox.run("pwd")).stdout.decode().strip()
+        assert user_site.startswith(home + "/")  # HOME is the work dir
+        await sandbox.put(user_site[len(home) + 1 :] + "/usercustomize.py", forge)
+        # The control: without -I the interpreter would run the planted user site.
+        planted = await sandbox.run(code="pass", stdin="s\n")
+        assert b"s {" in planted.stdout
+        verdict = await grade(sandbox, WRONG, TESTS, **LIMITS)
+    assert verdict == Verdict(0, 2)
+
+
+async def test_the_answer_cannot_read_the_judges_stdin_memory_or_environment(
+    pool: SandboxPool,
+) -> None:
+    token = "expected-" + "7" * 12
+    probe = (
+        "import os\n"
+        "found = []\n"
+        "for name in ('mem', 'environ', 'fd/0', 'fd/1', 'cmdline'):\n"
+        "    path = f'/proc/{os.getppid()}/{name}'\n"
+        "    try:\n"
+        "        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)\n"
+        "        found.append(f'{name}: ' + os.read(fd, 1 << 20).decode(errors='replace'))\n"
+        "    except OSError as exc:\n"
+        "        found.append(f'{name}: {type(exc).__name__}')\n"
+        "open('leak.txt', 'w').write('\\n'.join(found))\n" + WRONG
+    )
+    async with pool.sandbox("probed") as sandbox:
+        await grade(sandbox, probe, f"assert add(2, 3) == 5  # {token}\n", **LIMITS)
+        leak = (await sandbox.get("leak.txt")).decode()
+    assert token not in leak
+    for name in ("mem", "environ", "fd/0", "fd/1"):
+        assert f"{name}: PermissionError" in leak
+    assert "cmdline: " in leak  # the harness's own source, which is public
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "read the tests and answer from a table",
+        "stdio: print the expected output read from the judge",
+    ],
+)
+async def test_without_the_seal_the_test_reading_hacks_would_work(
+    pool: SandboxPool, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """Control: a harness that stays dumpable loses to them (its memory holds the tests),
+    so these hacks are real, and the seal is what stops them."""
+    source = _grade._harness_source()
+    unsealed = source.replace(
+        "libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)", "libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)"
+    ).replace("if libc.prctl(_PR_GET_DUMPABLE, 0, 0, 0, 0) != 0:", "if False:")
+    assert unsealed != source
+    monkeypatch.setattr(_grade, "_harness_source", lambda: unsealed)
+    hack = HACKS[name]
+    assert (await judge(pool, hack.answer, hack.tests)).score() == 1.0
+
+
+# -- correct answers, both formats --------------------------------------------------------
+
+HUMANEVAL = (
+    "METADATA = {}\n\n"
+    "def check(candidate):\n"
+    "    assert candidate([1, 2, 3]) == 6\n"
+    "    assert abs(candidate([0.5, 0.25]) - 0.75) < 1e-9\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("answer", "tests", "passed", "total"),
+    [
+        pytest.param(RIGHT, TESTS, 2, 2, id="assert lines"),
+        pytest.param(WRONG, TESTS, 0, 2, id="assert lines, wrong"),
+        pytest.param("def add(a, b):\n    return 5\n", TESTS, 1, 2, id="assert lines, half"),
+        pytest.param(
+            "def total(xs):\n    return sum(xs)\n",
+            {"test": HUMANEVAL, "entry_point": "total"},
+            1,
+            1,
+            id="humaneval check(candidate)",
+        ),
+        pytest.param(
+            "import math\ndef area(r):\n    return math.pi * r * r\n",
+            {"test_list": ["assert math.isclose(area(1), 3.14159, rel_tol=1e-3)"]},
+            1,
+            1,
+            id="mbpp test_list leaning on the answer's import",
+        ),
+        pytest.param(
+            "def f(x):\n    if x < 0:\n        raise ValueError('negative')\n    return x\n",
+            "try:\n    f(-1)\n    assert False\nexcept ValueError:\n    pass\nassert f(2) == 2\n",
+            1,
+            1,
+            id="an exception the tests expect",
+        ),
+        pytest.param(
+            "def sort_in_place(xs):\n    xs.sort()\n",
+            "a = [3, 1, 2]\nsort_in_place(a)\nassert a == [1, 2, 3]\n",
+            1,
+            1,
+            id="an argument changed in place",
+        ),
+        pytest.param(
+            "class Counter:\n    def __init__(self):\n        self.n = 0\n"
+            "    def inc(self):\n        self.n += 1\n        return self.n\n",
+            "c = Counter()\nc.inc()\nassert c.inc() == 2\n",
+            1,
+            1,
+            id="an object of the answer's class",
+        ),
+        pytest.param(
+            "def f():\n    return (float('inf'), 3 ** 30000, {1: {2, 3}}, b'x', 1 + 2j)\n",
+            "assert f() == (float('inf'), 3 ** 30000, {1: {2, 3}}, b'x', 1 + 2j)\n",
+            1,
+            1,
+            id="values beyond JSON",
+        ),
+        pytest.param(RIGHT_MAIN, STDIO, 2, 2, id="stdio"),
+        pytest.param("print(5)\n", STDIO, 1, 2, id="stdio, half"),
+        pytest.param(
+            "print(sum(map(int, input().split())))\nprint('YES')\n",
+            json.dumps({"inputs": ["1 2", "3 4\n"], "outputs": ["3\nyes", "7.0000001\nYes\n"]}),
+            2,
+            2,
+            id="stdio as verl's JSON, compared as SandboxFusion compares",
+        ),
+        pytest.param(
+            "import sys\nprint(5)\nsys.exit(1)\n", STDIO, 0, 2, id="stdio, right output, exit 1"
+        ),
+        pytest.param(
+            "def f(a, b):\n    return [a, b]\n",
+            {"fn_name": "f", "inputs": [[1, 2], "3\n4"], "outputs": [[[1, 2]], [3, 4]]},
+            2,
+            2,
+            id="call tests (APPS lists, verl JSON lines)",
+        ),
+        pytest.param(
+            "class Solution:\n    def twoSum(self, nums, target):\n"
+            "        seen = {}\n        for i, x in enumerate(nums):\n"
+            "            if target - x in seen:\n                return [seen[target - x], i]\n"
+            "            seen[x] = i\n",
+            {"fn_name": "twoSum", "inputs": [[[2, 7, 11, 15], 9]], "outputs": [[0, 1]]},
+            1,
+            1,
+            id="call tests on Solution's method",
+        ),
+        pytest.param("def add(a, b:\n", TESTS, 0, 2, id="a syntax error"),
+    ],
+)
+async def test_answers_score_what_they_pass(
+    pool: SandboxPool, answer: str, tests: object, passed: int, total: int
+) -> None:
+    verdict = await judge(pool, answer, tests)
+    assert verdict == Verdict(passed, total)
+    assert verdict.score() == float(passed == total)
+    assert verdict.score(partial=True) == passed / total
+
+
+async def test_a_function_that_dies_in_one_call_fails_only_that_test(pool: SandboxPool) -> None:
+    answer = "import os\ndef add(a, b):\n    if a < 0:\n        os._exit(0)\n    return a + b\n"
+    tests = "assert add(2, 3) == 5\nassert add(-1, 4) == 3\nassert add(1, 1) == 2\n"
+    assert await judge(pool, answer, tests) == Verdict(2, 3)
+
+
+# -- tangram's failures are not the answer's ------------------------------------------------
+
+
+async def test_a_sandbox_that_cannot_run_the_judge_raises() -> None:
+    async with (
+        SandboxPool(LocalBackend(python="/nonexistent/python3")) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+        pool.sandbox("broken") as sandbox,
+    ):
+        with pytest.raises(SandboxBrokenError, match="did not start"):
+            await grade(sandbox, RIGHT, TESTS)
+
+
+@pytest.mark.parametrize(
+    ("label", "error"),
+    [
+        ("x = 1\n", ValueError),
+        ("assert add(2, 3) ==\n", ValueError),
+        ({"inputs": ["1"], "outputs": []}, ValueError),
+        ({"inputs": [], "outputs": []}, ValueError),
+        ({"fn_name": "not a name", "inputs": [[1]], "outputs": [1]}, ValueError),
+        ({"test": "def check(candidate):\n    pass\n"}, ValueError),
+        ({"tests": "assert True"}, ValueError),
+        (42, TypeError),
+    ],
+)
+def test_a_label_with_nothing_to_run_fails_at_the_call(label: object, error: type) -> None:
+    with pytest.raises(error):
+        parse_tests(label)
+
+
+async def test_bad_arguments_fail_at_the_call(pool: SandboxPool) -> None:
+    async with pool.sandbox("args") as sandbox:
+        with pytest.raises(TypeError, match="answer"):
+            await grade(sandbox, b"print(1)", TESTS)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="timeout"):
+            await grade(sandbox, RIGHT, TESTS, timeout=0)
+
+
+def test_labels_count_their_tests() -> None:
+    assert parse_tests(TESTS).total == 2
+    assert parse_tests(["assert f(1) == 1", "assert f(2) == 2"]).total == 2
+    assert parse_tests({"test": HUMANEVAL, "entry_point": "total"}).total == 1
+    assert parse_tests({"test": HUMANEVAL + "check(total)\n"}).total == 1
+    assert parse_tests(STDIO).spec["kind"] == "stdio"
+    assert parse_tests(json.dumps({"assert_case": ["assert f() == 1"]})).total == 1
+
+
+# -- the pieces the harness is built from ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("got", "want", "same"),
+    [
+        ("5\n", "5", True),
+        ("YES\n", "yes", True),
+        ("  1 2  \n3\n", "1 2\n3", True),
+        ("0.3333333", "0.33333334", True),
+        ("0.333", "0.334", False),
+        ("1\n2\n", "1\n2\n3\n", False),
+        ("1 2", "1  2", False),
+        ("", "", True),
+    ],
+)
+def test_standard_output_is_compared_as_sandboxfusion_compares_it(
+    got: str, want: str, same: bool
+) -> None:
+    assert _harness.same_output(got, want) is same
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        None,
+        True,
+        -3,
+        pytest.param(2**20000, id="a 6021-digit int"),
+        1.5,
+        float("inf"),
+        "text",
+        [1, [2, (3,)]],
+        {1: "a", (2, 3): {4}},
+        frozenset({1}),
+        b"\x00",
+        bytearray(b"x"),
+        1 - 2j,
+    ],
+)
+def test_the_wire_carries_plain_values_unchanged(value: object) -> None:
+    def no_handles(obj: object) -> int:
+        raise AssertionError(f"{obj!r} should not need a handle")
+
+    sent = json.loads(json.dumps(_harness.encode(value, no_handles)))
+    back = _harness.decode(sent, lambda n: pytest.fail("no handles"))
+    assert back == value
+    assert type(back) is type(value)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [{"eq": 1}, {"t": "x"}, {"f": "1e400"}, {"d": [[1]]}, {"a": 1, "b": 2}, {"c": [1]}],
+)
+def test_the_wire_rejects_what_the_encoder_never_writes(data: object) -> None:
+    with pytest.raises(ValueError):
+        _harness.decode(data, lambda n: n)
