@@ -144,7 +144,26 @@ def open_tree(root: Path = Path("/sys/fs/cgroup")) -> CgroupTree | str:
     return "no cgroup memory controller is mounted"
 
 
+def _reap(own: Path) -> None:
+    """Remove the cgroups of tangram processes that died without closing them (killed).
+
+    Their leaves are empty once every process in them is gone, which the kernel sees to.
+    """
+    with contextlib.suppress(OSError):
+        for base in own.glob("tangram-*-*"):
+            pid = base.name.split("-")[1]
+            if not pid.isdigit() or Path(f"/proc/{pid}").exists():
+                continue
+            with contextlib.suppress(OSError):
+                for leaf in base.iterdir():
+                    if leaf.is_dir():
+                        leaf.rmdir()
+                base.rmdir()
+
+
 def _open_v1(own: dict[str, Path], name: str) -> CgroupTree | str:
+    for path in own.values():
+        _reap(path)
     bases: dict[str, Path] = {}
     try:
         for controller, path in own.items():
@@ -162,6 +181,7 @@ def _open_v2(own: Path, name: str) -> CgroupTree | str:
     wanted = [c for c in ("memory", "pids", "cpu") if c in available]
     if "memory" not in wanted:
         return f"cgroup v2: the memory controller is not delegated to {own}"
+    _reap(own)
     base = own / name
     try:
         enabled = set((own / "cgroup.subtree_control").read_text().split())
