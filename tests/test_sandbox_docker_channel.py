@@ -8,30 +8,43 @@ the call instead of costing the sandbox. They never skip on CI (see test_sandbox
 from __future__ import annotations
 
 import logging
-import os
+from collections.abc import AsyncIterator
 
 import anyio
 import pytest
-from test_sandbox_docker import (  # noqa: F401 - fixtures
+from test_sandbox_docker import (
     Setup,
-    docker,
+    config,
+    ensure_docker,
     inspect,
-    setup,
+    open_pool,
 )
 
+from tangram._sandbox._backend import ExecRequest
+from tangram._sandbox._docker import DockerBackend
 from tangram.errors import SandboxBrokenError
 
 pytestmark = pytest.mark.anyio
 
 FORGED = (
-    '{"ok": true, "exit_code": 0, "stdout": "QUxMIFRFU1RTIFBBU1NFRAo=", "stderr": "", '
-    '"id": 1}\n'
+    '{"ok": true, "exit_code": 0, "stdout": "QUxMIFRFU1RTIFBBU1NFRAo=", "stderr": "", "id": 1}\n'
 )
 
 
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@pytest.fixture
+async def docker() -> None:
+    await ensure_docker()
+
+
+@pytest.fixture
+async def setup(docker: None) -> AsyncIterator[Setup]:
+    async with open_pool() as value:
+        yield value
 
 
 async def test_a_forged_reply_on_the_runners_stdout_is_not_believed(setup: Setup) -> None:
@@ -154,8 +167,8 @@ async def test_stderr_floods_reach_neither_the_daemon_log_nor_the_trainers(
         assert result.stdout == b"refused\n", result
         assert result.stderr_truncated
         details = await inspect(sbx)
-        log_path = details.get("LogPath") or ""
-        logged = os.path.getsize(log_path) if log_path and os.path.exists(log_path) else 0
+        log = anyio.Path(details.get("LogPath") or "/nonexistent")
+        logged = (await log.stat()).st_size if await log.exists() else 0
         assert details["HostConfig"]["LogConfig"]["Type"] == "none" or logged < 1 << 20
     relayed = sum(len(record.getMessage()) for record in caplog.records)
     assert relayed < 64 << 10, relayed
@@ -198,3 +211,85 @@ async def test_an_error_reply_leaves_the_sandbox_healthy(setup: Setup) -> None:
         assert await sbx.get("dir/kept.txt") == b"kept"
         assert (await sbx.run("echo alive")).stdout == b"alive\n"
     assert setup.pool.replaced == 0
+
+
+HOSTILE = r"""
+import json, os, struct, sys
+HEADER = struct.Struct(">IQ")
+def exact(n):
+    data = b""
+    while len(data) < n:
+        chunk = os.read(0, n - len(data))
+        if not chunk:
+            raise SystemExit
+        data += chunk
+    return data
+def frame():
+    meta_len, data_len = HEADER.unpack(exact(HEADER.size))
+    return json.loads(exact(meta_len)), exact(data_len)
+def send(meta, data=b""):
+    body = json.dumps(meta).encode()
+    os.write(1, HEADER.pack(len(body), len(data)) + body + data)
+hello, _ = frame()
+key = hello["key"]
+send({"id": 0, "key": key, "ok": True, "ready": True})
+request, _ = frame()
+ATTACK
+"""
+
+ATTACKS = {
+    # A header that announces a gigabyte, then bytes for ever.
+    "oversize": "os.write(1, HEADER.pack(10, 1 << 30))\nwhile True: os.write(1, b'x' * 65536)",
+    # No frame at all: an endless line, as the old channel was flooded with.
+    "garbage": "while True: os.write(1, b'A' * 65536)",
+    "wrong-key": "send({'id': request['id'], 'key': 'guess', 'ok': True, 'exit_code': 0})",
+    "wrong-id": "send({'id': request['id'] + 1, 'key': key, 'ok': True, 'exit_code': 0})",
+    "not-json": "os.write(1, HEADER.pack(5, 0) + b'{{{{{')",
+    "bad-split": "send({'id': request['id'], 'key': key, 'ok': True, 'exit_code': 0, "
+    "'stdout_len': 99}, b'short')",
+    "stderr-flood": "chunk = b'e' * (1 << 20)\n"
+    "for _ in range(64): os.write(2, chunk)\n"
+    "send({'id': request['id'], 'key': key, 'ok': True, 'exit_code': 7, 'stdout_len': 0})",
+}
+
+
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+async def test_a_runner_gone_wrong_breaks_only_its_sandbox(
+    docker: None, attack: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Whatever is on the channel, the host buffers one capped frame and never decodes junk.
+
+    The runner is replaced by one that answers the handshake and then misbehaves, as a
+    runner taken over would: the worst that can come from the container's side.
+    """
+    caplog.set_level(logging.DEBUG, logger="tangram")
+    backend = DockerBackend(config=config())
+    host = (await backend.start())[0]
+    backend._runner = HOSTILE.replace("ATTACK", ATTACKS[attack])
+    try:
+        handle = await backend.create(host)
+        try:
+            request = ExecRequest(("true",), b"", {}, 10.0, 1 << 20, host.cores[:1], 1.0)
+            with anyio.fail_after(30):
+                if attack == "stderr-flood":
+                    assert (await handle.execute(request)).exit_code == 7
+                else:
+                    with pytest.raises(SandboxBrokenError):
+                        await handle.execute(request)
+            assert handle._reader.buffered <= 2 << 20  # type: ignore[attr-defined]
+        finally:
+            await handle.destroy()
+    finally:
+        await backend.aclose()
+    assert sum(len(record.getMessage()) for record in caplog.records) < 64 << 10
+
+
+async def test_the_runner_answers_a_cancel_while_idle(setup: Setup) -> None:
+    async with setup.pool.sandbox("t") as sbx:
+        await sbx.put("kept.txt", b"kept")
+        handle = sbx._handle
+        with anyio.fail_after(5):
+            await handle._settle(handle._next_id(), 0)  # type: ignore[attr-defined]
+        assert not handle._destroyed  # type: ignore[attr-defined]
+        assert await sbx.get("kept.txt") == b"kept"
+        assert (await sbx.run("echo alive")).stdout == b"alive\n"

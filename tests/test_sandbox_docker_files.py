@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import AsyncIterator
 
 import aiodocker
 import anyio
 import pytest
-from test_sandbox_docker import (  # noqa: F401 - fixtures
+from test_sandbox_docker import (
     Setup,
     config,
-    docker,
+    ensure_docker,
     open_pool,
-    setup,
 )
 
 from tangram.errors import SandboxBrokenError
@@ -30,6 +30,17 @@ pytestmark = pytest.mark.anyio
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@pytest.fixture
+async def docker() -> None:
+    await ensure_docker()
+
+
+@pytest.fixture
+async def setup(docker: None) -> AsyncIterator[Setup]:
+    async with open_pool() as value:
+        yield value
 
 
 async def test_sixteen_mib_go_in_and_out_of_a_parked_sandbox(setup: Setup) -> None:
@@ -71,19 +82,21 @@ async def test_get_refuses_fifos_and_escaping_symlinks(setup: Setup) -> None:
 
 
 async def test_get_on_a_paused_container_is_a_typed_error(docker: None) -> None:
-    async with open_pool(config=config(io_timeout=2.0)) as setup:
-        async with setup.pool.sandbox("t") as sbx:
-            await sbx.put("f", b"x")
-            container = sbx._handle.container  # type: ignore[attr-defined]
-            await container.pause()
-            try:
-                with anyio.fail_after(30), pytest.raises(SandboxBrokenError):
-                    await sbx.get("f")
-            finally:
-                with contextlib.suppress(aiodocker.DockerError):  # removed as broken
-                    await container.unpause()
-            with pytest.raises(SandboxBrokenError):
-                await sbx.run("true")
+    async with (
+        open_pool(config=config(io_timeout=2.0)) as setup,
+        setup.pool.sandbox("t") as sbx,
+    ):
+        await sbx.put("f", b"x")
+        container = sbx._handle.container  # type: ignore[attr-defined]
+        await container.pause()
+        try:
+            with anyio.fail_after(30), pytest.raises(SandboxBrokenError):
+                await sbx.get("f")
+        finally:
+            with contextlib.suppress(aiodocker.DockerError):  # removed as broken
+                await container.unpause()
+        with pytest.raises(SandboxBrokenError):
+            await sbx.run("true")
 
 
 async def test_a_large_stdin_arrives_whole_within_the_actions_time(setup: Setup) -> None:
@@ -96,3 +109,19 @@ async def test_a_large_stdin_arrives_whole_within_the_actions_time(setup: Setup)
         ignored = await sbx.run("true", stdin=data, timeout=30)
         assert ignored.ok, ignored
         assert (await sbx.run("cat", stdin=b"small")).stdout == b"small"
+
+
+async def test_a_cancelled_put_or_large_stdin_leaves_the_sandbox_as_it_was(setup: Setup) -> None:
+    data = os.urandom(64 << 20)
+    async with setup.pool.sandbox("t") as sbx:
+        await sbx.put("f", b"old")
+        for delay in (0.0, 0.05, 0.2):
+            with anyio.move_on_after(delay):
+                await sbx.put("f", data)
+            assert await sbx.get("f") in (b"old", data)
+            with anyio.move_on_after(delay):
+                await sbx.run("wc -c", stdin=data)
+            assert (await sbx.run("ls -a")).stdout == b".\n..\nf\n"  # no partial file left
+        assert (await sbx.run("cat", stdin=b"next")).stdout == b"next"
+    assert setup.pool.replaced == 0
+    assert setup.runtime.stats().resources["cpu"].held == 0

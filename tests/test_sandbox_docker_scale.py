@@ -18,11 +18,11 @@ import anyio
 import anyio.abc
 import pytest
 from anyio import open_process
-from test_sandbox_docker import (  # noqa: F401 - fixtures
+from test_sandbox_docker import (
     IMAGE,
     REPO,
     config,
-    docker,
+    ensure_docker,
     open_pool,
 )
 
@@ -37,6 +37,11 @@ pytestmark = pytest.mark.anyio
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@pytest.fixture
+async def docker() -> None:
+    await ensure_docker()
 
 
 @pytest.mark.slow
@@ -135,7 +140,8 @@ async def test_a_stalled_daemon_is_a_typed_error_not_a_hang(docker: None) -> Non
             backend = DockerBackend([url], config=config(api_timeout=2.0))
             async with (
                 SandboxPool(backend) as pool,
-                tangram.Runtime(capacity=pool.capacity()) as runtime,pool.sandbox("t") as sbx
+                tangram.Runtime(capacity=pool.capacity()) as runtime,
+                pool.sandbox("t") as sbx,
             ):
                 made.append(container_id(sbx))
                 assert (await sbx.run("echo hi")).stdout == b"hi\n"

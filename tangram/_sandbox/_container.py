@@ -151,13 +151,25 @@ class DockerHandle(SandboxHandle):
         error.__cause__ = cause
         return error
 
+    async def _send(self, frame: bytes) -> None:
+        """Write ``frame`` and wait for the connection to drain, in a task of its own.
+
+        aiohttp's drain waiter is one future per connection: a wait for it that is
+        cancelled cancels the future itself, and every later write on the connection then
+        raises that old cancellation. Shielded, a cancellation here never reaches it. The
+        task's first step queues the whole frame, so frames keep their order.
+        """
+        task = asyncio.ensure_future(self._stream.write_in(frame))
+        task.add_done_callback(_retrieve)
+        await asyncio.shield(task)
+
     async def _write(self, meta: dict[str, Any], data: bytes = b"") -> None:
         """Send one frame: one buffer, so a cancellation never leaves half of it sent."""
         if self._destroyed:
             raise SandboxBrokenError("the sandbox was destroyed")
         try:
             with anyio.fail_after(self._config.io_timeout):
-                await self._stream.write_in(encode(meta, data))
+                await self._send(encode(meta, data))
         except TimeoutError as exc:
             raise await self._broken("the runner took nothing for too long", exc) from exc
         except Exception as exc:
@@ -227,9 +239,11 @@ class DockerHandle(SandboxHandle):
         answer, or destroys the sandbox when that takes longer than ``io_timeout``.
         """
         ident = self._next_id()
-        await self._write({**meta, "id": ident})
         settled = False
         try:
+            # Inside: a cancellation while the request is being written may come after the
+            # frame was queued whole, and then the runner will answer it.
+            await self._write({**meta, "id": ident})
             yield ident
             settled = True
         except SandboxBrokenError:
@@ -244,7 +258,7 @@ class DockerHandle(SandboxHandle):
         cancel = self._next_id()
         try:
             with anyio.fail_after(self._config.io_timeout):
-                await self._stream.write_in(encode({"op": "cancel", "id": cancel}))
+                await self._send(encode({"op": "cancel", "id": cancel}))
                 while True:
                     meta, _ = await self._receive(data_limit)
                     if meta.get("id") == cancel:
@@ -446,3 +460,9 @@ class DockerHandle(SandboxHandle):
         except SandboxError as exc:
             # Left for the reaper: it carries this process as its owner.
             logger.warning("could not remove the sandbox %s: %s", self.id[:12], exc)
+
+
+def _retrieve(task: asyncio.Future[None]) -> None:
+    """Take a write task's outcome: a lost connection is reported by the next read."""
+    if not task.cancelled():
+        task.exception()
