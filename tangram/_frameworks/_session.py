@@ -45,6 +45,7 @@ from ._config import ENV_VAR, Config, ConfigError, GpuConfig, SandboxConfig, loa
 __all__ = [
     "Resources",
     "aclose",
+    "check",
     "config_for",
     "load_object",
     "portal_call",
@@ -122,6 +123,33 @@ def config_for(path: str | os.PathLike[str] | None = None) -> Config:
         with _lock:
             found = _configs.setdefault(key, found)
     return found
+
+
+def check(path: str | os.PathLike[str] | None = None, *, needs: tuple[str, ...] = ()) -> Config:
+    """Load the config now and check that it declares what the caller will use.
+
+    Adapters call this where the framework builds them (a tool's ``__init__``, a reward
+    manager's, an agent executor's), so a missing ``$TANGRAM_CONFIG``, a path absent on
+    this node or a missing table fails the worker at start, not every call after it.
+    ``needs`` names tables: ``"sandbox"``, ``"gpu"``, ``"quota.NAME"``. The pools
+    themselves are built and checked too (a bad ``[sandbox]`` option), without starting.
+
+    :raises ConfigError: no config, an unreadable or invalid one, or a table missing.
+    """
+    config = config_for(path)
+    where = config.source or "the tangram config"
+    for need in needs:
+        if need == "sandbox" and config.sandbox is None:
+            raise ConfigError(f"{where} has no [sandbox] table")
+        if need == "gpu" and config.gpu is None:
+            raise ConfigError(f"{where} has no [gpu] table")
+        if need.startswith("quota."):
+            name = need.partition(".")[2]
+            if name not in {q.name for q in config.quotas}:
+                raise ConfigError(f"{where} has no [quota.{name}] table")
+    if config.sandbox is not None:
+        _sandbox_pool(config.sandbox)  # a bad backend option fails here, not at a call
+    return config
 
 
 def load_object(spec: str) -> Any:

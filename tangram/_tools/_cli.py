@@ -53,8 +53,26 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="remove the sandbox containers left by trainers of this host that are gone",
     )
+    _add_fusion_command(commands)
     _add_simulate_commands(commands)
     return parser
+
+
+def _add_fusion_command(commands: Any) -> None:
+    fusion = commands.add_parser(
+        "serve-sandbox-fusion",
+        help="serve SandboxFusion's run_code API from tangram's sandbox pool (verl's URLs)",
+        description=(
+            "Serves POST /run_code and GET /v1/ping as SandboxFusion does, running each request "
+            "in a fresh sandbox of the config's [sandbox] pool under tangram's scheduler. Point "
+            "verl's reward.sandbox_fusion.url (or a tool's sandbox_fusion_url) at "
+            "http://HOST:PORT/run_code."
+        ),
+    )
+    fusion.add_argument("--config", help="the tangram config (default: $TANGRAM_CONFIG)")
+    fusion.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1")
+    fusion.add_argument("--port", type=int, default=8080, help="default: 8080; 0 picks one")
+    fusion.add_argument("--cpu", type=_positive_int, default=1, help="cores per request")
 
 
 def _add_bench_command(commands: Any) -> None:
@@ -143,6 +161,24 @@ def _doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_fusion(args: argparse.Namespace) -> int:
+    import signal
+
+    import anyio
+
+    from .._frameworks._fusion import serve
+
+    async def run() -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async with serve(args.config, host=args.host, port=args.port, cpu=args.cpu) as url:
+                print(f"serving SandboxFusion run_code at {url}/run_code", flush=True)
+                async for _ in signals:  # a job's SIGTERM stops it as cleanly as ^C
+                    return
+
+    anyio.run(run)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -150,6 +186,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _bench(args)
         elif args.command == "doctor":
             return _doctor(args)
+        elif args.command == "serve-sandbox-fusion":
+            return _serve_fusion(args)
         else:
             code = _dispatch_simulate(args)
             if code is not None:

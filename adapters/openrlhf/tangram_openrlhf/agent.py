@@ -43,6 +43,7 @@ from openrlhf.utils.agent import (  # type: ignore[import-untyped]
 import tangram
 from tangram._frameworks import _session
 from tangram._frameworks._convert import cpu_demand, extract_code, format_result
+from tangram._frameworks._failures import is_infrastructure, record
 from tangram._frameworks._grade import grade, parse_tests
 from tangram._frameworks._session import release_later
 from tangram.config import ConfigError
@@ -117,6 +118,17 @@ class AgentInstance(AgentInstanceBase):  # type: ignore[misc]
         return {"observation": states["observation"]}
 
     async def step(self, states: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        try:
+            return await self._step(states)
+        except Exception as exc:
+            # OpenRLHF's executor does not catch it: the engine actor's generate call, and
+            # the step of training, fail with tangram's error instead of a made-up reward.
+            if is_infrastructure(exc):
+                record(self.kind, exc)
+                await self._release()
+            raise
+
+    async def _step(self, states: dict[str, Any]) -> dict[str, Any]:
         action: str = states["action_text"]
         self.turns += 1
         calls = parse_tool_calls(action)
@@ -196,7 +208,15 @@ class AgentInstance(AgentInstanceBase):  # type: ignore[misc]
 
 
 class AgentExecutor(MultiTurnAgentExecutor):  # type: ignore[misc]
-    """What ``--train.agent_func_path`` loads: built with no arguments, as OpenRLHF does."""
+    """What ``--train.agent_func_path`` loads: built with no arguments, as OpenRLHF does.
+
+    :raises ConfigError: no tangram config, an invalid one, or one without ``[sandbox]``.
+    """
 
     def __init__(self) -> None:
+        # OpenRLHF builds the executor when the vLLM engine actor starts: a missing or
+        # bad config fails the actor there, not each episode after it.
+        settings = _settings()
+        _session.check(settings.get("tangram_config"), needs=("sandbox",))
+        cpu_demand(settings.get("cpu", 1), "[adapters.openrlhf]")
         super().__init__(AgentInstance)

@@ -13,6 +13,13 @@ The call blocks only its own worker thread: the work runs on this process's tang
 (one thread with one scheduler, started on first use), never on vLLM's. A sandbox that
 cannot run the harness raises :class:`tangram.errors.SandboxBrokenError` rather than
 scoring the answer 0.
+
+OpenRLHF loads this file (by path, as a module named ``reward_func``) when its vLLM engine
+actor starts, so the config is checked then and a bad set-up fails the actor. During a
+call OpenRLHF catches whatever ``reward_func`` raises, logs it at INFO and gives the
+sample no reward (``reward=None``); its experience maker then stops the step rather than
+train on it. So a tangram failure is logged here at ERROR, counted, and raised: never
+scored as the answer's 0.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import torch
 
 from tangram._frameworks import _session
 from tangram._frameworks._convert import cpu_demand, extract_code
+from tangram._frameworks._failures import is_infrastructure, record
 from tangram._frameworks._grade import Verdict, grade, parse_tests
 from tangram.config import ConfigError
 
@@ -73,7 +81,12 @@ def reward_func(queries: list[str], prompts: list[str], labels: list[Any]) -> di
     """
     if not (len(queries) == len(prompts) == len(labels)):
         raise ConfigError("queries, prompts and labels must have the same length")
-    scored = _session.portal_call(_score_all, list(queries), list(prompts), list(labels))
+    try:
+        scored = _session.portal_call(_score_all, list(queries), list(prompts), list(labels))
+    except Exception as exc:
+        if is_infrastructure(exc):
+            record("reward", exc)
+        raise
     rewards = torch.tensor([reward for reward, _ in scored])
     verdicts = [verdict or Verdict(0, 0) for _, verdict in scored]
     return {
@@ -84,3 +97,16 @@ def reward_func(queries: list[str], prompts: list[str], labels: list[Any]) -> di
             "tests_total": torch.tensor([float(v.total) for v in verdicts]),
         },
     }
+
+
+def check() -> None:
+    """Load and check the config ``reward_func`` will use (``[sandbox]``, the ``cpu``).
+
+    :raises ConfigError: no tangram config, an invalid one, or one without ``[sandbox]``.
+    """
+    config = _session.check(None, needs=("sandbox",))
+    cpu_demand(config.adapters.get("openrlhf", {}).get("cpu", 1), "[adapters.openrlhf]")
+
+
+if __name__ == "reward_func":  # loaded by path by OpenRLHF's executor, at actor start
+    check()

@@ -47,10 +47,12 @@ from verl.utils.reward_score import default_compute_score
 import tangram
 from tangram._frameworks import _session
 from tangram._frameworks._convert import cpu_demand, extract_code
+from tangram._frameworks._failures import is_infrastructure, record
 from tangram._frameworks._grade import grade, parse_tests
 from tangram.config import ConfigError
+from tangram_verl.tools import TOOL_METRICS
 
-__all__ = ["TangramRewardManager", "compute_score"]
+__all__ = ["TangramRewardManager", "compute_score", "tool_metrics"]
 
 _SETTINGS = {
     "tangram_config",
@@ -79,6 +81,31 @@ def _settings(overrides: Mapping[str, Any]) -> dict[str, Any]:
     return settings
 
 
+def _needs(settings: Mapping[str, Any]) -> tuple[str, ...]:
+    """The config tables the settings will use, for :func:`tangram._frameworks._session.check`."""
+    if settings.get("tests"):
+        return ("sandbox",)
+    if "service" in settings:
+        return ("gpu",)
+    if "quota" in settings:
+        return (f"quota.{settings['quota']}",)
+    return ()
+
+
+def tool_metrics(extra_fields: Any) -> dict[str, float]:
+    """A sample's tool totals (:func:`tangram_verl.tools.record_call`), zeros without calls.
+
+    Every sample gets every key: verl builds its reward metrics from the first sample's
+    keys and reads them from all.
+    """
+    totals: Any = {}
+    if isinstance(extra_fields, Mapping):
+        extras = extra_fields.get("extras")
+        if isinstance(extras, Mapping):
+            totals = extras.get("tangram") or {}
+    return {name: float(totals.get(name, 0.0)) for name in TOOL_METRICS}
+
+
 async def score(
     settings: Mapping[str, Any],
     solution_str: str,
@@ -92,6 +119,22 @@ async def score(
     :raises ValueError: with ``tests``, a ground truth that holds no test to run.
     :raises SandboxBrokenError: with ``tests``, a sandbox that cannot run the harness.
     """
+    try:
+        return await _score(settings, solution_str, ground_truth, data_source, extra_info)
+    except Exception as exc:
+        # verl's reward loop does not catch it: the step fails with tangram's error.
+        if is_infrastructure(exc):
+            record("reward", exc)
+        raise
+
+
+async def _score(
+    settings: Mapping[str, Any],
+    solution_str: str,
+    ground_truth: Any,
+    data_source: Any,
+    extra_info: Any,
+) -> float:
     info = {"data_source": data_source, "extra_info": extra_info}
     async with _session.session(settings.get("tangram_config")) as resources:
         if settings.get("tests"):
@@ -148,7 +191,10 @@ class TangramRewardManager(RewardManagerBase):
     verl builds it with the whole trainer config, the tokenizer and the
     ``custom_reward_function`` (or ``None``). Settings: the tangram config's
     ``[adapters.verl.reward]`` table, overridden by ``reward.tangram`` in verl's config
-    (``+reward.tangram.service=judge`` on the command line).
+    (``+reward.tangram.service=judge`` on the command line). The config and the tables
+    the settings use are checked when verl builds it. ``reward_extra_info`` carries the
+    sample's tool totals (``tool_calls``, ``tool_cores``, ``tool_queue_seconds``,
+    ``tool_exec_seconds``, ``tool_timeouts``) beside the score.
     """
 
     def __init__(
@@ -163,6 +209,8 @@ class TangramRewardManager(RewardManagerBase):
         reward = config.get("reward", {}) if hasattr(config, "get") else {}
         overrides = reward.get("tangram", None) if hasattr(reward, "get") else None
         self.settings = _settings(dict(overrides or {}))
+        # Checked here, where verl's reward worker starts, not at the first sample.
+        _session.check(self.settings.get("tangram_config"), needs=_needs(self.settings))
         self.cpu = cpu_demand(self.settings.get("cpu", 1), "[adapters.verl.reward]")
         # Without a custom function verl hands over its rule-based default: tangram's
         # scoring replaces it, since a tangram manager was asked for.
@@ -204,6 +252,7 @@ class TangramRewardManager(RewardManagerBase):
                 tangram.acquire(cpu=self.cpu, kind="reward"),
             ):
                 result = await anyio.to_thread.run_sync(functools.partial(self.custom, **arguments))
+        tools = tool_metrics(item.non_tensor_batch.get("tool_extra_fields", None))
         if isinstance(result, Mapping):
-            return {"reward_score": result["score"], "reward_extra_info": dict(result)}
-        return {"reward_score": float(result), "reward_extra_info": {"acc": float(result)}}
+            return {"reward_score": result["score"], "reward_extra_info": {**tools, **result}}
+        return {"reward_score": float(result), "reward_extra_info": {**tools, "acc": float(result)}}

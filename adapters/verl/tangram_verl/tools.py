@@ -12,6 +12,7 @@ tool's ``config.tangram_config`` or ``$TANGRAM_CONFIG``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import uuid
@@ -27,53 +28,91 @@ from verl.utils.rollout_trace import rollout_trace_op
 import tangram
 from tangram._frameworks import _session
 from tangram._frameworks._convert import cpu_demand, demand_of, format_result, result_metrics
+from tangram._frameworks._failures import is_infrastructure, record
 from tangram._frameworks._session import release_later
 from tangram.config import ConfigError
 
-__all__ = ["SandboxTool", "TangramTool", "run_code", "with_tangram"]
+__all__ = ["TOOL_METRICS", "SandboxTool", "TangramTool", "record_call", "run_code", "with_tangram"]
 
 _OWN_KEYS = {"type", "tangram_config"}
+_SANDBOX_KEYS = {"cpu", "timeout", "kind", "language", "code_param", "scope"}
+# verl's SandboxFusionTool's keys (verl/tools/sandbox_fusion_tools.py), so its YAML loads.
+_FUSION_KEYS = {
+    "sandbox_fusion_url",
+    "num_workers",
+    "rate_limit",
+    "default_timeout",
+    "default_language",
+    "enable_global_rate_limit",
+    "memory_limit_mb",
+}
+_LANGUAGES = {"python", "shell", "bash"}
+#: The per-trajectory totals :func:`record_call` keeps (``extras["tangram"]``).
+TOOL_METRICS = (
+    "tool_calls",
+    "tool_cores",
+    "tool_queue_seconds",
+    "tool_exec_seconds",
+    "tool_timeouts",
+)
 
 
 class SandboxTool(BaseTool):
     """Runs model-written code in a tangram sandbox, lending cores per call.
 
     ``create`` binds a sandbox (a work dir or container from the config's ``[sandbox]``
-    pool) to the instance; ``execute`` runs the call's code in it through the scheduler,
-    with the cores ``config.cpu`` asks for (a count, or ``{min, max}`` for an elastic
-    grant the command reads from ``$TANGRAM_CPUS``); ``release`` gives the sandbox back.
-    Files persist between the calls of one instance. verl 0.9's ``ToolAgentLoop`` makes
-    one instance per tool call, so with the default ``scope: instance`` each call starts
-    clean. ``scope: trajectory`` binds the sandbox to the trajectory instead (the
-    ``agent_data`` verl passes to ``execute``): its calls share files, and the sandbox goes
-    back when verl drops the trajectory's state at the end of the rollout.
+    pool) to the instance and prepares it from verl's ``create_kwargs`` (``files`` to
+    write, a ``setup`` shell line to run); ``execute`` runs the call's code in it through
+    the scheduler, with the cores ``config.cpu`` asks for (a count, or ``{min, max}`` for
+    an elastic grant the command reads from ``$TANGRAM_CPUS``); ``release`` gives the
+    sandbox back. Files persist between the calls of one instance. verl 0.9's
+    ``ToolAgentLoop`` makes one instance per tool call, so with the default
+    ``scope: instance`` each call starts clean. ``scope: trajectory`` binds the sandbox to
+    the trajectory instead (the ``agent_data`` verl passes to ``execute``): its calls share
+    files, and the sandbox goes back when verl drops the trajectory's state at the end of
+    the rollout.
 
     ``config`` keys: ``tangram_config`` (path; default ``$TANGRAM_CONFIG``), ``cpu``
     (default 1), ``timeout`` (seconds per call), ``kind`` (the action kind statistics and
-    estimates are kept under, default the tool's name), ``language`` (``python`` or
-    ``shell``), ``code_param`` (the argument holding the code, default ``code``),
-    ``scope`` (``instance`` or ``trajectory``).
+    estimates are kept under, default the tool's name), ``language`` (``python``,
+    ``shell`` or ``bash``), ``code_param`` (the argument holding the code, default
+    ``code``), ``scope`` (``instance`` or ``trajectory``). A ``SandboxFusionTool`` entry's
+    keys are accepted too, so its YAML needs only a new ``class_name``:
+    ``default_timeout`` and ``default_language`` are ``timeout`` and ``language``; a call's
+    own ``timeout`` and ``language`` arguments apply as that tool applies them (the
+    timeout capped by the configured one); ``sandbox_fusion_url``, ``num_workers``,
+    ``rate_limit``, ``enable_global_rate_limit`` and ``memory_limit_mb`` are read and left
+    unused, since the code runs in tangram's pool, admitted by its scheduler, under the
+    pool's memory limit.
+
+    The config is loaded and checked when verl builds the tool, so a bad set-up fails the
+    worker at start. A failure of tangram during a call is never returned as the tool's
+    output: verl's ``ToolAgentLoop`` catches what ``execute`` raises and feeds it to the
+    model as text, so the failure is kept and raised again from ``release``, which verl
+    calls outside that handler, and it reaches the agent-loop worker.
     """
 
     def __init__(self, config: dict[str, Any], tool_schema: OpenAIFunctionToolSchema) -> None:
         super().__init__(config, tool_schema)
         where = f"tool {self.name!r}"
-        allowed = _OWN_KEYS | {"cpu", "timeout", "kind", "language", "code_param", "scope"}
-        unknown = sorted(set(config) - allowed)
+        unknown = sorted(set(config) - _OWN_KEYS - _SANDBOX_KEYS - _FUSION_KEYS)
         if unknown:
             raise ConfigError(f"{where}: unknown config key(s) {unknown}")
         self.config_path: str | None = config.get("tangram_config")
+        _session.check(self.config_path, needs=("sandbox",))
         self.cpu = cpu_demand(config.get("cpu", 1), where)
-        self.timeout: float | None = config.get("timeout")
+        self.timeout: float | None = config.get("timeout", config.get("default_timeout"))
         self.kind: str = config.get("kind", self.name)
-        self.language: str = config.get("language", "python")
-        if self.language not in ("python", "shell"):
-            raise ConfigError(f"{where}: `language` must be 'python' or 'shell'")
+        self.language: str = config.get("language", config.get("default_language", "python"))
+        if self.language not in _LANGUAGES:
+            raise ConfigError(f"{where}: `language` must be one of {sorted(_LANGUAGES)}")
         self.code_param: str = config.get("code_param", "code")
         self.scope: str = config.get("scope", "instance")
         if self.scope not in ("instance", "trajectory"):
             raise ConfigError(f"{where}: `scope` must be 'instance' or 'trajectory'")
         self._instances: dict[str, tuple[Any, tangram.Sandbox]] = {}
+        self._prepare: dict[str, Mapping[str, Any]] = {}
+        self._failed: dict[str, BaseException] = {}
         # Keyed by verl's AgentData: the entry goes when verl drops the trajectory.
         self._trajectories: weakref.WeakKeyDictionary[Any, tangram.Sandbox] = (
             weakref.WeakKeyDictionary()
@@ -84,58 +123,164 @@ class SandboxTool(BaseTool):
         self, instance_id: str | None = None, **kwargs: Any
     ) -> tuple[str, ToolResponse]:
         instance_id = instance_id or uuid.uuid4().hex
-        if self.scope == "instance":
-            async with _session.session(self.config_path) as resources:
-                block = resources.sandbox_pool().sandbox(instance_id)
-                sandbox = await block.__aenter__()
-            self._instances[instance_id] = (block, sandbox)
+        # verl passes ``create_kwargs=...``; SandboxFusionTool's callers pass the keys.
+        options = dict(kwargs.get("create_kwargs") or {})
+        options.update({k: v for k, v in kwargs.items() if k != "create_kwargs"})
+        try:
+            self._prepare[instance_id] = _preparation(options, f"tool {self.name!r}")
+            if self.scope == "instance":
+                self._instances[instance_id] = await self._bind(instance_id, instance_id)
+        except Exception as exc:
+            if not is_infrastructure(exc):
+                raise
+            # verl would hand a failed create's error to the model and never call release
+            # (it has no instance id), so the failure waits for execute and release.
+            self._fail(instance_id, exc)
         return instance_id, ToolResponse()
 
-    async def _trajectory_sandbox(self, trajectory: Any) -> tangram.Sandbox:
+    async def _bind(self, name: str, instance_id: str) -> tuple[Any, tangram.Sandbox]:
+        async with _session.session(self.config_path) as resources:
+            block = resources.sandbox_pool().sandbox(name)
+            sandbox = await block.__aenter__()
+            try:
+                await self._prepared(sandbox, instance_id)
+            except BaseException:
+                await block.__aexit__(None, None, None)
+                raise
+        return block, sandbox
+
+    async def _prepared(self, sandbox: tangram.Sandbox, instance_id: str) -> None:
+        """Write ``files`` and run ``setup`` before the model's first call sees the sandbox."""
+        preparation = self._prepare.get(instance_id, {})
+        for path, content in preparation.get("files", {}).items():
+            await sandbox.put(path, content)
+        setup = preparation.get("setup")
+        if setup is not None:
+            result = await sandbox.run(setup, cpu=self.cpu, timeout=self.timeout, kind="setup")
+            if not result.ok:
+                raise ConfigError(
+                    f"tool {self.name!r}: create_kwargs `setup` failed: {format_result(result)}"
+                )
+
+    async def _trajectory_sandbox(self, trajectory: Any, instance_id: str) -> tangram.Sandbox:
         async with self._binding:  # parallel calls of one trajectory share one sandbox
             sandbox = self._trajectories.get(trajectory)
             if sandbox is None:
                 name = str(getattr(trajectory, "request_id", uuid.uuid4().hex))
-                async with _session.session(self.config_path) as resources:
-                    block = resources.sandbox_pool().sandbox(name)
-                    sandbox = await block.__aenter__()
+                block, sandbox = await self._bind(name, instance_id)
                 self._trajectories[trajectory] = sandbox
                 weakref.finalize(trajectory, release_later, asyncio.get_running_loop(), block)
             return sandbox
+
+    async def _sandbox_for(self, instance_id: str, trajectory: Any) -> tangram.Sandbox:
+        if self.scope == "trajectory" and trajectory is not None:
+            return await self._trajectory_sandbox(trajectory, instance_id)
+        if instance_id not in self._instances and self.scope == "trajectory":
+            # Called without verl's trajectory state: the instance is all there is.
+            self._instances[instance_id] = await self._bind(instance_id, instance_id)
+        entry = self._instances.get(instance_id)
+        if entry is None:
+            raise KeyError(f"no sandbox for instance {instance_id!r}: call create first")
+        return entry[1]
 
     @rollout_trace_op  # type: ignore[untyped-decorator]  # verl tracing, as BaseTool
     async def execute(
         self, instance_id: str, parameters: dict[str, Any], **kwargs: Any
     ) -> tuple[ToolResponse, float, dict[str, Any]]:
+        failed = self._failed.get(instance_id)
+        if failed is not None:
+            raise failed
         code = parameters.get(self.code_param)
         if not isinstance(code, str):
             return ToolResponse(text=f"`{self.code_param}` must be a string"), 0.0, {}
+        language = parameters.get("language", self.language)
+        if language not in _LANGUAGES:
+            return ToolResponse(text=f"`language` must be one of {sorted(_LANGUAGES)}"), 0.0, {}
+        timeout = _timeout(parameters.get("timeout"), self.timeout)
         trajectory = kwargs.get("agent_data")
-        if self.scope == "trajectory" and trajectory is not None:
-            sandbox = await self._trajectory_sandbox(trajectory)
-        else:
-            if instance_id not in self._instances and self.scope == "trajectory":
-                # Called without verl's trajectory state: the instance is all there is.
-                async with _session.session(self.config_path) as resources:
-                    block = resources.sandbox_pool().sandbox(instance_id)
-                    self._instances[instance_id] = (block, await block.__aenter__())
-            entry = self._instances.get(instance_id)
-            if entry is None:
-                raise KeyError(f"no sandbox for instance {instance_id!r}: call create first")
-            sandbox = entry[1]
-        async with _session.session(self.config_path):
-            if self.language == "python":
+        try:
+            sandbox = await self._sandbox_for(instance_id, trajectory)
+            command: str | list[str] | None = None
+            if language != "python":
+                command = code if language == "shell" else ["bash", "-c", code]
+            async with _session.session(self.config_path):
                 result = await sandbox.run(
-                    code=code, cpu=self.cpu, timeout=self.timeout, kind=self.kind
+                    command,
+                    code=code if command is None else None,
+                    cpu=self.cpu,
+                    timeout=timeout,
+                    kind=self.kind,
                 )
-            else:
-                result = await sandbox.run(code, cpu=self.cpu, timeout=self.timeout, kind=self.kind)
+        except Exception as exc:
+            if is_infrastructure(exc):
+                self._fail(instance_id, exc)
+            raise
+        record_call(trajectory, result)
         return ToolResponse(text=format_result(result)), 0.0, result_metrics(result)
+
+    def _fail(self, instance_id: str, exc: BaseException) -> None:
+        if instance_id not in self._failed:
+            record(self.kind, exc)
+        self._failed[instance_id] = exc
 
     async def release(self, instance_id: str, **kwargs: Any) -> None:
         entry = self._instances.pop(instance_id, None)
-        if entry is not None:
-            await entry[0].__aexit__(None, None, None)
+        self._prepare.pop(instance_id, None)
+        failed = self._failed.pop(instance_id, None)
+        try:
+            if entry is not None:
+                await entry[0].__aexit__(None, None, None)
+        finally:
+            if failed is not None:
+                raise failed
+
+
+def _preparation(options: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """verl's ``create_kwargs`` for a sandbox, checked: they come from the dataset."""
+    unknown = sorted(set(options) - {"files", "setup", "ground_truth"})
+    if unknown:
+        raise ConfigError(f"{where}: unknown create_kwargs {unknown}; known: files, setup")
+    files = options.get("files", {}) or {}
+    if not isinstance(files, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, (str, bytes)) for k, v in files.items()
+    ):
+        raise ConfigError(f"{where}: create_kwargs `files` must map paths to contents")
+    setup = options.get("setup")
+    if setup is not None and not isinstance(setup, str):
+        raise ConfigError(f"{where}: create_kwargs `setup` must be a shell line")
+    return {"files": dict(files), "setup": setup}
+
+
+def _timeout(asked: Any, configured: float | None) -> float | None:
+    """A call's own ``timeout`` argument (SandboxFusionTool reads one), capped by the config's."""
+    if isinstance(asked, bool) or not isinstance(asked, (int, float)) or not asked > 0:
+        return configured
+    return float(asked) if configured is None else min(float(asked), configured)
+
+
+def record_call(trajectory: Any, result: tangram.RunResult) -> None:
+    """Add a call's grant and timing to the trajectory's ``extra_fields``, where verl keeps them.
+
+    ``ToolAgentLoop`` drops the metrics ``execute`` returns; what survives a rollout is
+    ``AgentData.extra_fields`` (verl: "store any tool session data" there), which becomes
+    the sample's ``tool_extra_fields`` in the reward managers' ``extra_info``. The totals go
+    under ``extras`` (one of the keys verl gives every sample, so batches from workers
+    whose samples made no call still concatenate), as ``extras["tangram"]``.
+    """
+    fields = getattr(trajectory, "extra_fields", None)
+    if not isinstance(fields, dict):
+        return
+    extras = fields.get("extras")
+    if extras is None:
+        extras = fields["extras"] = {}
+    if not isinstance(extras, dict):
+        return
+    totals = extras.setdefault("tangram", dict.fromkeys(TOOL_METRICS, 0.0))
+    totals["tool_calls"] += 1
+    totals["tool_cores"] += result.units
+    totals["tool_queue_seconds"] += result.queue_seconds
+    totals["tool_exec_seconds"] += result.exec_seconds
+    totals["tool_timeouts"] += float(result.timed_out)
 
 
 class TangramTool(BaseTool):
@@ -155,6 +300,8 @@ class TangramTool(BaseTool):
     ``execute`` runs inside ``tangram.acquire(demand)``: a call waits for its API quota
     or cores, holds them while the wrapped tool works, and gives the held ones back
     however it ends. ``create``, ``release`` and ``calc_reward`` go straight through.
+    What the wrapped tool raises is its own and reaches verl as before; a failure of
+    tangram's admission is kept and raised from ``release``, as :class:`SandboxTool` does.
     """
 
     def __init__(self, config: dict[str, Any], tool_schema: OpenAIFunctionToolSchema) -> None:
@@ -164,12 +311,14 @@ class TangramTool(BaseTool):
         wraps = config.get("wraps")
         if not isinstance(wraps, str):
             raise ConfigError(f"{where}: `wraps` must name the wrapped tool's class")
+        self.demand = demand_of(config.get("demand"), where)
+        self.config_path: str | None = config.get("tangram_config")
+        _session.check(self.config_path)
         tool_class = get_tool_class(wraps)  # type: ignore[no-untyped-call]
         self.inner: BaseTool = tool_class(config=inner_config, tool_schema=tool_schema)
         super().__init__(config, self.inner.tool_schema)
-        self.demand = demand_of(config.get("demand"), where)
         self.kind: str = config.get("kind", self.name)
-        self.config_path: str | None = config.get("tangram_config")
+        self._failed: dict[str, BaseException] = {}
 
     def get_openai_tool_schema(self) -> OpenAIFunctionToolSchema:
         return self.inner.get_openai_tool_schema()
@@ -184,20 +333,41 @@ class TangramTool(BaseTool):
     async def execute(
         self, instance_id: str, parameters: dict[str, Any], **kwargs: Any
     ) -> tuple[ToolResponse, float, dict[str, Any]]:
-        async with (
-            _session.session(self.config_path),
-            tangram.acquire(self.demand, kind=self.kind, trajectory=instance_id),
-        ):
-            result: tuple[ToolResponse, float, dict[str, Any]] = await self.inner.execute(
-                instance_id, parameters, **kwargs
-            )
-            return result
+        failed = self._failed.get(instance_id)
+        if failed is not None:
+            raise failed
+        own: list[Exception] = []  # the wrapped tool's error, told apart from tangram's
+        try:
+            async with (
+                _session.session(self.config_path),
+                tangram.acquire(self.demand, kind=self.kind, trajectory=instance_id),
+            ):
+                try:
+                    result: tuple[ToolResponse, float, dict[str, Any]] = await self.inner.execute(
+                        instance_id, parameters, **kwargs
+                    )
+                except Exception as exc:
+                    own.append(exc)
+        except Exception as exc:
+            if is_infrastructure(exc):
+                if instance_id not in self._failed:
+                    record(self.kind, exc)
+                self._failed[instance_id] = exc
+            raise
+        if own:
+            raise own[0]
+        return result
 
     async def calc_reward(self, instance_id: str, **kwargs: Any) -> float:
         return float(await self.inner.calc_reward(instance_id, **kwargs))
 
     async def release(self, instance_id: str, **kwargs: Any) -> None:
-        await self.inner.release(instance_id, **kwargs)
+        failed = self._failed.pop(instance_id, None)
+        try:
+            await self.inner.release(instance_id, **kwargs)
+        finally:
+            if failed is not None:
+                raise failed
 
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
@@ -222,8 +392,13 @@ def with_tangram(
 
     The signature, docstring and annotations pass through, so verl infers the same schema.
     Inside the call the scheduler is current: ``tangram.acquire`` and :func:`run_code`
-    work without arguments.
+    work without arguments. The config is loaded when the function is decorated (verl
+    imports ``function_tool_path`` at worker start), so a bad set-up fails there. verl
+    calls function tools without a release step and hands whatever they raise to the
+    model as text; a tangram failure is counted and logged at ERROR, but only a
+    :class:`SandboxTool` or :class:`TangramTool` can stop the rollout with it.
     """
+    _session.check(config)
     wanted = {**(demand or {}), **amounts}
 
     def decorate(fn: F) -> F:
@@ -233,11 +408,21 @@ def with_tangram(
 
         @functools.wraps(fn)
         async def call(*args: Any, **kwargs: Any) -> Any:
-            async with _session.session(config):
-                if not wanted:
-                    return await fn(*args, **kwargs)
-                async with tangram.acquire(wanted, kind=action):
-                    return await fn(*args, **kwargs)
+            own: list[Exception] = []
+            try:
+                async with contextlib.AsyncExitStack() as stack:
+                    await stack.enter_async_context(_session.session(config))
+                    if wanted:
+                        await stack.enter_async_context(tangram.acquire(wanted, kind=action))
+                    try:
+                        return await fn(*args, **kwargs)
+                    except Exception as exc:
+                        own.append(exc)
+            except Exception as exc:
+                if is_infrastructure(exc):
+                    record(action, exc)
+                raise
+            raise own[0]
 
         return call  # type: ignore[return-value]
 
