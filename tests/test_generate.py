@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 import tangram
+from tangram._sim._baselines import run_policy
 from tangram._sim._generate import WORKLOADS, GenerateConfig, generate
 from tangram._tools._cli import main
 
@@ -64,6 +65,46 @@ def test_deepsearch_and_mopd_shapes() -> None:
     assert counts["teacher0"] > 3 * counts.get("teacher8", 0)
 
 
+def _read(config: GenerateConfig) -> tangram.Trace:
+    return tangram.read_trace(generate(config).splitlines())
+
+
+def test_contended_coding_is_the_pareto_burst_on_less_capacity() -> None:
+    contended = GenerateConfig(workload="coding", batch=400, seed=2, contended=True)
+    burst = GenerateConfig(workload="coding", batch=400, seed=2, pareto_burst=True)
+    # The same actions as the Pareto burst, on 0.3 cores per trajectory.
+    assert generate(contended).splitlines()[1:] == generate(burst).splitlines()[1:]
+    trace = _read(contended)
+    assert trace.name == "coding-400-contended"
+    assert trace.capacity == {"cpu": 120}
+    assert all(actions[0].gap == 0 for actions in trace.trajectories.values())
+    assert _read(GenerateConfig(workload="coding", batch=2, contended=True)).capacity["cpu"] == 1
+
+
+def test_contended_deepsearch_gives_the_api_half_its_demand() -> None:
+    plain = _read(GenerateConfig(workload="deepsearch", batch=256, seed=0))
+    contended = _read(GenerateConfig(workload="deepsearch", batch=256, seed=0, contended=True))
+    assert contended.capacity["search_api"] == 17
+    assert contended.capacity["search_api_concurrency"] == 26
+    assert contended.trajectories == plain.trajectories
+    # Half the demand, measured: calls a second over the first 30 s of the trace with no
+    # queueing (the bound).
+    bound = run_policy("bound", contended).records
+    early = [r for r in bound if r.kind == "search" and r.arrival < 30.0]
+    assert 0.4 < contended.capacity["search_api"] / (len(early) / 30.0) < 0.6
+
+
+def test_contended_mopd_has_ten_gpus_one_request_a_replica() -> None:
+    trace = _read(GenerateConfig(workload="mopd", batch=64, seed=0, contended=True))
+    assert trace.capacity == {"gpu": 10}
+    specs = trace.gpu_services()
+    assert {s.max_batch for s in specs.values()} == {1}
+    restores = sorted(s.restore_seconds for s in specs.values())
+    assert restores[0] == 2.0 and restores[-1] == 4.0
+    plain = _read(GenerateConfig(workload="mopd", batch=64, seed=0))
+    assert plain.trajectories == trace.trajectories
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [
@@ -75,6 +116,14 @@ def test_deepsearch_and_mopd_shapes() -> None:
 def test_bad_config_is_rejected(kwargs: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         GenerateConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_cli_contended(tmp_path: Path) -> None:
+    out = tmp_path / "t.jsonl"
+    argv = ["trace", "generate", "--workload", "coding", "--batch", "10", "--contended"]
+    assert main([*argv, "--out", str(out)]) == 0
+    config = GenerateConfig(workload="coding", batch=10, contended=True)
+    assert out.read_bytes() == generate(config).encode()
 
 
 def test_cli_writes_the_same_bytes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,10 +1,14 @@
 import math
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from strategies import make_action
 
 from tangram import Amdahl, Elastic, ElasticPolicy, Estimator, FcfsPolicy, Linear, Plan, Rate
+from tangram._core import _line as line_module
 from tangram._core._ledger import Ledger, held_matches_grants
+from tangram._core._line import Line
 from tangram._core._policy import DONE, RUNNING, WAITING, Policy
 from tangram._core._resources import parse_capacity
 
@@ -312,3 +316,65 @@ def test_elastic_grant_prefers_the_efficient_action() -> None:
     ledger.step(0.0)
     assert (serial.units, parallel.units) == (1, 7)
     assert math.isclose(ledger.held["cpu"], 8)
+
+
+# -- the priority-ordered line of size-aware admission ---------------------------------------
+
+
+@settings(
+    deadline=None,
+    max_examples=50,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 40)), max_size=400))
+def test_line_stays_sorted_through_adds_and_removes(
+    monkeypatch: pytest.MonkeyPatch, ops: list[tuple[bool, int]]
+) -> None:
+    # Small chunks, so that a few hundred operations split and empty many of them.
+    monkeypatch.setattr(line_module, "_SPLIT", 4)
+    line = Line()
+    present: dict[int, tuple[float, int, str]] = {}
+    for seq, (add, value) in enumerate(ops):
+        if add or not present:
+            key = (float(value), seq, f"item{seq}")
+            line.add(key)
+            present[seq] = key
+        else:
+            victim = sorted(present)[value % len(present)]
+            line.remove(present.pop(victim))
+        assert list(line) == [k[-1] for k in sorted(present.values())]
+        assert len(line) == len(present)
+    line.remove((0.0, -1, "absent"))  # not in the line: ignored
+    assert len(line) == len(present)
+
+
+def test_entries_that_leave_before_falling_due_do_not_pile_up() -> None:
+    cap = {"cpu": 1}
+    ledger = ledger_for(cap)
+    for i in range(5_000):
+        entry = ledger.submit(make_action({"cpu": 1}, cap, seconds=100.0), float(i))
+        ledger.withdraw(entry)
+    assert ledger.waiting_count == 0
+    assert len(ledger._due) <= 64
+
+
+def test_falling_due_happens_at_a_step() -> None:
+    # Due at 0 + 4 x 10 s: from the first step at or after t = 40 nothing newer passes it.
+    cap = {"cpu": 1}
+    ledger = ledger_for(cap)
+    ledger.submit(make_action({"cpu": 1}, cap, seconds=1e6), 0.0)
+    ledger.step(0.0)
+    long = ledger.submit(make_action({"cpu": 1}, cap, seconds=10.0), 0.0)
+    short = ledger.submit(make_action({"cpu": 1}, cap, seconds=1.0), 1.0)
+    ledger.step(4.0)
+    assert list(ledger.waiting()) == [short, long]
+    # The short one falls due at 1 + 4 x 1 s, then the long one: earliest due first.
+    ledger.step(39.0)
+    assert [e.key[0] for e in ledger.waiting() if e.key] == [0, 1]
+    ledger.step(40.0)
+    assert list(ledger.waiting()) == [short, long]
+    assert long.key is not None and long.key[0] == 0
+    late = ledger.submit(make_action({"cpu": 1}, cap, seconds=0.5), 41.0)
+    ledger.step(41.0)
+    assert list(ledger.waiting()) == [short, long, late]

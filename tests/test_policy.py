@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -19,15 +20,23 @@ from tangram._core._resources import parse_capacity
 PROPERTY = settings(deadline=None, max_examples=100, derandomize=True)
 EPS = 1e-6
 
-policies = st.one_of(
-    st.builds(
+
+def elastic_policies(order: str) -> st.SearchStrategy[ElasticPolicy]:
+    return st.builds(
         ElasticPolicy,
-        starvation_bound=st.sampled_from([0.5, 5.0, 30.0]),
+        starvation_bound=st.sampled_from([0.5, 5.0, 30.0, math.inf]),
         window=st.sampled_from([1, 3, 128]),
         eviction_depth=st.sampled_from([0, 1, 4]),
-    ),
-    st.builds(FcfsPolicy, dop=st.sampled_from(["min", "max", 1, 4])),
+        order=st.just(order),
+        aging=st.sampled_from([0.5, 4.0, math.inf]),
+        max_wait=st.sampled_from([1.0, math.inf]),
+    )
+
+
+fcfs_policies = st.one_of(
+    elastic_policies("arrival"), st.builds(FcfsPolicy, dop=st.sampled_from(["min", "max", 1, 4]))
 )
+policies = st.one_of(elastic_policies("size"), fcfs_policies)
 
 
 def check_plan(
@@ -81,6 +90,16 @@ def check_plan(
         assert ledger.surplus[kind] == pytest.approx(surplus[kind], abs=EPS)
         assert ledger.headroom[kind] == pytest.approx(headroom[kind], abs=EPS)
         check_split(ledger, kind)
+    line = list(ledger.waiting())
+    assert len(line) == ledger.waiting_count and all(e.state == WAITING for e in line)
+    if getattr(ledger.policy, "priority", None) is not None:
+        # Size-aware: those due first by due time, then the others by expected work; those
+        # on a rate budget (no key) in arrival order.
+        keys = [e.key[:3] for e in line if e.key is not None]
+        assert keys == sorted(keys)
+        lane = [e.seq for e in line if e.key is None]
+        assert lane == sorted(lane)
+        assert all(e.key is None for e in line if e.action.demand.amount("api", 0))
     if not ledger.running and ledger.waiting_count:
         # Idle with work queued is only allowed while waiting for a rate budget.
         assert plan.wake_at is not None and plan.wake_at > ledger.now
@@ -153,12 +172,13 @@ def test_decisions_are_deterministic(policy: Policy, ops: list[tuple[str, Any]])
     assert drive(policy, ops) == drive(policy, ops)  # fresh ledgers, same script
 
 
-@PROPERTY
-@given(
-    policies,
-    st.sampled_from([{"cpu": 3}, {"cpu": 1, "gpu": 1}, {"gpu": 0.5}, {"api": 1, "cpu": 2}]),
-    st.data(),
+EQUAL_RIGID = st.sampled_from(
+    [{"cpu": 3}, {"cpu": 1, "gpu": 1}, {"gpu": 0.5}, {"api": 1, "cpu": 2}]
 )
+
+
+@PROPERTY
+@given(fcfs_policies, EQUAL_RIGID, st.data())
 def test_fcfs_among_equal_rigid_demands(
     policy: Policy, amounts: dict[str, object], data: st.DataObject
 ) -> None:
@@ -169,6 +189,108 @@ def test_fcfs_among_equal_rigid_demands(
     for a, b in itertools.combinations(records, 2):
         if a.arrival < b.arrival:
             assert a.admitted <= b.admitted, (a, b)
+
+
+@PROPERTY
+@given(elastic_policies("size"), EQUAL_RIGID, st.data())
+def test_size_aware_admission_passes_nobody_once_due(
+    policy: ElasticPolicy, amounts: dict[str, object], data: st.DataObject
+) -> None:
+    # The starvation bound of size-aware admission: an action arriving at or after
+    # another's due time (arrival + min(aging x service, max_wait)) never starts first.
+    workload = data.draw(workloads(demand=st.just(amounts), max_trajectories=10))
+    records = simulate(workload, CAPACITY, policy=policy).records
+    service = {
+        (r.trajectory, r.index): workload[r.trajectory][r.index].seconds_at_1 for r in records
+    }
+    for a, b in itertools.permutations(records, 2):
+        due = a.arrival + min(policy.aging * service[a.trajectory, a.index], policy.max_wait)
+        if b.arrival >= due:
+            assert a.admitted <= b.admitted, (a, b, due)
+
+
+def test_shortest_expected_service_first() -> None:
+    cap = parse_capacity({"cpu": 1})
+    ledger = Ledger(cap, ElasticPolicy(), Estimator())
+    first = ledger.submit(make_action({"cpu": 1}, cap, seconds=1.0), 0.0)
+    ledger.step(0.0)
+    # Queued behind ``first`` in this arrival order; started shortest first.
+    waiting = [ledger.submit(make_action({"cpu": 1}, cap, seconds=s), 0.5) for s in (9.0, 3.0, 6.0)]
+    ledger.step(0.5)
+    assert [e.t1 for e in ledger.waiting()] == [3.0, 6.0, 9.0]
+    started = []
+    now = 1.0
+    for _ in waiting:
+        ledger.finish(next(iter(ledger.running)), now)
+        ((admitted, _units),) = ledger.step(now).admits
+        started.append(admitted.t1)
+        now += admitted.t1
+    assert started == [3.0, 6.0, 9.0]
+    assert first.state != WAITING
+
+
+def test_service_is_the_expected_time_at_the_minimum_grant() -> None:
+    # 40 s of Amdahl(0.9) work at 4 cores minimum (13 s) goes before a rigid 20 s action.
+    cap = parse_capacity({"cpu": 4})
+    ledger = Ledger(cap, ElasticPolicy(), Estimator())
+    ledger.submit(make_action({"cpu": 4}, cap, seconds=1.0), 0.0)
+    ledger.step(0.0)
+    rigid = ledger.submit(make_action({"cpu": 4}, cap, seconds=20.0), 0.0)
+    elastic = ledger.submit(
+        make_action({"cpu": Elastic(4, 8)}, cap, seconds=40.0, efficiency=Amdahl(0.9)), 0.0
+    )
+    assert list(ledger.waiting()) == [elastic, rigid]
+
+
+def test_a_long_action_falls_due_after_aging_times_its_service() -> None:
+    # A 10 s action with aging 2 is passed by shorter newcomers until t = 20, then by none.
+    cap = parse_capacity({"cpu": 1})
+    ledger = Ledger(cap, ElasticPolicy(aging=2.0), Estimator())
+    ledger.submit(make_action({"cpu": 1}, cap, seconds=1.0), 0.0)
+    ledger.step(0.0)
+    long = ledger.submit(make_action({"cpu": 1}, cap, seconds=10.0), 0.0)
+    early = ledger.submit(make_action({"cpu": 1}, cap, seconds=1.0), 19.0)
+    ledger.step(19.0)
+    assert list(ledger.waiting()) == [early, long]
+    late = ledger.submit(make_action({"cpu": 1}, cap, seconds=0.1), 20.0)
+    ledger.step(20.0)
+    # ``long`` is due (0 + 2 x 10 s); the others, due at 21 and 20.2, not yet.
+    assert list(ledger.waiting()) == [long, late, early]
+
+
+def test_max_wait_caps_the_allowance() -> None:
+    cap = parse_capacity({"cpu": 1})
+    ledger = Ledger(cap, ElasticPolicy(aging=100.0, max_wait=5.0), Estimator())
+    ledger.submit(make_action({"cpu": 1}, cap, seconds=1.0), 0.0)
+    ledger.step(0.0)
+    long = ledger.submit(make_action({"cpu": 1}, cap, seconds=10.0), 0.0)
+    short = ledger.submit(make_action({"cpu": 1}, cap, seconds=1.0), 5.0)
+    ledger.step(5.0)
+    assert list(ledger.waiting()) == [long, short]
+
+
+def test_shortest_first_without_aging_never_falls_due() -> None:
+    # The `srpt` reference: whatever its wait, a long action stays behind shorter ones.
+    cap = parse_capacity({"cpu": 1})
+    policy = ElasticPolicy(aging=math.inf, starvation_bound=math.inf)
+    ledger = Ledger(cap, policy, Estimator())
+    ledger.submit(make_action({"cpu": 1}, cap, seconds=1.0), 0.0)
+    ledger.step(0.0)
+    long = ledger.submit(make_action({"cpu": 1}, cap, seconds=10.0), 0.0)
+    short = ledger.submit(make_action({"cpu": 1}, cap, seconds=1.0), 1e6)
+    ledger.step(1e6)
+    assert list(ledger.waiting()) == [short, long]
+
+
+def test_arrival_order_is_the_fcfs_admission_of_before() -> None:
+    cap = parse_capacity({"cpu": 1})
+    ledger = Ledger(cap, ElasticPolicy(order="arrival"), Estimator())
+    ledger.submit(make_action({"cpu": 1}, cap, seconds=1.0), 0.0)
+    ledger.step(0.0)
+    waiting = [ledger.submit(make_action({"cpu": 1}, cap, seconds=s), 0.5) for s in (9.0, 3.0)]
+    ledger.step(0.5)
+    assert list(ledger.waiting()) == waiting
+    assert ElasticPolicy(order="arrival").priority is None
 
 
 def test_fcfs_policy_passes_nobody() -> None:
@@ -218,6 +340,10 @@ def test_fcfs_rejects_bad_dop(dop: object) -> None:
         {"window": 0},
         {"window": 2.5},
         {"eviction_depth": -1},
+        {"order": "sjf"},
+        {"aging": 0},
+        {"aging": -1.0},
+        {"max_wait": 0},
     ],
 )
 def test_elastic_policy_rejects_bad_settings(kwargs: dict[str, object]) -> None:
@@ -284,14 +410,32 @@ def test_backfill_into_units_the_head_leaves_spare() -> None:
 
 
 def test_a_starved_head_is_never_passed() -> None:
+    # In arrival order (FCFS admission), where the head is the oldest waiting action.
     cap = parse_capacity({"cpu": 16})
-    ledger = Ledger(cap, ElasticPolicy(starvation_bound=5.0), Estimator())
+    ledger = Ledger(cap, ElasticPolicy(starvation_bound=5.0, order="arrival"), Estimator())
     ledger.submit(make_action({"cpu": 10}, cap, seconds=10.0), 0.0)
     head = ledger.submit(make_action({"cpu": 12}, cap, seconds=10.0), 0.0)
     ledger.step(0.0)
     short = ledger.submit(make_action({"cpu": 1}, cap, seconds=0.1), 6.0)
     ledger.step(6.0)  # the head has waited 6 s > 5 s: nothing passes it any more
     assert head.state == WAITING and short.state == WAITING
+
+
+def test_a_starved_head_is_passed_by_nothing_once_due() -> None:
+    # Size-aware: shorter newcomers go first until the head is due (0 + 2 x 10 s); from
+    # then on it leads the line, and past the starvation bound nothing backfills past it.
+    cap = parse_capacity({"cpu": 16})
+    ledger = Ledger(cap, ElasticPolicy(starvation_bound=5.0, aging=2.0), Estimator())
+    ledger.submit(make_action({"cpu": 10}, cap, seconds=100.0), 0.0)
+    ledger.step(0.0)
+    head = ledger.submit(make_action({"cpu": 12}, cap, seconds=10.0), 0.0)
+    ledger.step(0.0)
+    early = ledger.submit(make_action({"cpu": 1}, cap, seconds=0.1), 6.0)
+    ledger.step(6.0)
+    assert head.state == WAITING and early.state == RUNNING
+    late = ledger.submit(make_action({"cpu": 1}, cap, seconds=0.1), 21.0)
+    ledger.step(21.0)
+    assert head.state == WAITING and late.state == WAITING
 
 
 def test_resizable_actions_share_units() -> None:

@@ -220,11 +220,41 @@ def test_no_action_passes_one_starved_past_the_bound(
 
     Precisely: for any actions A and B with A arriving strictly before B, if B is admitted
     strictly before A, then at B's admission A had waited at most ``starvation_bound``.
+    That is first-come-first-served admission; size-aware admission's guarantee follows.
     """
-    policy = ElasticPolicy(starvation_bound=bound, window=window)
+    policy = ElasticPolicy(starvation_bound=bound, window=window, order="arrival")
     records = simulate(trajectories, CAPACITY, policy=policy, estimates=estimates).records  # type: ignore[arg-type]
     for a, b in itertools.permutations(records, 2):
         if a.arrival < b.arrival and b.admitted < a.admitted:
+            assert b.admitted - a.arrival <= bound + 1e-9, (a, b)
+
+
+@PROPERTY
+@given(
+    workloads(max_trajectories=12, max_steps=6),
+    st.sampled_from([0.5, 2.0, 5.0]),
+    st.sampled_from([0.0, 1.0, 3.0]),
+    st.sampled_from([1, 4, 128]),
+    estimate_modes,
+)
+def test_size_aware_admission_passes_nobody_due_and_starved(
+    trajectories: dict[str, list[Step]], bound: float, due: float, window: int, estimates: str
+) -> None:
+    """Size-aware admission: once due, an action is passed only while it is young.
+
+    Precisely: for actions A and B on held units only (rate-budget actions keep arrival
+    order, the property above), if B arrives once A is due and is admitted strictly
+    before A, then at B's admission A had waited at most ``starvation_bound``. An infinite
+    ``aging`` makes every action due ``max_wait`` after its arrival, whatever its size.
+    """
+    if due == 0.0:  # due at once, or all but
+        policy = ElasticPolicy(starvation_bound=bound, window=window, aging=1e-12)
+    else:
+        policy = ElasticPolicy(starvation_bound=bound, window=window, aging=math.inf, max_wait=due)
+    records = simulate(trajectories, CAPACITY, policy=policy, estimates=estimates).records  # type: ignore[arg-type]
+    held = [r for r in records if "api" not in trajectories[r.trajectory][r.index].demand]
+    for a, b in itertools.permutations(held, 2):
+        if b.arrival >= a.arrival + due + 1e-9 and b.admitted < a.admitted:
             assert b.admitted - a.arrival <= bound + 1e-9, (a, b)
 
 
@@ -238,10 +268,13 @@ def test_starvation_bound_stops_backfilling(bound: float, short_admitted: float)
         "head": [Step(demand={"cpu": 4}, seconds_at_1=1.0, gap=1.0)],
         "short": [Step(demand={"cpu": 1}, seconds_at_1=0.5, gap=3.0)],
     }
-    policy = ElasticPolicy(starvation_bound=bound)
+    policy = ElasticPolicy(starvation_bound=bound, order="arrival")
     records = {r.trajectory: r for r in simulate(trajectories, {"cpu": 4}, policy=policy).records}
     assert (records["head"].admitted, records["head"].finished) == (10.0, 11.0)
     assert records["short"].admitted == short_admitted
+    # Size-aware, the shorter action is ahead of the head in line: it passes nobody.
+    records = {r.trajectory: r for r in simulate(trajectories, {"cpu": 4}).records}
+    assert records["short"].admitted == 3.0
 
 
 # -- quality ----------------------------------------------------------------------------

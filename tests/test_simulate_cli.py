@@ -52,6 +52,20 @@ def test_json_has_the_documented_keys(
     assert document["policies"]["bound"]["avg_act"] <= document["policies"]["tangram"]["avg_act"]
 
 
+def test_the_admission_references_from_the_command_line(tmp_path: Path) -> None:
+    path = tmp_path / "contended.jsonl"
+    argv = ["trace", "generate", "--workload", "coding", "--batch", "40", "--seed", "1"]
+    assert main([*argv, "--contended", "--out", str(path)]) == 0
+    out = tmp_path / "r.json"
+    policies = "tangram,tangram-fcfs,srpt"
+    assert main(["simulate", "--trace", str(path), "--policy", policies, "--json", str(out)]) == 0
+    document = json.loads(out.read_text())
+    assert document["trace"] == "coding-40-contended"
+    summaries = document["policies"]
+    assert set(summaries) == {"tangram", "tangram-fcfs", "srpt"}
+    assert summaries["srpt"]["avg_act"] < summaries["tangram-fcfs"]["avg_act"]
+
+
 def test_same_trace_same_bytes(trace: Path, tmp_path: Path) -> None:
     outs = [tmp_path / "a.json", tmp_path / "b.json"]
     for out in outs:

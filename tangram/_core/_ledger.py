@@ -6,12 +6,14 @@ with it every rule about accounting: units held always equal the sum of live gra
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import OrderedDict
 from collections.abc import Collection, Iterator
 
 from ._action import Action
 from ._estimator import Estimator
+from ._line import Line
 from ._policy import DONE, RUNNING, WAITING, Entry, Plan, Policy, Split
 from ._resources import Capacity, Shape
 
@@ -51,6 +53,13 @@ class Ledger:
         # left behind by backfills and cancellations until a compaction), and removal from
         # anywhere is O(1).
         self._queue: OrderedDict[Entry, None] = OrderedDict()
+        # A policy with a ``priority`` (size-aware admission) reads the queue in that order
+        # instead, from a line kept sorted as entries come and go (see ``waiting``), and
+        # entries not yet due wait in a heap by the time they fall due.
+        self._priority = getattr(policy, "priority", None)
+        self._line = Line() if self._priority is not None else None
+        self._due: list[tuple[float, int, Entry]] = []
+        self._lane: OrderedDict[Entry, None] = OrderedDict()  # entries keeping arrival order
         self._running: dict[Entry, None] = {}
         self._splits: dict[str, Split] = {}
         self._seq = 0
@@ -63,7 +72,24 @@ class Ledger:
     # -- what the policy reads -------------------------------------------------------
 
     def waiting(self) -> Iterator[Entry]:
-        return iter(self._queue)
+        """Waiting entries in the policy's order.
+
+        Arrival order, unless the policy has a ``priority``: a function of an entry and
+        this state, asked once at submission, that says ``(work, due)``, or ``None`` for
+        an entry that keeps arrival order. Then entries past their ``due`` time come
+        first, earliest due first, and the others after them by ``work`` (ties by
+        arrival): least work first, where nothing is passed by newcomers once due. An
+        entry falls due at the first step at or after ``due``, so the order changes only
+        when the policy plans. Entries that keep arrival order take turns with these, so
+        a long line of either never hides the other from a pass's window.
+        """
+        if self._line is None:
+            return iter(self._queue)
+        if not self._lane:
+            return iter(self._line)
+        if not self._line:
+            return iter(self._lane)
+        return _alternate(iter(self._line), iter(self._lane))
 
     @property
     def running(self) -> Collection[Entry]:
@@ -90,6 +116,17 @@ class Ledger:
         self._seq += 1
         entry = Entry(action, self._seq, now)
         self._queue[entry] = None
+        if self._line is not None:
+            assert self._priority is not None
+            order = self._priority(entry, self)
+            if order is None:
+                self._lane[entry] = None
+            else:
+                work, due = order
+                entry.key = (1, work, entry.seq, entry)
+                self._line.add(entry.key)
+                if due < math.inf:
+                    heapq.heappush(self._due, (due, entry.seq, entry))
         return entry
 
     def withdraw(self, entry: Entry) -> None:
@@ -97,6 +134,7 @@ class Ledger:
         if entry.state == WAITING:
             entry.state = _GONE
             self._queue.pop(entry, None)
+            self._unline(entry)
 
     def finish(
         self, entry: Entry, now: float, seconds: float | None = None, ok: bool = True
@@ -137,6 +175,8 @@ class Ledger:
         self.now = now
         if self.rates:
             self._refill(now)
+        if self._due and self._due[0][0] <= now:
+            self._fall_due(now)
         plan = self.policy.plan(self)
         if (plan.admits or plan.resizes) and now > self._accounted_at:
             self._account(now)
@@ -221,6 +261,7 @@ class Ledger:
                 self.free[kind] -= amount
         entry.state = RUNNING
         self._queue.pop(entry, None)
+        self._unline(entry)
         entry.admitted_at = now
         entry.mark = now
         entry.rem = entry.t1
@@ -231,6 +272,28 @@ class Ledger:
         for kind in self.held:
             if self.held[kind] > self.peak[kind]:
                 self.peak[kind] = self.held[kind]
+
+    def _unline(self, entry: Entry) -> None:
+        if self._line is not None and entry.key is None:
+            self._lane.pop(entry, None)
+        elif self._line is not None and entry.key is not None:
+            self._line.remove(entry.key)
+            # Entries that left before falling due stay in the heap until their time;
+            # rebuild once they outnumber the waiting ones, so it stays O(waiting).
+            if len(self._due) > 2 * len(self._queue) + 64:
+                self._due = [d for d in self._due if d[2].state == WAITING]
+                heapq.heapify(self._due)
+
+    def _fall_due(self, now: float) -> None:
+        """Move entries whose due time has come ahead of every entry not yet due."""
+        line, due = self._line, self._due
+        assert line is not None
+        while due and due[0][0] <= now:
+            at, seq, entry = heapq.heappop(due)
+            if entry.state == WAITING and entry.key is not None:
+                line.remove(entry.key)
+                entry.key = (0, at, seq, entry)
+                line.add(entry.key)
 
     def _resize(self, entry: Entry, units: int, now: float) -> None:
         if entry.state != RUNNING or units == entry.units:
@@ -274,6 +337,18 @@ class Ledger:
             split.moved(entry, old)
         else:
             split.leave(entry, old)
+
+
+def _alternate(first: Iterator[Entry], second: Iterator[Entry]) -> Iterator[Entry]:
+    """One from each in turn, then the rest of the longer."""
+    for a in first:
+        yield a
+        b = next(second, None)
+        if b is None:
+            break
+        yield b
+    yield from first
+    yield from second
 
 
 def held_matches_grants(ledger: Ledger) -> bool:

@@ -1,6 +1,12 @@
 """What tangram is measured against, each replaying the same trace on the same capacity.
 
 - ``tangram``: :func:`tangram.simulate` with :class:`~tangram.ElasticPolicy`.
+- ``tangram-fcfs``: the same with first-come-first-served admission
+  (``ElasticPolicy(order="arrival")``), tangram before size-aware admission: the
+  reference of its tail.
+- ``srpt``: shortest-first admission plus the same elastic split, no aging and no
+  starvation bound (``ElasticPolicy(aging=inf, starvation_bound=inf)``): the reference of
+  its average, which nothing stops from starving a long action.
 - ``fixed-dop-K``: :func:`tangram.simulate` with ``FcfsPolicy(dop=K)``, the paper's
   fixed-DoP ablation: action-level, but no elasticity.
 - ``static``: what verl and OpenRLHF do. Each trajectory takes a slot at its first action
@@ -51,7 +57,7 @@ __all__ = [
     "simulate_static",
 ]
 
-POLICIES = ("tangram", "static", "k8s", "bound", "fixed-dop-K")
+POLICIES = ("tangram", "tangram-fcfs", "srpt", "static", "k8s", "bound", "fixed-dop-K")
 
 StaticUnits = int | Mapping[str, int] | None
 
@@ -61,7 +67,7 @@ def parse_policy(name: str) -> str:
 
     :raises ValueError: an unknown name or a bad K.
     """
-    if name in ("tangram", "static", "k8s", "bound"):
+    if name in ("tangram", "tangram-fcfs", "srpt", "static", "k8s", "bound"):
         return name
     if name.startswith("fixed-dop-"):
         text = name.removeprefix("fixed-dop-")
@@ -89,7 +95,11 @@ def run_policy(
         return simulate_bound(trace)
     capacity = trace.runtime_capacity(overrides)
     policy: Policy = ElasticPolicy()
-    if name.startswith("fixed-dop-"):
+    if name == "tangram-fcfs":
+        policy = ElasticPolicy(order="arrival")
+    elif name == "srpt":
+        policy = ElasticPolicy(aging=math.inf, starvation_bound=math.inf)
+    elif name.startswith("fixed-dop-"):
         policy = FcfsPolicy(dop=int(name.removeprefix("fixed-dop-")))
     return simulate(trace.workload(), capacity, policy=policy, **_gpu_model(trace))
 

@@ -38,6 +38,16 @@ PARETO_ALPHA = 1.5
 # SGLang): a guess on the low side for judging prompts of a few thousand tokens.
 MAX_BATCH = 8
 
+# Cores per trajectory of the contended coding variant: a heavy-tailed burst on well under
+# one core each, where the order of admission decides most of the average ACT.
+CONTENDED_CORES = 0.3
+
+# Share of the search API's demand the contended deepsearch variant provides. Over the
+# first 30 s, where most calls fall, a trajectory asks 0.135 calls a second (0.12-0.19 in
+# 5 s windows, measured on generated traces with no queueing), holding a connection
+# 1.5 s each: ``0.135 * batch`` calls a second and ``0.2 * batch`` connections meet it.
+CONTENDED_API = 0.5
+
 # Scoring chunks one teacher replica serves at once. Teacher scoring is prefill only (the
 # student's tokens are given), which an inference server batches far wider than decoding
 # (vLLM's default max_num_seqs is 256). Anchored on PAPER.md's MOPD-2048 breakdown, 0.081 s
@@ -71,6 +81,7 @@ class GenerateConfig:
         validator=attrs.validators.optional(_at_least_one),
     )
     pareto_burst: bool = False
+    contended: bool = False
 
 
 def _r(value: float) -> float:
@@ -104,24 +115,26 @@ def _gap(rng: random.Random, median: float, sigma: float = 0.6) -> float:
 
 def _name(config: GenerateConfig) -> str:
     suffix = "-pareto-burst" if config.pareto_burst else ""
+    if config.contended:
+        suffix += "-contended"
     return f"{config.workload}-{config.batch}{suffix}"
 
 
 def _coding(config: GenerateConfig, rng: random.Random) -> tuple[dict[str, Any], Iterator[Any]]:
     # One core per trajectory by default: the per-trajectory sandbox frameworks reserve.
-    header: dict[str, Any] = {"capacity": {"cpu": config.batch}}
+    # Contended: a Pareto burst on CONTENDED_CORES per trajectory.
+    burst = config.pareto_burst or config.contended
+    cores = max(1, round(CONTENDED_CORES * config.batch)) if config.contended else config.batch
+    header: dict[str, Any] = {"capacity": {"cpu": cores}}
     turns = config.turns or 20
-    size = _Sizes(rng, config.pareto_burst)
+    size = _Sizes(rng, burst)
 
     def lines() -> Iterator[dict[str, Any]]:
         for t in range(config.batch):
             for index in range(turns):
                 # First gap: the prompt's first generation; the burst variant issues every
                 # trajectory's first action at once.
-                if index == 0:
-                    gap = 0.0 if config.pareto_burst else _gap(rng, 6.0)
-                else:
-                    gap = _gap(rng, 3.7)
+                gap = (0.0 if burst else _gap(rng, 6.0)) if index == 0 else _gap(rng, 3.7)
                 draw = rng.random()
                 line: dict[str, Any] = {"trajectory": f"t{t:05d}", "index": index, "gap": _r(gap)}
                 if draw < 0.5:
@@ -146,13 +159,19 @@ def _coding(config: GenerateConfig, rng: random.Random) -> tuple[dict[str, Any],
 
 def _deepsearch(config: GenerateConfig, rng: random.Random) -> tuple[dict[str, Any], Iterator[Any]]:
     batch = config.batch
+    # A search provider's quota: requests per second and open connections. A quarter of
+    # the batch per second keeps the API the bottleneck it is in the paper's DeepSearch
+    # runs, without making it the only thing that matters; contended, it meets half the
+    # demand (CONTENDED_API).
+    if config.contended:
+        rate = max(2, round(CONTENDED_API * 0.135 * batch))
+        connections = max(4, round(CONTENDED_API * 0.2 * batch))
+    else:
+        rate, connections = max(4, batch // 4), max(8, batch // 2)
     header: dict[str, Any] = {
         "capacity": {
-            # A search provider's quota: requests per second and open connections. A
-            # quarter of the batch per second keeps the API the bottleneck it is in the
-            # paper's DeepSearch runs, without making it the only thing that matters.
-            "search_api": max(4, batch // 4),
-            "search_api_concurrency": max(8, batch // 2),
+            "search_api": rate,
+            "search_api_concurrency": connections,
             "gpu": max(1, batch // 128),
         },
         "services": {
@@ -211,18 +230,21 @@ def _mopd(config: GenerateConfig, rng: random.Random) -> tuple[dict[str, Any], I
     weights = [1 / (rank + 1) ** 1.1 for rank in range(teachers)]
     # Every teacher fits one GPU: the paper served all nine on ~10 GPUs at a latency
     # comparable to 4 GPUs each, which a teacher spanning two devices would rule out.
+    # Contended: 10 GPUs, one request per replica at a time, restores spread over 2-4 s.
+    contended = config.contended
     services = {
         f"teacher{rank}": {
             "gpus": 1,
             "gpu_mem_gib": 70,
-            "restore_seconds": 2.0,
+            "restore_seconds": _r(2.0 + 2.0 * rank / (teachers - 1)) if contended else 2.0,
             "cold_start_seconds": 40,
-            "max_batch": TEACHER_BATCH,
+            "max_batch": 1 if contended else TEACHER_BATCH,
         }
         for rank in range(teachers)
     }
     # The paper's baseline gives each teacher 4 GPUs (36); tangram served at ~10.
-    header: dict[str, Any] = {"capacity": {"gpu": 16}, "services": services}
+    gpus = 10 if contended else 16
+    header: dict[str, Any] = {"capacity": {"gpu": gpus}, "services": services}
     chunks = config.turns or 3
     size = _Sizes(rng, config.pareto_burst)
 
@@ -263,6 +285,8 @@ def generate_lines(config: GenerateConfig) -> Iterator[str]:
         "seed": config.seed,
         "pareto_burst": config.pareto_burst,
     }
+    if config.contended:
+        generator["contended"] = True
     if config.turns is not None:
         generator["turns"] = config.turns
     header["generator"] = generator

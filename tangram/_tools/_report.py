@@ -241,7 +241,7 @@ def add_commands(commands: Any) -> None:
         type=_policies,
         default=_policies(DEFAULT_POLICIES),
         help=(
-            "comma-separated: tangram, static, k8s, bound, fixed-dop-K "
+            "comma-separated: tangram, tangram-fcfs, srpt, static, k8s, bound, fixed-dop-K "
             f"(default {DEFAULT_POLICIES})"
         ),
     )
@@ -288,6 +288,14 @@ def add_commands(commands: Any) -> None:
         action="store_true",
         help="Pareto action sizes and every trajectory's first action at time 0",
     )
+    gen.add_argument(
+        "--contended",
+        action="store_true",
+        help=(
+            "less capacity than demand: coding a Pareto burst at 0.3 cores per trajectory, "
+            "deepsearch the search API at half its demand, mopd 10 GPUs, one request a replica"
+        ),
+    )
     gen.add_argument("--out", type=Path, help="write here instead of standard output")
 
 
@@ -313,6 +321,7 @@ def dispatch(args: argparse.Namespace) -> int | None:
             seed=args.seed,
             turns=args.turns,
             pareto_burst=args.pareto_burst,
+            contended=args.contended,
         )
         if args.out is None:
             sys.stdout.writelines(generate_lines(config))
