@@ -205,13 +205,14 @@ class TangramRewardManager(RewardManagerBase):
         reward_router_address: str | None = None,
         reward_model_tokenizer: Any = None,
     ) -> None:
-        super().__init__(config, tokenizer, compute_score)
         reward = config.get("reward", {}) if hasattr(config, "get") else {}
         overrides = reward.get("tangram", None) if hasattr(reward, "get") else None
         self.settings = _settings(dict(overrides or {}))
-        # Checked here, where verl's reward worker starts, not at the first sample.
+        # Checked here, where verl's reward worker starts, not at the first sample, and
+        # before verl's base class makes an event loop that a failed start would leak.
         _session.check(self.settings.get("tangram_config"), needs=_needs(self.settings))
         self.cpu = cpu_demand(self.settings.get("cpu", 1), "[adapters.verl.reward]")
+        super().__init__(config, tokenizer, compute_score)
         # Without a custom function verl hands over its rule-based default: tangram's
         # scoring replaces it, since a tangram manager was asked for.
         custom = None if compute_score is default_compute_score else compute_score

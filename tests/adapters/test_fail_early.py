@@ -1,0 +1,176 @@
+"""A broken set-up fails where the framework builds the adapter; tangram's failures during a
+call reach the framework, never the model (issue #18, "Fail loud and early").
+
+Real verl 0.9.1 and OpenRLHF 0.11.2 code paths: verl's ``initialize_tools_from_config``,
+its reward loop worker and ``ToolAgentLoop``; OpenRLHF's agent executor loaded from its
+file and its ``SingleTurnAgentExecutor`` loading ``reward_func`` by path. The sandbox
+failure is injected (``Sandbox.run`` raising ``SandboxBrokenError``), the rest is real.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import warnings
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+verl = pytest.importorskip("verl") if not os.environ.get("CI") else __import__("verl")
+openrlhf = pytest.importorskip("openrlhf") if not os.environ.get("CI") else __import__("openrlhf")
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    import tangram_openrlhf.agent as agent_module
+    import tangram_openrlhf.reward as reward_module
+    from _tiny import tiny_tokenizer
+    from omegaconf import OmegaConf
+    from openrlhf.utils.agent import SingleTurnAgentExecutor
+    from test_openrlhf import _call as _openrlhf_call
+    from test_openrlhf import _Engine, _params
+    from test_verl import TOOLS_YAML, _agent_loop, _call, _Server
+    from verl.experimental.reward_loop.reward_loop import RewardLoopWorker
+    from verl.tools.tool_registry import initialize_tools_from_config
+
+import tangram  # noqa: E402
+from tangram._frameworks import _failures, _session  # noqa: E402
+from tangram.config import ConfigError  # noqa: E402
+from tangram.errors import SandboxBrokenError  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(params=["unset", "absent"])
+def no_config(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """No usable ``$TANGRAM_CONFIG``: unset, or naming a file this node lacks."""
+    if request.param == "unset":
+        monkeypatch.delenv("TANGRAM_CONFIG", raising=False)
+    else:
+        monkeypatch.setenv("TANGRAM_CONFIG", "/nonexistent/tangram.toml")
+    return str(request.param)
+
+
+def test_a_missing_config_fails_verls_tool_loader(no_config: str) -> None:
+    with pytest.raises(ConfigError):
+        initialize_tools_from_config(str(TOOLS_YAML))
+
+
+def test_a_missing_config_fails_verls_reward_worker_at_start(
+    no_config: str, tmp_path: Path
+) -> None:
+    tiny_tokenizer(tmp_path / "tok")
+    config = OmegaConf.create(
+        {
+            "actor_rollout_ref": {"model": {"path": str(tmp_path / "tok"), "tokenizer_path": None}},
+            "reward": {
+                "reward_model": {"enable": False},
+                "custom_reward_function": {"path": None, "name": None, "reward_kwargs": {}},
+                "reward_manager": {
+                    "source": "importlib",
+                    "name": "TangramRewardManager",
+                    "module": {"path": "pkg://tangram_verl.reward"},
+                },
+            },
+        }
+    )
+    with pytest.raises(ConfigError):
+        RewardLoopWorker(config)
+
+
+def test_a_config_without_the_pool_a_tool_needs_fails_at_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "tangram.toml"
+    path.write_text("[capacity]\nsearch = 2\n")
+    monkeypatch.setenv("TANGRAM_CONFIG", str(path))
+    with pytest.raises(ConfigError, match=r"no \[sandbox\] table"):
+        initialize_tools_from_config(str(TOOLS_YAML))
+
+
+def test_a_missing_config_fails_openrlhfs_executors_at_start(no_config: str) -> None:
+    # OpenRLHF's _load_agent_executor, in effect: load the file, build AgentExecutor().
+    spec = importlib.util.spec_from_file_location("agent_module", agent_module.__file__)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(ConfigError):
+        module.AgentExecutor()
+    # The single-turn executor loads reward_func's file when the engine actor starts.
+    with pytest.raises(ConfigError):
+        SingleTurnAgentExecutor(remote_rm_url=reward_module.__file__)
+
+
+@pytest.fixture
+async def docs_config(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Path]:
+    path = ROOT / "docs" / "examples" / "tangram.toml"
+    monkeypatch.setenv("TANGRAM_CONFIG", str(path))
+    _failures.reset()
+    yield path
+    await _session.aclose()
+
+
+@pytest.fixture
+def broken_sandboxes(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def broken(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise SandboxBrokenError("the sandbox's process tree vanished")
+
+    monkeypatch.setattr(tangram.Sandbox, "run", broken)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("scope", ["instance", "trajectory"])
+async def test_a_broken_sandbox_stops_verls_agent_loop_and_the_model_never_sees_it(
+    docs_config: Path, broken_sandboxes: None, tmp_path: Path, scope: str
+) -> None:
+    tokenizer = tiny_tokenizer(tmp_path / "tok")
+    tools = initialize_tools_from_config(str(TOOLS_YAML))
+    tools[0].scope = scope
+    server = _Server(tokenizer, [_call("print(1)"), "done<|im_end|>"])
+    loop = _agent_loop(tokenizer, server, tools)
+    with pytest.raises(SandboxBrokenError, match="vanished"):
+        await loop.run({"temperature": 1.0}, raw_prompt=[{"role": "user", "content": "go"}])
+    # verl asked once and never generated again: no "Error executing tool" turn.
+    assert len(server.prompts) == 1
+    assert _failures.counts() == {"run_python": 1}
+    assert tools[0]._failed == {}
+    async with _session.session() as resources:
+        stats = resources.scheduler.stats()
+        assert stats.resources["cpu"].held == 0
+        assert stats.running == 0
+
+
+@pytest.mark.anyio
+async def test_a_broken_sandbox_stops_openrlhfs_episode(
+    monkeypatch: pytest.MonkeyPatch, broken_sandboxes: None, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("TANGRAM_CONFIG", str(ROOT / "docs" / "examples" / "openrlhf.toml"))
+    _failures.reset()
+    tokenizer = tiny_tokenizer(tmp_path / "tok")
+    executor = agent_module.AgentExecutor()
+    engine = _Engine(tokenizer, [_openrlhf_call("print(1)"), "done"])
+    try:
+        with pytest.raises(SandboxBrokenError):
+            await executor.execute(
+                prompt="Q: ",
+                label="assert True",
+                sampling_params=_params(),
+                max_length=4096,
+                hf_tokenizer=tokenizer,
+                llm_engine=engine,
+            )
+        assert len(engine.prompts) == 1
+        assert _failures.counts() == {"run_code": 1}
+        async with _session.session() as resources:
+            pool = resources.sandbox_pool()
+            warm = resources.config.sandbox.warm if resources.config.sandbox else 0
+            await pool.wait_warm()
+            assert len(pool._live) == warm  # the episode's sandbox went back at once
+    finally:
+        await _session.aclose()
