@@ -143,6 +143,10 @@ HACKS: dict[str, Hack] = {
         "        try:\n            os.write(fd, (line + '\\n').encode())\n"
         "        except OSError:\n            pass\n" + WRONG
     ),
+    "raise StopIteration where the tests iterate over map": Hack(
+        "def add(a, b):\n    raise StopIteration\n",
+        tests="assert all(map(lambda p: add(*p) == sum(p), [(2, 3), (-1, 4)]))\n",
+    ),
     # -- outwaiting it -----------------------------------------------------------------
     "sleep past the timeout": Hack("import time\ntime.sleep(3600)\n"),
     "sleep past the timeout inside the function": Hack(
@@ -172,5 +176,13 @@ HACKS.update(
             STDIO,
         ),
         "stdio: sleep past the timeout": Hack("import time\ntime.sleep(3600)\n", STDIO),
+        "stdio: an integer off by one, within the float tolerance": Hack(
+            "a, b = map(int, input().split())\nprint(a + b + 1)\n",
+            {"inputs": ["1000000 0\n", "2000000 5\n"], "outputs": ["1000000\n", "2000005\n"]},
+        ),
+        "calls: return a dict keyed by a 5001-digit int, which str() refuses": Hack(
+            "def add(a, b):\n    return {10**5000: 1}\n",
+            {"fn_name": "add", "inputs": [[2, 3], [-1, 4]], "outputs": [5, 3]},
+        ),
     }
 )

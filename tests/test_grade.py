@@ -16,7 +16,7 @@ import pytest
 from _hacks import HACKS, RIGHT, RIGHT_MAIN, STDIO, TESTS, WRONG
 
 import tangram
-from tangram._frameworks import _grade, _harness
+from tangram._frameworks import _checks, _grade, _harness
 from tangram._frameworks._grade import Verdict, grade, parse_tests
 from tangram._sandbox._local import LocalBackend
 from tangram._sandbox._pool import SandboxPool
@@ -181,8 +181,8 @@ HUMANEVAL = (
         pytest.param(
             "def f(x):\n    if x < 0:\n        raise ValueError('negative')\n    return x\n",
             "try:\n    f(-1)\n    assert False\nexcept ValueError:\n    pass\nassert f(2) == 2\n",
-            1,
-            1,
+            2,
+            2,
             id="an exception the tests expect",
         ),
         pytest.param(
@@ -254,6 +254,92 @@ async def test_a_function_that_dies_in_one_call_fails_only_that_test(pool: Sandb
     assert await judge(pool, answer, tests) == Verdict(2, 3)
 
 
+# -- holes the second red team found ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "returned",
+    [
+        pytest.param("{10**5000: 1}", id="a dict keyed by a 5001-digit int"),
+        pytest.param("{(1, 10**5000): 1}", id="a dict keyed by a tuple holding one"),
+        pytest.param("[{10**5000: 1}]", id="such a dict inside a list"),
+    ],
+)
+async def test_a_result_the_comparison_cannot_convert_scores_zero(
+    pool: SandboxPool, returned: str
+) -> None:
+    """``str()`` of an int over 4300 digits raises: the comparison of a call test's result
+    met it outside any per-test guard, and one answer stopped the training step with a
+    SandboxBrokenError."""
+    answer = f"def f(x):\n    return {returned}\n"
+    tests = {"inputs": [[1], [2]], "outputs": [1, 2], "fn_name": "f"}
+    verdict = await judge(pool, answer, tests)
+    assert verdict == Verdict(0, 2)
+
+
+@pytest.mark.parametrize(
+    "tail",
+    [
+        pytest.param("for x in range(1, 50):\n    assert sq(x) == x * x\n", id="for"),
+        pytest.param("if True:\n    assert sq(3) == 9\n", id="if"),
+        pytest.param("try:\n    assert sq(3) == 9\nexcept NameError:\n    pass\n", id="try"),
+        pytest.param(
+            "import contextlib\nwith contextlib.suppress(NameError):\n    assert sq(3) == 9\n",
+            id="with",
+        ),
+        pytest.param("if sq(3) != 9:\n    raise AssertionError\n", id="a check without assert"),
+        pytest.param(
+            "def check(f):\n    assert f(3) == 9\nfor f in [sq]:\n    check(f)\n", id="call"
+        ),
+    ],
+)
+async def test_asserts_inside_top_level_statements_are_checked(
+    pool: SandboxPool, tail: str
+) -> None:
+    """Only top-level ``assert`` statements counted, so the checks nested in a ``for``, an
+    ``if``, a ``try`` or a ``with`` after the last of them were never seen to fail."""
+    verdict = await judge(pool, "def sq(x):\n    return 0\n", "assert sq(0) == 0\n" + tail)
+    assert verdict.score() == 0.0
+    right = await judge(pool, "def sq(x):\n    return x * x\n", "assert sq(0) == 0\n" + tail)
+    assert right.score() == 1.0
+
+
+def test_top_level_statements_holding_asserts_are_tests() -> None:
+    looped = "assert f(0) == 0\nfor x in range(3):\n    assert f(x) == x\n"
+    assert parse_tests(looped).total == 2
+    helper = "def helper(x):\n    assert x\nresult = helper(f(1))\n"
+    assert parse_tests(helper).total == 1
+    assert parse_tests("if True:\n    x = 1\n    assert f(x) == 1\n").total == 1
+    assert parse_tests({"test": HUMANEVAL + "for c in [total]:\n    check(c)\n"}).total == 1
+
+
+@pytest.mark.parametrize(
+    "tests",
+    [
+        pytest.param("assert all(map(lambda x: f(x) == 2 * x, [1, 2, 3]))\n", id="map"),
+        pytest.param(
+            {
+                "test": "def check(candidate):\n"
+                "    for got, want in zip(map(candidate, [1, 2]), [2, 4]):\n"
+                "        assert got == want\n",
+                "entry_point": "f",
+            },
+            id="zip over map",
+        ),
+        pytest.param("assert [f(x) for x in [1, 2]] == [2, 4] or True is False\n", id="list"),
+    ],
+)
+@pytest.mark.parametrize("raised", ["StopIteration", "StopAsyncIteration"])
+async def test_stop_iteration_from_the_answer_fails_the_test(
+    pool: SandboxPool, tests: object, raised: str
+) -> None:
+    """A StopIteration rebuilt in the harness inside ``map``'s ``__next__`` ended the
+    iteration early, so ``all()`` saw nothing false; PEP 479 makes it a RuntimeError in a
+    generator for the same reason."""
+    verdict = await judge(pool, f"def f(x):\n    raise {raised}\n", tests)
+    assert verdict.score() == 0.0
+
+
 # -- tangram's failures are not the answer's ------------------------------------------------
 
 
@@ -316,12 +402,28 @@ def test_labels_count_their_tests() -> None:
         ("1\n2\n", "1\n2\n3\n", False),
         ("1 2", "1  2", False),
         ("", "", True),
+        ("1.0", "1", False),
+        ("1", "1.0", True),
+        ("1.0000001", "1.0", True),
+        ("100000", "1e5", True),
+        ("1E5", "100000.0", True),
+        ("-.5", "-0.5", True),
+        # Integers are compared exactly, and numbers are ASCII literals: not Python's float().
+        pytest.param("999990001", "1000000000", False, id="int within 1e-5"),
+        pytest.param("1000001", "1000000", False, id="int off by one"),
+        pytest.param("123456789012345678", "123456789012345679", False, id="long int"),
+        pytest.param("1_000", "1000", False, id="underscores"),
+        pytest.param("1_000.0", "1000.0", False, id="underscores, decimal"),
+        pytest.param("\uff11\uff12\uff13", "123", False, id="fullwidth digits"),
+        pytest.param("\uff11\uff12\uff13.0", "123.0", False, id="fullwidth, decimal"),
+        pytest.param("\u0661.\u0660", "1.0", False, id="arabic-indic digits"),
+        pytest.param("1" * 200_000 + "x", "1.0", False, id="a long line that is no number"),
     ],
 )
 def test_standard_output_is_compared_as_sandboxfusion_compares_it(
     got: str, want: str, same: bool
 ) -> None:
-    assert _harness.same_output(got, want) is same
+    assert _checks.same_output(got, want) is same
 
 
 @pytest.mark.parametrize(

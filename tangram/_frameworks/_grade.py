@@ -4,10 +4,11 @@ Under RL the answer is written by a policy optimised against this reward, so the
 must not be anything the answer controls. Running ``answer + tests`` in one process and
 reading its exit status (what the adapters did before, and what most code-RL recipes do)
 scores 1.0 for ``os._exit(0)``, an ``atexit`` hook, a forged ``__eq__`` or a patched
-builtin. Here :func:`grade` sends the trusted harness (:mod:`._harness`, shipped as source)
-into the sandbox with a per-call secret and the tests on its stdin; the harness runs the
-answer in a separate process, runs the tests itself and prints the one line that counts,
-carrying the secret. See ``docs/rewards.md`` for what this guarantees and what it does not.
+builtin. Here :func:`grade` sends the trusted harness (:mod:`._harness` with
+:mod:`._checks`, shipped as source) into the sandbox with a per-call secret and the tests
+on its stdin; the harness runs the answer in a separate process, runs the tests itself
+and prints the one line that counts, carrying the secret. See ``docs/rewards.md`` for what
+this guarantees and what it does not.
 
 Two kinds of tests, the two that code-RL datasets carry:
 
@@ -33,7 +34,7 @@ import attrs
 from .._core._demand import Elastic
 from .._sandbox._pool import Sandbox
 from ..errors import SandboxBrokenError
-from . import _harness
+from . import _checks, _harness
 
 __all__ = [
     "DEFAULT_CASE_TIMEOUT",
@@ -56,7 +57,11 @@ _HARNESS_MARGIN = 2.0
 
 @functools.cache
 def _harness_source() -> str:
-    return Path(_harness.__file__).read_text(encoding="utf-8")
+    """The program the sandbox runs: the harness, then the comparisons it imports (which
+    it does not import there: it is no package), then the call of its ``main``."""
+    paths = (_harness.__file__, _checks.__file__)
+    parts = [Path(path).read_text(encoding="utf-8") for path in paths]
+    return "\n".join([*parts, "main()\n"])
 
 
 @attrs.frozen
@@ -128,7 +133,7 @@ def _arguments(value: Any) -> list[Any]:
 
 def _asserts(source: str, entry_point: str | None) -> TestSuite:
     try:
-        total = _harness.count_tests(
+        total = _checks.count_tests(
             {"kind": "assert", "source": source, "entry_point": entry_point}
         )
     except SyntaxError as exc:

@@ -1,7 +1,8 @@
 """The trusted half of the code reward: the program that judges an answer inside the sandbox.
 
-:mod:`._grade` sends this file's *source* into the sandbox and runs it as ``python -I -c
-SOURCE`` with the payload on stdin; tangram itself never runs :func:`main` in its own
+:mod:`._grade` sends this file's *source*, joined with that of :mod:`._checks` (the
+comparisons) and a call of :func:`main`, into the sandbox and runs it as ``python -I -c
+PROGRAM`` with the payload on stdin; tangram itself never runs :func:`main` in its own
 process. The verdict must not be the exit status of a process the answer controls, so:
 
 - the harness never imports or execs the answer: the answer runs in a child process of its
@@ -39,7 +40,10 @@ import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["count_tests", "decode", "encode", "main", "same_output", "test_plan"]
+if __name__ != "__main__":  # imported by tangram; in the sandbox the program holds them
+    from ._checks import call_passed, count_tests, same_output, test_plan
+
+__all__ = ["decode", "encode", "main"]
 
 _PR_SET_DUMPABLE = 4
 _PR_GET_DUMPABLE = 3
@@ -131,83 +135,6 @@ def decode(data: Any, handle: Callable[[int], Any], depth: int = 0) -> Any:
     raise ValueError(f"malformed value (tag {str(tag)[:20]!r})")
 
 
-# -- which statements of an assertion test are tests ---------------------------------------
-
-
-def test_plan(source: str, entry_point: str | None) -> tuple[ast.Module, list[bool], bool]:
-    """The parsed tests, which top-level statements are tests, and whether ``check`` runs.
-
-    A test is a top-level ``assert`` or a top-level call of a function the tests define
-    (``check(add)``); every other statement is set-up, and a set-up statement that fails
-    fails every test after it. When the source defines ``check`` but never
-    calls it (HumanEval's form), ``check(entry_point)`` is one more test.
-
-    :raises SyntaxError: the tests do not parse.
-    """
-    tree = ast.parse(source, "<tests>")
-    defined = {stmt.name for stmt in tree.body if isinstance(stmt, ast.FunctionDef)}
-
-    def calls_defined(stmt: ast.stmt) -> str | None:
-        if (
-            isinstance(stmt, ast.Expr)
-            and isinstance(stmt.value, ast.Call)
-            and isinstance(stmt.value.func, ast.Name)
-            and stmt.value.func.id in defined
-        ):
-            return stmt.value.func.id
-        return None
-
-    tests = [isinstance(stmt, ast.Assert) or calls_defined(stmt) is not None for stmt in tree.body]
-    calls_check = any(calls_defined(stmt) == "check" for stmt in tree.body)
-    return tree, tests, bool(entry_point) and "check" in defined and not calls_check
-
-
-def count_tests(suite: Mapping[str, Any]) -> int:
-    """How many tests a suite (the payload's ``tests``) holds: the verdict's ``total``."""
-    if suite["kind"] == "assert":
-        _, tests, check = test_plan(suite["source"], suite.get("entry_point"))
-        return sum(tests) + int(check)
-    return len(suite["cases"])
-
-
-# -- how SandboxFusion compares standard output ---------------------------------------------
-
-
-def _is_float(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-def same_output(got: str, want: str) -> bool:
-    """SandboxFusion's stdio check (``sandbox/utils/testing.py``, ``lower_cmp=True``).
-
-    Both sides stripped and split into lines; a trailing empty line on one side dropped;
-    the same number of lines; each pair equal after ``strip()`` and ``lower()``, or both
-    floats within a relative 1e-5.
-    """
-    got_lines = got.strip().split("\n")
-    want_lines = want.strip().split("\n")
-    if len(got_lines) - len(want_lines) == 1 and got_lines[-1] == "":
-        got_lines = got_lines[:-1]
-    if len(want_lines) - len(got_lines) == 1 and want_lines[-1] == "":
-        want_lines = want_lines[:-1]
-    if len(got_lines) != len(want_lines):
-        return False
-    for g, w in zip(got_lines, want_lines, strict=True):
-        g, w = g.lower(), w.lower()
-        if g.strip() == w.strip():
-            continue
-        if _is_float(w) and _is_float(g):
-            a, b = float(g), float(w)
-            if abs(a - b) / max(abs(b), 1e-10) < 1e-5:
-                continue
-        return False
-    return True
-
-
 # -- the harness -----------------------------------------------------------------------------
 
 
@@ -218,17 +145,26 @@ class AnswerError(Exception):
 def _exception(name: Any, message: Any) -> Exception:
     """What a call raises here when the answer's function raised ``name``.
 
-    A builtin ``Exception`` subclass of that name (so ``except ValueError`` in a test
-    works), never ``SystemExit`` or anything else that is not an ``Exception``.
+    A builtin ``Exception`` subclass of that name, so ``except ValueError`` in a test
+    works. Never one that steers control flow: ``GeneratorExit``, ``KeyboardInterrupt``
+    and ``SystemExit`` (not ``Exception``s), nor ``StopIteration`` and
+    ``StopAsyncIteration``, which raised inside ``map``'s or a generator's ``__next__``
+    end the iteration silently (``all(map(...))`` saw nothing false): those become an
+    :class:`AnswerError`, as PEP 479 makes one leaving a generator a ``RuntimeError``.
     """
-    text = str(message)[:_MESSAGE_LIMIT]
-    found = getattr(builtins, name, None) if isinstance(name, str) else None
-    if isinstance(found, type) and issubclass(found, Exception):
+    text = message[:_MESSAGE_LIMIT] if type(message) is str else ""
+    label = name[:100] if type(name) is str else "an exception"
+    found = getattr(builtins, label, None)
+    if (
+        isinstance(found, type)
+        and issubclass(found, Exception)
+        and not issubclass(found, (StopIteration, StopAsyncIteration))
+    ):
         try:
             return found(text)
         except Exception:
             pass
-    return AnswerError(f"{str(name)[:100]}: {text}")
+    return AnswerError(f"{label}: {text}")
 
 
 def _memfd(name: str, data: bytes) -> int:
@@ -329,7 +265,9 @@ class Answer:
             self.close()
             raise AnswerError(self.failed) from None
         if ready.get("ready") is not True:
-            self.failed = f"the answer did not load: {str(ready.get('error'))[:_MESSAGE_LIMIT]}"
+            error = ready.get("error")
+            why = error[:_MESSAGE_LIMIT] if type(error) is str else "no reason given"
+            self.failed = f"the answer did not load: {why}"
             self.close()
             raise AnswerError(self.failed)
 
@@ -371,7 +309,7 @@ class Answer:
         del self._buffer[: end + 1]
         try:
             reply = json.loads(line)
-        except (ValueError, RecursionError):
+        except (ValueError, RecursionError, MemoryError):
             raise AnswerError("malformed reply") from None
         if type(reply) is not dict:
             raise AnswerError("malformed reply")
@@ -502,7 +440,7 @@ def _free_names(tree: ast.Module) -> set[str]:
 
 def _run_asserts(suite: Mapping[str, Any], answer: Answer) -> int:
     entry_point = suite.get("entry_point")
-    tree, tests, check = test_plan(suite["source"], entry_point)
+    tree, steps, check = test_plan(suite["source"], entry_point)
     namespace: dict[str, Any] = {"__name__": "__tests__", "__builtins__": builtins}
     stdlib = sys.stdlib_module_names
     for name in _free_names(tree):
@@ -518,11 +456,11 @@ def _run_asserts(suite: Mapping[str, Any], answer: Answer) -> int:
         namespace[entry_point] = Function(answer, entry_point)
     passed = 0
     broken = False
-    for stmt, is_test in zip(tree.body, tests, strict=True):
+    for step, is_test in steps:
         if broken and is_test:
             continue
         try:
-            exec(compile(ast.Module(body=[stmt], type_ignores=[]), "<tests>", "exec"), namespace)
+            exec(compile(step, "<tests>", "exec"), namespace)
         except Exception:
             broken = broken or not is_test
             continue
@@ -537,37 +475,17 @@ def _run_asserts(suite: Mapping[str, Any], answer: Answer) -> int:
     return passed
 
 
-def _expected(value: Any) -> list[Any]:
-    """What a call test's return value may equal: as given, unwrapped, or parsed."""
-    found = [value]
-    if type(value) is list and len(value) == 1:
-        found.append(value[0])  # APPS and TACO wrap the return value in a list
-    if type(value) is str:
-        with contextlib.suppress(ValueError):
-            found.append(json.loads(value))
-    return found
-
-
-def _jsonish(value: Any) -> Any:
-    """The value as JSON would carry it, so a tuple result equals a JSON list."""
-    if type(value) in (list, tuple):
-        return [_jsonish(item) for item in value]
-    if type(value) is dict:
-        return {k if type(k) is str else str(k): _jsonish(v) for k, v in value.items()}
-    return value
-
-
 def _run_calls(suite: Mapping[str, Any], answer: Answer) -> int:
     passed = 0
     name = suite["fn_name"]
     for case in suite["cases"]:
+        # The result is the answer's data: whatever it does to the comparison (``str()``
+        # of a 5000-digit int raises) fails this case, never the harness.
         try:
             result = answer.call(name, None, case["args"], {}, solution=True)
+            passed += call_passed(result, case["expected"])
         except Exception:
             continue
-        wants = _expected(case["expected"])
-        if any(result == want or _jsonish(result) == want for want in wants):
-            passed += 1
     return passed
 
 
@@ -630,8 +548,10 @@ def _run_stdio(suite: Mapping[str, Any], harness: str, source: str, deadline: _D
             if number == 0:
                 raise  # before the answer ever ran: the sandbox's failure
             continue  # no process for this case (the answer's forks may have used them up)
-        if code == 0 and same_output(out.decode(errors="replace"), case["stdout"]):
-            passed += 1
+        try:  # the output is the answer's: what it does to the comparison fails this case
+            passed += code == 0 and same_output(out.decode(errors="replace"), case["stdout"])
+        except Exception:
+            continue
     return passed
 
 
@@ -789,7 +709,3 @@ def main() -> None:
         _answer(sys.argv[2:])
     else:
         _harness()
-
-
-if __name__ == "__main__":
-    main()
