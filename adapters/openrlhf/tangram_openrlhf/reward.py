@@ -35,7 +35,7 @@ from tangram._frameworks._failures import is_infrastructure, record
 from tangram._frameworks._grade import Verdict, grade, parse_tests
 from tangram.config import ConfigError
 
-__all__ = ["reward_func", "score_code"]
+__all__ = ["check", "reward_func", "score_code"]
 
 
 async def score_code(query: str, prompt: str, label: Any) -> tuple[float, Verdict | None]:
