@@ -49,7 +49,6 @@ with warnings.catch_warnings():
 
 from tangram_verl import SandboxTool, TangramTool, run_code, with_tangram  # noqa: E402
 
-import tangram  # noqa: E402
 from tangram._frameworks import _session  # noqa: E402
 from tangram.testing import Limit, QuotaServer  # noqa: E402
 
