@@ -12,12 +12,16 @@ tool, because there the backend says (and ``tangram doctor`` says) which protect
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -473,3 +477,196 @@ def test_a_non_root_callers_secrets_and_process_limit(tmp_path: Path) -> None:
         assert 0 < started < 120, f"no process limit for a non-root caller: {lines[1]}"
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+# -- host resources one sandbox could take ------------------------------------------------
+
+
+async def test_the_work_dir_has_a_disk_quota() -> None:
+    # RLIMIT_FSIZE caps one file: three files under it put 300 MiB on the host's disk.
+    backend = LocalBackend(memory="512MiB", disk="128MiB", file_size="100MiB")
+    if not backend.protections.disk_per_sandbox and not ON_CI:
+        pytest.skip(f"no quota for the work dir here: {backend.protections.disk}")
+    async with (
+        SandboxPool(backend) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+        pool.sandbox("filler") as sbx,
+    ):
+        result = await sbx.run(
+            "for n in 1 2 3; do head -c 100M /dev/zero > fill-$n; done; sync", timeout=60
+        )
+        assert b"No space left" in result.stderr, result
+        used = sum(p.lstat().st_blocks * 512 for p in workdir(sbx).rglob("*"))
+        assert used <= 128 << 20, f"{used >> 20} MiB written past a 128 MiB quota"
+        await sbx.run("rm fill-*")
+        assert (await sbx.run("echo next > next")).ok, "the quota came back after rm"
+
+
+_DEEP = """
+import errno
+import os
+for _ in range(20_000):
+    os.mkdir("d")
+    os.chdir("d")
+print("deep")
+"""
+
+
+@pytest.fixture
+def scratch_root(tmp_path: Path) -> Iterator[Path]:
+    """A root for work dirs off the host's disk where we can mount (20,000 dirs are slow).
+
+    In /tmp, not below pytest's 0700 dirs, so sandbox uids can reach what is in it.
+    """
+    if not ROOT:
+        yield tmp_path
+        return
+    where = Path(tempfile.mkdtemp(prefix="tangram-test-root-", dir="/tmp"))
+    options = "size=64m,mode=0755"
+    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tangram-test", where], check=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", where], check=True)
+        where.rmdir()
+
+
+@pytest.mark.parametrize("disk", ["512MiB", None])
+async def test_a_deep_tree_goes_with_its_sandbox(disk: str | None, scratch_root: Path) -> None:
+    # shutil.rmtree recursed 20,000 levels: RecursionError, the work dir stayed, and the
+    # cgroup leaf and the uid lock after it leaked. With disk=None the walk removes it.
+    async with (
+        SandboxPool(LocalBackend(disk=disk, root=scratch_root)) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+    ):
+        async with pool.sandbox("deep") as sbx:
+            assert (await sbx.run(code=_DEEP, timeout=60)).stdout == b"deep\n"
+            handle = sbx._handle
+            where = workdir(sbx)
+            leaf, claim = handle._leaf, handle._claim  # type: ignore[attr-defined]
+        assert not where.exists() and not where.parent.exists(), "the work dir outlived it"
+        if leaf is not None:
+            assert not any(path.exists() for path in leaf.paths), "its cgroup leaked"
+        if claim is not None:
+            assert claim._fd == -1, "its uid lock leaked"
+
+
+async def test_a_command_cannot_widen_its_cores() -> None:
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two cores")
+    backend = LocalBackend()
+    if not backend.protections.cores_per_sandbox and not ON_CI:
+        pytest.skip(f"no cpuset for sandboxes here: {backend.protections.cores}")
+    widen = (
+        "import os; os.sched_setaffinity(0, range(os.cpu_count())); "
+        "print(len(os.sched_getaffinity(0)))"
+    )
+    async with (
+        SandboxPool(backend) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+        pool.sandbox("greedy") as sbx,
+    ):
+        result = await sbx.run(["python3", "-c", widen], cpu=1)
+        assert result.stdout == b"1\n", result
+
+
+_OPEN_MANY = """
+import errno, os
+held = []
+try:
+    for _ in range(5000):
+        held.append(os.open("/dev/null", os.O_RDONLY))
+    print("opened", len(held))
+except OSError as exc:
+    print(errno.errorcode[exc.errno], len(held))
+"""
+
+
+async def test_open_files_are_limited_per_process() -> None:
+    async with (
+        SandboxPool(LocalBackend()) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+        pool.sandbox("hoarder") as sbx,
+    ):
+        result = await sbx.run(code=_OPEN_MANY)
+        assert result.stdout.startswith(b"EMFILE "), result
+        assert int(result.stdout.split()[1]) < 4096
+
+
+async def test_get_of_a_file_over_the_cap_fails_fast_without_reading_it() -> None:
+    import resource
+
+    async with (
+        SandboxPool(LocalBackend(max_file="64MiB")) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+        pool.sandbox("t") as sbx,
+    ):
+        # Sparse: no disk used, but a read of it is 256 MiB of zeros in the trainer.
+        assert (await sbx.run("truncate -s 256M sparse; head -c 1M /dev/zero > small")).ok
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        with anyio.fail_after(5), pytest.raises(OSError, match="max_file") as caught:
+            await sbx.get("sparse")
+        assert caught.value.errno == errno.EFBIG
+        grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak) >> 10
+        assert grown_mib < 64, f"the trainer's peak grew {grown_mib} MiB"
+        assert await sbx.get("small") == bytes(1 << 20)
+
+
+async def test_sandbox_processes_are_the_oom_killers_first_choice() -> None:
+    async with (
+        SandboxPool(LocalBackend()) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+        pool.sandbox("t") as sbx,
+    ):
+        assert (await sbx.run("cat /proc/self/oom_score_adj")).stdout == b"1000\n"
+
+
+async def test_a_sandbox_out_of_memory_is_a_killed_command_not_a_broken_sandbox() -> None:
+    # tmpfs pages belong to no process, so the cgroup's OOM killer may pick bubblewrap
+    # itself: that was a SandboxBrokenError, an infrastructure error a policy could cause.
+    backend = LocalBackend(memory="96MiB", file_size="256MiB")
+    if not backend.protections.memory_per_sandbox and not ON_CI:
+        pytest.skip(f"no cgroup memory controller here: {backend.protections.memory}")
+    async with (
+        SandboxPool(backend) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+        pool.sandbox("t") as sbx,
+    ):
+        result = await sbx.run("head -c 200M /dev/zero > /dev/shm/fill; echo done", timeout=30)
+        assert result.signal == signal.SIGKILL and b"done" not in result.stdout, result
+        assert (await sbx.run("echo next")).stdout == b"next\n"
+
+
+async def test_without_a_disk_quota_the_pool_says_so(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tangram._sandbox._local as local
+
+    monkeypatch.setattr(local, "_WARNED", set())
+    monkeypatch.setattr(local, "mount_problem", lambda: "a tmpfs per work dir needs root")
+    backend = LocalBackend(disk="64MiB")
+    assert not backend.protections.disk_per_sandbox
+    async with (
+        SandboxPool(backend) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+        pool.sandbox("t") as sbx,
+    ):
+        assert (await sbx.run("echo kept > f; cat f")).stdout == b"kept\n"
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("disk: only each file" in w and "needs root" in w for w in warnings), warnings
+    assert LocalBackend(disk=None).protections.disk_per_sandbox
+
+
+@needs_root
+async def test_a_killed_trainers_work_dir_mounts_are_reaped_at_the_next_start(
+    scratch_root: Path,
+) -> None:
+    async with await anyio.open_process(["true"]) as gone:
+        await gone.wait()
+    box = scratch_root / "tangram-sbx-left"
+    box.mkdir()
+    source = f"tangram-sbx-{gone.pid}"
+    await anyio.run_process(["mount", "-t", "tmpfs", "-o", "size=1m", source, box])
+    async with SandboxPool(LocalBackend(root=scratch_root)):
+        pass
+    assert not box.exists(), "a dead process's work dir mount was left"

@@ -1,10 +1,14 @@
-"""A cgroup per local sandbox, so its memory and process limits count the whole sandbox.
+"""A cgroup per local sandbox, so its memory, process and core limits count the whole sandbox.
 
 ``setrlimit`` limits each process: three processes of 2 GiB under a 2 GiB ``RLIMIT_AS``
 held 6 GiB (issue #17). A cgroup's ``memory.max`` (v2) or ``memory.limit_in_bytes`` (v1)
-counts every page of every process in it, ``/tmp``'s tmpfs included, and ``pids.max``
-every process whatever its uid. Each sandbox gets a leaf below the cgroup this process
-is in (never beside it, so the trainer's own limits still hold over its sandboxes), and a
+counts every page of every process in it, ``/tmp``'s tmpfs and the work dir's included,
+and ``pids.max`` every process whatever its uid. ``cpuset.cpus`` holds a command to its
+granted cores: affinity alone does not, since any process may widen its own
+(``sched_setaffinity`` to every core worked unprivileged), while the kernel intersects
+whatever a process asks for with its cpuset, and a write of ``cpuset.cpus`` re-pins every
+task of the cgroup at once. Each sandbox gets a leaf below the cgroup this process is in
+(never beside it, so the trainer's own limits still hold over its sandboxes), and a
 command joins its leaf before it execs, so nothing it forks starts outside.
 
 Where the host does not allow that (no controller, no write access, or cgroup v2 with
@@ -24,6 +28,8 @@ from pathlib import Path
 
 import attrs
 
+from ._cores import format_cpu_list
+
 __all__ = ["CgroupLeaf", "CgroupTree", "open_tree"]
 
 
@@ -32,6 +38,8 @@ class CgroupLeaf:
     """One sandbox's cgroups (one per v1 hierarchy, or one v2 directory)."""
 
     paths: list[Path]
+    memory: Path | None = None
+    cpuset: Path | None = None
 
     def procs_files(self) -> list[str]:
         return [str(path / "cgroup.procs") for path in self.paths]
@@ -52,6 +60,22 @@ class CgroupLeaf:
                             return int(line.split()[1]) / 1e6
                 if (path / "cpuacct.usage").exists():
                     return int((path / "cpuacct.usage").read_text()) / 1e9
+        return None
+
+    def set_cores(self, cores: tuple[int, ...]) -> None:
+        """Hold every process of the leaf (and any it starts) to ``cores``."""
+        if self.cpuset is not None and cores:
+            (self.cpuset / "cpuset.cpus").write_text(format_cpu_list(cores))
+
+    def oom_kills(self) -> int | None:
+        """How many of the leaf's processes the kernel killed for its memory limit."""
+        if self.memory is None:
+            return None
+        for name in ("memory.events", "memory.oom_control"):
+            with contextlib.suppress(OSError, ValueError):
+                for line in (self.memory / name).read_text().splitlines():
+                    if line.startswith("oom_kill "):
+                        return int(line.split()[1])
         return None
 
     def remove(self) -> None:
@@ -88,8 +112,15 @@ class CgroupTree:
             path = base / name
             path.mkdir()
             paths.append(path)
-        leaf = CgroupLeaf(paths)
+        leaf = CgroupLeaf(
+            paths,
+            memory=self.bases["memory"] / name if "memory" in self.bases else None,
+            cpuset=self.bases["cpuset"] / name if "cpuset" in self.bases else None,
+        )
         try:
+            if self.version == 1 and leaf.cpuset is not None:
+                # A v1 cpuset starts empty, and an empty one takes no process.
+                _copy_cpuset(self.bases["cpuset"], leaf.cpuset)
             if memory is not None and "memory" in self.bases:
                 where = self.bases["memory"] / name
                 if self.version == 2:
@@ -113,7 +144,7 @@ class CgroupTree:
                 base.rmdir()
 
 
-_V1_WANTED = ("memory", "pids", "cpuacct")
+_V1_WANTED = ("memory", "pids", "cpuacct", "cpuset")
 
 
 def open_tree(root: Path = Path("/sys/fs/cgroup")) -> CgroupTree | str:
@@ -170,6 +201,8 @@ def _open_v1(own: dict[str, Path], name: str) -> CgroupTree | str:
             base = path / name
             base.mkdir()
             bases[controller] = base
+            if controller == "cpuset":
+                _copy_cpuset(path, base)
     except OSError as exc:
         CgroupTree(1, bases).close()
         return f"cgroup v1: cannot make a cgroup below {own['memory']} ({exc.strerror})"
@@ -178,7 +211,7 @@ def _open_v1(own: dict[str, Path], name: str) -> CgroupTree | str:
 
 def _open_v2(own: Path, name: str) -> CgroupTree | str:
     available = set((own / "cgroup.controllers").read_text().split())
-    wanted = [c for c in ("memory", "pids", "cpu") if c in available]
+    wanted: list[str] = [c for c in ("memory", "pids", "cpu") if c in available]
     if "memory" not in wanted:
         return f"cgroup v2: the memory controller is not delegated to {own}"
     _reap(own)
@@ -199,7 +232,20 @@ def _open_v2(own: Path, name: str) -> CgroupTree | str:
             else exc.strerror
         )
         return f"cgroup v2: cannot make controlled cgroups below {own} ({why})"
+    if "cpuset" in available:
+        # Apart, and only if it can be had: a host that will not delegate the cpuset keeps
+        # the memory and process limits (the cores then fall back to affinity).
+        with contextlib.suppress(OSError):
+            if "cpuset" not in enabled:
+                (own / "cgroup.subtree_control").write_text("+cpuset")
+            (base / "cgroup.subtree_control").write_text("+cpuset")
+            wanted.append("cpuset")
     return CgroupTree(2, dict.fromkeys(wanted, base))
+
+
+def _copy_cpuset(parent: Path, child: Path) -> None:
+    for name in ("cpuset.mems", "cpuset.cpus"):
+        (child / name).write_text((parent / name).read_text().strip())
 
 
 def _mounts() -> dict[str, tuple[Path, str]]:

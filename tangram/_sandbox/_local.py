@@ -14,10 +14,13 @@ each live sandbox is kept apart from the others and from the host by:
 - environment: only ``PATH``, ``HOME``, ``LANG``, ``TANGRAM_CPUS`` and what the caller
   passes in ``env``; never the trainer's own variables;
 - limits per sandbox: a cgroup (:mod:`._cgroup`) caps the memory of all its processes
-  together and their number; ``setrlimit`` also caps each process's address space, CPU
-  time and file size;
+  together and their number, and holds them to the granted cores (its cpuset);
+  ``setrlimit`` also caps each process's address space, CPU time, file size and open
+  files; the work dir is a tmpfs of ``disk`` bytes (:mod:`._quota_fs`), so the host's
+  disk is not the sandbox's; the kernel's OOM killer picks sandbox processes first;
 - files: ``put`` and ``get`` walk the work dir through descriptors without following any
-  link (:mod:`._files`); a vanished work dir breaks the sandbox;
+  link (:mod:`._files`), ``get`` reads at most ``max_file`` bytes; a vanished work dir
+  breaks the sandbox;
 - cores, run time, output, leftovers, a dead owner: the command is pinned to the granted
   cores (and re-pinned on a resize), killed with its whole tree at its timeout, at most
   ``output_limit`` bytes of each stream are kept, whatever it leaves running is killed at
@@ -26,7 +29,8 @@ each live sandbox is kept apart from the others and from the host by:
 What the host lacks is said once at pool start (a warning) and by ``tangram doctor``:
 see :attr:`LocalBackend.protections`. Without bubblewrap a sandbox sees the host's file
 system and network (with a uid per sandbox it can still not touch another sandbox's work
-dir or processes); without a cgroup, memory is limited per process only.
+dir or processes); without a cgroup, memory is limited per process only and a command
+can widen its own affinity to every core; without root the work dir has no quota.
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ from ._isolate import (
     reachable_by_others,
 )
 from ._proctree import MARKER, Tree, kill_tree, pin_tree
+from ._quota_fs import Box, make_box, mount_problem, reap_boxes, remove_box
 
 __all__ = ["LocalBackend", "Protections"]
 
@@ -106,6 +111,12 @@ class Protections:
     uid_per_sandbox: bool
     namespaced: bool
     memory_per_sandbox: bool
+    disk: str
+    cores: str
+    files: str
+    disk_per_sandbox: bool
+    cores_per_sandbox: bool
+    files_bounded: bool
 
     @property
     def missing(self) -> tuple[str, ...]:
@@ -116,6 +127,12 @@ class Protections:
             off.append(f"namespaces: {self.namespaces}")
         if not self.memory_per_sandbox:
             off.append(f"memory: {self.memory}")
+        if not self.disk_per_sandbox:
+            off.append(f"disk: {self.disk}")
+        if not self.cores_per_sandbox:
+            off.append(f"cores: {self.cores}")
+        if not self.files_bounded:
+            off.append(f"files: {self.files}")
         return tuple(off)
 
 
@@ -129,6 +146,12 @@ class LocalBackend(SandboxBackend):
         ``None`` for none.
     :param processes: processes one sandbox may run at once.
     :param file_size: largest file a command may write; also the size of its ``/tmp``.
+    :param disk: what the work dir may hold, all files together (a tmpfs of that size,
+        its pages counted against ``memory`` too, where this process is root); ``None``
+        for a plain directory on the host's disk.
+    :param open_files: descriptors each process may hold open (``RLIMIT_NOFILE``).
+    :param max_file: largest file ``get`` returns; a larger one raises ``OSError``
+        (``errno.EFBIG``) without being read.
     :param user: run every sandbox's commands as this one user (name or uid), which gives
         up the uid per sandbox. Default: a uid of ``uids`` per sandbox when this process
         is root, else the current user.
@@ -150,6 +173,9 @@ class LocalBackend(SandboxBackend):
         memory: str | int | None = "4GiB",
         processes: int = 256,
         file_size: str | int = "1GiB",
+        disk: str | int | None = "1GiB",
+        open_files: int = 1024,
+        max_file: str | int = "512MiB",
         user: str | int | None = None,
         uids: range = DEFAULT_UIDS,
         network: bool = False,
@@ -167,6 +193,13 @@ class LocalBackend(SandboxBackend):
         self.memory = _bytes(memory) if memory is not None else None
         self.processes = processes
         self.file_size = _bytes(file_size)
+        self.disk = _bytes(disk) if disk is not None else None
+        if isinstance(open_files, bool) or not isinstance(open_files, int) or open_files < 16:
+            raise ValueError(f"`open_files` must be a whole number >= 16 (got {open_files!r})")
+        self.open_files = open_files
+        self.max_file = _bytes(max_file)
+        if self.max_file < 1:
+            raise ValueError(f"`max_file` must be at least 1 byte (got {max_file!r})")
         self.network = bool(network)
         self._want_bwrap = bubblewrap
         self._uids: range | None = None
@@ -185,7 +218,7 @@ class LocalBackend(SandboxBackend):
         self._bwrap: str | None = None
         self._bwrap_dirs: list[str] = []
         self._cgroups: CgroupTree | None = None
-        self._parent: Path | None = None
+        self._mount = False
         self._started = False
 
     def __repr__(self) -> str:
@@ -206,19 +239,16 @@ class LocalBackend(SandboxBackend):
             if sentence not in _WARNED:
                 _WARNED.add(sentence)
                 logger.warning("local sandboxes are not fully isolated here: %s", sentence)
-        if self._parent is None:
-            self._parent = await anyio.to_thread.run_sync(self._make_parent)
+        if self._mount:
+            await anyio.to_thread.run_sync(reap_boxes, self._root)
         self._started = True
         return (self._host,)
 
     async def aclose(self) -> None:
         self._started = False
-        parent, self._parent = self._parent, None
         cgroups, self._cgroups = self._cgroups, None
         if cgroups is not None:
             await anyio.to_thread.run_sync(cgroups.close)
-        if parent is not None:
-            await anyio.to_thread.run_sync(shutil.rmtree, parent, True)
 
     def _survey(self) -> Protections:
         if self._uids is not None:
@@ -247,6 +277,13 @@ class LocalBackend(SandboxBackend):
                 if self._uids is not None or self._bwrap is not None
                 else "not limited: every sandbox shares this process's user"
             )
+        if isinstance(tree, CgroupTree) and "cpuset" in tree.controllers:
+            cores = f"a cpuset per sandbox (cgroup v{tree.version})"
+        else:
+            why = tree if isinstance(tree, str) else "no cpuset controller for its cgroups"
+            cores = f"affinity only, which a command may widen to every core: {why}"
+        disk, self._mount = self._survey_disk()
+        files, bounded = self._survey_files()
         return Protections(
             identity=identity,
             namespaces=namespaces,
@@ -255,7 +292,37 @@ class LocalBackend(SandboxBackend):
             uid_per_sandbox=self._uids is not None,
             namespaced=self._bwrap is not None,
             memory_per_sandbox=isinstance(tree, CgroupTree) or self.memory is None,
+            disk=disk,
+            cores=cores,
+            files=files,
+            disk_per_sandbox=self._mount or self.disk is None,
+            cores_per_sandbox=cores.startswith("a cpuset"),
+            files_bounded=bounded,
         )
+
+    def _survey_disk(self) -> tuple[str, bool]:
+        if self.disk is None:
+            return "not limited (disk=None): the work dir is on the host's disk", False
+        problem = mount_problem()
+        if problem is None:
+            return f"a tmpfs of {self.disk} bytes per work dir, counted in its memory", True
+        return f"only each file (file_size), not their total: {problem}", False
+
+    def _survey_files(self) -> tuple[str, bool]:
+        # At most one running action per core (grants are whole cores), and nothing of an
+        # action outlives it, so this bounds the descriptors all sandboxes can hold.
+        worst = len(self._cores) * self.processes * self.open_files
+        try:
+            file_max = int(Path("/proc/sys/fs/file-max").read_text())
+        except (OSError, ValueError):
+            return f"{self.open_files} open files per process (RLIMIT_NOFILE)", True
+        said = (
+            f"{self.open_files} open files per process (RLIMIT_NOFILE), at most {worst} "
+            f"in running sandboxes, of the host's file-max {file_max}"
+        )
+        if worst > file_max // 2:
+            return f"{said}: over half of it, lower `open_files` or `processes`", False
+        return said, True
 
     def _find_bwrap(self) -> str:
         if self._want_bwrap is False:
@@ -282,17 +349,6 @@ class LocalBackend(SandboxBackend):
             reasons.append(reason)
         return "off: " + "; ".join(reasons)
 
-    def _make_parent(self) -> Path | None:
-        # Without namespaces a sandbox with its own uid could rename its work dir (it owns
-        # it, and /tmp's sticky bit allows that) and leave it where the next sandbox given
-        # that uid finds it: its work dirs then live in a directory only this process can
-        # change. Under bubblewrap the sandbox never sees where its work dir is.
-        if self._bwrap is not None or (self._uids is None and self._fixed is None):
-            return None
-        parent = Path(tempfile.mkdtemp(prefix=f"tangram-{os.getpid()}-", dir=self._root))
-        parent.chmod(0o711)
-        return parent
-
     async def create(self, host: Host) -> SandboxHandle:
         if not self._started:
             await self.start()
@@ -301,19 +357,20 @@ class LocalBackend(SandboxBackend):
     def _make_sandbox(self, host: Host) -> _LocalHandle:
         claim = claim_uid(self._uids) if self._uids is not None else None
         owner = (claim.uid, claim.uid) if claim is not None else self._fixed
-        leaf: CgroupLeaf | None = None
+        box: Box | None = None
         try:
-            path = Path(tempfile.mkdtemp(prefix="tangram-sbx-", dir=self._parent or self._root))
-            if owner is not None:
-                os.chown(path, *owner)
-            work = WorkDir(str(path), owner)
-            if self._cgroups is not None:
-                leaf = self._cgroups.leaf(self.memory, self.processes)
+            box = make_box(self._root, self.disk, owner, mount=self._mount)
+            work = WorkDir(str(box.work), owner, self.max_file)
+            leaf = self._cgroups.leaf(self.memory, self.processes) if self._cgroups else None
         except BaseException:
-            if claim is not None:
-                claim.release()
+            try:
+                if box is not None:
+                    remove_box(box)
+            finally:
+                if claim is not None:
+                    claim.release()
             raise
-        return _LocalHandle(self, host, path, work, owner, claim, leaf)
+        return _LocalHandle(self, host, box, work, owner, claim, leaf)
 
 
 def _bytes(value: str | int) -> int:
@@ -335,7 +392,7 @@ class _LocalHandle(SandboxHandle):
         self,
         backend: LocalBackend,
         host: Host,
-        workdir: Path,
+        box: Box,
         files: WorkDir,
         owner: tuple[int, int] | None,
         claim: UidClaim | None,
@@ -343,7 +400,8 @@ class _LocalHandle(SandboxHandle):
     ) -> None:
         self.host = host
         self._backend = backend
-        self.workdir = workdir
+        self._box = box
+        self.workdir = box.work
         self._files = files
         self._owner = owner
         self._claim = claim
@@ -359,7 +417,13 @@ class _LocalHandle(SandboxHandle):
         # Affinity has no fractional share: a rigid ``cpu=0.5`` gets one whole core here.
         self._cores = cores
         if self._tree is not None:
-            await anyio.to_thread.run_sync(pin_tree, self._tree, cores)
+            await anyio.to_thread.run_sync(self._pin, self._tree, cores)
+
+    def _pin(self, tree: Tree, cores: tuple[int, ...]) -> None:
+        # The cpuset first: affinity outside it would be cut down to the old cores.
+        if self._leaf is not None:
+            self._leaf.set_cores(cores)
+        pin_tree(tree, cores)
 
     async def park(self) -> None:
         # Nothing of the action survives it (leftovers were killed), so there is no
@@ -386,18 +450,24 @@ class _LocalHandle(SandboxHandle):
             await anyio.to_thread.run_sync(self._remove)
 
     def _remove(self) -> None:
-        uid = self._claim.uid if self._claim is not None else None
-        if uid is not None or self._leaf is not None:
-            kill_tree(Tree(-1, None, uid, self._leaf, False))
-        self._files.close()
-        shutil.rmtree(self.workdir, ignore_errors=True)
-        if self._leaf is not None:
+        # Whatever fails on the way, the cgroup and the uid go: a leaked uid lock or
+        # leaf per failed removal would add up over a run.
+        try:
+            uid = self._claim.uid if self._claim is not None else None
+            if uid is not None or self._leaf is not None:
+                kill_tree(Tree(-1, None, uid, self._leaf, False))
+            self._files.close()
+            remove_box(self._box)
+        finally:
             try:
-                self._leaf.remove()
-            except OSError:
-                logger.warning("could not remove the cgroup of %r", self, exc_info=True)
-        if self._claim is not None:
-            self._claim.release()
+                if self._leaf is not None:
+                    try:
+                        self._leaf.remove()
+                    except OSError:
+                        logger.warning("could not remove the cgroup of %r", self, exc_info=True)
+            finally:
+                if self._claim is not None:
+                    self._claim.release()
 
     async def execute(self, request: ExecRequest) -> ExecResult:
         self._check_alive()
@@ -436,9 +506,12 @@ class _LocalHandle(SandboxHandle):
         else:
             argv = list(request.argv)
         usage_before = self._cpu_now()
+        oom_before = self._leaf.oom_kills() if self._leaf is not None else None
 
         def spawn() -> subprocess.Popen[bytes]:
             self._files.check()
+            if self._leaf is not None:
+                self._leaf.set_cores(cores)
             return subprocess.Popen(
                 argv,
                 stdin=subprocess.PIPE,
@@ -468,9 +541,9 @@ class _LocalHandle(SandboxHandle):
         self._tree = tree
         try:
             if self._cores and self._cores != cores:  # resized while it was starting
-                await anyio.to_thread.run_sync(pin_tree, tree, self._cores)
+                await anyio.to_thread.run_sync(self._pin, tree, self._cores)
             result = await _communicate(process, request, tree)
-            return self._finish(result, status_read, usage_before)
+            return self._finish(result, status_read, usage_before, oom_before)
         finally:
             self._tree = None
             with anyio.CancelScope(shield=True):
@@ -492,7 +565,9 @@ class _LocalHandle(SandboxHandle):
         usage = resource.getrusage(resource.RUSAGE_CHILDREN)
         return usage.ru_utime + usage.ru_stime
 
-    def _finish(self, result: ExecResult, status_read: int, before: float) -> ExecResult:
+    def _finish(
+        self, result: ExecResult, status_read: int, before: float, oom_before: int | None
+    ) -> ExecResult:
         cpu = self._cpu_now() - before
         if status_read < 0 or result.timed_out:
             return attrs.evolve(result, cpu_seconds=cpu)
@@ -503,6 +578,11 @@ class _LocalHandle(SandboxHandle):
         with contextlib.suppress(BlockingIOError):
             report = os.read(status_read, 1 << 16).decode(errors="replace")
         started = any('"exit-code"' in line for line in report.splitlines())
+        oom_after = self._leaf.oom_kills() if self._leaf is not None else None
+        if not started and oom_before is not None and (oom_after or 0) > oom_before:
+            # The sandbox's own memory limit killed bubblewrap (its tmpfs pages belong to
+            # no process, so the kernel may pick any): the command's doing, a SIGKILL.
+            return attrs.evolve(result, exit_code=None, signal=signal.SIGKILL, cpu_seconds=cpu)
         if not started:
             detail = result.stderr.decode(errors="replace").strip()[-500:]
             raise SandboxBrokenError(f"bubblewrap could not start the command: {detail}")
@@ -522,10 +602,15 @@ def _setup(
 ) -> Callable[[], None]:
     """The child's set-up between fork and exec: only async-signal-safe-ish syscalls."""
     cpu_seconds = max(1, int(request.timeout * max(1, len(cores)) * 2) + 1)
+    open_files = backend.open_files
+    if os.geteuid() != 0:  # only root may raise a hard limit
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        open_files = open_files if hard == resource.RLIM_INFINITY else min(open_files, hard)
     limits: list[tuple[int, int]] = [
         (resource.RLIMIT_CPU, cpu_seconds),
         (resource.RLIMIT_FSIZE, backend.file_size),
         (resource.RLIMIT_CORE, 0),
+        (resource.RLIMIT_NOFILE, open_files),
     ]
     if backend.memory is not None:
         limits.append((resource.RLIMIT_AS, backend.memory))
@@ -539,6 +624,9 @@ def _setup(
         for path in procs:  # join the sandbox's cgroup before anything can fork
             with open(path, "w") as handle:
                 handle.write("0")
+        # A host out of memory kills a sandbox's process before the trainer's.
+        with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as handle:
+            handle.write("1000")
         if owner is not None:
             os.setgroups([])
             os.setresgid(owner[1], owner[1], owner[1])

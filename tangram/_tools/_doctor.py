@@ -132,6 +132,9 @@ def _local_isolation() -> dict[str, Any]:
         "namespaces": protections.namespaces,
         "memory": protections.memory,
         "processes": protections.processes,
+        "disk": protections.disk,
+        "cores": protections.cores,
+        "files": protections.files,
         "off": list(protections.missing),
     }
 
@@ -215,7 +218,7 @@ def format_diagnosis(facts: dict[str, Any]) -> str:
     local = facts["local sandbox"]
     if isinstance(local, dict):
         lines.append("local sandboxes isolate:")
-        for name in ("identity", "namespaces", "memory", "processes"):
+        for name in ("identity", "namespaces", "memory", "processes", "disk", "cores", "files"):
             lines.append(f"  {name:<11} {local[name]}")
         if local["off"]:
             lines.append("local sandboxes are NOT isolated in:")
