@@ -404,6 +404,10 @@ class ElasticPolicy:
                     if kind in extra:
                         extra[kind] -= amount
                 newcomers.append(entry)
+            elif protected:
+                # Behind a younger head (size-aware order puts one there; arrival order
+                # never does): an action starved past the bound is still passed by nobody.
+                break
             if scan.exhausted():
                 break
         self._distribute(state, scan, newcomers, head, plan)
