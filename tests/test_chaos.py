@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import secrets
 import signal
 import socket
 from collections.abc import Callable
@@ -237,6 +238,24 @@ def test_chaos_in_real_time_on_asyncio(real_backend: Backend, actions: int, scal
 # -- executor faults -------------------------------------------------------------------
 
 
+def _running(argv: list[str]) -> list[int]:
+    """Host pids of live processes whose argv is exactly ``argv``."""
+    wanted = [part.encode() for part in argv]
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if (entry / "cmdline").read_bytes().rstrip(b"\0").split(b"\0") != wanted:
+                continue
+            state = (entry / "stat").read_bytes().rpartition(b")")[2].split()[0]
+        except OSError:
+            continue
+        if state != b"Z":
+            found.append(int(entry.name))
+    return found
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_a_sandbox_process_killed_mid_action_is_a_result_and_units_return(
@@ -250,21 +269,21 @@ async def test_a_sandbox_process_killed_mid_action_is_a_result_and_units_return(
         checker = InvariantChecker(runtime)
         results: list[tangram.RunResult] = []
 
+        # Commands run in their own pid namespace, so ``$$`` is not the host's pid: the
+        # command is found by an argv no other process has.
+        argv = ["sleep", f"{30 + secrets.randbelow(10**6) / 10**7:.7f}"]
+
         async def victim() -> None:
-            results.append(await sbx.run("echo $$ > pid; exec sleep 30", cpu=1, timeout=60))
+            results.append(await sbx.run(argv, cpu=1, timeout=60))
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(victim)
-            # The sandbox runs one action at a time (``sbx.get`` would wait for this
-            # one): read the command's pid from its work dir directly.
-            pid_file = anyio.Path(sbx._handle.workdir) / "pid"  # type: ignore[attr-defined]
             with anyio.fail_after(20):
-                while True:  # another process writes it: poll, with a deadline
-                    try:
-                        pid = int((await pid_file.read_text()).strip())
+                while True:  # another process starts it: poll, with a deadline
+                    if pids := _running(argv):
                         break
-                    except (FileNotFoundError, ValueError):
-                        await anyio.sleep(0.01)
+                    await anyio.sleep(0.01)
+            [pid] = pids
             assert runtime.stats().resources["cpu"].held == 1
             os.kill(pid, signal.SIGKILL)
         [result] = results
