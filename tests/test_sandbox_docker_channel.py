@@ -120,7 +120,10 @@ async def test_commands_cannot_trace_or_open_the_runner(setup: Setup) -> None:
             "inherited": [],
             "std_are_pipes": True,
         }, seen
-        assert (await sbx.run("echo alive")).stdout == b"alive\n"
+        # A command starts as from a shell: nothing ignored or blocked (SIGPIPE ends `yes`).
+        signals = await sbx.run("grep -E '^Sig(Ign|Blk)' /proc/self/status")
+        assert signals.stdout.split() == [b"SigBlk:", b"0" * 16, b"SigIgn:", b"0" * 16]
+        assert (await sbx.run("yes | head -n 1")).stdout == b"y\n"
 
 
 async def test_an_endless_line_on_the_channel_never_reaches_the_host(setup: Setup) -> None:

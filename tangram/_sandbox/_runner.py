@@ -35,7 +35,6 @@ import selectors
 import signal
 import stat
 import struct
-import subprocess
 import sys
 import time
 from collections import deque
@@ -149,14 +148,19 @@ def cpu_usage() -> float:
     return float("nan")
 
 
+REAPED: dict[int, int] = {}
+"""Wait statuses of children reaped while killing leftovers, for the command's own wait."""
+
+
 def reap() -> None:
     while True:
         try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
+            pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
             return
+        REAPED[pid] = status
 
 
 def others() -> list[int]:
@@ -191,17 +195,121 @@ def kill_others() -> int:
     return most
 
 
+class Spare:
+    """A child forked ahead of the next action, already the sandbox user, waiting to exec.
+
+    A child that switches users cannot be started with ``vfork``, and a full ``fork`` of
+    the runner on the action's path cost about 2 ms of its start here (12.6 against 10.7
+    ms median for ``true``). Forked after the reply, while the sandbox idles, an action
+    pays only the ``exec``. It is forked after the last action's leftovers were
+    killed, so no command ever runs beside it before it becomes the next command itself.
+    Its stdin, stdout and stderr are pipes the runner holds the other ends of; everything
+    else it has is close-on-exec, so the command inherits nothing of the channel.
+    """
+
+    def __init__(self, uid: int, gid: int) -> None:
+        self.returncode: int | None = None
+        order_r, self.order = os.pipe()
+        self.failure, failure_w = os.pipe()
+        in_r, self.stdin = os.pipe()
+        self.stdout, out_w = os.pipe()
+        self.stderr, err_w = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:
+            for fd in (self.order, self.failure, self.stdin, self.stdout, self.stderr):
+                os.close(fd)  # the runner's ends: held here, the order would never end
+            self.become(uid, gid, order_r, failure_w, (in_r, out_w, err_w))
+        for fd in (order_r, failure_w, in_r, out_w, err_w):
+            os.close(fd)
+
+    @staticmethod
+    def become(uid: int, gid: int, order: int, failure: int, std: tuple[int, int, int]) -> None:
+        """In the child: drop to the sandbox user now, exec the command when it comes."""
+        try:
+            os.setsid()
+            os.setgroups([])
+            os.setresgid(gid, gid, gid)
+            os.setresuid(uid, uid, uid)
+            if LIBC.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+                raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
+            for target, fd in enumerate(std):
+                os.dup2(fd, target)  # the runner's channel on 0-2 is gone from here on
+            for number in (signal.SIGPIPE, signal.SIGXFSZ):
+                # Python ignores these, and an ignored signal stays ignored across exec.
+                signal.signal(number, signal.SIG_DFL)
+            chunks = []
+            while chunk := os.read(order, CHUNK):
+                chunks.append(chunk)
+            if not chunks:
+                os._exit(0)  # the runner stopped without using it
+            request = json.loads(b"".join(chunks))
+            os.chdir(WORK)
+            os.execvpe(request["argv"][0], request["argv"], request["env"])
+        except BaseException as exc:
+            with contextlib.suppress(BaseException):
+                os.write(failure, f"{type(exc).__name__}: {exc}"[:MESSAGE_LIMIT].encode())
+        finally:
+            os._exit(127)
+
+    def start(self, argv: list[str], env: dict[str, str]) -> str | None:
+        """Exec ``argv``; why it could not be (the child has exited then), or None."""
+        try:
+            view = memoryview(json.dumps({"argv": argv, "env": env}).encode())
+            while view:
+                view = view[os.write(self.order, view) :]
+        except OSError as exc:
+            return f"the prepared process is gone: {exc}"
+        finally:
+            os.close(self.order)
+        chunks = []
+        while chunk := os.read(self.failure, 65536):  # EOF: the exec closed it
+            chunks.append(chunk)
+        os.close(self.failure)
+        return b"".join(chunks).decode(errors="replace") if chunks else None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            status = REAPED.pop(self.pid, None)
+            if status is None:
+                try:
+                    pid, status = os.waitpid(self.pid, os.WNOHANG)
+                except ChildProcessError:
+                    pid, status = self.pid, REAPED.pop(self.pid, 0)
+                if pid == 0:
+                    return None
+            self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError
+            time.sleep(0.001)
+        return code
+
+    def close_stdin(self) -> None:
+        if self.stdin >= 0:
+            os.close(self.stdin)
+            self.stdin = -1
+
+    def close(self) -> None:
+        self.close_stdin()
+        os.close(self.stdout)
+        os.close(self.stderr)
+
+
 class Runner:
     def __init__(self, channel: Channel, uid: int, gid: int) -> None:
         self.channel = channel
         self.uid = uid
         self.gid = gid
+        self.spare: Spare | None = None
 
-    def enter(self) -> None:
-        """In the command's process, after the switch to the sandbox user: no new privileges."""
-        os.chdir(WORK)
-        if LIBC.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
-            os._exit(126)
+    def prepare(self) -> None:
+        """Fork the next action's process, after the reply: never on an action's path."""
+        if self.spare is None:
+            self.spare = Spare(self.uid, self.gid)
 
     def run(self, request: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
         size = int(request["stdin"])
@@ -217,39 +325,31 @@ class Runner:
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": WORK, "TMPDIR": WORK}
         env.update(request["env"])
         before = cpu_usage()
-        try:
-            proc = subprocess.Popen(
-                request["argv"],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                env=env,
-                user=self.uid,
-                group=self.gid,
-                extra_groups=[],
-                preexec_fn=self.enter,
-                start_new_session=True,
-            )
-        except (OSError, subprocess.SubprocessError) as exc:
+        proc = self.spare or Spare(self.uid, self.gid)
+        self.spare = None
+        failure = proc.start(list(request["argv"]), env)
+        if failure is not None:
+            proc.wait()
+            proc.close()
             kill_others()
-            missing = isinstance(exc, FileNotFoundError)
+            REAPED.clear()
+            missing = failure.startswith(("FileNotFoundError", "NotADirectoryError"))
             return {"ok": True, "exit_code": 127 if missing else 126, "stdout_len": 0}, (
-                f"{exc}\n".encode()
+                f"{failure}\n".encode()
             )
-        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
         view = memoryview(data)
-        out_fd, err_fd, in_fd = proc.stdout.fileno(), proc.stderr.fileno(), proc.stdin.fileno()
+        out_fd, err_fd, in_fd = proc.stdout, proc.stderr, proc.stdin
         out = {out_fd: bytearray(), err_fd: bytearray()}
         dropped = dict.fromkeys(out, False)
         sel = selectors.DefaultSelector()
-        for pipe in (proc.stdout, proc.stderr):
-            os.set_blocking(pipe.fileno(), False)
-            sel.register(pipe.fileno(), selectors.EVENT_READ)
+        for fd in (out_fd, err_fd):
+            os.set_blocking(fd, False)
+            sel.register(fd, selectors.EVENT_READ)
         if view:
             os.set_blocking(in_fd, False)
             sel.register(in_fd, selectors.EVENT_WRITE)
         else:
-            proc.stdin.close()
+            proc.close_stdin()
         deadline = time.monotonic() + float(request["timeout"])
         timed_out = False
         exited_at: float | None = None
@@ -289,7 +389,7 @@ class Runner:
                         view = view[:0]
                     if not view:
                         sel.unregister(fd)
-                        proc.stdin.close()
+                        proc.close_stdin()
                     continue
                 try:
                     chunk = os.read(fd, 65536)
@@ -307,15 +407,13 @@ class Runner:
             # Both pipes closed first: the command may still be working (or just exiting).
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            except TimeoutError:
                 timed_out = True
         sel.close()
         leftovers = kill_others() + first_kill
         status = proc.wait()
-        for pipe in (proc.stdout, proc.stderr):
-            pipe.close()
-        if not proc.stdin.closed:
-            proc.stdin.close()
+        REAPED.clear()  # the leftovers' statuses: nobody waits for them
+        proc.close()
         stdout, stderr = bytes(out[out_fd]), bytes(out[err_fd])
         reply = {
             "ok": True,
@@ -496,6 +594,7 @@ def main() -> None:
         return
     channel.send({"id": 0, "ok": True, "ready": True, "pid": os.getpid()})
     runner = Runner(channel, uid, gid)
+    runner.prepare()
     while (request := channel.next()) is not None:
         meta, _ = request
         try:
@@ -507,6 +606,7 @@ def main() -> None:
             reply, data = {"ok": False, "error": type(exc).__name__, "message": message}, b""
         reply["id"] = meta.get("id")
         channel.send(reply, data)
+        runner.prepare()
 
 
 if __name__ == "__main__":
