@@ -29,8 +29,8 @@ import hmac
 import logging
 import math
 import secrets
-from collections.abc import AsyncIterator, Coroutine
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 import anyio
 
@@ -61,11 +61,16 @@ ERRORS: dict[str, type[OSError]] = {
 """Errors the runner reports about a path, raised as the same builtin on the host."""
 
 
+T = TypeVar("T")
+
+
 class _Lost(Exception):
     """The channel cannot be trusted any more (the message says why)."""
 
 
 class DockerHandle(SandboxHandle):
+    """One container: made by :meth:`DockerBackend.create`, never by hand."""
+
     def __init__(self, config: DockerConfig, info: HostInfo, container: Any) -> None:
         self.host = info.host
         self._config = config
@@ -94,7 +99,7 @@ class DockerHandle(SandboxHandle):
     def fast_path(self) -> bool:
         return self._cgroup is not None
 
-    async def _api(self, what: str, call: Any) -> Any:
+    async def _api(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
         return await self._info.call(what, call, self._config.api_timeout)
 
     async def boot(self) -> None:
