@@ -334,6 +334,8 @@ async def test_a_vanished_work_dir_is_broken_not_recreated() -> None:
         with pytest.raises(SandboxBrokenError):
             await sbx.put("state", b"again")
         assert not where.exists(), "put recreated the work dir"
+        # A broken put replaces the sandbox at once, as a broken run does.
+        assert pool.replaced == 1
         with pytest.raises(SandboxBrokenError):
             await sbx.get("state")
 

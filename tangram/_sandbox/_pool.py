@@ -558,20 +558,39 @@ class Sandbox:
             )
 
     async def put(self, path: str, data: bytes | str) -> None:
-        """Write a file into the sandbox's work dir (creating parent dirs)."""
+        """Write a file into the sandbox's work dir (creating parent dirs).
+
+        :raises SandboxBrokenError: the sandbox died; the pool replaces it.
+        """
         payload = data.encode() if isinstance(data, str) else data
         async with self._lock:
             self._check()
-            await self._handle.put_file(_relative(path), payload)
+            try:
+                await self._handle.put_file(_relative(path), payload)
+            except SandboxBrokenError:
+                self._break()
+                raise
 
     async def get(self, path: str) -> bytes:
         """Read a file from the sandbox's work dir.
 
         :raises FileNotFoundError: there is no such file.
+        :raises SandboxBrokenError: the sandbox died; the pool replaces it.
         """
         async with self._lock:
             self._check()
-            return await self._handle.get_file(_relative(path))
+            try:
+                return await self._handle.get_file(_relative(path))
+            except SandboxBrokenError:
+                self._break()
+                raise
+
+    def _break(self) -> None:
+        # As a broken run does: later calls fail at once, and the pool replaces it now
+        # rather than when the trajectory next runs a command.
+        if not self._broken:
+            self._broken = True
+            self._pool._replace(self._handle)
 
 
 def _exec_safe(argv: tuple[str, ...], env: Mapping[str, str]) -> None:
