@@ -17,6 +17,8 @@ import httpx
 import pytest
 
 import tangram
+from tangram._quota._adapt import adapt_down, adapt_up, note_accepted
+from tangram._quota._keys import DEFAULT_HEADROOM, DEFAULT_JITTER, KeyState
 from tangram.quota import (
     Adapt,
     ApiKey,
@@ -318,3 +320,87 @@ async def test_nothing_leaks_under_a_cancellation_storm() -> None:
         assert stats.resources[name].held == 0
     assert stats.waiting == 0
     assert quota.stats()["a"].in_flight == 0 and quota.stats()["b"].in_flight == 0
+
+
+# -- AIMD on a virtual clock -------------------------------------------------------------
+# `adapt_up`/`adapt_down` take the time as an argument: here a fluid provider (a token
+# bucket of rate LIMIT and burst BURST) meets a key with requests always queued, on exact
+# virtual times, so convergence and what happens after it are checked without a loop.
+
+LIMIT, BURST, LATENCY, TICK = 50.0, 10.0, 0.02, 0.005
+
+
+def _provider_run(
+    configured: float, adapt: Adapt, seconds: float
+) -> tuple[KeyState, list[float], list[float]]:
+    """Times of the requests the provider accepted and refused, sent as fast as allowed."""
+    key = KeyState("api", _key("k", requests=configured), DEFAULT_HEADROOM, DEFAULT_JITTER)
+    runtime = tangram.Runtime(capacity=dict(key.rates()))
+    kind = key.requests_kind
+    assert kind is not None
+    key.waiting_count = 1
+    budget, level = 0.0, BURST
+    answers: list[tuple[float, float, bool]] = []  # answered at, sent at, accepted
+    accepted: list[float] = []
+    refused: list[float] = []
+    steps = round(seconds / TICK)
+    for step in range(steps + 1):
+        now = step * TICK
+        rate = key.rates()[kind]
+        budget = min(rate.burst, budget + rate.per_second * TICK)
+        level = min(BURST, level + LIMIT * TICK)
+        while budget >= 1.0:
+            budget -= 1.0
+            ok = level >= 1.0
+            level -= 1.0 if ok else 0.0
+            (accepted if ok else refused).append(now)
+            answers.append((now + LATENCY, now, ok))
+        due = [a for a in answers if a[0] <= now]
+        answers = [a for a in answers if a[0] > now]
+        for _, sent, ok in due:
+            if ok:
+                note_accepted(key, 0.0, now, sent)
+            else:
+                adapt_down(adapt, runtime, key, now, sent)
+        adapt_up(adapt, runtime, key, now)
+    return key, accepted, refused
+
+
+def _share(accepted: list[float], start: float, end: float) -> float:
+    return sum(start <= t < end for t in accepted) / (end - start) / LIMIT
+
+
+@pytest.mark.parametrize(
+    ("configured", "adapt"),
+    [(3 * LIMIT, Adapt()), (LIMIT / 2, Adapt(above=4.0)), (10 * LIMIT, Adapt())],
+)
+def test_aimd_finds_the_limit_and_holds_it(configured: float, adapt: Adapt) -> None:
+    """Within 5 s the key runs at >= 95% of the real limit, and no 429 comes after."""
+    _, accepted, refused = _provider_run(configured, adapt, 25.0)
+    assert refused  # it had to find the limit
+    assert max(refused) < 5.0
+    assert 0.95 <= _share(accepted, 5.0, 25.0) <= 1.0
+
+
+def test_aimd_probes_after_hold_without_losing_the_limit() -> None:
+    """Each probe past the plateau costs a few 429s and leaves the estimate where it was.
+
+    Counting the accepted requests from the last cut (as AIMD did) measured the client's
+    own rate under the limit, so every probe lowered the estimate: 86.5% of the limit.
+    """
+    adapt = Adapt(hold=10.0)
+    key, accepted, refused = _provider_run(3 * LIMIT, adapt, 120.0)
+    late = [t for t in refused if t >= 5.0]
+    probes = len({int((t - 5.0) // adapt.hold) for t in late})
+    assert 0 < probes <= 12
+    assert len(late) <= 12 * probes
+    assert _share(accepted, 60.0, 120.0) >= 0.95
+    assert 0.95 <= key.refused * 3 * LIMIT * DEFAULT_HEADROOM / LIMIT <= 1.02
+
+
+def test_configured_rate_is_a_ceiling_unless_above() -> None:
+    """By default the configured rate is the provider's promise: never probed past."""
+    key, accepted, refused = _provider_run(LIMIT / 2, Adapt(), 10.0)
+    assert refused == []
+    assert key.share == 1.0
+    assert _share(accepted, 2.0, 10.0) == pytest.approx(DEFAULT_HEADROOM / 2, abs=0.01)

@@ -9,6 +9,7 @@ are set aside, probing or not yet contacted are chosen only when nothing else is
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Mapping, Sequence
 
@@ -130,7 +131,8 @@ class KeyStats:
     failed: int
     in_flight: int
     set_aside: bool
-    #: effective rate now as a share of the configured one (AIMD's state).
+    #: effective rate now as a share of the configured one (AIMD's state; above 1 only
+    #: when ``Adapt(above=...)`` lets it probe past the configured rate).
     rate_share: float
 
 
@@ -160,10 +162,8 @@ class KeyState:
         #: the largest amount one request asked of each rate: no burst goes below it.
         self.largest: dict[str, float] = {}
         self.share = 1.0
-        self.ceiling = 1.0
         self.cut_at = -math.inf
         self.adapted_at = -math.inf
-        self.first_sent = math.inf
         self.paused_until = -math.inf
         self.aside_until = -math.inf
         self.aside_at = -math.inf
@@ -175,21 +175,31 @@ class KeyState:
         # that refills meanwhile would otherwise arrive at the provider all at once.
         self.contacted = False
         self.contact: anyio.Event | None = None
-        # AIMD's memory: the share at which the provider last refused (or the share it
-        # was seen to accept then, when lower) and when the rate last reached below it.
+        # AIMD's memory: the provider's limit as last measured, as a share of the
+        # configured rate (math.inf: never refused), and since when the rate has held
+        # at its plateau just under it.
         self.refused = math.inf
         self.plateau_since = math.inf
+        # When the provider began refusing requests sent at the rate in effect (math.inf:
+        # it is not), when that first refused request was sent, and when it last refused
+        # one: AIMD measures the limit meanwhile.
+        self.overload_at = math.inf
+        self.overload_sent = math.inf
+        # Refusals since then: dense ones show a rate above the limit, sparse ones bunching.
+        self.overload_refusals = 0
+        self.refused_at = -math.inf
         self.failures = 0
         self.waiting: dict[str, float] = dict.fromkeys(self.configured, 0.0)
         self.waiting_count = 0
         self.in_flight = 0
         self.sent = self.ok = self.limited = self.failed = 0
         self.retaken = 0
-        # Requests (and their tokens) sent since the last cut that the provider accepted,
-        # and when the last of them was sent: AIMD's measure of the real limit.
-        self.accepted = 0
-        self.accepted_tokens = 0.0
-        self.accepted_until = -math.inf
+        # (answer time, send time, tokens) of the requests the provider accepted lately,
+        # oldest first: those since the refusals began are AIMD's measure of the limit.
+        self.answered: collections.deque[tuple[float, float, float]] = collections.deque()
+        # When the requests now in flight had their headers written: all accepted ones
+        # sent before the earliest have been answered, so the measure may count to it.
+        self.sending: list[float] = []
 
     def rates(self) -> dict[str, Rate]:
         """The effective rates: the provider's scaled by headroom and AIMD's share.
@@ -198,12 +208,14 @@ class KeyState:
         less the jitter margin (see :data:`DEFAULT_JITTER`); but at least 2 units where
         the provider allows 2, because with a burst of 1 every millisecond the timer
         fires late is budget lost for good (measured: 86% of the limit instead of 97%
-        at 50 requests/s on a busy loop), and never below the largest request seen.
+        at 50 requests/s on a busy loop), and never below the largest request seen. A
+        rate probed above the configured one (``Adapt(above=...)``) keeps the configured
+        burst: nothing measured a larger one.
         """
         rates: dict[str, Rate] = {}
         for kind, rate in self.provider.items():
             per_second = rate.per_second * self.headroom * self.share
-            believed = rate.burst * self.share
+            believed = rate.burst * min(1.0, self.share)
             margin = max(1.0, per_second * self.jitter)
             burst = max(min(2.0, believed), min(believed * self.headroom, believed - margin))
             rates[kind] = Rate(per_second, burst=max(1.0, burst, self.largest.get(kind, 0.0)))

@@ -19,9 +19,11 @@ What this layer adds on top of the core, one module each:
   give units out, and an over-estimate costs throughput, never a ``429``.
 - **429 and 503.** ``Retry-After`` (or the more precise ``retry-after-ms``) pauses the key
   for that long; the request is retried through :mod:`stamina` (:mod:`._retry`; on another
-  key when one is ready) and the key's rates are cut multiplicatively and grown back
-  additively (AIMD, :mod:`._adapt`) with :meth:`tangram.Runtime.set_capacity`, so a
-  configured limit above the provider's real one converges below it.
+  key when one is ready); the key measures what the provider accepts while it refuses,
+  cuts its rates just under that and grows back to hold there (AIMD, :mod:`._adapt`,
+  through :meth:`tangram.Runtime.set_capacity`), so a configured limit above the
+  provider's real one converges just below it (and one below it, with
+  ``Adapt(above=...)``, probes up to it).
 - **Keys that keep failing** (transport errors, ``5xx``) are set aside for a cool-down
   that doubles on each repeat, then given one probe request (:mod:`._aside`).
 - **Deadlines fail fast** (here). A request whose key cannot start it before its deadline
@@ -299,6 +301,12 @@ class Quota:
         key.in_flight += 1
         handed_off = False
         admitted_at = anyio.current_time()
+        # When its headers went out, which is when it reached the provider's bucket: AIMD
+        # dates refusals and acceptances by it (admission when the transport says nothing).
+        # Not the call into the transport: opening connections on a busy loop took up to a
+        # second measured (150 requests at once), and dated by it every refusal looked
+        # older than the cut it had caused.
+        wrote: list[float] = []
         user_trace = request.extensions.get("trace")
 
         async def trace(name: str, info: dict[str, Any]) -> None:
@@ -311,8 +319,11 @@ class Quota:
             # time holds its connection, others open more, and that cascade halved
             # throughput (186 connections for 200 requests).
             late = anyio.current_time() - admitted_at
-            if name.endswith(".send_request_headers.started") and late > self.jitter / 3:
-                await self._retake(runtime, key, tokens, deadline)
+            if name.endswith(".send_request_headers.started"):
+                if late > self.jitter / 3:
+                    await self._retake(runtime, key, tokens, deadline)
+                wrote.append(anyio.current_time())
+                key.sending.append(wrote[-1])
             if user_trace is not None:
                 await user_trace(name, info)
 
@@ -320,13 +331,16 @@ class Quota:
             sending = outgoing(request, key, trace)
             key.sent += 1
             sent_at = anyio.current_time()
-            key.first_sent = min(key.first_sent, sent_at)
             try:
                 response = await transport.handle_async_request(sending)
             except httpx.TransportError as exc:
                 key.contacted = True
                 note_failure(self.set_aside, key, anyio.current_time(), sent_at)
                 raise Again(None, None) from exc
+            finally:
+                for written in wrote:
+                    key.sending.remove(written)
+            wrote_at = wrote[0] if wrote else admitted_at
             key.contacted = True
             now = anyio.current_time()
             status = response.status_code
@@ -335,7 +349,7 @@ class Quota:
                 await response.aclose()
                 key.limited += 1
                 key.paused_until = max(key.paused_until, now + (wait or 0.0))
-                adapt_down(self.adapt, runtime, key, now)
+                adapt_down(self.adapt, runtime, key, now, wrote_at)
                 raise Again(ready_in(runtime, self._keys, tokens), closed(response, sending))
             if status >= 500:
                 await response.aclose()
@@ -343,7 +357,7 @@ class Quota:
                 raise Again(None, closed(response, sending))
             key.ok += 1
             note_recovered(key)
-            note_accepted(key, sent_at, tokens)
+            note_accepted(key, tokens, now, wrote_at)
             # Grow back on answers too: with every request already queued, no new
             # attempt would come along to do it.
             adapt_up(self.adapt, runtime, key, now)
