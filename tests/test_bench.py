@@ -62,20 +62,29 @@ def test_report_files_are_written_and_valid(report: tuple[Path, str]) -> None:
     figures = json.loads((out / "report.json").read_text())
     assert set(figures) == {"bench", "config", "backend", "arms", "ratios", "targets"}
     assert figures["backend"] == "local"
-    assert set(figures["targets"]) == {"step_seconds", "avg_act"}
-    tangram, static = figures["arms"]["tangram"], figures["arms"]["static"]
-    # The report keeps six decimals: the ratio of the rounded ACTs is within 1e-3 of it
-    # for any ACT above a millisecond.
-    ratio = static["avg_act"] / tangram["avg_act"]
-    assert figures["ratios"]["avg_act"] == pytest.approx(ratio, rel=1e-3)
-    assert "static / tangram: avg ACT" in stdout
+    assert set(figures["targets"]) == {
+        "step_seconds",
+        "avg_act",
+        "verl_avg_act",
+        "verl_step_seconds",
+    }
+    assert set(figures["arms"]) == {"tangram", "static", "verl"}
+    tangram = figures["arms"]["tangram"]
+    for name, prefix in (("static", ""), ("verl", "verl_")):
+        # The report keeps six decimals: the ratio of the rounded ACTs is within 1e-3 of
+        # it for any ACT above a millisecond.
+        ratio = figures["arms"][name]["avg_act"] / tangram["avg_act"]
+        assert figures["ratios"][f"{prefix}avg_act"] == pytest.approx(ratio, rel=1e-3)
+        steps = figures["arms"][name]["step_seconds"] / tangram["step_seconds"]
+        assert figures["ratios"][f"{prefix}step_seconds"] == pytest.approx(steps, rel=1e-3)
+        assert f"{name} / tangram: avg ACT" in stdout
     table = (out / "table.txt").read_text()
     assert table.startswith("tangram bench: 3 trajectories x 2 turns, ")
     assert table in stdout
     assert f"wrote {out / 'report.json'}" in stdout
 
 
-def test_both_arms_ran_the_same_real_actions(report: tuple[Path, str]) -> None:
+def test_every_arm_ran_the_same_real_actions(report: tuple[Path, str]) -> None:
     out, _ = report
     figures = json.loads((out / "report.json").read_text())
     config = BenchConfig(**figures["config"])
@@ -85,7 +94,7 @@ def test_both_arms_ran_the_same_real_actions(report: tuple[Path, str]) -> None:
         name: [(r["trajectory"], r["turn"], r["kind"]) for r in arm["records"]]
         for name, arm in arms.items()
     }
-    assert keys["tangram"] == keys["static"]
+    assert keys["tangram"] == keys["static"] == keys["verl"]
     assert len(keys["tangram"]) == config.trajectories * (config.turns + 1)
     for name, arm in arms.items():
         assert arm["actions"] == len(arm["records"])
@@ -101,6 +110,9 @@ def test_both_arms_ran_the_same_real_actions(report: tuple[Path, str]) -> None:
             assert record["outcome"] == expected, (name, record)
             if name == "static":
                 assert record["units"] == record["max_units"] == 1
+            elif name == "verl":
+                # A fixed number of cores per call, never resized.
+                assert record["units"] == record["max_units"] == config.call_cores
             else:
                 assert 1 <= record["units"] <= record["max_units"] <= config.cores
         # Three reward models, memory for two, three trajectories: two start resident, so
@@ -111,9 +123,10 @@ def test_both_arms_ran_the_same_real_actions(report: tuple[Path, str]) -> None:
         assert sum(r["overhead"] > 0 for r in rewards) >= config.reward_models - 2
         assert arm["gpu"]["restores"] >= config.reward_models - 2
         assert all(held <= config.cores for _, held, _ in arm["timeline"])
-    # Same seeded models scoring the same test results: the same rewards in both arms.
-    # (Approximately: the pool may batch different calls together in the two arms.)
-    assert arms["tangram"]["rewards"] == pytest.approx(arms["static"]["rewards"], abs=2e-4)
+    # Same seeded models scoring the same test results: the same rewards in every arm.
+    # (Approximately: the pool may batch different calls together in different arms.)
+    for name in ("static", "verl"):
+        assert arms["tangram"]["rewards"] == pytest.approx(arms[name]["rewards"], abs=2e-4)
     assert set(arms["tangram"]["rewards"]) == set(plans)
     # Static bills its slots for the trajectory's life: never less than the cores busy.
     assert arms["static"]["core_seconds"] >= arms["static"]["busy_core_seconds"]
@@ -131,6 +144,8 @@ def test_plan_is_seeded_and_ends_with_tests() -> None:
         BenchConfig(trajectories=2, cores=1, turns=0)
     with pytest.raises(ValueError, match="`reward_models` must be >= 2"):
         BenchConfig(trajectories=2, cores=1, reward_models=1)
+    with pytest.raises(ValueError, match="`call_cores` must be <= `cores`"):
+        BenchConfig(trajectories=2, cores=1, call_cores=2)
 
 
 def test_too_many_cores_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,4 +1,4 @@
-"""The main job: one real agentic-RL rollout step, run on this machine under two policies.
+"""The main job: one real agentic-RL rollout step, run on this machine under three policies.
 
 ``tangram demo`` proves the policy on modelled actions; this proves the product on real
 work. Each trajectory is a coding agent: a modelled LLM generation gap (the trainer's
@@ -8,7 +8,7 @@ service on loopback), and at the end a reward from a seeded torch model served t
 the GPU-service pool on the CPU device, with more reward models than its memory budget
 holds so evict-on-execution really evicts.
 
-Both arms run the same trajectories (same seed, same files, same tests) on the same
+All arms run the same trajectories (same seed, same files, same tests) on the same
 cores, memory budget and rate limit; every figure is a measured wall-clock time:
 
 - ``tangram``: :class:`~tangram.ElasticPolicy` lends cores per action
@@ -17,7 +17,14 @@ cores, memory budget and rate limit; every figure is a measured wall-clock time:
 - ``static``: today's frameworks, as ``tangram demo`` models them: each trajectory holds
   a slot of ``cores // trajectories`` cores (at least one) from its first action to its
   last, LLM gaps included, and its rate-limit share; a trajectory that finds no free slot
-  waits, and that wait is its first action's queueing.
+  waits, and that wait is its first action's queueing;
+- ``verl``: what verl does today: each sandbox *call* waits on one plain semaphore (verl's
+  ``sandbox_fusion.max_concurrent``, an ``asyncio.Semaphore`` around each call to the
+  sandbox) and runs on a fixed ``call_cores`` cores (SandboxFusion runs a call as one
+  process; verl has no setting for its cores), so ``cores // call_cores`` permits keep the
+  cores busy without oversubscribing them: action-level first-come-first-served at a
+  fixed degree of parallelism. Search and reward are as in the tangram arm, so the two
+  differ only in how cores are lent.
 """
 
 from __future__ import annotations
@@ -122,6 +129,11 @@ class BenchResult:
     backend: str
     tangram: ArmOutcome
     static: ArmOutcome
+    verl: ArmOutcome
+
+    @property
+    def arms(self) -> tuple[ArmOutcome, ...]:
+        return (self.tangram, self.static, self.verl)
 
 
 ProgressHook = Callable[[str, MeasuredAction | None], None]
@@ -207,6 +219,7 @@ class _Arm:
         self.python = "python3"
         self.slot = max(1, config.cores // len(plans))
         self.slots = anyio.Semaphore(max(1, config.cores // self.slot))
+        self.calls = anyio.Semaphore(max(1, config.cores // config.call_cores))
 
     async def run(self, backend: SandboxBackend) -> ArmOutcome:
         from .._testing._quota_server import Limit, QuotaServer
@@ -249,7 +262,7 @@ class _Arm:
         capacity: dict[str, object] = {}
         for quota in quotas:
             capacity.update(quota.capacity())
-        policy = FcfsPolicy() if self.static else ElasticPolicy()
+        policy = ElasticPolicy() if self.name == "tangram" else FcfsPolicy()
         async with (
             server,
             SandboxPool(backend, warm=len(self.plans)) as pool,
@@ -353,7 +366,10 @@ class _Arm:
         wanted: float,
         waited: float,
     ) -> MeasuredAction:
-        """Run one turn's action; ``waited`` is the static arm's wait for its slot."""
+        """Run one turn's action; ``waited`` is the static arm's wait for its slot.
+
+        The verl arm's wait for its semaphore is queueing too, like the grant's.
+        """
         if turn.kind == "search":
             return await self._search(http, plan, number, wanted)
         if turn.kind == "tests":
@@ -365,18 +381,25 @@ class _Arm:
             script = f"build_turn{number}.py"
             await sbx.put(script, build_source(turn, self.config.seed + number))
             argv = [self.python, "runner.py", script, "job_"]
-        cpu: int | Elastic = (
-            self.slot if self.static else Elastic(1, self.config.cores, resizable=True)
-        )
-        result = await sbx.run(argv, cpu=cpu, kind=turn.kind, timeout=120)
+        if self.name == "verl":
+            asked = self._now()
+            async with self.calls:
+                waited = self._now() - asked
+                result = await sbx.run(
+                    argv, cpu=self.config.call_cores, kind=turn.kind, timeout=120
+                )
+        else:
+            cpu = self.slot if self.static else Elastic(1, self.config.cores, resizable=True)
+            result = await sbx.run(argv, cpu=cpu, kind=turn.kind, timeout=120)
         done = self._now()
         self.cpu_seconds += 0.0 if math.isnan(result.cpu_seconds) else result.cpu_seconds
         passed, _, rest = result.stdout.decode(errors="replace").partition(" passed, ")
         failed = rest.partition(" failed")[0]
         if turn.kind == "tests" and passed.isdigit() and failed.isdigit():
             self.history[plan.name].append(int(passed) / max(1, int(passed) + int(failed)))
-        # Queueing is the wait for the grant, plus the wait for a static slot; overhead
-        # is what is left of the measured ACT: writing the files, starting the process.
+        # Queueing is the wait for the grant, plus the wait for a static slot or for the
+        # verl arm's semaphore; overhead is what is left of the measured ACT: writing the
+        # files, starting the process.
         queue = waited + result.queue_seconds
         overhead = max(0.0, done - wanted - result.exec_seconds - queue)
         return MeasuredAction(
@@ -456,14 +479,14 @@ async def _run(config: BenchConfig, hook: ProgressHook) -> BenchResult:
     plans = make_plan(config)
     arms: dict[str, ArmOutcome] = {}
     backend_name = config.sandbox
-    for name in ("tangram", "static"):
+    for name in ("tangram", "static", "verl"):
         backend = await _make_backend(config)
         arms[name] = await _Arm(name, config, plans, hook).run(backend)
-    return BenchResult(config, backend_name, arms["tangram"], arms["static"])
+    return BenchResult(config, backend_name, arms["tangram"], arms["static"], arms["verl"])
 
 
 def run_bench(config: BenchConfig, hook: ProgressHook | None = None) -> BenchResult:
-    """Run both arms, tangram first, on fresh pools and runtimes; blocks until done.
+    """Run the three arms, tangram first, on fresh pools and runtimes; blocks until done.
 
     A ``KeyboardInterrupt`` cancels the step; every sandbox, server and model pool is
     closed on the way out (their ``async with`` blocks shield their cleanup).

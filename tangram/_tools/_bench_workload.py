@@ -123,12 +123,19 @@ class BenchConfig:
     time_scale: float = 1.0
     search_rate: float = 2.0
     reward_models: int = 3
+    #: cores each sandbox call runs on in the verl arm: one, as SandboxFusion runs a call
+    #: as one process and verl has no setting for it.
+    call_cores: int = 1
 
     def __attrs_post_init__(self) -> None:
-        for name in ("trajectories", "cores", "turns"):
+        for name in ("trajectories", "cores", "turns", "call_cores"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be a whole number >= 1 (got {value!r})")
+        if self.call_cores > self.cores:
+            raise ValueError(
+                f"`call_cores` must be <= `cores` (got {self.call_cores} > {self.cores})"
+            )
         if self.reward_models < 2:
             raise ValueError(f"`reward_models` must be >= 2 (got {self.reward_models!r})")
         for name in ("time_scale", "search_rate"):
@@ -175,7 +182,7 @@ class TrajectoryPlan:
 
 
 def make_plan(config: BenchConfig) -> list[TrajectoryPlan]:
-    """Seeded coding-agent trajectories; both arms run exactly these.
+    """Seeded coding-agent trajectories; every arm runs exactly these.
 
     Generation gaps are 0.3 s plus an exponential (2 s on average, at most 6 s), so the
     environment is busy about a third of a trajectory's life, the AI-coding shape of the
