@@ -78,12 +78,13 @@ def _add_fusion_command(commands: Any) -> None:
 def _add_bench_command(commands: Any) -> None:
     bench = commands.add_parser(
         "bench",
-        help="run a real rollout step on this machine, under tangram and under static slots",
+        help="run a real rollout step on this machine: tangram, static slots, verl's semaphore",
         description=(
-            "Runs the same coding-agent rollout step twice on real executors: tests and builds "
-            "in sandboxes, a rate-limited search service on loopback and torch reward models "
-            "behind the GPU-service pool, once with tangram's elastic policy and once with a "
-            "fixed per-trajectory slot; then prints the measured figures."
+            "Runs the same coding-agent rollout step three times on real executors: tests and "
+            "builds in sandboxes, a rate-limited search service on loopback and torch reward "
+            "models behind the GPU-service pool; once with tangram's elastic policy, once with "
+            "a fixed per-trajectory slot and once with verl's semaphore around each sandbox "
+            "call at one core per call; then prints the measured figures."
         ),
     )
     bench.add_argument("--trajectories", type=_positive_int, help="default: three per core")
