@@ -32,7 +32,7 @@ def test_same_seed_same_bytes(workload: str) -> None:
 
 
 def test_coding_shape_matches_the_paper() -> None:
-    # PAPER.md: the environment is busy ~47% of a coding trajectory's life.
+    # The paper: the environment is busy ~47% of a coding trajectory's life.
     trace = tangram.read_trace(
         generate(GenerateConfig(workload="coding", batch=200, seed=0)).splitlines()
     )

@@ -1,4 +1,4 @@
-"""``tangram simulate`` in-process: the table, the JSON of TRACES.md, plots and errors."""
+"""``tangram simulate`` in-process: the table, the JSON of docs/traces.md, plots and errors."""
 
 from __future__ import annotations
 

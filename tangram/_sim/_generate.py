@@ -5,8 +5,8 @@ workloads whose *shape* matches what it reports: a coding sandbox busy about 47%
 trajectory's life with elastic builds and tests, a search agent whose calls hit a rate- and
 concurrency-limited API and end in a GPU judge, and on-policy distillation against nine
 teachers of skewed popularity. Every number below is a documented guess anchored on a
-figure of PAPER.md (see docs/simulate.md, "Distributions"); the traces are for comparing
-policies on the same input, not for predicting a real cluster.
+figure of the ARL-Tangram paper (see docs/simulate.md, "Distributions"); the traces are
+for comparing policies on the same input, not for predicting a real cluster.
 
 Output is deterministic: one :class:`random.Random` seeded by the caller, draws in a fixed
 order, floats rounded, keys in a fixed order, so a seed gives byte-identical files.
@@ -50,7 +50,7 @@ CONTENDED_API = 0.5
 
 # Scoring chunks one teacher replica serves at once. Teacher scoring is prefill only (the
 # student's tokens are given), which an inference server batches far wider than decoding
-# (vLLM's default max_num_seqs is 256). Anchored on PAPER.md's MOPD-2048 breakdown, 0.081 s
+# (vLLM's default max_num_seqs is 256). Anchored on the paper's MOPD-2048 breakdown, 0.081 s
 # of queueing at ~10 GPUs: with 8, a replica was the bottleneck and the same trace queued
 # 14.9 s on average at 10 GPUs; with 32 it queues 0.07 s there.
 TEACHER_BATCH = 32

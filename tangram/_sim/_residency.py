@@ -35,7 +35,7 @@ def _count(instance: object, attribute: attrs.Attribute[int], value: int) -> Non
 
 @attrs.frozen(kw_only=True)
 class ServiceSpec:
-    """A model service as a trace header declares it (TRACES.md, ``services``).
+    """A model service as a trace header declares it (docs/traces.md, ``services``).
 
     ``gpu_mem_gib`` is what one replica occupies while resident, spread evenly over its
     ``gpus`` devices. A cold load is never paid: every service is deployed when the step

@@ -41,7 +41,7 @@ def _round(value: float) -> float:
 
 
 def summarise(result: SimulationResult) -> dict[str, Any]:
-    """One policy's entry of the result JSON (TRACES.md, "A simulation result")."""
+    """One policy's entry of the result JSON (docs/traces.md, "A simulation result")."""
     records = result.records
     count = len(records)
 
