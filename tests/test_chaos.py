@@ -58,6 +58,9 @@ REAL_RATE = tangram.Rate(20_000, burst=100)
 
 DEMANDS: list[Callable[[random.Random], dict[str, object]]] = [
     lambda r: {"cpu": r.randint(1, 4)},
+    # Now and then more than any capacity the run sets (at most 32 cores): refused at the
+    # call, so a short run sees that fate whatever the timing of its capacity cuts.
+    lambda r: {"cpu": r.randint(1, 40)},
     lambda r: {"cpu": 1, "mem": f"{r.randint(1, 8)}GiB"},
     lambda r: {"cpu": tangram.Elastic(1, r.randint(1, 8))},
     lambda r: {"cpu": tangram.Elastic(2, 16, resizable=True), "mem": "1GiB"},
