@@ -10,37 +10,19 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import AsyncIterator
 
 import aiodocker
 import anyio
 import pytest
-from test_sandbox_docker import (
+from docker_support import (
     Setup,
     config,
-    ensure_docker,
     open_pool,
 )
 
 from tangram.errors import SandboxBrokenError
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
-async def docker() -> None:
-    await ensure_docker()
-
-
-@pytest.fixture
-async def setup(docker: None) -> AsyncIterator[Setup]:
-    async with open_pool() as value:
-        yield value
 
 
 async def test_sixteen_mib_go_in_and_out_of_a_parked_sandbox(setup: Setup) -> None:

@@ -18,11 +18,10 @@ import anyio
 import anyio.abc
 import pytest
 from anyio import open_process
-from test_sandbox_docker import (
+from docker_support import (
     IMAGE,
     REPO,
     config,
-    ensure_docker,
     open_pool,
 )
 
@@ -32,16 +31,6 @@ from tangram._sandbox._pool import Sandbox, SandboxPool
 from tangram.errors import SandboxBrokenError, SandboxError
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
-async def docker() -> None:
-    await ensure_docker()
 
 
 @pytest.mark.slow

@@ -9,118 +9,35 @@ registry pull (see ``.ci/docker.sh`` and docs/sandboxes.md).
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import anyio
 import pytest
+from docker_support import (
+    CPUSET_FILES,
+    IMAGE,
+    QUOTA_FILES,
+    REPO,
+    Setup,
+    aiodocker,
+    config,
+    docker_quota_is,
+    eventually,
+    inspect,
+    open_pool,
+    quota_of,
+)
 
 import tangram
 from tangram._sandbox._backend import RunResult
+from tangram._sandbox._cgroupfs import CgroupFiles
+from tangram._sandbox._docker import PARKED_QUOTA_US, PERIOD_US, DockerBackend, DockerConfig
 from tangram._sandbox._pool import Sandbox, SandboxPool
 from tangram.errors import SandboxBrokenError
 
-aiodocker = (
-    pytest.importorskip("aiodocker") if not os.environ.get("CI") else __import__("aiodocker")
-)
-
-from tangram._sandbox._cgroupfs import CgroupFiles  # noqa: E402
-from tangram._sandbox._docker import (  # noqa: E402
-    PARKED_QUOTA_US,
-    PERIOD_US,
-    DockerBackend,
-    DockerConfig,
-    docker_usable,
-)
-
 pytestmark = pytest.mark.anyio
-IMAGE = os.environ.get("TANGRAM_SANDBOX_IMAGE", "tangram-sandbox-test:latest")
-REPO = Path(__file__).resolve().parent.parent
-_ready: bool | None = None
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    # aiodocker is built on aiohttp, which runs on asyncio only.
-    return "asyncio"
-
-
-async def _docker_ready() -> bool:
-    return await docker_usable(DockerConfig(image=IMAGE))
-
-
-async def ensure_docker() -> None:
-    """Skip where Docker is missing, but never on CI, which sets it up instead."""
-    global _ready
-    if _ready is None:
-        _ready = await _docker_ready()
-        if not _ready and os.environ.get("CI"):
-            await anyio.run_process(["bash", str(REPO / ".ci" / "docker.sh")], check=True)
-            _ready = await _docker_ready()
-            assert _ready, "Docker is not usable even after .ci/docker.sh"
-    if not _ready:
-        pytest.skip("no Docker daemon or test image here (run .ci/docker.sh); CI never skips")
-
-
-@pytest.fixture
-async def docker() -> None:
-    await ensure_docker()
-
-
-def config(**changes: Any) -> DockerConfig:
-    return DockerConfig(image=IMAGE, **changes)
-
-
-class Setup:
-    def __init__(self, pool: SandboxPool, runtime: tangram.Runtime) -> None:
-        self.pool = pool
-        self.runtime = runtime
-
-
-@contextlib.asynccontextmanager
-async def open_pool(**options: Any) -> AsyncIterator[Setup]:
-    backend = DockerBackend(config=options.pop("config", None) or config())
-    async with (
-        SandboxPool(backend, **options) as pool,
-        tangram.Runtime(capacity=pool.capacity()) as runtime,
-    ):
-        yield Setup(pool, runtime)
-
-
-@pytest.fixture
-async def setup(docker: None) -> AsyncIterator[Setup]:
-    async with open_pool() as value:
-        yield value
-
-
-QUOTA_FILES = "/sys/fs/cgroup/cpu/cpu.cfs_quota_us /sys/fs/cgroup/cpu.max"
-CPUSET_FILES = "/sys/fs/cgroup/cpuset/cpuset.cpus /sys/fs/cgroup/cpuset.cpus.effective"
-
-
-def quota_of(text: str) -> int:
-    return int(text.split()[0])
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], seconds: float = 20.0) -> None:
-    """Poll state kept outside this process (a container's files, Docker's records).
-
-    No event exists to wait on there; the deadline keeps a broken case from hanging.
-    """
-    with anyio.fail_after(seconds):
-        while not await check():  # noqa: ASYNC110
-            await anyio.sleep(0.01)
-
-
-async def docker_quota_is(sbx: Sandbox, quota: int) -> bool:
-    return bool((await inspect(sbx))["HostConfig"]["CpuQuota"] == quota)
-
-
-async def inspect(sbx: Sandbox) -> dict[str, Any]:
-    details: dict[str, Any] = await sbx._handle.container.show()  # type: ignore[attr-defined]
-    return details
 
 
 async def test_grant_applied_during_the_action_and_parked_after(setup: Setup) -> None:

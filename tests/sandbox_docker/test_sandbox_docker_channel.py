@@ -8,16 +8,13 @@ the call instead of costing the sandbox. They never skip on CI (see test_sandbox
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
 
 import anyio
 import pytest
-from test_sandbox_docker import (
+from docker_support import (
     Setup,
     config,
-    ensure_docker,
     inspect,
-    open_pool,
 )
 
 from tangram._sandbox._backend import ExecRequest
@@ -29,22 +26,6 @@ pytestmark = pytest.mark.anyio
 FORGED = (
     '{"ok": true, "exit_code": 0, "stdout": "QUxMIFRFU1RTIFBBU1NFRAo=", "stderr": "", "id": 1}\n'
 )
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
-async def docker() -> None:
-    await ensure_docker()
-
-
-@pytest.fixture
-async def setup(docker: None) -> AsyncIterator[Setup]:
-    async with open_pool() as value:
-        yield value
 
 
 async def test_a_forged_reply_on_the_runners_stdout_is_not_believed(setup: Setup) -> None:
