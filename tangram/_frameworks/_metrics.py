@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from .._quota._keys import KeyStats
     from .._quota._quota import Quota
 
-__all__ = ["Collector", "StepMetrics", "adapter_keys", "step_logs"]
+__all__ = ["Collector", "StepMetrics", "adapter_keys", "is_level", "step_logs"]
 
 PREFIX = "tangram/"
 #: Keys of a step's dict that are levels now, not changes since the last step.
@@ -149,7 +149,8 @@ def _grouped(out: dict[str, float], name: str, values: Mapping[str, float | int]
         out[f"{PREFIX}{name}/{label}"] = float(value)
 
 
-def _is_level(key: str) -> bool:
+def is_level(key: str) -> bool:
+    """Whether a step's key is a level at the call (units held), not a change since the last."""
     return key[len(PREFIX) :].startswith(_LEVELS)
 
 
@@ -221,7 +222,7 @@ class StepMetrics:
         out: dict[str, float] = {}
         for key in wanted:
             value = now.get(key, 0.0)
-            if not _is_level(key):
+            if not is_level(key):
                 before = last.get(key, 0.0)
                 # Totals only grow; a smaller one was restarted (a kind the runtime's
                 # bounded book dropped and saw again), and all of it is new.

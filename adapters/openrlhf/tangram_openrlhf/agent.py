@@ -17,7 +17,9 @@ environment), table ``[adapters.openrlhf]``:
 - ``case_timeout`` (10), ``partial`` (false): the ``"tests"`` reward's limit per call into
   the answer (``timeout`` bounds the whole grading), and whether it scores the fraction of
   tests passed instead of all or nothing;
-- ``feedback``: the text appended after a tool call, ``{output}`` standing for its output.
+- ``feedback``: the text appended after a tool call, ``{output}`` standing for its output;
+- ``metrics`` (false): add the scheduler's figures to each episode's ``extra_logs``, which
+  OpenRLHF logs per step (``tangram/queue_s``, ``tangram/held/cpu`` ...: docs/metrics.md).
 
 A tool call is written as verl and Qwen write them:
 ``<tool_call>{"name": "run_code", "arguments": {"code": "..."}}</tool_call>``. Every step
@@ -45,6 +47,7 @@ from tangram._frameworks import _session
 from tangram._frameworks._convert import cpu_demand, extract_code, format_result
 from tangram._frameworks._failures import is_infrastructure, record
 from tangram._frameworks._grade import grade, parse_tests
+from tangram._frameworks._metrics import is_level, step_logs
 from tangram._frameworks._session import release_later
 from tangram.config import ConfigError
 
@@ -61,6 +64,7 @@ _SETTINGS = {
     "tangram_config",
     "case_timeout",
     "partial",
+    "metrics",
 }
 DEFAULT_FEEDBACK = "\n<tool_response>\n{output}</tool_response>\n"
 
@@ -101,6 +105,8 @@ class AgentInstance(AgentInstanceBase):  # type: ignore[misc]
         self.feedback: str = settings.get("feedback", DEFAULT_FEEDBACK)
         self.case_timeout: float | None = settings.get("case_timeout")
         self.partial = bool(settings.get("partial", False))
+        self.metrics = bool(settings.get("metrics", False))
+        self.scheduler_logs: dict[str, float] = {}
         self.turns = 0
         self.tool_calls = 0
         self.last_code: str | None = None
@@ -149,7 +155,7 @@ class AgentInstance(AgentInstanceBase):  # type: ignore[misc]
                 "environment_feedback": "".join(self.feedback.format(output=o) for o in outputs),
                 "done": False,
                 "sampling_params": states.get("sampling_params"),
-                "extra_logs": self._logs(),
+                "extra_logs": await self._logs(),
             }
         try:
             reward = await self._score(action, states.get("label"))
@@ -161,12 +167,22 @@ class AgentInstance(AgentInstanceBase):  # type: ignore[misc]
             "environment_feedback": "",
             "done": True,
             "sampling_params": states.get("sampling_params"),
-            "extra_logs": self._logs(),
+            "extra_logs": await self._logs(),
         }
 
-    def _logs(self) -> dict[str, float]:
+    async def _logs(self) -> dict[str, float]:
         # The same keys on every step: OpenRLHF stacks the last step's logs across samples.
-        return {"turns": float(self.turns), "tool_calls": float(self.tool_calls)}
+        logs = {"turns": float(self.turns), "tool_calls": float(self.tool_calls)}
+        if self.metrics:
+            # OpenRLHF keeps only an episode's last logs, so each step's change since the
+            # process's previous one adds up here (levels, ``tangram/held/...``, are now's).
+            async with _session.session(self.config_path) as resources:
+                change = await step_logs(resources.scheduler, resources, (self.kind, "reward"))
+            for key, value in change.items():
+                before = 0.0 if is_level(key) else self.scheduler_logs.get(key, 0.0)
+                self.scheduler_logs[key] = before + value
+            logs.update(self.scheduler_logs)
+        return logs
 
     async def _run(self, code: str) -> tangram.RunResult:
         if self._sandbox is None:
