@@ -25,7 +25,7 @@ openrlhf = pytest.importorskip("openrlhf") if not os.environ.get("CI") else __im
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     from _tiny import tiny_tokenizer
-    from openrlhf.trainer.ppo_utils.experience import Experience
+    from openrlhf.trainer.ppo_utils.experience import Experience  # type: ignore[import-untyped]
     from test_openrlhf import DOCS_CONFIG, TESTS, _call, _Engine, _load_executor, _params
 
     from tangram._frameworks import _session

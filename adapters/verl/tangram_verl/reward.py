@@ -49,6 +49,7 @@ from tangram._frameworks import _session
 from tangram._frameworks._convert import cpu_demand, extract_code
 from tangram._frameworks._failures import is_infrastructure, record
 from tangram._frameworks._grade import grade, parse_tests
+from tangram._frameworks._metrics import step_logs
 from tangram.config import ConfigError
 from tangram_verl.tools import TOOL_METRICS
 
@@ -66,6 +67,7 @@ _SETTINGS = {
     "timeout",
     "case_timeout",
     "partial",
+    "metrics",
 }
 
 
@@ -194,7 +196,9 @@ class TangramRewardManager(RewardManagerBase):
     (``+reward.tangram.service=judge`` on the command line). The config and the tables
     the settings use are checked when verl builds it. ``reward_extra_info`` carries the
     sample's tool totals (``tool_calls``, ``tool_cores``, ``tool_queue_seconds``,
-    ``tool_exec_seconds``, ``tool_timeouts``) beside the score.
+    ``tool_exec_seconds``, ``tool_timeouts``) beside the score, and with ``metrics = true``
+    what this process's scheduler did since the previous sample (``tangram/queue_s``,
+    ``tangram/restores``, ``tangram/limited`` ...: docs/metrics.md).
     """
 
     def __init__(
@@ -254,6 +258,12 @@ class TangramRewardManager(RewardManagerBase):
             ):
                 result = await anyio.to_thread.run_sync(functools.partial(self.custom, **arguments))
         tools = tool_metrics(item.non_tensor_batch.get("tool_extra_fields", None))
+        if self.settings.get("metrics"):
+            # What this reward process's scheduler did since its previous sample: verl keeps
+            # reward_extra_info per sample (validation metrics, rollout dumps), so the
+            # samples of a step add up to the step.
+            async with _session.session(self.settings.get("tangram_config")) as resources:
+                tools.update(await step_logs(resources.scheduler, resources, ("reward",)))
         if isinstance(result, Mapping):
             return {"reward_score": result["score"], "reward_extra_info": {**tools, **result}}
         return {"reward_score": float(result), "reward_extra_info": {**tools, "acc": float(result)}}
