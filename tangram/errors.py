@@ -8,12 +8,18 @@ already catch, so ``except ValueError`` around a bad demand keeps working::
     │   ├── DemandTypeError (TypeError)      a value of the wrong type
     │   ├── UnknownResourceError (LookupError)  names a resource the runtime lacks
     │   └── CapacityExceededError            asks for more than the whole capacity
-    ├── InvalidCapacityError (ValueError)    a capacity or setting that makes no sense
+    ├── InvalidSettingError (ValueError)     a policy, estimator or runtime setting out of range
+    │   ├── SettingTypeError (TypeError)     a setting or argument of the wrong type
+    │   └── InvalidCapacityError             a capacity that makes no sense
     ├── ConfigError (ValueError)             a config file that cannot be read or is impossible
     ├── WaitTimeoutError (TimeoutError)      queued for longer than ``wait_timeout``
     ├── RuntimeClosedError (RuntimeError)    your code used a runtime that is not running
     ├── NoCurrentRuntimeError (RuntimeError) ``tangram.acquire`` outside ``async with runtime``
     ├── AcquireReusedError (RuntimeError)    your code entered one ``acquire(...)`` twice
+    ├── SelfDeadlockError (RuntimeError)     the task's own leases keep its demand from fitting
+    ├── LeaseNotResizableError (RuntimeError)  ``wait_resized`` on a lease never resized
+    ├── LeaseReleasedError (RuntimeError)    ``wait_resized`` on a lease no longer held
+    ├── InstrumentNotAttachedError (KeyError)  removing an instrument that is not attached
     ├── GpuError                             a GPU model service could not serve the action
     │   ├── GpuOutOfMemoryError (MemoryError)  a restore or load ran out of device memory
     │   ├── GpuServiceError (RuntimeError)     the service failed (an outside cause)
@@ -29,6 +35,11 @@ already catch, so ``except ValueError`` around a bad demand keeps working::
 
 Bad arguments fail at the call that made them, before anything is queued: a demand that
 cannot be served never waits in the queue to fail later.
+
+One warning has a class of its own, so it can be filtered or turned into an error::
+
+    TangramWarning (UserWarning)
+    └── DeadlockRiskWarning                  a task waits for units while holding others
 """
 
 from __future__ import annotations
@@ -44,9 +55,14 @@ __all__ = [
     "GpuError",
     "GpuOutOfMemoryError",
     "GpuPoolClosedError",
+    "DeadlockRiskWarning",
     "GpuServiceError",
+    "InstrumentNotAttachedError",
     "InvalidCapacityError",
     "InvalidDemandError",
+    "InvalidSettingError",
+    "LeaseNotResizableError",
+    "LeaseReleasedError",
     "NoCurrentRuntimeError",
     "PlotUnavailableError",
     "QuotaDeadlineError",
@@ -55,7 +71,10 @@ __all__ = [
     "SandboxClosedError",
     "SandboxError",
     "SchedulerUnavailableError",
+    "SelfDeadlockError",
+    "SettingTypeError",
     "TangramError",
+    "TangramWarning",
     "TraceFormatError",
     "UnknownResourceError",
     "WaitTimeoutError",
@@ -86,14 +105,33 @@ class CapacityExceededError(InvalidDemandError):
     """
 
 
-class InvalidCapacityError(TangramError, ValueError):
-    """A capacity or runtime setting that makes no sense (negative, NaN, wrong unit)."""
+class InvalidSettingError(TangramError, ValueError):
+    """A setting of a policy, estimator or runtime outside what it allows.
+
+    Raised where the object is built (``FcfsPolicy(dop=0)``), naming the parameter, the
+    value and the allowed range. A mistake in the calling code.
+    """
+
+
+class SettingTypeError(InvalidSettingError, TypeError):
+    """A setting or argument of the wrong type: ``FcfsPolicy(dop="4")``, a policy without
+    ``plan``, an instrument that is not a :class:`tangram.Instrument`, a ``fn`` that is
+    not callable.
+
+    Also a ``ValueError``, as these settings raised before they had a class of their own.
+    """
+
+
+class InvalidCapacityError(InvalidSettingError):
+    """A capacity that makes no sense: negative, NaN, of the wrong type or unit."""
 
 
 class WaitTimeoutError(TangramError, TimeoutError):
     """The action waited in the queue longer than its ``wait_timeout``.
 
-    Nothing was granted: the action left the queue and holds no units.
+    Nothing was granted: the action left the queue and holds no units. Raised at once,
+    with a :class:`SelfDeadlockError` as ``__cause__``, when the task's own leases mean
+    no grant can come within the timeout.
     """
 
 
@@ -118,6 +156,41 @@ class AcquireReusedError(TangramError, RuntimeError):
     Each one stands for one action and its one lease; call ``acquire`` again for another.
     A mistake in the calling code.
     """
+
+
+class SelfDeadlockError(TangramError, RuntimeError):
+    """The demand can never be granted while this task holds the leases it holds.
+
+    The task's own leases on the runtime plus the demand's minimum exceed the capacity of
+    some resource, and the task cannot release them while it waits: the acquire would
+    wait forever. Raised at the acquire, before anything is queued (or, for an action
+    already waiting, when ``Runtime.set_capacity`` lowers the capacity below that sum).
+    Ask for everything in one demand, or release the outer lease first.
+    """
+
+
+class LeaseNotResizableError(TangramError, RuntimeError):
+    """``wait_resized`` on a lease whose demand is not ``Elastic(..., resizable=True)``.
+
+    The scheduler never resizes such a lease, so the wait would never end.
+    """
+
+
+class LeaseReleasedError(TangramError, RuntimeError):
+    """``wait_resized`` on a lease that is no longer held: its block ended (or, on Ray,
+    the scheduler reclaimed it), so no resize can come.
+
+    Also raised in a task still waiting when the lease goes.
+    """
+
+
+class InstrumentNotAttachedError(TangramError, KeyError):
+    """``Runtime.remove_instrument`` of an instrument that is not attached: never was,
+    already removed, or detached because one of its hooks raised."""
+
+    def __str__(self) -> str:
+        # KeyError's own __str__ shows the message's repr, quotes and all.
+        return str(self.args[0]) if self.args else ""
 
 
 class QuotaDeadlineError(TangramError, TimeoutError):
@@ -208,6 +281,21 @@ class ConfigError(TangramError, ValueError):
     """A tangram config file that cannot be read or says something impossible.
 
     The message names the file and the key, so the worker process that failed says why.
+    """
+
+
+class TangramWarning(UserWarning):
+    """Base of every warning tangram gives."""
+
+
+class DeadlockRiskWarning(TangramWarning):
+    """A task waits for units while it holds a lease on the same runtime.
+
+    It may be served once others release, or wait forever if those others wait for this
+    task (a parent in a task group waiting for the child that holds them, say). The case
+    that is certain, the task's own leases making the demand impossible, is
+    :class:`SelfDeadlockError` instead. Silence it with
+    ``warnings.filterwarnings("ignore", category=tangram.errors.DeadlockRiskWarning)``.
     """
 
 

@@ -158,3 +158,31 @@ def test_demand_is_frozen_value() -> None:
 def test_demand_must_be_a_mapping(amounts: object) -> None:
     with pytest.raises(DemandTypeError, match="mapping"):
         build_demand(amounts, CAP)  # type: ignore[arg-type]
+
+
+def test_over_capacity_sizes_read_in_their_units() -> None:
+    """Issue 20: ``3.43597e+10`` made the reader do the division."""
+    capacity = parse_capacity({"mem": "16GiB", "gpu_mem": 17179869184})
+    with pytest.raises(CapacityExceededError) as info:
+        build_demand({"mem": "32GiB"}, capacity)
+    assert str(info.value) == "demand 'mem' needs 32GiB, more than the whole capacity 16GiB"
+    with pytest.raises(CapacityExceededError) as info:
+        build_demand({"gpu_mem": 34359738368}, capacity)  # a count is shown exactly
+    assert "needs 34359738368, more than the whole capacity 17179869184" in str(info.value)
+
+
+def test_over_burst_says_burst() -> None:
+    with pytest.raises(CapacityExceededError, match="needs 11, more than the whole burst 10"):
+        build_demand({"api": 11}, CAP)
+
+
+def test_a_bare_number_capacity_is_a_count_in_the_callers_unit() -> None:
+    """``{"mem": 16}`` declares no unit, so it is a count: demands use the same unit."""
+    capacity = parse_capacity({"mem": 16})
+    assert dict(build_demand({"mem": 2}, capacity).rigid) == {"mem": 2.0}
+    with pytest.raises(DemandTypeError) as info:
+        build_demand({"mem": "2GiB"}, capacity)
+    message = str(info.value)
+    assert "capacity 'mem' is a count (16)" in message
+    assert "{'mem': '16GiB'}" in message  # how to declare a size instead
+    assert "'2GiB'" in message

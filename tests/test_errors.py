@@ -1,7 +1,7 @@
 """The error tree: every error is a TangramError and the builtin the tree says it is.
 
-The tree is read from the ``tangram.errors`` docstring, so the picture users read and the
-classes they catch cannot drift apart.
+The trees (errors, then warnings) are read from the ``tangram.errors`` docstring, so the
+picture users read and the classes they catch cannot drift apart.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ import tangram
 from tangram import errors
 
 # "    │   ├── DemandTypeError (TypeError)      a value of the wrong type"
-_LINE = re.compile(r"^(?P<indent>[\s│]*)(?:[├└]── )?(?P<name>\w+Error)(?: \((?P<builtin>\w+)\))?")
+_LINE = re.compile(
+    r"^(?P<indent>[\s│]*)(?:[├└]── )?(?P<name>\w+(?:Error|Warning))(?: \((?P<builtin>\w+)\))?"
+)
 
 
 def _tree() -> dict[str, tuple[str | None, str | None]]:
@@ -38,18 +40,23 @@ def _tree() -> dict[str, tuple[str | None, str | None]]:
 
 
 TREE = _tree()
+WARNINGS = {name for name in TREE if name.endswith("Warning")}
 
 
 def test_the_tree_names_every_error_and_nothing_else() -> None:
     assert set(TREE) == set(errors.__all__)
     assert TREE["TangramError"] == (None, None)
+    assert TREE["TangramWarning"] == (None, "UserWarning")
 
 
 @pytest.mark.parametrize("name", sorted(TREE))
 def test_error_matches_its_place_in_the_tree(name: str) -> None:
     error = getattr(errors, name)
     parent, builtin = TREE[name]
-    assert issubclass(error, errors.TangramError)
+    if name in WARNINGS:
+        assert issubclass(error, errors.TangramWarning)
+    else:
+        assert issubclass(error, errors.TangramError)
     assert issubclass(error, Exception)
     if parent is not None:
         assert issubclass(error, getattr(errors, parent)), f"{name} is not a {parent}"
@@ -70,6 +77,15 @@ def test_error_matches_its_place_in_the_tree(name: str) -> None:
         ("WaitTimeoutError", TimeoutError),
         ("RuntimeClosedError", RuntimeError),
         ("NoCurrentRuntimeError", RuntimeError),
+        ("InvalidSettingError", ValueError),
+        ("SettingTypeError", TypeError),
+        ("SettingTypeError", ValueError),
+        ("InvalidCapacityError", errors.InvalidSettingError),
+        ("SelfDeadlockError", RuntimeError),
+        ("LeaseNotResizableError", RuntimeError),
+        ("LeaseReleasedError", RuntimeError),
+        ("InstrumentNotAttachedError", KeyError),
+        ("DeadlockRiskWarning", UserWarning),
     ],
 )
 def test_the_builtins_callers_catch(name: str, builtin: type[Exception]) -> None:
@@ -90,6 +106,11 @@ def test_errors_pickle_with_their_message(name: str) -> None:
     copy = pickle.loads(pickle.dumps(error))
     assert type(copy) is type(error)
     assert str(copy) == "what happened"
+
+
+def test_a_key_error_of_ours_reads_as_its_message() -> None:
+    """KeyError's own str() quotes its message; ours reads as a sentence like the rest."""
+    assert str(errors.InstrumentNotAttachedError("not attached")) == "not attached"
 
 
 def test_errors_are_reachable_from_the_package() -> None:

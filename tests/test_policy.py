@@ -16,6 +16,7 @@ from tangram import Amdahl, Elastic, ElasticPolicy, Estimator, FcfsPolicy, Linea
 from tangram._core._ledger import Ledger, held_matches_grants
 from tangram._core._policy import RUNNING, WAITING, Entry, Policy
 from tangram._core._resources import parse_capacity
+from tangram.errors import InvalidSettingError, SettingTypeError
 
 PROPERTY = settings(deadline=None, max_examples=100, derandomize=True)
 EPS = 1e-6
@@ -324,10 +325,24 @@ def test_fcfs_dop_clamped_to_capacity() -> None:
     assert entry.units == 6
 
 
-@pytest.mark.parametrize("dop", [0, -1, True, 2.5, "all", None])
-def test_fcfs_rejects_bad_dop(dop: object) -> None:
-    with pytest.raises(ValueError, match="dop"):
+@pytest.mark.parametrize(
+    ("dop", "error"),
+    [
+        (0, InvalidSettingError),
+        (-1, InvalidSettingError),
+        (True, SettingTypeError),
+        (2.5, SettingTypeError),
+        ("all", SettingTypeError),
+        (None, SettingTypeError),
+    ],
+)
+def test_fcfs_rejects_bad_dop(dop: object, error: type[Exception]) -> None:
+    """A tangram error that is still the ValueError these always raised (issue 20)."""
+    with pytest.raises(error, match=r"`dop` must be 'min', 'max' or a whole number >= 1") as info:
         FcfsPolicy(dop=dop)  # type: ignore[arg-type]
+    assert type(info.value) is error
+    assert isinstance(info.value, ValueError)
+    assert repr(dop) in str(info.value)
 
 
 @pytest.mark.parametrize(
@@ -347,8 +362,13 @@ def test_fcfs_rejects_bad_dop(dop: object) -> None:
     ],
 )
 def test_elastic_policy_rejects_bad_settings(kwargs: dict[str, object]) -> None:
-    with pytest.raises(ValueError, match=next(iter(kwargs))):
+    name, value = next(iter(kwargs.items()))
+    with pytest.raises(InvalidSettingError, match=name) as info:
         ElasticPolicy(**kwargs)  # type: ignore[arg-type]
+    assert isinstance(info.value, ValueError)
+    assert f"(got {value!r})" in str(info.value)
+    wrong_type = kwargs in ({"starvation_bound": True}, {"window": 2.5})
+    assert isinstance(info.value, SettingTypeError) == wrong_type
 
 
 # -- the elastic policy's decisions -----------------------------------------------------------

@@ -22,12 +22,23 @@ def held(runtime: tangram.Runtime) -> float:
 
 async def test_asyncio_timeout_while_waiting_releases() -> None:
     async with tangram.Runtime(capacity={"cpu": 1}) as runtime:
-        async with runtime.acquire(cpu=1):
-            with pytest.raises(TimeoutError):
-                async with asyncio.timeout(0.02), runtime.acquire(cpu=1, kind="late"):
-                    pytest.fail("granted while held")  # pragma: no cover
-            assert runtime.stats().waiting == 0
-            assert held(runtime) == 1
+        # Held by another task: one holding it itself would be refused at once.
+        holding, release = asyncio.Event(), asyncio.Event()
+
+        async def holder() -> None:
+            async with runtime.acquire(cpu=1):
+                holding.set()
+                await release.wait()
+
+        task = asyncio.create_task(holder())
+        await holding.wait()
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.02), runtime.acquire(cpu=1, kind="late"):
+                pytest.fail("granted while held")  # pragma: no cover
+        assert runtime.stats().waiting == 0
+        assert held(runtime) == 1
+        release.set()
+        await task
         assert runtime.stats().kinds["late"].cancelled == 1
         assert_idle(runtime)
 

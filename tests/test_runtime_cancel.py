@@ -196,9 +196,25 @@ async def test_zero_wait_timeout_means_only_if_free_now() -> None:
     async with tangram.Runtime(capacity={"cpu": 1}) as runtime:
         async with runtime.acquire(cpu=1, wait_timeout=0) as lease:
             assert lease.active
+        async with anyio.create_task_group() as tg:
+            release = await hold(runtime, tg, cpu=1)
             with pytest.raises(WaitTimeoutError):
                 async with runtime.acquire(cpu=1, wait_timeout=0):
                     pytest.fail("granted while held")  # pragma: no cover
+            release.set()
+        assert_idle(runtime)
+
+
+async def test_zero_wait_timeout_while_holding_it_oneself_is_a_plain_no() -> None:
+    """ "Only if free now" is a fair question while holding: the answer is no, as a
+    WaitTimeoutError (its cause says why), not the SelfDeadlockError of a wait without
+    a timeout."""
+    async with tangram.Runtime(capacity={"cpu": 1}) as runtime:
+        async with runtime.acquire(cpu=1):
+            with pytest.raises(WaitTimeoutError) as info:
+                async with runtime.acquire(cpu=1, wait_timeout=0):
+                    pytest.fail("granted while held")  # pragma: no cover
+            assert isinstance(info.value.__cause__, tangram.errors.SelfDeadlockError)
         assert_idle(runtime)
 
 

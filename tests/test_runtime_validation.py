@@ -6,8 +6,9 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import anyio
 import pytest
-from conftest import assert_idle
+from conftest import assert_idle, hold, wait_until
 
 import tangram
 from tangram.errors import (
@@ -15,7 +16,11 @@ from tangram.errors import (
     DemandTypeError,
     InvalidCapacityError,
     InvalidDemandError,
+    InvalidSettingError,
+    SettingTypeError,
+    TangramError,
     UnknownResourceError,
+    WaitTimeoutError,
 )
 
 CAPACITY = {"cpu": 4, "gpu": 2, "mem": "1GiB", "api": tangram.Rate(5, burst=5)}
@@ -323,3 +328,85 @@ def test_a_cached_demand_does_not_skip_validation(
     runtime.acquire(good)  # served from the cache
     with pytest.raises(DemandTypeError):
         runtime.acquire(bad)
+
+
+@pytest.mark.anyio
+async def test_messages_of_a_lowered_capacity_read_in_units() -> None:
+    """A waiting demand the cut makes impossible, and one built before the cut."""
+    async with tangram.Runtime(capacity={"cpu": 4, "mem": "16GiB"}) as runtime:
+        failed: list[str] = []
+        holding = anyio.Event()
+
+        async def waiter() -> None:
+            try:
+                async with runtime.acquire(mem="12GiB"):
+                    pass
+            except CapacityExceededError as exc:
+                failed.append(str(exc))
+
+        async with anyio.create_task_group() as tg:
+            release = anyio.Event()
+
+            async def holder() -> None:
+                async with runtime.acquire(mem="8GiB"):
+                    holding.set()
+                    await release.wait()
+
+            tg.start_soon(holder)
+            await holding.wait()
+            tg.start_soon(waiter)
+            await wait_until(lambda: runtime.stats().waiting == 1)
+            context = runtime.acquire(mem="10GiB")
+            runtime.set_capacity(mem="9GiB")
+            await wait_until(lambda: bool(failed))
+            assert failed == ["capacity lowered below this demand: mem=12GiB"]
+            with pytest.raises(CapacityExceededError, match=r"capacity: mem=10GiB$"):
+                async with context:
+                    pytest.fail("granted")
+            release.set()
+        assert_idle(runtime)
+
+
+@pytest.mark.anyio
+async def test_a_wait_timeout_message_reads_in_units() -> None:
+    async with tangram.Runtime(capacity={"mem": "1GiB"}) as runtime:
+        async with anyio.create_task_group() as tg:
+            release = await hold(runtime, tg, mem="1GiB")
+            with pytest.raises(WaitTimeoutError, match=r"waited 0 s for mem=512MiB "):
+                async with runtime.acquire(mem="512MiB", wait_timeout=0):
+                    pytest.fail("granted")
+            release.set()
+        assert_idle(runtime)
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "match"),
+    [
+        (lambda: tangram.Runtime({"cpu": 1}, policy=object()), SettingTypeError, "policy"),
+        (lambda: tangram.FcfsPolicy(dop=0), InvalidSettingError, "dop"),
+        (lambda: tangram.ElasticPolicy(window=0), InvalidSettingError, "window"),
+        (lambda: tangram.ElasticPolicy(order="lifo"), InvalidSettingError, "order"),
+        (lambda: tangram.Estimator(decay=0), InvalidSettingError, r"`decay` must be .*\(0, 1\]"),
+        (lambda: tangram.Estimator(prior_seconds="1"), SettingTypeError, "prior_seconds"),
+        (lambda: tangram.Estimator(max_kinds=True), SettingTypeError, "max_kinds"),
+        (lambda: tangram.Estimator(max_kinds=0), InvalidSettingError, "max_kinds"),
+        (lambda: tangram.Runtime({"cpu": -1}), InvalidCapacityError, "cpu"),
+    ],
+)
+def test_bad_settings_are_tangram_errors(
+    make: Callable[[], object], error: type[Exception], match: str
+) -> None:
+    """Issue 20: these raised plain ValueError/TypeError; they still are those builtins."""
+    with pytest.raises(error, match=match) as info:
+        make()
+    assert isinstance(info.value, TangramError)
+    assert isinstance(info.value, ValueError)
+    assert "(got " in str(info.value)
+
+
+@pytest.mark.anyio
+async def test_run_refuses_what_is_not_callable() -> None:
+    async with tangram.Runtime(capacity={"cpu": 1}) as runtime:
+        with pytest.raises(SettingTypeError, match="`fn`"):
+            await runtime.run({"cpu": 1}, 42)  # type: ignore[arg-type]
+        assert_idle(runtime)

@@ -4,7 +4,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tangram._core._units import is_count_text, is_rate_text, parse_rate, parse_size
+from tangram._core._units import (
+    format_count,
+    format_size,
+    is_count_text,
+    is_rate_text,
+    parse_rate,
+    parse_size,
+)
 from tangram.errors import InvalidCapacityError
 
 
@@ -72,3 +79,37 @@ def test_parse_size_round_trips(value: float, unit: str) -> None:
     factor = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "kB": 1e3, "MB": 1e6, "GB": 1e9}[unit]
     parsed = parse_size(f"{value!r}{unit}")
     assert math.isclose(parsed, value * factor, rel_tol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [
+        (32 * 2**30, "32GiB"),
+        (3.43597e10, "32GiB"),  # the figure issue 20 saw in a message
+        (1.5 * 2**20, "1.5MiB"),
+        (2**31 + 1, "2GiB"),
+        (1000 * 2**30, "1000GiB"),
+        (3 * 2**40, "3TiB"),
+        (1536, "1.5KiB"),
+        (1023, "1023B"),
+        (512, "512B"),
+        (0, "0B"),
+    ],
+)
+def test_format_size(value: float, text: str) -> None:
+    assert format_size(value) == text
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [(3.0, "3"), (34359738368.0, "34359738368"), (2.5, "2.5"), (math.inf, "inf")],
+)
+def test_format_count_is_exact_when_whole(value: float, text: str) -> None:
+    assert format_count(value) == text
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(min_value=1, max_value=2.0**50))
+def test_a_formatted_size_parses_back_within_its_rounding(value: float) -> None:
+    back = parse_size(format_size(value))
+    assert math.isclose(back, value, rel_tol=0.005)

@@ -8,7 +8,7 @@ it and, for a resizable action, changes it while the action runs.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import attrs
 
@@ -20,10 +20,10 @@ from ..errors import (
     UnknownResourceError,
 )
 from ._efficiency import Efficiency
-from ._resources import Capacity, Shape
+from ._resources import Capacity, Resource, Shape, format_amount
 from ._units import parse_size
 
-__all__ = ["Demand", "Elastic", "build_demand"]
+__all__ = ["Demand", "Elastic", "build_demand", "describe"]
 
 
 def _whole(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
@@ -95,12 +95,27 @@ class Demand:
         return total
 
 
-def _amount(name: str, value: object, shape: Shape) -> float:
+def describe(amounts: Iterable[tuple[str, float]], capacity: Capacity) -> str:
+    """``cpu=3, mem=2GiB``: amounts in each resource's units, for messages."""
+    return ", ".join(
+        f"{name}={format_amount(capacity[name], value)}"
+        if name in capacity
+        else f"{name}={value:g}"
+        for name, value in amounts
+    )
+
+
+def _amount(name: str, value: object, resource: Resource) -> float:
+    shape = resource.shape
     if isinstance(value, str):
         if shape is not Shape.SIZE:
+            # The usual cause: ``Runtime(capacity={"mem": 16})``, a bare number, which is a
+            # count in whatever unit the caller picked; sizes are declared by their unit.
             raise DemandTypeError(
-                f"demand {name!r} takes a number; only size resources take text like '2GiB' "
-                f"(got {value!r})"
+                f"demand {name!r} takes a number: capacity {name!r} is a "
+                f"{shape.value} ({format_amount(resource, resource.total)}), and only a size "
+                f"capacity written with a unit (capacity={{{name!r}: '16GiB'}}) takes text "
+                f"like '2GiB' (got {value!r})"
             )
         try:
             return parse_size(value)
@@ -144,14 +159,16 @@ def build_demand(amounts: Mapping[str, object], capacity: Capacity) -> Demand:
             elastic_kind, elastic = name, value
             needed = float(value.min)
         else:
-            needed = _amount(name, value, resource.shape)
+            needed = _amount(name, value, resource)
             if needed == 0:
                 continue
             rigid.append((name, needed))
         limit = resource.burst if resource.shape is Shape.RATE else resource.total
         if needed > limit:
+            what = "burst" if resource.shape is Shape.RATE else "capacity"
             raise CapacityExceededError(
-                f"demand {name!r} needs {needed:g}, more than the whole capacity {limit:g}"
+                f"demand {name!r} needs {format_amount(resource, needed)}, more than the "
+                f"whole {what} {format_amount(resource, limit)}"
             )
     if not rigid and elastic is None:
         raise InvalidDemandError("the demand is empty: name at least one resource amount > 0")

@@ -23,9 +23,17 @@ from collections import OrderedDict
 
 # Estimate lives in the model layer (an action carries one); it is re-exported here
 # because this is where estimates are made.
+from ..errors import InvalidSettingError, SettingTypeError
 from ._efficiency import Amdahl, Estimate
 
 __all__ = ["Estimate", "Estimator"]
+
+_ALLOWED = {
+    "prior_seconds": "a number > 0 and finite",
+    "prior_parallel_fraction": "a number within [0, 1]",
+    "prior_weight": "a number > 0 and finite",
+    "decay": "a number within (0, 1]",
+}
 
 _EAGER_SAMPLES = 32
 _REFIT_EVERY = 16
@@ -87,9 +95,16 @@ class Estimator:
                 or not math.isfinite(value)
                 or (name in ("prior_seconds", "prior_weight", "decay") and value <= 0)
             ):
-                raise ValueError(f"`{name}` out of range (got {value!r})")
+                error = (
+                    SettingTypeError
+                    if isinstance(value, bool) or not isinstance(value, (int, float))
+                    else InvalidSettingError
+                )
+                raise error(f"`{name}` must be {_ALLOWED[name]} (got {value!r})")
         if isinstance(max_kinds, bool) or not isinstance(max_kinds, int) or max_kinds < 1:
-            raise ValueError(f"`max_kinds` must be >= 1 (got {max_kinds!r})")
+            wrong_type = isinstance(max_kinds, bool) or not isinstance(max_kinds, int)
+            error = SettingTypeError if wrong_type else InvalidSettingError
+            raise error(f"`max_kinds` must be a whole number >= 1 (got {max_kinds!r})")
         self._prior_seconds = float(prior_seconds)
         self._prior_p = float(prior_parallel_fraction)
         self._prior_weight = float(prior_weight)

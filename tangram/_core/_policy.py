@@ -56,6 +56,8 @@ from typing import Literal, Protocol
 
 import attrs
 
+from ..errors import InvalidSettingError, SettingTypeError
+
 # The entry and its states live in their own module; importers find them here as before.
 from ._entry import _REMAINING_FLOOR
 from ._entry import DONE as DONE
@@ -217,11 +219,25 @@ class Policy(Protocol):
     def plan(self, state: State) -> Plan: ...
 
 
-# A wrong type is a ValueError here too, as these settings have always raised.
-_positive = validator(number, strict=True, finite=False, type_error=ValueError)
-_count = validator(whole, type_error=ValueError)
+# A wrong type is a ValueError here too (SettingTypeError is both), as these settings have
+# always raised.
+_positive = validator(
+    number,
+    strict=True,
+    finite=False,
+    type_error=SettingTypeError,
+    value_error=InvalidSettingError,
+)
+_count = validator(whole, type_error=SettingTypeError, value_error=InvalidSettingError)
 # A window of 0 looks at nothing and so admits nothing, ever.
-_window = validator(whole, minimum=1, type_error=ValueError)
+_window = validator(whole, minimum=1, type_error=SettingTypeError, value_error=InvalidSettingError)
+
+
+def _order(instance: object, attribute: attrs.Attribute[str], value: object) -> None:
+    if value not in ("size", "arrival"):
+        raise InvalidSettingError(f"`order` must be 'size' or 'arrival' (got {value!r})")
+
+
 # The default multiple of its expected service time an action may be passed for (see
 # docs/policy.md, "The trade-off": 2 to 8 land within a few percent of each other).
 AGING = 4.0
@@ -323,9 +339,7 @@ class ElasticPolicy:
     starvation_bound: float = attrs.field(default=30.0, validator=_positive)
     window: int = attrs.field(default=128, validator=_window)
     eviction_depth: int = attrs.field(default=4, validator=_count)
-    order: Literal["size", "arrival"] = attrs.field(
-        default="size", validator=attrs.validators.in_(("size", "arrival"))
-    )
+    order: Literal["size", "arrival"] = attrs.field(default="size", validator=_order)
     aging: float = attrs.field(default=AGING, validator=_positive)
     max_wait: float = attrs.field(default=math.inf, validator=_positive)
 
@@ -705,9 +719,9 @@ class FcfsPolicy:
         if self.dop not in ("min", "max") and (
             isinstance(self.dop, bool) or not isinstance(self.dop, int) or self.dop < 1
         ):
-            raise ValueError(
-                f"`dop` must be 'min', 'max' or a whole number >= 1 (got {self.dop!r})"
-            )
+            whole = isinstance(self.dop, int) and not isinstance(self.dop, bool)
+            error = InvalidSettingError if whole else SettingTypeError
+            raise error(f"`dop` must be 'min', 'max' or a whole number >= 1 (got {self.dop!r})")
 
     may_admit = staticmethod(may_admit)
 

@@ -19,9 +19,16 @@ from collections.abc import Mapping
 import attrs
 
 from ..errors import InvalidCapacityError
-from ._units import is_count_text, is_rate_text, parse_rate, parse_size
+from ._units import (
+    format_count,
+    format_size,
+    is_count_text,
+    is_rate_text,
+    parse_rate,
+    parse_size,
+)
 
-__all__ = ["Capacity", "Rate", "Resource", "Shape", "parse_capacity"]
+__all__ = ["Capacity", "Rate", "Resource", "Shape", "format_amount", "parse_capacity"]
 
 
 class Shape(enum.Enum):
@@ -71,6 +78,14 @@ class Resource:
     shape: Shape
     total: float
     burst: float = 0.0
+
+
+def format_amount(resource: Resource, value: float) -> str:
+    """An amount of ``resource`` in its own units: ``"2GiB"`` of a size, ``"3"`` of a count,
+    ``"5"`` units of a rate (what one action takes from its budget)."""
+    if resource.shape is Shape.SIZE:
+        return format_size(value)
+    return format_count(value)
 
 
 def _resource(name: str, value: object) -> Resource:

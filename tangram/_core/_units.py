@@ -10,7 +10,7 @@ import re
 
 from ..errors import InvalidCapacityError
 
-__all__ = ["parse_rate", "parse_size"]
+__all__ = ["format_count", "format_size", "parse_rate", "parse_size"]
 
 _SIZE_FACTORS: dict[str, float] = {
     "": 1.0,
@@ -31,6 +31,28 @@ _SIZE_FACTORS: dict[str, float] = {
 _PERIODS: dict[str, float] = {"s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 _RATE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*/\s*([a-zA-Z]+)\s*$")
+
+
+_BINARY = (("TiB", 2.0**40), ("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10))
+
+
+def format_size(value: float) -> str:
+    """``value`` bytes as people write them: ``"32GiB"``, ``"1.5MiB"``, ``"512B"``.
+
+    The largest binary unit with at least one whole unit, to two decimals; a message
+    saying ``3.43597e+10`` makes the reader do the division.
+    """
+    for suffix, factor in _BINARY:
+        if abs(value) >= factor:
+            return f"{value / factor:.2f}".rstrip("0").rstrip(".") + suffix
+    return f"{format_count(value)}B"
+
+
+def format_count(value: float) -> str:
+    """A count exactly when it is whole (``34359738368``, not ``3.43597e+10``)."""
+    if math.isfinite(value) and value == int(value):
+        return str(int(value))
+    return f"{value:g}"
 
 
 def is_rate_text(text: str) -> bool:

@@ -13,6 +13,8 @@ import logging
 import types
 from typing import TYPE_CHECKING
 
+from ..errors import InstrumentNotAttachedError, SettingTypeError
+
 if TYPE_CHECKING:
     from .._core._policy import Plan
     from .._core._resources import Capacity
@@ -120,10 +122,12 @@ class Instruments:
     def add(self, instrument: Instrument) -> None:
         """Attach ``instrument``; attaching one already attached does nothing.
 
-        :raises TypeError: ``instrument`` is not a :class:`tangram.Instrument`.
+        :raises SettingTypeError: ``instrument`` is not a :class:`tangram.Instrument`.
         """
         if not isinstance(instrument, Instrument):
-            raise TypeError(f"`instrument` must be a tangram.Instrument (got {instrument!r})")
+            raise SettingTypeError(
+                f"`instrument` must be a tangram.Instrument (got {instrument!r})"
+            )
         if instrument in self._all:
             return
         self._all[instrument] = None
@@ -136,9 +140,14 @@ class Instruments:
     def remove(self, instrument: Instrument) -> None:
         """Detach ``instrument``.
 
-        :raises KeyError: it is not attached (never was, was removed, or was detached for
-            raising).
+        :raises InstrumentNotAttachedError: it is not attached (never was, was removed, or
+            was detached for raising).
         """
+        if instrument not in self._all:
+            raise InstrumentNotAttachedError(
+                f"{instrument!r} is not attached (never added, already removed, or detached "
+                "because a hook raised)"
+            )
         del self._all[instrument]
         for hook in _HOOKS:
             current: tuple[Instrument, ...] = getattr(self, hook)

@@ -5,13 +5,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 import anyio.lowlevel
 
 from .._core._action import Action
 from .._core._policy import RUNNING, Entry
+from ..errors import LeaseNotResizableError, LeaseReleasedError
 
 __all__ = ["Lease", "LeaseBase", "Waitable"]
 
@@ -30,10 +31,10 @@ class LeaseBase:
     completion time, from the four times a lease keeps, and waiting for a resize."""
 
     __slots__ = (
+        "_finished_at",
         "_resized",
         "_seen",
         "admitted_at",
-        "finished_at",
         "queued_at",
         "resizes",
         "started_at",
@@ -41,19 +42,56 @@ class LeaseBase:
     queued_at: float
     admitted_at: float
     started_at: float
-    finished_at: float
+    _finished_at: float
     resizes: int
     _seen: int
     _resized: anyio.Event | None
 
+    if TYPE_CHECKING:  # each kind of lease says these its own way
+
+        @property
+        def action(self) -> Action: ...
+
+        @property
+        def active(self) -> bool: ...
+
+    @property
+    def finished_at(self) -> float:
+        return self._finished_at
+
+    @finished_at.setter
+    def finished_at(self, value: float) -> None:
+        # Whoever ends a lease sets this, so waking a task blocked in ``wait_resized``
+        # here means no way of ending one (release, close, a remote reclaim) can leave
+        # that task waiting for a resize that will never come.
+        self._finished_at = value
+        if not math.isnan(value):
+            event, self._resized = self._resized, None
+            if event is not None:
+                event.set()
+
     async def _next_resize(self) -> None:
-        """Return once ``resizes`` has moved past what the body last saw, and note it."""
+        """Return once ``resizes`` has moved past what the body last saw, and note it.
+
+        :raises LeaseNotResizableError: the demand is not resizable elastic.
+        :raises LeaseReleasedError: the lease is no longer held, or went while waiting.
+        """
+        elastic = self.action.demand.elastic
+        if elastic is None or not elastic.resizable:
+            raise LeaseNotResizableError(
+                f"{self!r} is never resized: only a demand declared "
+                "Elastic(min, max, resizable=True) is, so this wait would never end"
+            )
+        if not self.active:
+            raise LeaseReleasedError(f"{self!r} is no longer held, so it is never resized")
         if self.resizes == self._seen:
             if self._resized is None:
                 self._resized = anyio.Event()
             await self._resized.wait()
         else:
             await anyio.lowlevel.checkpoint()
+        if not self.active:
+            raise LeaseReleasedError(f"{self!r} was released while waiting for a resize")
         self._seen = self.resizes
 
     @property
@@ -82,7 +120,7 @@ class Lease(LeaseBase):
     ``finished_at`` when the units went back.
     """
 
-    __slots__ = ("_entry", "_error", "_final_units", "_ready")
+    __slots__ = ("_entry", "_error", "_final_units", "_holder", "_ready")
 
     def __init__(self, entry: Entry, now: float) -> None:
         self._entry = entry
@@ -90,6 +128,9 @@ class Lease(LeaseBase):
         self._resized: anyio.Event | None = None
         self._error: BaseException | None = None
         self._final_units: int | None = None
+        # The task that entered the acquire, and what it counts as holding of each kind
+        # once granted (see Runtime._holders); None until then.
+        self._holder: object = None
         self._seen = 0
         self.queued_at = now
         self.admitted_at = math.nan
@@ -138,8 +179,12 @@ class Lease(LeaseBase):
         ``units = await lease.wait_resized()`` in a loop always ends up on the current
         grant.
 
-        Only resizable elastic demands (``Elastic(..., resizable=True)``) are ever resized;
-        for others this waits until cancelled.
+        Only resizable elastic demands (``Elastic(..., resizable=True)``) are ever resized,
+        and only while held: rather than wait forever, this raises at once for any other
+        lease, and wakes a task still waiting when the lease goes.
+
+        :raises LeaseNotResizableError: the demand is not ``Elastic(..., resizable=True)``.
+        :raises LeaseReleasedError: the ``async with`` block has ended.
         """
         await self._next_resize()
         return self._entry.units

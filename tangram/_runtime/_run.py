@@ -28,7 +28,7 @@ except ImportError:  # pragma: no cover - depends on the anyio release
     _get_async_backend = None  # type: ignore[assignment]
 
 from .._core._action import Action
-from .._core._demand import Demand, build_demand
+from .._core._demand import Demand, build_demand, describe
 from .._core._efficiency import Efficiency
 from .._core._estimator import Estimate, Estimator
 from .._core._ledger import Ledger
@@ -44,10 +44,13 @@ from ..errors import (
     InvalidDemandError,
     NoCurrentRuntimeError,
     RuntimeClosedError,
+    SelfDeadlockError,
+    SettingTypeError,
     WaitTimeoutError,
 )
 from ._instrument import Instrument, Instruments
 from ._lease import Lease, Waitable
+from ._own import check_own, self_deadlock, timed_out
 
 __all__ = ["AcquireContext", "Runtime", "acquire", "current_runtime"]
 
@@ -103,7 +106,7 @@ class RunMixin:
     ) -> T:
         """``await fn(*args)`` holding ``demand``: ``acquire`` without ``async with``."""
         if not callable(fn):
-            raise TypeError(f"`fn` must be an async callable (got {fn!r})")
+            raise SettingTypeError(f"`fn` must be an async callable (got {fn!r})")
         context = self.acquire(
             demand, kind=kind, trajectory=trajectory, estimate=estimate, wait_timeout=wait_timeout
         )
@@ -121,10 +124,15 @@ class Runtime(RunMixin):
     actions already running keep their units until their ``async with`` block ends.
 
     :param capacity: units per resource kind: numbers for counts, ``"16GiB"`` for sizes,
-        ``"50/s"`` or :class:`tangram.Rate` for refilling budgets.
+        ``"50/s"`` or :class:`tangram.Rate` for refilling budgets. The unit declares the
+        shape: ``{"mem": 16}`` is a count of 16 in whatever unit the caller's demands use
+        (``mem=2``), while ``{"mem": "16GiB"}`` is a size, whose demands are written
+        ``mem="2GiB"`` (a bare number there is bytes). A size demand against a count
+        capacity is refused at the acquire, saying so.
     :param policy: the scheduling policy (default :class:`tangram.ElasticPolicy`).
     :param estimator: learns durations online (default :class:`tangram.Estimator`).
     :raises InvalidCapacityError: a capacity that makes no sense.
+    :raises SettingTypeError: ``policy`` has no ``plan`` method.
     """
 
     def __init__(
@@ -137,13 +145,18 @@ class Runtime(RunMixin):
         self._capacity = parse_capacity(capacity)
         self._policy = policy if policy is not None else ElasticPolicy()
         if not callable(getattr(self._policy, "plan", None)):
-            raise TypeError(f"`policy` must have a plan(state) method (got {policy!r})")
+            raise SettingTypeError(f"`policy` must have a plan(state) method (got {policy!r})")
         self._estimator = estimator if estimator is not None else Estimator()
         self._ledger = Ledger(self._capacity, self._policy, self._estimator)
         self._recorder = Recorder()
         self._instruments = Instruments()
         self._state = _State.NEW
         self._leases: dict[Entry, Lease] = {}
+        # The granted leases of each task (asyncio task, trio task) that holds any: what
+        # an acquire checks its own task's holdings against. One dict lookup per acquire
+        # and release; only a task that already holds something pays for the check.
+        self._holders: dict[object, list[Lease]] = {}
+        self._task_of: Callable[[], object] = _anyio_task
         self._ids = 0
         self._planning = False
         self._decisions = 0
@@ -178,6 +191,9 @@ class Runtime(RunMixin):
         self._task_group = task_group
         self._state = _State.RUNNING
         self._now, self._cancelled, self._new_event = _loop_clock()
+        self._task_of = (
+            asyncio.current_task if self._cancelled is asyncio.CancelledError else (_anyio_task)
+        )
         self._checkpoint_if_cancelled, self._shielded_checkpoint = _checkpoints()
         self._ledger.now = self._now()
         self._poke = anyio.Event()
@@ -257,8 +273,8 @@ class Runtime(RunMixin):
     def remove_instrument(self, instrument: Instrument) -> None:
         """Detach an observer attached with :meth:`add_instrument`.
 
-        :raises KeyError: it is not attached: never was, already removed, or detached
-            because a hook raised.
+        :raises InstrumentNotAttachedError: it is not attached: never was, already
+            removed, or detached because a hook raised.
         """
         self._instruments.remove(instrument)
 
@@ -293,6 +309,10 @@ class Runtime(RunMixin):
             :class:`~tangram.errors.WaitTimeoutError`.
         :raises InvalidDemandError: (and its subclasses) for a demand that cannot be
             served, raised here, before anything is queued.
+        :raises SelfDeadlockError: (on entering) the task entering it already holds
+            leases on this runtime that, with this demand, exceed some capacity: it would
+            wait forever for units only it can give back. An entering task that holds
+            some and must wait gets a :class:`~tangram.errors.DeadlockRiskWarning`.
         """
         action = self._action(demand, amounts, kind, trajectory, estimate)
         timeout = (
@@ -361,9 +381,14 @@ class Runtime(RunMixin):
         await self._checkpoint_if_cancelled()
         if self._state is not _State.RUNNING:
             raise RuntimeClosedError(f"the runtime is {self._state.value}, not running")
+        task = self._task_of()
+        own = self._holders.get(task)
+        if own:
+            check_own(own, action, wait_timeout, self._ledger, self._capacity)
         now = self._now()
         entry = self._ledger.submit(action, now)
         lease = Lease(entry, now)
+        lease._holder = task
         self._leases[entry] = lease
         if self._instruments.action_queued:
             self._instruments.call("action_queued", lease)
@@ -371,9 +396,8 @@ class Runtime(RunMixin):
         # capacity changed since (a set_capacity between acquire() and entering).
         if epoch != self._epoch and not self._ledger.could_ever_fit(entry):
             self._drop(lease, Outcome.CANCELLED)
-            raise CapacityExceededError(
-                f"demand no longer fits the lowered capacity: {action.demand}"
-            )
+            need = describe(action.demand.minimum, self._capacity)
+            raise CapacityExceededError(f"demand no longer fits the lowered capacity: {need}")
         elastic = action.demand.elastic
         if not self._ledger.may_admit(entry):
             pass  # it cannot start now, and its arrival changes no other decision
@@ -408,15 +432,31 @@ class Runtime(RunMixin):
             except BaseException as exc:
                 self._drop(lease, Outcome.CANCELLED)
                 if isinstance(exc, TimeoutError) and wait_timeout is not None:
+                    need = describe(action.demand.minimum, self._capacity)
                     raise WaitTimeoutError(
-                        f"waited {wait_timeout:g} s for {dict(action.demand.minimum)!r} "
-                        f"(kind {action.kind!r}) without a grant"
+                        f"waited {wait_timeout:g} s for {need} (kind {action.kind!r}) "
+                        "without a grant"
                     ) from exc
                 raise
             if lease._error is not None:
+                if isinstance(lease._error, SelfDeadlockError) and wait_timeout is not None:
+                    raise timed_out(lease._error, wait_timeout) from lease._error
                 raise lease._error
         lease._start(self._now())
+        if own is None:
+            self._holders[task] = [lease]
+        else:
+            own.append(lease)
+            if len(own) == 1:  # emptied and still referenced: it left the dict on release
+                self._holders[task] = own
         return lease
+
+    def _unhold(self, lease: Lease) -> None:
+        own = self._holders.get(lease._holder)
+        if own is not None and lease in own:
+            own.remove(lease)
+            if not own:
+                del self._holders[lease._holder]
 
     def _release(self, lease: Lease, exc_type: type[BaseException] | None) -> None:
         if exc_type is None:
@@ -432,6 +472,7 @@ class Runtime(RunMixin):
         entry = lease._entry
         if self._leases.pop(entry, None) is None:
             return
+        self._unhold(lease)
         now = self._now()
         lease._finish(now)
         if entry.state == RUNNING:
@@ -510,9 +551,18 @@ class Runtime(RunMixin):
         if self._instruments.capacity_changed:
             self._instruments.call("capacity_changed", self._capacity)
         for entry in impossible:
-            need = dict(entry.action.demand.minimum)
-            error = CapacityExceededError(f"capacity lowered below this demand {need!r}")
+            need = describe(entry.action.demand.minimum, self._capacity)
+            error = CapacityExceededError(f"capacity lowered below this demand: {need}")
             self._fail_waiting(self._leases[entry], error, now)
+        if self._holders:
+            # A waiting task's own leases never shrink below what the check at its
+            # acquire counted, so only a lowered capacity can make its wait endless.
+            for entry, lease in list(self._leases.items()):
+                own = self._holders.get(lease._holder)
+                if own and entry.state == WAITING:
+                    deadlock = self_deadlock(own, entry.action, self._ledger, self._capacity)
+                    if deadlock is not None:
+                        self._fail_waiting(lease, deadlock, now)
         for name, held in self._ledger.held.items():
             if held > self._ledger.totals[name] + 1e-9:
                 logger.warning(
@@ -604,6 +654,11 @@ def _loop_clock() -> tuple[Callable[[], float], type[BaseException], Callable[[]
     if cancelled is asyncio.CancelledError:
         return asyncio.get_running_loop().time, cancelled, asyncio.Event
     return anyio.current_time, cancelled, anyio.Event
+
+
+def _anyio_task() -> object:
+    """The running task's identity on any backend (asyncio's own lookup is faster)."""
+    return anyio.get_current_task().id
 
 
 def _checkpoints_of_anyio() -> tuple[Callable[[], Awaitable[None]], Callable[[], Awaitable[None]]]:
