@@ -40,17 +40,37 @@ def _suite_fails(sizes: tuple[int, ...]) -> bool:
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str]]:
-    out = tmp_path_factory.mktemp("bench")
-    capture = tmp_path_factory.mktemp("stdout") / "stdout.txt"
-    with capture.open("w") as stream:
-        saved, sys.stdout = sys.stdout, stream
+def streams(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str, str]]:
+    """One in-process run: the report directory, then what it wrote to stdout and stderr."""
+    out = tmp_path_factory.mktemp("bench") / "report"  # created by the run
+    captures = tmp_path_factory.mktemp("streams")
+    with (captures / "out").open("w") as stdout, (captures / "err").open("w") as stderr:
+        saved = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = stdout, stderr
         try:
             code = cli.main(["bench", *SMALL, "--out", str(out)])
         finally:
-            sys.stdout = saved
+            sys.stdout, sys.stderr = saved
     assert code == 0
-    yield out, capture.read_text()
+    yield out, (captures / "out").read_text(), (captures / "err").read_text()
+
+
+@pytest.fixture(scope="module")
+def report(streams: tuple[Path, str, str]) -> tuple[Path, str]:
+    return streams[0], streams[1]
+
+
+def test_results_on_stdout_progress_on_stderr(streams: tuple[Path, str, str]) -> None:
+    out, stdout, stderr = streams
+    # stdout: the table, then the files written; nothing else.
+    assert stdout == (out / "table.txt").read_text() + f"wrote {out / 'report.json'}, " + (
+        f"{out / 'act.png'}, {out / 'cores.png'}, {out / 'table.txt'}\n"
+    )
+    total = 3 * (2 + 1)
+    for arm in ("tangram", "static", "verl"):
+        assert f"{arm}: running {total} actions\n" in stderr
+        assert f"{arm}: {total}/{total} actions, at " in stderr
+    assert "avg ACT" not in stderr
 
 
 def test_report_files_are_written_and_valid(report: tuple[Path, str]) -> None:
@@ -150,7 +170,7 @@ def test_plan_is_seeded_and_ends_with_tests() -> None:
 
 def test_too_many_cores_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
     cores = len(os.sched_getaffinity(0))
-    assert cli.main(["bench", *SMALL, "--cores", str(cores + 1)]) == 1
+    assert cli.main(["bench", *SMALL, "--cores", str(cores + 1)]) == 2
     assert capsys.readouterr().err.strip() == (
         f"InvalidCapacityError: --cores {cores + 1}, but this process may use {cores} cores"
     )
@@ -246,9 +266,9 @@ def test_ctrl_c_leaves_no_process_or_temp_dir() -> None:
         text=True,
     ) as child:
         try:
-            assert child.stdout is not None
+            assert child.stderr is not None
             seen: list[str] = []
-            for line in child.stdout:
+            for line in child.stderr:  # progress: plain lines, stderr being a pipe
                 seen.append(line)
                 done = line.removeprefix("tangram: ").partition("/")[0]
                 if done.isdigit() and int(done) >= 3:
@@ -259,8 +279,9 @@ def test_ctrl_c_leaves_no_process_or_temp_dir() -> None:
             assert any(d.name.startswith("tangram-sbx-") for d in root.iterdir())
             in_step = _children(child.pid) + [p for p, _ in _processes_under(root)]
             child.send_signal(signal.SIGINT)
-            _, stderr = child.communicate(timeout=60)
+            stdout, stderr = child.communicate(timeout=60)
             assert child.returncode == 130, stderr
+            assert stdout == ""
             assert stderr.strip().endswith("interrupted")
             deadline = time.monotonic() + 5
             left: list[tuple[int, str]] = []

@@ -141,7 +141,7 @@ def test_missing_trace_argument_exits_2() -> None:
     assert info.value.code == 2
 
 
-def test_malformed_trace_exits_1_with_the_line(
+def test_malformed_trace_exits_2_with_the_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     bad = tmp_path / "bad.jsonl"
@@ -150,13 +150,16 @@ def test_malformed_trace_exits_1_with_the_line(
         '{"trajectory": "a", "index": 0, "gap": 0, "kind": "k", "resource": "gpu",'
         ' "units": 1, "seconds": 1}\n'
     )
-    assert main(["simulate", "--trace", str(bad)]) == 1
+    assert main(["simulate", "--trace", str(bad)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("TraceFormatError: line 2: ")
+    assert err.endswith(f"(in {bad})\n")
 
 
-def test_unreadable_trace_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["simulate", "--trace", str(tmp_path / "absent.jsonl")]) == 1
+def test_unreadable_trace_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["simulate", "--trace", str(tmp_path / "absent.jsonl")])
+    assert info.value.code == 2
     assert "cannot read" in capsys.readouterr().err
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -200,3 +201,102 @@ def test_any_text_line_is_read_or_rejected_with_a_typed_error(junk: str) -> None
         assert exc.line in (2, 3)
     else:
         assert trace.actions >= 1
+
+
+def test_a_binary_file_names_the_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "weights.bin"
+    path.write_bytes(json.dumps(HEADER).encode() + b"\n\x89PNG\r\n\x1a\n\xff\xfe\x00junk\n")
+    with pytest.raises(TraceFormatError) as info:
+        read_trace(path)
+    assert info.value.line == 2
+    assert str(info.value) == f"line 2: not UTF-8 text (byte 1 is b'\\x89') (in {path})"
+
+
+def test_deep_nesting_and_long_integers_are_format_errors_not_crashes() -> None:
+    deep = '{"x": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    with pytest.raises(TraceFormatError, match=r"^line 2: not JSON .*nested too deeply"):
+        read_trace([json.dumps(HEADER), deep])
+    long = json.dumps(action()).replace('"gap": 1.0', '"gap": ' + "9" * 5000)
+    with pytest.raises(TraceFormatError, match=r"^line 2: not JSON .*digits"):
+        read_trace([json.dumps(HEADER), long])
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity", "1e999"])
+def test_non_finite_numbers_are_rejected_where_a_number_is_read(value: str) -> None:
+    line = json.dumps(action()).replace('"gap": 1.0', f'"gap": {value}')
+    with pytest.raises(TraceFormatError, match=r"^line 2: `gap` must be finite and >= 0"):
+        read_trace([json.dumps(HEADER), line])
+    header = json.dumps(HEADER).replace('"cpu": 8', f'"cpu": {value}')
+    with pytest.raises(TraceFormatError, match=r"^line 1: `cpu` must be finite"):
+        read_trace([header])
+
+
+def test_a_quoted_bad_value_is_cut_short() -> None:
+    with pytest.raises(TraceFormatError) as info:
+        read_trace([json.dumps(HEADER), json.dumps(action(kind=["x" * 10_000]))])
+    assert len(str(info.value)) < 150
+    assert str(info.value).endswith("...)")
+
+
+def test_errors_from_a_file_name_it(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(HEADER) + "\n{not json\n")
+    with pytest.raises(TraceFormatError, match=rf"^line 2: not JSON .* \(in {path}\)$"):
+        read_trace(path)
+    path.write_text("")
+    with pytest.raises(TraceFormatError, match=rf"^the trace is empty.* \(in {path}\)$"):
+        read_trace(path)
+
+
+def test_a_header_only_trace_is_read_with_no_actions() -> None:
+    trace = read_trace([json.dumps(HEADER)])
+    assert trace.actions == 0
+    assert trace.workload() == {}
+
+
+def _json_values() -> st.SearchStrategy[object]:
+    scalars = st.none() | st.booleans() | st.text(max_size=8)
+    numbers = st.integers() | st.floats(allow_nan=True, allow_infinity=True)
+    return st.recursive(
+        scalars | numbers,
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner),
+        max_leaves=12,
+    )
+
+
+_FIELDS = ["trajectory", "index", "gap", "kind", "resource", "units", "min", "max"]
+_FIELDS += ["seconds", "seconds_at_1", "efficiency", "service", "mem_gib"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.dictionaries(st.sampled_from(_FIELDS), _json_values(), max_size=len(_FIELDS)),
+    st.booleans(),
+)
+def test_any_json_fields_are_read_or_rejected_with_the_line(
+    fields: dict[str, object], on_header: bool
+) -> None:
+    """Valid actions with fields overwritten by any JSON values (NaN and inf included)."""
+    if on_header:
+        header = {**HEADER, "capacity": {**HEADER["capacity"], **fields}}  # type: ignore[dict-item]
+        text = lines(action(), header=header)
+    else:
+        text = lines({**action(), **fields})
+    try:
+        trace = read_trace(text)
+    except TraceFormatError as exc:
+        assert exc.line == (1 if on_header else 2)
+    else:
+        for step in trace.workload()["t0"]:
+            assert math.isfinite(step.seconds_at_1) and math.isfinite(step.gap)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=300))
+def test_any_bytes_are_read_or_rejected_with_a_typed_error(junk: bytes) -> None:
+    try:
+        trace = read_trace([json.dumps(HEADER).encode(), *junk.splitlines(keepends=True)])
+    except TraceFormatError as exc:
+        assert exc.line >= 2
+    else:
+        assert trace.actions >= 0

@@ -26,7 +26,7 @@ from ..errors import InvalidDemandError, TraceFormatError
 from ._residency import ServiceSpec
 from ._simulate import Step
 
-__all__ = ["FORMAT", "Trace", "TraceAction", "read_trace"]
+__all__ = ["FORMAT", "Trace", "TraceAction", "read_lines", "read_trace"]
 
 FORMAT = "tangram-trace/1"
 # Kinds held while an action runs; every other capacity kind is an API budget in requests
@@ -139,30 +139,44 @@ class Trace:
         )
 
 
-def read_trace(source: str | Path | Iterable[str]) -> Trace:
-    """Read a trace from a path or from lines of text.
+def read_trace(source: str | Path | Iterable[str] | Iterable[bytes]) -> Trace:
+    """Read a trace from a path, or from lines of text or of UTF-8 bytes (a file opened "rb").
 
-    :raises TraceFormatError: the first malformed line, with its number and the reason.
+    A trace with a header and no actions is read (a recorder that saw nothing writes
+    one); :attr:`Trace.actions` is then 0, and ``tangram simulate`` refuses it.
+
+    :raises TraceFormatError: the first malformed line, with its number, the reason and,
+        when read from a path, the file.
+    :raises OSError: the file cannot be opened or read.
     """
     if isinstance(source, (str, Path)):
-        with open(source, encoding="utf-8") as handle:
-            return _parse(enumerate(handle, start=1))
-    return _parse(enumerate(source, start=1))
+        with open(source, "rb") as handle:
+            return read_lines(handle, str(source))
+    return read_lines(source)
 
 
-def _parse(lines: Iterable[tuple[int, str]]) -> Trace:
+def read_lines(lines: Iterable[str] | Iterable[bytes], where: str | None = None) -> Trace:
+    """:func:`read_trace` for lines from ``where`` (a file's name, ``<stdin>``), named in errors.
+
+    :raises TraceFormatError: as :func:`read_trace`.
+    """
+    try:
+        return _parse(enumerate(lines, start=1))
+    except TraceFormatError as exc:
+        if where is None:
+            raise
+        raise TraceFormatError(f"{exc.reason} (in {where})", exc.line) from None
+
+
+def _parse(lines: Iterable[tuple[int, str | bytes]]) -> Trace:
     header: Mapping[str, Any] | None = None
     capacity: dict[str, float] = {}
     services: dict[str, Mapping[str, Any]] = {}
     trajectories: dict[str, dict[int, TraceAction]] = {}
     for number, raw in lines:
-        text = raw.strip()
-        if not text or text.startswith("#"):
+        obj = _json_line(number, raw)
+        if obj is None:
             continue
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise TraceFormatError(f"not JSON ({exc.msg})", number) from None
         if not isinstance(obj, dict):
             raise TraceFormatError("each line must be a JSON object", number)
         if header is None:
@@ -173,7 +187,7 @@ def _parse(lines: Iterable[tuple[int, str]]) -> Trace:
         indexed = trajectories.setdefault(action.trajectory, {})
         if action.index in indexed:
             raise TraceFormatError(
-                f"trajectory {action.trajectory!r} has index {action.index} twice "
+                f"trajectory {_shown(action.trajectory)} has index {action.index} twice "
                 f"(first on line {indexed[action.index].line})",
                 number,
             )
@@ -193,19 +207,55 @@ def _parse(lines: Iterable[tuple[int, str]]) -> Trace:
     )
 
 
+def _json_line(number: int, raw: str | bytes) -> Any:
+    """The line's JSON value, or None for a blank or comment line.
+
+    Every way ``json`` fails on hostile input becomes the line's error: bytes that are not
+    UTF-8 (a binary file), nesting deeper than the parser recurses, an integer longer than
+    Python converts (``sys.get_int_max_str_digits``).
+    """
+    if isinstance(raw, bytes):
+        try:
+            raw = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise TraceFormatError(
+                f"not UTF-8 text (byte {exc.start + 1} is {raw[exc.start : exc.start + 1]!r})",
+                number,
+            ) from None
+    text = raw.strip()
+    if not text or text.startswith("#"):
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TraceFormatError(f"not JSON ({exc.msg} at column {exc.colno})", number) from None
+    except RecursionError:
+        raise TraceFormatError("not JSON this parser reads (nested too deeply)", number) from None
+    except ValueError as exc:  # an integer literal past the conversion limit
+        raise TraceFormatError(f"not JSON this parser reads ({exc})", number) from None
+
+
+def _shown(value: object) -> str:
+    """``repr(value)``, cut short: a message quotes a bad value, not a whole line of it."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."
+
+
 def _number(line: int, obj: Mapping[str, Any], key: str, *, minimum: float = 0.0) -> float:
     value = obj[key]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TraceFormatError(f"`{key}` must be a number (got {value!r})", line)
+        raise TraceFormatError(f"`{key}` must be a number (got {_shown(value)})", line)
     if not math.isfinite(value) or value < minimum:
-        raise TraceFormatError(f"`{key}` must be finite and >= {minimum:g} (got {value!r})", line)
+        raise TraceFormatError(
+            f"`{key}` must be finite and >= {minimum:g} (got {_shown(value)})", line
+        )
     return float(value)
 
 
 def _header(line: int, obj: Mapping[str, Any]) -> tuple[dict[str, float], dict[str, Any]]:
     if obj.get("format") != FORMAT:
         raise TraceFormatError(
-            f'the header must say "format": "{FORMAT}" (got {obj.get("format")!r})', line
+            f'the header must say "format": "{FORMAT}" (got {_shown(obj.get("format"))})', line
         )
     raw = obj.get("capacity")
     if not isinstance(raw, dict) or not raw:
@@ -216,7 +266,7 @@ def _header(line: int, obj: Mapping[str, Any]) -> tuple[dict[str, float], dict[s
         raise TraceFormatError("`services` must be an object", line)
     for name, spec in services.items():
         if not isinstance(spec, dict):
-            raise TraceFormatError(f"service {name!r} must be an object", line)
+            raise TraceFormatError(f"service {_shown(name)} must be an object", line)
         for key in ("gpus", "gpu_mem_gib", "restore_seconds", "cold_start_seconds"):
             if key in spec:
                 _number(line, spec, key)
@@ -226,7 +276,9 @@ def _header(line: int, obj: Mapping[str, Any]) -> tuple[dict[str, float], dict[s
                 _number(line, spec, key)
             if count != int(count) or count < 1:
                 raise TraceFormatError(
-                    f"service {name!r}: `{key}` must be a whole number >= 1 (got {count!r})", line
+                    f"service {_shown(name)}: `{key}` must be a whole number >= 1 "
+                    f"(got {_shown(count)})",
+                    line,
                 )
     if "gpu_mem_gib_per_device" in obj:
         _number(line, obj, "gpu_mem_gib_per_device", minimum=1e-9)
@@ -242,12 +294,16 @@ def _action(
     trajectory, kind, resource = obj["trajectory"], obj["kind"], obj["resource"]
     for key, value in (("trajectory", trajectory), ("kind", kind), ("resource", resource)):
         if not isinstance(value, str) or not value:
-            raise TraceFormatError(f"`{key}` must be a non-empty string (got {value!r})", line)
+            raise TraceFormatError(
+                f"`{key}` must be a non-empty string (got {_shown(value)})", line
+            )
     index = obj["index"]
     if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-        raise TraceFormatError(f"`index` must be a whole number >= 0 (got {index!r})", line)
+        raise TraceFormatError(f"`index` must be a whole number >= 0 (got {_shown(index)})", line)
     if resource not in capacity:
-        raise TraceFormatError(f"`resource` {resource!r} is not in the header's capacity", line)
+        raise TraceFormatError(
+            f"`resource` {_shown(resource)} is not in the header's capacity", line
+        )
     if "units" in obj:
         if "min" in obj or "max" in obj:
             raise TraceFormatError("give `units` or `min` and `max`, not both", line)
@@ -278,8 +334,10 @@ def _action(
         except InvalidDemandError as exc:
             raise TraceFormatError(f"`efficiency`: {exc}", line) from None
     service = obj.get("service")
+    if service is not None and not isinstance(service, str):
+        raise TraceFormatError(f"`service` must be a string (got {_shown(service)})", line)
     if service is not None and service not in services:
-        raise TraceFormatError(f"`service` {service!r} is not in the header's services", line)
+        raise TraceFormatError(f"`service` {_shown(service)} is not in the header's services", line)
     mem = _number(line, obj, "mem_gib") if "mem_gib" in obj else 0.0
     return TraceAction(
         trajectory=trajectory,

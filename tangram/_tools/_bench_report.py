@@ -238,8 +238,12 @@ def write_report(result: BenchResult, out: Path) -> list[Path]:
 
 @contextmanager
 def live_progress(total: int, stream: TextIO | None = None) -> Iterator[ProgressHook]:
-    """A progress hook: a rich display on a terminal, a plain line per 10% otherwise."""
-    stream = stream if stream is not None else sys.stdout
+    """A progress hook: a rich display on a terminal, a plain line per 10% otherwise.
+
+    ``stream`` defaults to standard error: progress is not a result, and stdout carries
+    the table alone.
+    """
+    stream = stream if stream is not None else sys.stderr
     if stream.isatty() and importlib.util.find_spec("rich") is not None:
         with _rich_progress(total, stream) as hook:
             yield hook

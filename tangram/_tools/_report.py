@@ -15,13 +15,14 @@ import math
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from .._sim._baselines import parse_policy, run_policy
 from .._sim._generate import WORKLOADS, GenerateConfig, generate_lines
 from .._sim._simulate import SimulationResult
-from .._sim._trace import Trace, read_trace
-from ..errors import PlotUnavailableError
+from .._sim._trace import Trace, read_lines, read_trace
+from ..errors import PlotUnavailableError, TraceFormatError
+from ._paths import STDIO, input_file, output_file, plot_file, plot_format
 
 __all__ = [
     "add_commands",
@@ -110,8 +111,30 @@ def _pyplot() -> Any:
     return plt
 
 
-def plot_acts(results: Mapping[str, SimulationResult], title: str, path: Path) -> None:
+# No timestamps (and, for SVG, fixed element ids), so the same run gives the same bytes.
+_STABLE_METADATA: dict[str, dict[str, None]] = {
+    "png": {"Software": None},
+    "svg": {"Date": None},
+    "pdf": {"CreationDate": None},
+}
+
+
+def _save(plt: Any, figure: Any, path: Path | IO[bytes], fmt: str | None) -> None:
+    fmt = fmt or plot_format(str(path))
+    with plt.rc_context({"svg.hashsalt": "tangram"}):
+        figure.savefig(path, format=fmt, metadata=_STABLE_METADATA.get(fmt))
+    plt.close(figure)
+
+
+def plot_acts(
+    results: Mapping[str, SimulationResult],
+    title: str,
+    path: Path | IO[bytes],
+    fmt: str | None = None,
+) -> None:
     """ACT distributions as empirical CDFs on a log axis: tails are where policies differ.
+
+    ``fmt`` (png, svg or pdf) defaults to the path's extension.
 
     :raises PlotUnavailableError: matplotlib is missing.
     """
@@ -130,9 +153,7 @@ def plot_acts(results: Mapping[str, SimulationResult], title: str, path: Path) -
     axis.grid(True, which="both", alpha=0.3)
     axis.legend()
     figure.tight_layout()
-    # No timestamps in the file, so the same run gives the same bytes.
-    figure.savefig(path, format="png", metadata={"Software": None})
-    plt.close(figure)
+    _save(plt, figure, path, fmt)
 
 
 def plot_sweep(
@@ -141,9 +162,12 @@ def plot_sweep(
     ratios: Mapping[str, Sequence[float]],
     reference: str,
     title: str,
-    path: Path,
+    path: Path | IO[bytes],
+    fmt: str | None = None,
 ) -> None:
     """Average-ACT ratio of each policy to ``reference`` against the swept value.
+
+    ``fmt`` (png, svg or pdf) defaults to the path's extension.
 
     :raises PlotUnavailableError: matplotlib is missing.
     """
@@ -158,8 +182,7 @@ def plot_sweep(
     axis.grid(True, alpha=0.3)
     axis.legend()
     figure.tight_layout()
-    figure.savefig(path, format="png", metadata={"Software": None})
-    plt.close(figure)
+    _save(plt, figure, path, fmt)
 
 
 # -- the `tangram simulate` and `tangram trace generate` commands ------------------------
@@ -235,7 +258,13 @@ def add_commands(commands: Any) -> None:
             "prints ACT statistics and the resource bill per policy."
         ),
     )
-    sim.add_argument("--trace", type=Path, required=True, help="a tangram-trace/1 file")
+    sim.add_argument(
+        "--trace",
+        type=input_file,
+        required=True,
+        metavar="PATH",
+        help="a tangram-trace/1 file; - reads standard input",
+    )
     sim.add_argument(
         "--policy",
         type=_policies,
@@ -264,8 +293,21 @@ def add_commands(commands: Any) -> None:
         default=60.0,
         help="seconds a k8s pod resize takes to take effect (default 60)",
     )
-    sim.add_argument("--json", type=Path, help="write the result JSON here")
-    sim.add_argument("--plot", type=Path, help="write a PNG of ACT distributions (or the sweep)")
+    sim.add_argument(
+        "--json",
+        type=output_file,
+        metavar="PATH",
+        help="write the result JSON here; - writes it to standard output (the table to stderr)",
+    )
+    sim.add_argument(
+        "--plot",
+        type=plot_file,
+        metavar="PATH",
+        help=(
+            "write the ACT distributions (or the sweep) here, as .png, .svg or .pdf by the "
+            "extension; - writes a PNG to standard output (the table to stderr)"
+        ),
+    )
     sim.add_argument(
         "--sweep",
         type=_sweep,
@@ -279,9 +321,11 @@ def add_commands(commands: Any) -> None:
         help="write a synthetic trace shaped after one of the paper's workloads",
         description="Writes a deterministic synthetic trace (docs: simulate.md).",
     )
-    gen.add_argument("--workload", choices=WORKLOADS, required=True)
-    gen.add_argument("--batch", type=_at_least_one, required=True)
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument(
+        "--workload", choices=WORKLOADS, required=True, help="the paper's workload to imitate"
+    )
+    gen.add_argument("--batch", type=_at_least_one, required=True, help="trajectories in the step")
+    gen.add_argument("--seed", type=int, default=0, help="the generator's seed (default 0)")
     gen.add_argument("--turns", type=_at_least_one, default=None, help="actions per trajectory")
     gen.add_argument(
         "--pareto-burst",
@@ -296,7 +340,12 @@ def add_commands(commands: Any) -> None:
             "deepsearch the search API at half its demand, mopd 10 GPUs, one request a replica"
         ),
     )
-    gen.add_argument("--out", type=Path, help="write here instead of standard output")
+    gen.add_argument(
+        "--out",
+        type=output_file,
+        metavar="PATH",
+        help="write here instead of standard output (- is stdout)",
+    )
 
 
 def _at_least_one(text: str) -> int:
@@ -323,7 +372,7 @@ def dispatch(args: argparse.Namespace) -> int | None:
             pareto_burst=args.pareto_burst,
             contended=args.contended,
         )
-        if args.out is None:
+        if args.out in (None, STDIO):
             sys.stdout.writelines(generate_lines(config))
         else:
             with open(args.out, "w", encoding="utf-8", newline="\n") as handle:
@@ -335,16 +384,21 @@ def dispatch(args: argparse.Namespace) -> int | None:
 
 
 def _simulate_command(args: argparse.Namespace) -> int:
-    try:
+    if args.trace == STDIO:
+        where = "<stdin>"
+        trace = read_lines(sys.stdin.buffer, where)
+    else:
+        where = str(args.trace)
         trace = read_trace(args.trace)
-    except OSError as exc:
-        print(f"tangram simulate: cannot read {args.trace}: {exc.strerror}", file=sys.stderr)
-        return 1
+    if not trace.actions:
+        raise TraceFormatError(f"the trace has no actions: nothing to simulate (in {where})")
     overrides: dict[str, float] = {}
     for part in args.capacity:
         overrides.update(part)
     policies: list[str] = list(dict.fromkeys(args.policy))
-    title = f"{trace.name or args.trace.name}: {len(trace.trajectories)} trajectories"
+    title = f"{trace.name or Path(where).name}: {len(trace.trajectories)} trajectories"
+    # Whatever goes to standard output is the result; the table then goes beside it.
+    shown = sys.stderr if STDIO in (args.json, args.plot) else sys.stdout
     if args.sweep is None:
         results = {
             name: run_policy(
@@ -353,16 +407,26 @@ def _simulate_command(args: argparse.Namespace) -> int:
             for name in policies
         }
         summaries = {name: summarise(result) for name, result in results.items()}
-        print(f"{title}, {trace.actions} actions, capacity {_capacity_text(trace, overrides)}")
-        print(table(summaries))
+        capacity = _capacity_text(trace, overrides)
+        print(f"{title}, {trace.actions} actions, capacity {capacity}", file=shown)
+        print(table(summaries), file=shown)
         document: dict[str, Any] = {"trace": trace.name, "policies": summaries}
         if args.plot is not None:
-            plot_acts(results, title, args.plot)
+            plot_acts(results, title, *_plot_target(args.plot))
     else:
-        document = _sweep_command(args, trace, overrides, policies, title)
-    if args.json is not None:
+        document = _sweep_command(args, trace, overrides, policies, title, shown)
+    if args.json == STDIO:
+        sys.stdout.write(to_json(document))
+    elif args.json is not None:
         args.json.write_text(to_json(document), encoding="utf-8")
     return 0
+
+
+def _plot_target(plot: Path | str) -> tuple[Path | IO[bytes], str]:
+    if plot == STDIO:
+        sys.stdout.flush()
+        return sys.stdout.buffer, "png"
+    return Path(plot), plot_format(plot)
 
 
 def _sweep_command(
@@ -371,6 +435,7 @@ def _sweep_command(
     overrides: Mapping[str, float],
     policies: list[str],
     title: str,
+    shown: IO[str],
 ) -> dict[str, Any]:
     parameter, values = args.sweep
     reference = "tangram" if "tangram" in policies else policies[0]
@@ -391,15 +456,15 @@ def _sweep_command(
             )
             for name in policies
         }
-        print(f"{title}, {parameter} = {value:g}")
-        print(table(summaries))
-        print()
+        print(f"{title}, {parameter} = {value:g}", file=shown)
+        print(table(summaries), file=shown)
+        print(file=shown)
         base = summaries[reference]["avg_act"]
         for name in ratios:
             ratios[name].append(_round(summaries[name]["avg_act"] / base) if base else math.nan)
         points.append({"value": value, "policies": summaries})
     if args.plot is not None:
-        plot_sweep(parameter, values, ratios, reference, title, args.plot)
+        plot_sweep(parameter, values, ratios, reference, title, *_plot_target(args.plot))
     return {
         "trace": trace.name,
         "sweep": {
