@@ -26,7 +26,7 @@ from ..errors import (
 )
 from ._devices import Device
 from ._placing import Placer
-from ._replica import PoolReplica, Residency, ServiceState, ewma
+from ._replica import Call, PoolReplica, Residency, ServiceState, ewma
 
 __all__ = ["Holder"]
 
@@ -181,32 +181,63 @@ class Holder:
                 continue
             limit = (service.max_batch or len(replica.pending)) if service.batching else 1
             calls, replica.pending = replica.pending[:limit], replica.pending[limit:]
-            started = anyio.current_time()
             try:
-                results = await service.run(replica.index, [c.batch for c in calls])
-                if len(results) != len(calls):
-                    raise GpuServiceError(
-                        f"{service.name!r} returned {len(results)} results for {len(calls)} batches"
-                    )
-            except Exception as exc:
-                error = (
-                    exc
-                    if isinstance(exc, GpuError)
-                    else GpuServiceError(f"{service.name!r} failed to run: {exc}")
-                )
-                if error is not exc:
-                    error.__cause__ = exc
+                await self._run_merged(replica, calls)
+            except BaseException:
+                # Cancelled mid-run (the pool closed): the calls taken from the queue
+                # would otherwise wait for ever.
                 for call in calls:
-                    call.error = error
-                    call.done.set()
-                continue
-            seconds = anyio.current_time() - started
-            state.run_seconds = ewma(state.run_seconds, seconds)
-            state.runs += 1
-            state.batched += len(calls)
-            for call, result in zip(calls, results, strict=True):
-                call.result = result
-                call.done.set()
+                    if not call.done.is_set():
+                        call.error = GpuPoolClosedError("the replica stopped (the pool closed)")
+                        call.done.set()
+                raise
+
+    async def _run_merged(self, replica: PoolReplica, calls: list[Call]) -> None:
+        """Run ``calls`` as one run; if it fails, run each alone and fail only its own.
+
+        One action's malformed batch (a wrong shape, a bad request) fails the run of every
+        batch merged with it; run alone, the others succeed and only that action gets the
+        error. A service that fails for every batch pays one more run per call.
+        """
+        error = await self._run(replica, calls)
+        if error is None:
+            return
+        if len(calls) == 1:
+            calls[0].error = error
+            calls[0].done.set()
+            return
+        for call in calls:
+            call.error = await self._run(replica, [call])
+            call.done.set()
+
+    async def _run(self, replica: PoolReplica, calls: list[Call]) -> GpuError | None:
+        """Run ``calls`` as one merged run; hand out the results, or return the error.
+
+        The calls are left undone on failure, for the caller to retry or fail them.
+        """
+        state = replica.state
+        service = state.service
+        started = anyio.current_time()
+        try:
+            results = await service.run(replica.index, [c.batch for c in calls])
+            if len(results) != len(calls):
+                raise GpuServiceError(
+                    f"{service.name!r} returned {len(results)} results for {len(calls)} batches"
+                )
+        except Exception as exc:
+            if isinstance(exc, GpuError):
+                return exc
+            error = GpuServiceError(f"{service.name!r} failed to run: {exc}")
+            error.__cause__ = exc
+            return error
+        seconds = anyio.current_time() - started
+        state.run_seconds = ewma(state.run_seconds, seconds)
+        state.runs += 1
+        state.batched += len(calls)
+        for call, result in zip(calls, results, strict=True):
+            call.result = result
+            call.done.set()
+        return None
 
     async def _make_resident(self, replica: PoolReplica) -> None:
         """Restore ``replica`` once its grant came, evicting LRU idle replicas for room."""

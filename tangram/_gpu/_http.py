@@ -23,7 +23,9 @@ from typing import Any
 import anyio
 import httpx
 
+from .._core._validate import seconds
 from ..errors import GpuOutOfMemoryError, GpuServiceError
+from ._checks import TYPE_ERROR, VALUE_ERROR
 from ._devices import Device
 from ._service import ModelService
 
@@ -48,6 +50,10 @@ class HttpModelService(ModelService):
         OpenAI-style ``POST /v1/completions``). A batch's items are sent concurrently so
         the server's own continuous batching merges them.
     :param timeout: seconds for sleep/wake calls (a wake can take seconds).
+    :param transport: the httpx transport (tests hand a real server's, or a mock).
+    :raises DemandTypeError: an argument of the wrong type (also a ``TypeError``).
+    :raises InvalidCapacityError: no server, servers on unequal numbers of devices, a
+        memory that is not a size, or a timeout that is not above zero.
     """
 
     def __init__(
@@ -60,11 +66,29 @@ class HttpModelService(ModelService):
         timeout: float = 300.0,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
+        if not isinstance(servers, Mapping) or not all(
+            isinstance(url, str)
+            and isinstance(devices, Sequence)
+            and not isinstance(devices, str)
+            and all(isinstance(d, str) for d in devices)
+            for url, devices in servers.items()
+        ):
+            raise TYPE_ERROR(
+                "`servers` must map each server's URL to the device names it runs on, like "
+                f"{{'http://host:8000': ['cuda:0']}} (got {servers!r})"
+            )
         if not servers:
-            raise ValueError("`servers` must name at least one server")
+            raise VALUE_ERROR(f"`servers` must name at least one server (got {servers!r})")
         gpus = {len(devices) for devices in servers.values()}
         if len(gpus) != 1 or 0 in gpus:
-            raise ValueError("every server must run on the same, non-zero number of devices")
+            raise VALUE_ERROR(
+                f"every server must run on the same, non-zero number of devices (got {servers!r})"
+            )
+        if not callable(request):
+            raise TYPE_ERROR(f"`request` must be an async function (got {request!r})")
+        seconds("timeout", timeout, strict=True, type_error=TYPE_ERROR, value_error=VALUE_ERROR)
+        if transport is not None and not isinstance(transport, httpx.AsyncBaseTransport):
+            raise TYPE_ERROR(f"`transport` must be an httpx.AsyncBaseTransport (got {transport!r})")
         super().__init__(
             name, memory=memory, gpus=gpus.pop(), max_replicas=len(servers), batching=True
         )

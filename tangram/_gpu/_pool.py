@@ -37,7 +37,8 @@ import attrs
 
 from .._core._placement import nvlink_groups
 from .._runtime._run import Runtime, current_runtime
-from ..errors import GpuError, GpuPoolClosedError, GpuServiceError
+from ..errors import GpuError, GpuPoolClosedError, GpuServiceError, UnknownResourceError
+from ._checks import TYPE_ERROR, VALUE_ERROR, check_bool
 from ._devices import Device, device_memory_used, discover_devices, nvml_nvlink_pairs
 from ._holding import Holder
 from ._placing import Placer
@@ -94,6 +95,8 @@ class GpuPool:
         first actions pay no restore. They hold no grant and are evicted like any idle
         replica. ``False`` leaves the devices empty until an action needs them (a GPU
         shared with processes the pool does not know about).
+    :raises DemandTypeError: an argument of the wrong type (also a ``TypeError``).
+    :raises InvalidCapacityError: two services or two devices share a name.
     """
 
     def __init__(
@@ -105,25 +108,46 @@ class GpuPool:
         links: Iterable[tuple[int, int]] | None = None,
         warm: bool = True,
     ) -> None:
-        if not isinstance(warm, bool):
-            raise TypeError(f"`warm` must be True or False (got {warm!r})")
+        check_bool("warm", warm)
+        if isinstance(services, (str, ModelService)) or not isinstance(services, Iterable):
+            raise TYPE_ERROR(f"`services` must be a list of model services (got {services!r})")
         states: dict[str, ServiceState] = {}
         for service in services:
             if not isinstance(service, ModelService):
-                raise TypeError(f"services must be tangram.gpu.ModelService (got {service!r})")
+                raise TYPE_ERROR(
+                    f"`services` must hold tangram.gpu.ModelService objects (got {service!r})"
+                )
             if service.name in states:
-                raise ValueError(f"two services are named {service.name!r}")
+                raise VALUE_ERROR(f"service names must be unique (got {service.name!r} twice)")
             states[service.name] = ServiceState(service)
         if devices is not None:
-            devices = list(devices)
+            given = devices
+            devices = list(devices) if isinstance(devices, Iterable) else []
             if not devices or not all(isinstance(d, Device) for d in devices):
-                raise TypeError("`devices` must be a non-empty list of tangram.gpu.Device")
-            if len({d.name for d in devices}) != len(devices):
-                raise ValueError("device names must be unique")
+                raise TYPE_ERROR(
+                    f"`devices` must be a non-empty list of tangram.gpu.Device (got {given!r})"
+                )
+            names = [d.name for d in devices]
+            twice = sorted({n for n in names if names.count(n) > 1})
+            if twice:
+                raise VALUE_ERROR(f"device names must be unique (got {twice} twice)")
+        if runtime is not None and not isinstance(runtime, Runtime):
+            raise TYPE_ERROR(f"`runtime` must be a tangram.Runtime or None (got {runtime!r})")
+        if links is not None:
+            links = list(links)
+            for pair in links:
+                if (
+                    not isinstance(pair, tuple)
+                    or len(pair) != 2
+                    or not all(isinstance(i, int) and not isinstance(i, bool) for i in pair)
+                ):
+                    raise TYPE_ERROR(
+                        f"`links` must be pairs of device indices like (0, 1) (got {pair!r})"
+                    )
         self._services = states
         self._devices: list[Device] = devices or []
         self._runtime = runtime
-        self._links = None if links is None else list(links)
+        self._links = links
         self._warm = warm
         self._placer = Placer(states)
         self._holder = Holder(self._placer)
@@ -258,13 +282,15 @@ class GpuPool:
         evicted under a running action; when the last action leaves it stays resident,
         idle and evictable, for the next action to find.
 
+        :raises UnknownResourceError: the pool has no service named ``name`` (a
+            ``LookupError``).
         :raises GpuOutOfMemoryError: the restore found no room (nothing is left held).
         :raises GpuServiceError: the service failed to restore or to run.
         """
         self._check_open()
         state = self._services.get(name)
         if state is None:
-            raise LookupError(f"no service named {name!r} (have {sorted(self._services)})")
+            raise UnknownResourceError(f"no service named {name!r} (have {sorted(self._services)})")
         runtime = self._runtime if self._runtime is not None else current_runtime()
         while (attached := self._placer.attach(state, anyio.current_time())) is None:
             # Only the service's own draining replicas stand where it could go: the
@@ -276,12 +302,16 @@ class GpuPool:
         if new:
             self._holder.start(replica, runtime)
         replica.users += 1
+        handle: ServiceHandle | None = None
         try:
             await replica.ready.wait()
             if replica.error is not None:
                 raise replica.error
-            yield ServiceHandle(self, replica)
+            handle = ServiceHandle(self, replica)
+            yield handle
         finally:
+            if handle is not None:
+                handle._ended = True
             replica.users -= 1
             replica.last_used = self._placer.tick()
             if replica.users == 0:
@@ -342,11 +372,14 @@ class ServiceHandle:
     next run takes all of them at once.
     """
 
-    __slots__ = ("_pool", "_replica")
+    __slots__ = ("_ended", "_pool", "_replica")
 
     def __init__(self, pool: GpuPool, replica: PoolReplica) -> None:
         self._pool = pool
         self._replica = replica
+        # Set when the action's block ends: the replica may still serve other actions,
+        # but this one no longer holds a seat on it, nor its share of the memory grant.
+        self._ended = False
 
     def __repr__(self) -> str:
         names = ",".join(d.name for d in self._replica.devices)
@@ -365,8 +398,14 @@ class ServiceHandle:
         return self._replica.index
 
     async def __call__(self, batch: Any) -> Any:
+        """Run ``batch`` on the replica, merged with other actions' calls where it batches.
+
+        :raises GpuPoolClosedError: the action's ``async with pool.use(...)`` block ended.
+        :raises GpuServiceError: the service failed on this batch (other actions' batches
+            merged with it are run again without it).
+        """
         replica = self._replica
-        if not replica.alive:
+        if self._ended or not replica.alive:
             raise GpuPoolClosedError("the action ended: use the handle inside its `async with`")
         call = Call(batch)
         replica.pending.append(call)

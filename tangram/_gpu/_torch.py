@@ -10,6 +10,7 @@ import collections
 import copy
 import itertools
 import math
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -18,11 +19,19 @@ import attrs
 
 from .._core import _validate
 from ..errors import GpuOutOfMemoryError, GpuServiceError
+from ._checks import TYPE_ERROR, VALUE_ERROR, check_bool, format_bytes
 from ._devices import Device
 from ._optional import torch
 from ._service import ModelService
 
 __all__ = ["TorchService"]
+
+# Factories run one at a time in the whole process. The pool loads its services in worker
+# threads at once, and a factory that calls ``torch.manual_seed`` then builds draws from
+# the one global generator every thread shares: run together, two such factories mixed
+# their draws (different weights in 2 pools of 40). Only the factory call is held; packing
+# the weights into the host buffer and pinning it, the slow part, still run in parallel.
+_BUILDING = threading.Lock()
 
 
 def _named_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -71,9 +80,12 @@ class TorchService(ModelService):
     ``run`` concatenates the merged batches along dimension 0, runs the module once under
     ``inference_mode`` and splits the output back; results come back on the host.
 
-    :param factory: builds the module (called once, in a worker thread).
+    :param factory: builds the module (called once, in a worker thread, one factory at a
+        time in the process: one that seeds torch's global generator builds the same
+        weights as it would alone).
     :param memory: device bytes per replica on each of its devices; default: the largest
         stage's tensors (all of them with one stage) plus ``headroom`` for activations.
+        A declared size below those tensors is refused when the pool loads the service.
     :param gpus: devices per replica, one pipeline stage on each.
     :param split: how the module is cut into ``gpus`` stages (see above).
     :param empty_cache: on eviction, hand the freed CUDA memory back to the driver
@@ -81,6 +93,8 @@ class TorchService(ModelService):
         shares the GPU; when only in-process torch services do, ``False`` lets torch's
         caching allocator reuse the block and skips a ``cudaFree``/``cudaMalloc`` pair
         per round trip.
+    :raises DemandTypeError: an argument of the wrong type.
+    :raises InvalidCapacityError: an argument out of range, or settings that conflict.
     """
 
     def __init__(
@@ -106,12 +120,15 @@ class TorchService(ModelService):
             batching=batching,
             max_batch=max_batch,
         )
-        self._empty_cache = empty_cache
+        self._empty_cache = check_bool("empty_cache", empty_cache)
         if not callable(factory):
-            raise TypeError(f"`factory` must build a torch.nn.Module (got {factory!r})")
-        if writeback and max_replicas != 1:
-            raise ValueError("`writeback` needs `max_replicas=1`: replicas would overwrite")
-        _validate.number("headroom", headroom, finite=False, type_error=ValueError)
+            raise TYPE_ERROR(f"`factory` must build a torch.nn.Module (got {factory!r})")
+        if check_bool("writeback", writeback) and max_replicas != 1:
+            raise VALUE_ERROR(
+                "`writeback` needs `max_replicas=1`: replicas would overwrite each other's "
+                f"state (got max_replicas={max_replicas!r})"
+            )
+        _validate.number("headroom", headroom, type_error=TYPE_ERROR, value_error=VALUE_ERROR)
         if split is not None and not callable(split):
             counts = list(split) if isinstance(split, Sequence) else None
             if (
@@ -121,7 +138,7 @@ class TorchService(ModelService):
                     isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in counts
                 )
             ):
-                raise ValueError(
+                raise VALUE_ERROR(
                     f"`split` must be a callable or {gpus} whole numbers >= 1, the children "
                     f"of an nn.Sequential per stage (got {split!r})"
                 )
@@ -144,17 +161,23 @@ class TorchService(ModelService):
         return [stage.size for stage in self._stages]
 
     async def load(self) -> None:
+        """Build the module and pack its tensors into the host buffer, in a worker thread.
+
+        :raises GpuOutOfMemoryError: the declared ``memory`` is smaller than the tensors.
+        :raises GpuServiceError: the factory or ``split`` failed.
+        """
         await anyio.to_thread.run_sync(self._load)
 
     def _load(self) -> None:
         if self._stages:
             return
         try:
-            module = self._factory()
+            with _BUILDING:
+                module = self._factory()
         except Exception as exc:
             raise GpuServiceError(f"could not build {self.name!r}: {exc}") from exc
         if not isinstance(module, torch.nn.Module):
-            raise TypeError(f"`factory` of {self.name!r} returned {module!r}, not a Module")
+            raise TYPE_ERROR(f"`factory` of {self.name!r} must return a Module (got {module!r})")
         module.eval()
         parts = self._cut(module)
         known: dict[int, str] = {}
@@ -209,10 +232,21 @@ class TorchService(ModelService):
             self._stages.append(
                 _Stage(skeleton, start, end - start, [entry[1:] for entry in layout], slots)
             )
+        largest = max(stage.size for stage in self._stages)
+        if self.memory is not None and largest > self.memory:
+            # A restore allocates the stage's whole region: a declared memory below it
+            # would let the runtime grant less than the device then holds.
+            where = "its largest stage" if len(parts) > 1 else "its parameters and buffers"
+            self._stages, self._names = [], {}
+            raise GpuOutOfMemoryError(
+                f"{self.name!r} holds {format_bytes(largest)} per device ({where}), more "
+                f"than its declared memory={format_bytes(self.memory)}: declare at least "
+                f"{format_bytes(largest)} plus room for activations, or leave `memory` unset "
+                "to have it measured"
+            )
         self._flat = flat
         self.nbytes = sum(size for _, spans in plans for *_, size in spans)
         if self.memory is None:
-            largest = max(stage.size for stage in self._stages)
             self.memory = max(1, int(largest * (1.0 + self._headroom)))
 
     def _cut(self, module: torch.nn.Module) -> list[torch.nn.Module]:
@@ -287,7 +321,8 @@ class TorchService(ModelService):
             if any(t.type == "cuda" for t in targets):
                 torch.cuda.empty_cache()
             where = ", ".join(device.name for device in devices)
-            _raise_oom(exc, f"restoring {self.name!r} onto {where}")
+            size = format_bytes(max(stage.size for stage in self._stages))
+            _raise_oom(exc, f"restoring {self.name!r} ({size} per device) onto {where}")
             raise GpuServiceError(f"could not restore {self.name!r}: {exc}") from exc
         modules = self._modules.get(replica)
         if modules is None:
