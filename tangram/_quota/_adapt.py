@@ -23,7 +23,7 @@ import attrs
 
 from .._core._validate import number, validator
 from .._runtime._run import Runtime
-from ._keys import KeyState
+from ._keys import SETTING_ERRORS, KeyState
 
 __all__ = ["Adapt", "adapt_down", "adapt_up", "note_accepted"]
 
@@ -40,9 +40,9 @@ _DENSE = 0.1
 # Windows of refusals after which a key that could not measure the limit cuts anyway.
 _BLIND = 3.0
 
-_positive = validator(number, strict=True, finite=False, type_error=ValueError)
-_fraction = validator(number, strict=True, maximum=1.0, type_error=ValueError)
-_multiple = validator(number, minimum=1.0, type_error=ValueError)
+_positive = validator(number, strict=True, finite=False, **SETTING_ERRORS)
+_fraction = validator(number, strict=True, maximum=1.0, **SETTING_ERRORS)
+_multiple = validator(number, minimum=1.0, **SETTING_ERRORS)
 
 
 @attrs.frozen(kw_only=True)

@@ -12,12 +12,12 @@ import math
 import attrs
 
 from .._core._validate import number, validator, whole
-from ._keys import KeyState
+from ._keys import SETTING_ERRORS, KeyState
 
 __all__ = ["SetAside", "note_failure", "note_recovered"]
 
-_positive = validator(number, strict=True, finite=False, type_error=ValueError)
-_count = validator(whole, minimum=1, type_error=ValueError)
+_positive = validator(number, strict=True, finite=False, **SETTING_ERRORS)
+_count = validator(whole, minimum=1, **SETTING_ERRORS)
 
 
 @attrs.frozen(kw_only=True)

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 
 import anyio
 import attrs
+import httpx
 
 from .._core._resources import Rate
 from .._core._units import is_rate_text, parse_rate
@@ -27,6 +28,7 @@ __all__ = [
     "DEFAULT_JITTER",
     "ApiKey",
     "KeyState",
+    "SETTING_ERRORS",
     "KeyStats",
     "choose",
     "ready_in",
@@ -49,6 +51,9 @@ DEFAULT_HEADROOM = 0.97
 #: least 2 where the provider's is: see ``KeyState.rates``), and a key's first request
 #: goes alone, the others waiting for its answer, so connection set-up is out of the way.
 DEFAULT_JITTER = 0.15
+#: What a bad quota setting raises, for the shared checks: the caller's error at the call,
+#: in tangram's tree, whether the value is of the wrong type or out of range.
+SETTING_ERRORS = {"type_error": InvalidCapacityError, "value_error": InvalidCapacityError}
 
 
 def _requests(value: object) -> Rate | None:
@@ -62,14 +67,19 @@ def _tokens(value: object) -> Rate | None:
 def _rate(name: str, value: object) -> Rate | None:
     if value is None or isinstance(value, Rate):
         return value
+    allowed = "a rate like '50/s', a number per second > 0 or tangram.Rate"
     if isinstance(value, str) and is_rate_text(value):
-        per_second = parse_rate(value)
-        return Rate(per_second, burst=max(1.0, per_second))
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return Rate(value, burst=max(1.0, float(value)))
-    raise InvalidCapacityError(
-        f"`{name}` must be a rate like '50/s', a number per second or tangram.Rate (got {value!r})"
-    )
+        try:
+            per_second = parse_rate(value)
+        except InvalidCapacityError as exc:
+            raise InvalidCapacityError(f"`{name}`: {exc}") from None
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        per_second = float(value)
+    else:
+        raise InvalidCapacityError(f"`{name}` must be {allowed} (got {value!r})")
+    if not (0 < per_second < math.inf):
+        raise InvalidCapacityError(f"`{name}` must be {allowed}, and finite (got {value!r})")
+    return Rate(per_second, burst=max(1.0, per_second))
 
 
 def _concurrency(value: object) -> int | None:
@@ -86,7 +96,29 @@ def _concurrency(value: object) -> int | None:
 
 def _headers(value: Mapping[str, str]) -> dict[str, str]:
     """A private copy: the caller's mapping may change after the key is made."""
+    if not isinstance(value, Mapping) or not all(
+        isinstance(k, str) and k and isinstance(v, str) for k, v in value.items()
+    ):
+        raise InvalidCapacityError(
+            f"`headers` must map header names to strings, like "
+            f"{{'Authorization': 'Bearer ...'}} (got {value!r})"
+        )
     return dict(value)
+
+
+def _url(value: str | None) -> str | None:
+    """Checked here: a bad base URL would otherwise fail at the first request it sends."""
+    if value is None:
+        return None
+    try:
+        url = httpx.URL(value) if isinstance(value, str) else None
+    except httpx.InvalidURL:
+        url = None
+    if url is None or url.scheme not in ("http", "https") or not url.host:
+        raise InvalidCapacityError(
+            f"`url` must be an http(s) base URL like 'https://api.example:8443' (got {value!r})"
+        )
+    return value
 
 
 @attrs.frozen(kw_only=True)
@@ -107,12 +139,12 @@ class ApiKey:
     tokens: Rate | None = attrs.field(default=None, converter=_tokens)
     concurrency: int | None = attrs.field(default=None, converter=_concurrency)
     headers: Mapping[str, str] = attrs.field(factory=dict, converter=_headers)
-    url: str | None = None
+    url: str | None = attrs.field(default=None, converter=_url)
 
     @name.validator
     def _check_name(self, attribute: attrs.Attribute[str], value: str) -> None:
         if not isinstance(value, str) or not value:
-            raise ValueError(f"`name` must be a non-empty string (got {value!r})")
+            raise InvalidCapacityError(f"`name` must be a non-empty string (got {value!r})")
 
     def __attrs_post_init__(self) -> None:
         if self.requests is None and self.tokens is None and self.concurrency is None:

@@ -18,16 +18,21 @@ What this layer adds on top of the core, one module each:
   exact. A smaller real count is *not* credited back: the core's token buckets only ever
   give units out, and an over-estimate costs throughput, never a ``429``.
 - **429 and 503.** ``Retry-After`` (or the more precise ``retry-after-ms``) pauses the key
-  for that long; the request is retried through :mod:`stamina` (:mod:`._retry`; on another
-  key when one is ready); the key measures what the provider accepts while it refuses,
+  for that long; the request is retried (:mod:`._retry`; on another key when one is
+  ready); the key measures what the provider accepts while it refuses,
   cuts its rates just under that and grows back to hold there (AIMD, :mod:`._adapt`,
   through :meth:`tangram.Runtime.set_capacity`), so a configured limit above the
   provider's real one converges just below it (and one below it, with
   ``Adapt(above=...)``, probes up to it).
 - **Keys that keep failing** (transport errors, ``5xx``) are set aside for a cool-down
   that doubles on each repeat, then given one probe request (:mod:`._aside`).
-- **Deadlines fail fast** (here). A request whose key cannot start it before its deadline
-  raises :class:`QuotaDeadlineError` at once instead of waiting to time out.
+- **Only what is safe is resent** (:mod:`._retry`): a ``5xx`` or a timed-out reply may
+  have been served, so only idempotent methods, or requests their caller marks, are sent
+  again; refusals and connections that never opened are retried whatever the method.
+- **Deadlines, finite by default, fail fast** (here). Each call must be answered within
+  its deadline (:data:`DEFAULT_DEADLINE`), waits and retries included, so a hung server or
+  a ``Retry-After`` of hours ends in :class:`QuotaDeadlineError`; a request whose key
+  cannot start it before then raises at once instead of waiting to time out.
 
 Cancellation at any point returns the request's slot: slots are leases of the core and
 every path out of a request exits them (the response stream holds its slot until the body
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import math
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,7 +52,7 @@ import httpx
 
 from .._core._validate import number, seconds
 from .._runtime._run import AcquireContext, Runtime, current_runtime
-from ..errors import QuotaDeadlineError
+from ..errors import DemandTypeError, InvalidCapacityError, InvalidDemandError, QuotaDeadlineError
 from ._adapt import Adapt, adapt_down, adapt_up, note_accepted
 from ._aside import SetAside, note_failure, note_recovered
 from ._keys import (
@@ -58,14 +64,42 @@ from ._keys import (
     choose,
     ready_in,
 )
-from ._retry import LIMITED, Again, Retry, closed, retry_after, retrying
+from ._retry import (
+    IDEMPOTENCY_HEADER,
+    LIMITED,
+    METHOD,
+    Again,
+    Deadline,
+    Outcome,
+    Retry,
+    closed,
+    retry_after,
+    retrying,
+)
 from ._transport import QuotaTransport, ReleasingStream, outgoing
 
-__all__ = ["DEADLINE_EXTENSION", "TOKENS_EXTENSION", "Quota"]
+__all__ = [
+    "DEADLINE_EXTENSION",
+    "DEFAULT_DEADLINE",
+    "IDEMPOTENT_EXTENSION",
+    "TOKENS_EXTENSION",
+    "Quota",
+]
 
 #: Request extension keys a caller may set per request (``extensions={...}`` in httpx).
 TOKENS_EXTENSION = "tangram.tokens"
 DEADLINE_EXTENSION = "tangram.deadline"
+#: ``True``: this request may be resent after a ``5xx`` or a timeout; ``False``: never.
+IDEMPOTENT_EXTENSION = "tangram.idempotent"
+#: Seconds a call may take by default, from the call to its answer's headers, waits and
+#: retries included. The default request timeout of the OpenAI and Anthropic Python SDKs:
+#: the longest a provider's own client waits for one call (a long generation by a
+#: reasoning judge), so it cuts no call that a provider's client would let finish, and a
+#: hung server or a ``Retry-After`` of hours costs a rollout 10 minutes, not the run.
+DEFAULT_DEADLINE = 600.0
+#: Connection failures raised before any byte of the request was written: nothing reached
+#: the server, so the request is resent whatever its method.
+_UNSENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 #: ``Quota(adapt=...)`` by default: AIMD on, with its default settings.
 _ADAPT = Adapt()
 
@@ -90,9 +124,14 @@ class Quota:
         ``extensions={"tangram.tokens": n}`` overrides it. Default: none.
     :param count_tokens: the real cost from the response (its body is read first); the
         difference to the estimate is charged (see the module docstring).
-    :param deadline: default seconds a request may wait to be sent; a request's
-        ``extensions={"tangram.deadline": s}`` overrides it.
+    :param deadline: seconds a call may take until its answer's headers, waits and
+        retries included (:data:`DEFAULT_DEADLINE`), or ``None`` for no limit; a
+        request's ``extensions={"tangram.deadline": s}`` overrides it.
+    :param retry: how often and which requests to retry (:class:`Retry`); a request's
+        ``extensions={"tangram.idempotent": True}`` (or an ``Idempotency-Key`` header)
+        marks it safe to resend after a ``5xx`` or a timeout.
     :param adapt: AIMD settings, or ``None`` to trust the configured rates.
+    :raises InvalidCapacityError: an argument out of range or of the wrong type.
     """
 
     def __init__(
@@ -104,23 +143,47 @@ class Quota:
         jitter: float = DEFAULT_JITTER,
         estimate_tokens: Callable[[httpx.Request], float] | None = None,
         count_tokens: Callable[[httpx.Response], float | None] | None = None,
-        deadline: float | None = None,
+        deadline: float | None = DEFAULT_DEADLINE,
         retry: Retry | None = None,
         adapt: Adapt | None = _ADAPT,
         set_aside: SetAside | None = None,
         runtime: Runtime | None = None,
     ) -> None:
+        if isinstance(keys, (str, bytes, ApiKey)) or not isinstance(keys, Sequence):
+            raise InvalidCapacityError(f"`keys` must be a non-empty list of ApiKey (got {keys!r})")
         keys = list(keys)
         if not keys or not all(isinstance(k, ApiKey) for k in keys):
-            raise TypeError(f"`keys` must be a non-empty sequence of ApiKey (got {keys!r})")
-        if len({k.name for k in keys}) != len(keys):
-            raise ValueError("key names must be unique within a quota")
+            raise InvalidCapacityError(f"`keys` must be a non-empty list of ApiKey (got {keys!r})")
+        names = [k.name for k in keys]
+        if len(set(names)) != len(names):
+            raise InvalidCapacityError(f"key names must be unique within a quota (got {names!r})")
         if not isinstance(name, str) or not name:
-            raise ValueError(f"`name` must be a non-empty string (got {name!r})")
-        share = number("headroom", headroom, strict=True, maximum=1.0)
-        spread = seconds("jitter", jitter)
+            raise InvalidCapacityError(f"`name` must be a non-empty string (got {name!r})")
+        bad = InvalidCapacityError
+        share = number(
+            "headroom", headroom, strict=True, maximum=1.0, type_error=bad, value_error=bad
+        )
+        spread = seconds("jitter", jitter, type_error=bad, value_error=bad)
         if deadline is not None:
-            seconds("deadline", deadline, finite=False)
+            seconds(
+                "deadline", deadline, strict=True, finite=False, type_error=bad, value_error=bad
+            )
+        functions = (("estimate_tokens", estimate_tokens), ("count_tokens", count_tokens))
+        for what, function in functions:
+            if function is not None and not callable(function):
+                raise InvalidCapacityError(
+                    f"`{what}` must be a function of the request or response (got {function!r})"
+                )
+        for what, setting, kind in (
+            ("retry", retry, Retry),
+            ("adapt", adapt, Adapt),
+            ("set_aside", set_aside, SetAside),
+            ("runtime", runtime, Runtime),
+        ):
+            if setting is not None and not isinstance(setting, kind):
+                raise InvalidCapacityError(
+                    f"`{what}` must be a {kind.__qualname__} or None (got {setting!r})"
+                )
         self.name = name
         self.estimate_tokens = estimate_tokens
         self.count_tokens = count_tokens
@@ -169,17 +232,40 @@ class Quota:
             runtime.set_capacity(missing)
         return runtime
 
-    def _deadline_of(self, request: httpx.Request) -> float | None:
+    def _deadline_of(self, request: httpx.Request) -> Deadline | None:
         value = request.extensions.get(DEADLINE_EXTENSION, self.deadline)
         if value is None:
             return None
-        return anyio.current_time() + float(value)
+        limit = seconds(
+            f'extensions["{DEADLINE_EXTENSION}"]',
+            value,
+            strict=True,
+            finite=False,
+            type_error=DemandTypeError,
+            value_error=InvalidDemandError,
+        )
+        return Deadline(anyio.current_time() + limit, limit)
 
     def _tokens_of(self, request: httpx.Request) -> float:
         value = request.extensions.get(TOKENS_EXTENSION)
+        where = f'extensions["{TOKENS_EXTENSION}"]'
         if value is None and self.estimate_tokens is not None:
             value = self.estimate_tokens(request)
-        return float(value or 0.0)
+            where = "estimate_tokens(request)"
+        if value is None:
+            return 0.0
+        return number(where, value, type_error=DemandTypeError, value_error=InvalidDemandError)
+
+    def _marked(self, request: httpx.Request) -> bool | None:
+        """The caller's word on resending (see :func:`._retry.may_resend`)."""
+        value = request.extensions.get(IDEMPOTENT_EXTENSION)
+        if value is not None and not isinstance(value, bool):
+            raise DemandTypeError(
+                f'extensions["{IDEMPOTENT_EXTENSION}"] must be True or False (got {value!r})'
+            )
+        if value is None and IDEMPOTENCY_HEADER in request.headers:
+            return True
+        return value
 
     async def _pay(self, runtime: Runtime, kind: str, amount: float) -> None:
         """Take ``amount`` more from a rate budget, in bursts it can hold."""
@@ -195,14 +281,34 @@ class Quota:
     ) -> httpx.Response:
         """Send ``request`` through ``transport`` under this quota, retrying as configured.
 
-        :raises QuotaDeadlineError: it could not be sent before its deadline.
+        :raises QuotaDeadlineError: it was not answered before its deadline.
+        :raises InvalidDemandError: a request extension of tangram's is out of range.
         """
+        if not METHOD.fullmatch(request.method):
+            raise InvalidDemandError(
+                f"the request's method must be an HTTP method like 'GET' or 'POST' "
+                f"(got {request.method!r})"
+            )
         runtime = self._attach()
         tokens = self._tokens_of(request)
         deadline = self._deadline_of(request)
+        marked = self._marked(request)
+        retry = self.retry
+        if marked is None and retry.idempotency_key and request.method not in retry.methods:
+            # The same key on every resend: that is what lets the server deduplicate.
+            request.headers[IDEMPOTENCY_HEADER] = str(uuid.uuid4())
+            marked = True
         await request.aread()  # a retry resends the body
         attempt = functools.partial(self._attempt, runtime, request, transport, tokens, deadline)
-        return await retrying(self.retry, deadline, attempt)
+        if deadline is None:
+            return await retrying(retry, request, marked, None, attempt)
+        with anyio.move_on_after(deadline.left()):
+            return await retrying(retry, request, marked, deadline, attempt)
+        url = request.url.copy_with(query=None, fragment=None)
+        raise QuotaDeadlineError(
+            f"{request.method} {url} had no answer within its deadline of {deadline.limit:g} s "
+            "(Quota(deadline=...) or the request's tangram.deadline extension)"
+        )
 
     async def _attempt(
         self,
@@ -210,16 +316,16 @@ class Quota:
         request: httpx.Request,
         transport: httpx.AsyncBaseTransport,
         tokens: float,
-        deadline: float | None,
+        deadline: Deadline | None,
     ) -> httpx.Response:
         while True:
             key, start = choose(runtime, self._keys, tokens)
             now = anyio.current_time()
-            remaining = None if deadline is None else deadline - now
+            remaining = None if deadline is None else deadline.left()
             if remaining is not None and start > remaining:
                 raise QuotaDeadlineError(
-                    f"key {key.key.name!r} can start this request in {start:.3g} s, "
-                    f"past its deadline in {max(0.0, remaining):.3g} s"
+                    f"key {key.key.name!r} can start this request in {start:.3g} s "
+                    f"(its pause or budget), past {deadline}"
                 )
             if key.contact is not None:
                 await self._await_contact(key, deadline)
@@ -250,7 +356,7 @@ class Quota:
                     await context.__aenter__()
                 except TimeoutError as exc:
                     raise QuotaDeadlineError(
-                        f"no slot on key {key.key.name!r} before the deadline"
+                        f"no slot on key {key.key.name!r} within {deadline}"
                     ) from exc
                 finally:
                     for kind in key.waiting:
@@ -273,18 +379,19 @@ class Quota:
                     if event is not None:
                         event.set()
 
-    async def _await_contact(self, key: KeyState, deadline: float | None) -> None:
+    async def _await_contact(self, key: KeyState, deadline: Deadline | None) -> None:
         """Wait for the answer to a key's first request (see ``KeyState.contacted``)."""
         event = key.contact
         assert event is not None
         if deadline is None:
             await event.wait()
             return
-        with anyio.move_on_after(deadline - anyio.current_time()):
+        with anyio.move_on_after(deadline.left()):
             await event.wait()
         if not event.is_set():
             raise QuotaDeadlineError(
-                f"key {key.key.name!r} had not answered its first request before the deadline"
+                f"key {key.key.name!r} had not answered its first request before "
+                f"its deadline of {deadline.limit:g} s"
             )
 
     async def _send_holding(
@@ -295,7 +402,7 @@ class Quota:
         request: httpx.Request,
         transport: httpx.AsyncBaseTransport,
         tokens: float,
-        deadline: float | None,
+        deadline: Deadline | None,
     ) -> httpx.Response:
         """Send with the slot held; hand the slot to the response stream on success."""
         key.in_flight += 1
@@ -336,7 +443,8 @@ class Quota:
             except httpx.TransportError as exc:
                 key.contacted = True
                 note_failure(self.set_aside, key, anyio.current_time(), sent_at)
-                raise Again(None, None) from exc
+                outcome: Outcome = "unsent" if isinstance(exc, _UNSENT) else "unknown"
+                raise Again(None, None, outcome, key.key.name) from exc
             finally:
                 for written in wrote:
                     key.sending.remove(written)
@@ -350,11 +458,17 @@ class Quota:
                 key.limited += 1
                 key.paused_until = max(key.paused_until, now + (wait or 0.0))
                 adapt_down(self.adapt, runtime, key, now, wrote_at)
-                raise Again(ready_in(runtime, self._keys, tokens), closed(response, sending))
+                raise Again(
+                    ready_in(runtime, self._keys, tokens),
+                    closed(response, sending),
+                    "refused",
+                    key.key.name,
+                    asked=wait,
+                )
             if status >= 500:
                 await response.aclose()
                 note_failure(self.set_aside, key, now, sent_at)
-                raise Again(None, closed(response, sending))
+                raise Again(None, closed(response, sending), "unknown", key.key.name)
             key.ok += 1
             note_recovered(key)
             note_accepted(key, tokens, now, wrote_at)
@@ -379,7 +493,7 @@ class Quota:
         return response
 
     async def _retake(
-        self, runtime: Runtime, key: KeyState, tokens: float, deadline: float | None
+        self, runtime: Runtime, key: KeyState, tokens: float, deadline: Deadline | None
     ) -> None:
         """Take a late request's rate budget again (see ``_send_holding``).
 
@@ -390,11 +504,11 @@ class Quota:
         if not need:
             return
         key.retaken += 1
-        remaining = None if deadline is None else max(0.0, deadline - anyio.current_time())
+        remaining = None if deadline is None else deadline.left()
         try:
             async with runtime.acquire(need, kind=f"{self.name}.late", wait_timeout=remaining):
                 pass
         except TimeoutError as exc:
             raise QuotaDeadlineError(
-                f"key {key.key.name!r} had no budget left before the deadline"
+                f"key {key.key.name!r} had no budget left within {deadline}"
             ) from exc
