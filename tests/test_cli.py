@@ -368,3 +368,49 @@ def test_a_closed_pipe_ends_quietly() -> None:
     assert head.stdout.startswith(b'{"capacity"')
     assert err == b""
     assert tangram_.returncode == 1
+
+
+# -- bench: --check and where progress goes -------------------------------------------------
+
+
+@pytest.mark.parametrize(("met", "code"), [(True, 0), (False, 1)])
+def test_bench_check_exits_1_when_a_target_is_missed(
+    met: bool, code: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The run itself is replaced (tests/test_bench.py runs it for real); the verdict is not."""
+    import tangram._tools._bench as bench
+    import tangram._tools._bench_report as bench_report
+
+    def run(config: object, hook: object) -> str:
+        return "result"
+
+    targets = {"avg_act": {"value": 1.5 if met else 0.9, "goal": ">= 1", "met": met}}
+    monkeypatch.setattr(bench, "run_bench", run)
+    monkeypatch.setattr(bench_report, "bench_table", lambda result: "the table")
+    monkeypatch.setattr(bench_report, "report", lambda result: {"targets": targets})
+    assert cli.main(["bench", "--trajectories", "1", "--turns", "1"]) == 0
+    assert capsys.readouterr() == ("the table\n", "")
+    assert cli.main(["bench", "--trajectories", "1", "--turns", "1", "--check"]) == code
+    captured = capsys.readouterr()
+    assert captured.out == "the table\n"
+    assert captured.err == ("" if met else "targets not met: avg_act 0.90 (goal >= 1)\n")
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_bench_progress_defaults_to_stderr_live_on_a_terminal(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tangram._tools._bench import MeasuredAction
+    from tangram._tools._bench_report import live_progress
+
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    with live_progress(1) as hook:
+        hook("tangram", None)
+        hook("tangram", MeasuredAction("t0", 0, "tests", 0.5, 0.1, 0.0, 0.4, 2, 2, "ok"))
+    assert "t0 tests: ACT 0.50 s on 2 cores" in terminal.getvalue()  # rich's live display
+    assert capsys.readouterr().out == ""
