@@ -170,12 +170,14 @@ async def test_a_client_that_adds_idempotency_keys_retries_posts_under_one_key()
     assert all("Idempotency-Key" not in r.headers for r in recording.sent[6:])
 
 
-async def test_a_refused_post_is_retried() -> None:
+@pytest.mark.parametrize("refuse_with", [429, 503])
+async def test_a_refused_post_is_retried(refuse_with: int) -> None:
     # The server allows 2/s, the client believes 200/s: the second POST is refused with
-    # 429, which says the work was not done, so it is sent again and succeeds.
+    # 429 (or 503 with Retry-After), which says the work was not done, so it is sent
+    # again and succeeds.
     quota = _quota(retry=Retry(attempts=8, wait_initial=0.01))
     async with (
-        QuotaServer(Limit(requests=2, requests_burst=1)) as server,
+        QuotaServer(Limit(requests=2, requests_burst=1), refuse_with=refuse_with) as server,
         AsyncExitStack() as stack,
     ):
         _, client = await _client(stack, quota, server.url)
