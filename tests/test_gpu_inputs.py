@@ -139,10 +139,9 @@ async def test_a_call_in_a_run_when_the_pool_closes_fails_as_closed() -> None:
 
     runtime = tangram.Runtime(capacity=pool.capacity())
     async with runtime:
-        async with anyio.create_task_group() as tg:
-            async with pool:
-                tg.start_soon(action)
-                await service.started.wait()  # the call is in a run, out of the queue
+        async with anyio.create_task_group() as tg, pool:
+            tg.start_soon(action)
+            await service.started.wait()  # the call is in a run, out of the queue
         assert len(caught) == 1
         await wait_until(lambda: runtime.stats().resources["gpu_mem:cpu:0"].held == 0)
         assert_idle(runtime)
@@ -237,6 +236,9 @@ def test_pool_arguments_fail_as_tangram_errors() -> None:
         ({"devices": ["cpu:0"]}, TypeError),
         ({"devices": [Device("cpu:0", 1), Device("cpu:0", 2)]}, ValueError),
         ({"warm": "no"}, TypeError),
+        ({"runtime": "current"}, TypeError),
+        ({"links": [(0, "1")]}, TypeError),
+        ({"links": [(0, 1, 2)]}, TypeError),
     ]
     for kwargs, error in cases:
         arguments: dict[str, Any] = {"services": [service], **kwargs}

@@ -134,16 +134,18 @@ class GpuPool:
         if runtime is not None and not isinstance(runtime, Runtime):
             raise TYPE_ERROR(f"`runtime` must be a tangram.Runtime or None (got {runtime!r})")
         if links is not None:
-            links = list(links)
+            pairs = []
             for pair in links:
                 if (
-                    not isinstance(pair, tuple)
+                    not isinstance(pair, (tuple, list))
                     or len(pair) != 2
                     or not all(isinstance(i, int) and not isinstance(i, bool) for i in pair)
                 ):
                     raise TYPE_ERROR(
                         f"`links` must be pairs of device indices like (0, 1) (got {pair!r})"
                     )
+                pairs.append((pair[0], pair[1]))
+            links = pairs
         self._services = states
         self._devices: list[Device] = devices or []
         self._runtime = runtime
