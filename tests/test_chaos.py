@@ -95,7 +95,8 @@ async def body(lease: tangram.Lease, r: random.Random, scale: float) -> None:
     if fate < 0.13:
         await anyio.sleep(r.random() * scale)
         raise Interrupt
-    if lease.units is not None and r.random() < 0.5:
+    elastic = lease.action.demand.elastic
+    if elastic is not None and elastic.resizable and r.random() < 0.5:
         # Follow resizes for a while, as a cgroup-pinned tool would.
         with anyio.move_on_after(r.random() * 3 * scale):
             while True:
