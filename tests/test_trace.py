@@ -212,6 +212,20 @@ def test_a_binary_file_names_the_file_and_line(tmp_path: Path) -> None:
     assert str(info.value) == f"line 2: not UTF-8 text (byte 1 is b'\\x89') (in {path})"
 
 
+@pytest.mark.parametrize(
+    "field",
+    [
+        '"gap": 1' + "0" * 400,
+        '"efficiency": {"model": "table", "speedup": [1, 1' + "0" * 400 + "]}",
+    ],
+)
+def test_integers_past_any_float_are_rejected(field: str) -> None:
+    line = json.dumps(action())[:-1] + ", " + field + "}"
+    with pytest.raises(TraceFormatError, match=r"^line 2: `(gap|efficiency)`") as info:
+        read_trace([json.dumps(HEADER), line])
+    assert len(str(info.value)) < 200
+
+
 def test_deep_nesting_and_long_integers_are_format_errors_not_crashes() -> None:
     deep = '{"x": ' + "[" * 100_000 + "]" * 100_000 + "}"
     with pytest.raises(TraceFormatError, match=r"^line 2: not JSON .*nested too deeply"):
@@ -256,7 +270,9 @@ def test_a_header_only_trace_is_read_with_no_actions() -> None:
 
 def _json_values() -> st.SearchStrategy[object]:
     scalars = st.none() | st.booleans() | st.text(max_size=8)
-    numbers = st.integers() | st.floats(allow_nan=True, allow_infinity=True)
+    # Integers past any float and floats at the edges of their range, too.
+    edges = st.sampled_from([10**400, -(10**400), 1e308, 5e-324, -0.0])
+    numbers = st.integers() | st.floats(allow_nan=True, allow_infinity=True) | edges
     return st.recursive(
         scalars | numbers,
         lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner),
@@ -268,15 +284,29 @@ _FIELDS = ["trajectory", "index", "gap", "kind", "resource", "units", "min", "ma
 _FIELDS += ["seconds", "seconds_at_1", "efficiency", "service", "mem_gib"]
 
 
+def _efficiencies() -> st.SearchStrategy[object]:
+    """Efficiency objects of every model, their parameters drawn from any JSON value."""
+    params = st.fixed_dictionaries(
+        {"model": st.sampled_from(["amdahl", "power", "linear", "table", "magic"])},
+        optional={
+            "parallel_fraction": _json_values(),
+            "alpha": _json_values(),
+            "speedup": st.lists(_json_values(), max_size=4) | _json_values(),
+        },
+    )
+    return params | _json_values()
+
+
 @settings(max_examples=300, deadline=None)
 @given(
-    st.dictionaries(st.sampled_from(_FIELDS), _json_values(), max_size=len(_FIELDS)),
+    st.dictionaries(st.sampled_from(_FIELDS), _json_values(), max_size=len(_FIELDS))
+    | st.fixed_dictionaries({"efficiency": _efficiencies()}),
     st.booleans(),
 )
 def test_any_json_fields_are_read_or_rejected_with_the_line(
     fields: dict[str, object], on_header: bool
 ) -> None:
-    """Valid actions with fields overwritten by any JSON values (NaN and inf included)."""
+    """Valid actions with fields overwritten by any JSON values (NaN, inf, 10**400)."""
     if on_header:
         header = {**HEADER, "capacity": {**HEADER["capacity"], **fields}}  # type: ignore[dict-item]
         text = lines(action(), header=header)

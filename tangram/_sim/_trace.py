@@ -237,19 +237,26 @@ def _json_line(number: int, raw: str | bytes) -> Any:
 
 def _shown(value: object) -> str:
     """``repr(value)``, cut short: a message quotes a bad value, not a whole line of it."""
-    text = repr(value)
-    return text if len(text) <= 60 else f"{text[:57]}..."
+    return _cut(repr(value), 60)
+
+
+def _cut(text: str, limit: int = 120) -> str:
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
 def _number(line: int, obj: Mapping[str, Any], key: str, *, minimum: float = 0.0) -> float:
     value = obj[key]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TraceFormatError(f"`{key}` must be a number (got {_shown(value)})", line)
-    if not math.isfinite(value) or value < minimum:
+    try:
+        number = float(value)
+    except OverflowError:  # an integer past any float: as infinite as 1e999
+        number = math.inf
+    if not math.isfinite(number) or number < minimum:
         raise TraceFormatError(
             f"`{key}` must be finite and >= {minimum:g} (got {_shown(value)})", line
         )
-    return float(value)
+    return number
 
 
 def _header(line: int, obj: Mapping[str, Any]) -> tuple[dict[str, float], dict[str, Any]]:
@@ -331,8 +338,8 @@ def _action(
     if "efficiency" in obj:
         try:
             efficiency = efficiency_from_dict(obj["efficiency"])
-        except InvalidDemandError as exc:
-            raise TraceFormatError(f"`efficiency`: {exc}", line) from None
+        except (InvalidDemandError, OverflowError) as exc:
+            raise TraceFormatError(f"`efficiency`: {_cut(str(exc))}", line) from None
     service = obj.get("service")
     if service is not None and not isinstance(service, str):
         raise TraceFormatError(f"`service` must be a string (got {_shown(service)})", line)
