@@ -1,0 +1,269 @@
+"""Every code block of README.md and docs/ runs as the page shows it, and prints what it shows.
+
+A reader copies these blocks first, so each runs the way they would run it, on real parts:
+the Docker blocks on the real daemon and the image ``.ci/docker.sh`` builds
+(``tangram-sandbox-test:latest``), the Ray blocks on a real local Ray (two CPUs), the
+simulator and the CLI in full. Only what cannot exist here is left out, and only where the
+page marks it.
+
+- Python blocks (```` ```python ````) are found and run by pytest-examples, each as the
+  module ``__main__`` in an empty working directory. Where a block shows its output as
+  ``#>`` comments under its prints, ``run_print_check`` compares them; where the page shows
+  it in a ```` ```text ```` block marked ``output`` (below), the captured stdout must equal
+  that block.
+- Command blocks (```` ```sh ````, ``bash``, ``console``, ``shell``) run their lines
+  that start with ``tangram `` in page order, in one working directory per page, through
+  the CLI's ``main`` in-process; each must exit 0. Their other lines (``make``, ``pip``,
+  ``python3 -m verl...``) are set-up and are not run; ```` ```text ```` blocks are output.
+
+Markers: an HTML comment on the line right before a fence, ``<!-- test: NAME -->``,
+invisible on GitHub and in the built site. They are defined here and nowhere else:
+
+- ``gpu``: needs a CUDA GPU; runs wherever torch sees one (the device machine).
+- ``cluster``: needs a multi-node cluster.
+- ``remote-api``: calls a remote service that cannot be reached here.
+- ``training``: a framework's full training run.
+- ``results``: a command block that reproduces a page's measured results at full size
+  (minutes of CPU); the cheap examples on the same page run.
+- ``continues``: a Python block that builds on the page's previous Python block: it runs
+  with the names that block defined.
+- ``output`` (on a ```` ```text ```` block): what the Python block before it prints.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import attrs
+import pytest
+from markdown_it import MarkdownIt
+from pytest_examples import CodeExample, EvalExample, find_examples
+
+import tangram
+from tangram._tools._cli import main as cli_main
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
+
+NOT_HERE = {
+    "cluster": "needs a multi-node cluster",
+    "remote-api": "calls a remote service that cannot be reached here",
+    "training": "a framework's full training run",
+}
+SHELLS = {"sh", "bash", "console", "shell"}
+MARKERS = {*NOT_HERE, "gpu", "results", "continues", "output"}
+_MARKER = re.compile(r"^<!--\s*test:\s*(\S+)\s*-->\s*$")
+
+
+@attrs.frozen
+class Fence:
+    """One fenced block of a page, with the marker on the line before it (if any)."""
+
+    page: Path
+    line: int  # 1-based line of the opening fence, as pytest-examples counts it
+    info: str
+    content: str
+    marker: str | None
+
+    @property
+    def commands(self) -> list[list[str]]:
+        """The block's ``tangram`` command lines, as argv (continuations joined)."""
+        if self.info not in SHELLS:
+            return []
+        joined = self.content.replace("\\\n", " ")
+        lines = (line.strip().removeprefix("$ ") for line in joined.splitlines())
+        return [shlex.split(line, comments=True) for line in lines if line.startswith("tangram ")]
+
+
+def _fences(page: Path) -> list[Fence]:
+    fences: list[Fence] = []
+    previous: Any = None
+    for token in MarkdownIt().parse(page.read_text(encoding="utf-8")):
+        if token.type == "fence" and token.map is not None:
+            marker = None
+            if previous is not None and previous.type == "html_block":
+                found = _MARKER.match(previous.content.strip())
+                marker = found.group(1) if found else None
+            fences.append(Fence(page, token.map[0] + 1, token.info.strip(), token.content, marker))
+        previous = token
+    return fences
+
+
+FENCES = {page: _fences(page) for page in PAGES}
+EXAMPLES = {page: list(find_examples(page)) for page in PAGES}
+PYTHON = [example for page in PAGES for example in EXAMPLES[page]]
+COMMAND_PAGES = [page for page in PAGES if any(f.commands for f in FENCES[page])]
+
+
+def _fence_of(example: CodeExample) -> Fence:
+    for fence in FENCES[example.path]:
+        if fence.line == example.start_line:
+            return fence
+    raise AssertionError(f"{example}: pytest-examples and markdown-it disagree on the fences")
+
+
+def _shown_output(example: CodeExample) -> str | None:
+    """The ``output`` text block after this Python block and before the next one."""
+    fences = FENCES[example.path]
+    after = [f for f in fences if f.line > example.start_line]
+    for fence in after:
+        if fence.info.startswith("py"):
+            return None
+        if fence.marker == "output":
+            return fence.content
+    return None
+
+
+def _previous(example: CodeExample) -> CodeExample:
+    before = [e for e in EXAMPLES[example.path] if e.start_line < example.start_line]
+    assert before, f"{example} is marked `continues` but no Python block comes before it"
+    return before[-1]
+
+
+def _chain(example: CodeExample) -> list[CodeExample]:
+    """The block and, while each is marked ``continues``, the blocks it builds on."""
+    chain = [example]
+    while _fence_of(chain[-1]).marker == "continues":
+        chain.append(_previous(chain[-1]))
+    return chain
+
+
+def _skip_unless_runnable(marker: str | None) -> None:
+    if marker in NOT_HERE:
+        pytest.skip(NOT_HERE[marker])
+    if marker == "gpu":
+        torch = pytest.importorskip("torch")
+        if not torch.cuda.is_available():
+            pytest.skip("needs a CUDA GPU (runs on the device machine)")
+
+
+def test_every_marker_is_known_and_in_its_place() -> None:
+    # A misspelt marker would silently run (or silently not compare) a block.
+    for page in PAGES:
+        for fence in FENCES[page]:
+            where = f"{page.relative_to(ROOT)}:{fence.line}"
+            assert fence.marker in {None, *MARKERS}, f"{where}: unknown marker {fence.marker!r}"
+            if fence.marker == "output":
+                assert fence.info == "text", f"{where}: `output` marks a ```text block"
+            if fence.marker == "results":
+                assert fence.commands, f"{where}: `results` marks a tangram command block"
+            if fence.marker == "continues":
+                assert fence.info.startswith("py"), f"{where}: `continues` marks a Python block"
+
+
+def test_quickstart_shows_the_readmes_example() -> None:
+    # docs/quickstart.md walks through the README's example step by step; keep them one.
+    readme, quickstart = EXAMPLES[ROOT / "README.md"][0], EXAMPLES[ROOT / "docs/quickstart.md"][0]
+    assert quickstart.source == readme.source
+    assert _shown_output(quickstart) == _shown_output(readme) is not None
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    """A real single-node Ray, as a reader's laptop would have (two CPUs)."""
+    ray = pytest.importorskip("ray")
+    # address="local": a Ray of its own, never a cluster another process left running here.
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+    )
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def docker() -> None:
+    """The real daemon and the image ``.ci/docker.sh`` builds; set up on CI, never skipped."""
+    usable = anyio.run(tangram.DockerBackend.usable)
+    if not usable and os.environ.get("CI"):
+        subprocess.run(["bash", str(ROOT / ".ci" / "docker.sh")], check=True)
+        usable = anyio.run(tangram.DockerBackend.usable)
+        assert usable, "Docker is not usable even after .ci/docker.sh"
+    if not usable:
+        pytest.skip("no Docker daemon or test image here (run .ci/docker.sh); CI never skips")
+
+
+@pytest.mark.parametrize("example", PYTHON, ids=str)
+def test_python_block(
+    example: CodeExample,
+    eval_example: EvalExample,
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    fence = _fence_of(example)
+    chain = _chain(example)
+    for link in chain:
+        _skip_unless_runnable(_fence_of(link).marker)
+    source = "".join(link.source for link in chain)
+    if "tangram.ray" in source:
+        request.getfixturevalue("local_ray")
+    if "DockerBackend" in source:
+        request.getfixturevalue("docker")
+    monkeypatch.chdir(tmp_path)
+    names: dict[str, Any] | None = None
+    if fence.marker == "continues":
+        names = _run_chain(_previous(example), eval_example)
+        capsys.readouterr()
+    shown = _shown_output(example)
+    if shown is None:
+        _run(eval_example.run_print_check, example, names)
+    else:
+        _run(eval_example.run, example, names)
+        assert capsys.readouterr().out == shown
+
+
+def _run_chain(example: CodeExample, eval_example: EvalExample) -> dict[str, Any]:
+    names = None
+    if _fence_of(example).marker == "continues":
+        names = _run_chain(_previous(example), eval_example)
+    return _run(eval_example.run, example, names)
+
+
+def _run(
+    run: Callable[..., dict[str, Any]], example: CodeExample, names: dict[str, Any] | None
+) -> dict[str, Any]:
+    """Run a block; an error it raises fails the test naming the page's lines.
+
+    pytest-examples re-raises a block's error with frames made to point into the page,
+    and Python 3.11's traceback module fails on those frames (``StopIteration`` while
+    reading their column positions, an INTERNALERROR that ends the whole session), so
+    the lines are read here, without columns, and the error is reported by value.
+    """
+    try:
+        return run(example, module_globals=names)
+    except Exception as exc:
+        lines = []
+        frame = exc.__traceback__
+        while frame is not None:
+            lines.append(f"{frame.tb_frame.f_code.co_filename}:{frame.tb_lineno}")
+            frame = frame.tb_next
+        message = f"{example} raised {type(exc).__name__}: {exc}\n  " + "\n  ".join(lines)
+        raise AssertionError(message) from None
+
+
+@pytest.mark.parametrize("page", COMMAND_PAGES, ids=lambda page: str(page.relative_to(ROOT)))
+def test_command_blocks(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    ran = 0
+    for fence in FENCES[page]:
+        if fence.marker in NOT_HERE or fence.marker == "results":
+            continue
+        _skip_unless_runnable(fence.marker)
+        for argv in fence.commands:
+            assert cli_main(argv[1:]) == 0, f"{page.name}:{fence.line}: {shlex.join(argv)}"
+            ran += 1
+    if not ran:
+        pytest.skip("every command block on this page is marked")
