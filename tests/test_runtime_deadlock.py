@@ -270,3 +270,31 @@ async def test_lowering_the_capacity_checks_the_acquire_not_yet_entered() -> Non
                 async with context:
                     pytest.fail("granted")
         assert_idle(runtime)
+
+
+async def test_a_lease_leaked_by_a_finished_task_counts_for_no_other_task() -> None:
+    """Tasks are told apart by the task object, not ``id(task)``, which a later task
+    may reuse: a leaked lease's dead task must not make a newcomer's wait "its own"."""
+    async with tangram.Runtime(capacity={"cpu": 4}) as runtime:
+        context = runtime.acquire(cpu=3)
+
+        async def leaker() -> None:
+            await context.__aenter__()  # and never __aexit__
+
+        causes: list[BaseException | None] = []
+
+        async def asker() -> None:
+            with pytest.raises(tangram.errors.WaitTimeoutError) as info:
+                async with runtime.acquire(cpu=2, wait_timeout=0):
+                    pytest.fail("granted")
+            causes.append(info.value.__cause__)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(leaker)
+        for _ in range(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(asker)
+        assert len(causes) == 20
+        assert not any(isinstance(cause, SelfDeadlockError) for cause in causes)
+        await context.__aexit__(None, None, None)
+        assert_idle(runtime)

@@ -156,7 +156,7 @@ class Runtime(RunMixin):
         # an acquire checks its own task's holdings against. One dict lookup per acquire
         # and release; only a task that already holds something pays for the check.
         self._holders: dict[object, list[Lease]] = {}
-        self._task_of: Callable[[], object] = _anyio_task
+        self._task_of: Callable[[], object] = asyncio.current_task
         self._ids = 0
         self._planning = False
         self._decisions = 0
@@ -191,9 +191,7 @@ class Runtime(RunMixin):
         self._task_group = task_group
         self._state = _State.RUNNING
         self._now, self._cancelled, self._new_event = _loop_clock()
-        self._task_of = (
-            asyncio.current_task if self._cancelled is asyncio.CancelledError else (_anyio_task)
-        )
+        self._task_of = _task_lookup(self._cancelled)
         self._checkpoint_if_cancelled, self._shielded_checkpoint = _checkpoints()
         self._ledger.now = self._now()
         self._poke = anyio.Event()
@@ -656,9 +654,18 @@ def _loop_clock() -> tuple[Callable[[], float], type[BaseException], Callable[[]
     return anyio.current_time, cancelled, anyio.Event
 
 
-def _anyio_task() -> object:
-    """The running task's identity on any backend (asyncio's own lookup is faster)."""
-    return anyio.get_current_task().id
+def _task_lookup(cancelled: type[BaseException]) -> Callable[[], object]:
+    """How to find the running task, as an object that lives as long as it does.
+
+    Not ``anyio.get_current_task().id``: that is ``id(task)``, which a new task may reuse
+    once the old one is gone, and a lease leaked by a dead task (entered, never exited)
+    would then count against the newcomer.
+    """
+    if cancelled is asyncio.CancelledError:
+        return asyncio.current_task
+    import trio.lowlevel  # anyio's only other backend: trio is what runs this loop
+
+    return trio.lowlevel.current_task
 
 
 def _checkpoints_of_anyio() -> tuple[Callable[[], Awaitable[None]], Callable[[], Awaitable[None]]]:
