@@ -192,8 +192,10 @@ class GpuPool:
         groups = nvlink_groups((d.index for d in self._devices if d.index is not None), links)
         self._placer.open(self._devices, groups)
         self._holder.add_devices(self._devices)
-        # Cold loads run together (each reads its own weights); the first error is raised
-        # as itself, not inside an ExceptionGroup, so ``except GpuError`` catches it.
+        # Cold loads run together (a TorchService runs its factory alone, for seeded
+        # weights, and packs its host buffer in parallel with the others); the first
+        # error is raised as itself, not inside an ExceptionGroup, so ``except GpuError``
+        # catches it.
         errors: list[Exception] = []
         async with anyio.create_task_group() as loading:
             for state in self._services.values():
