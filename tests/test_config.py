@@ -127,6 +127,12 @@ def test_config_error_is_a_tangram_error_and_a_value_error() -> None:
         ("record = ''\n[capacity]\ncpu = 1\n", r"`record` must be a directory path"),
         ("record = 3\n[capacity]\ncpu = 1\n", r"`record` must be a directory path"),
         ("mode = 'ray'\nrecord = 't'\n[capacity]\ncpu = 1\n", r"`record` needs mode = 'local'"),
+        ("[capacity]\ncpu = 1\n[ray]\nlease_timeout = 0\n", r"`lease_timeout` must be"),
+        ("[capacity]\ncpu = 1\n[ray]\nheartbeat = 'x'\n", r"`heartbeat` must be"),
+        (
+            "[capacity]\ncpu = 1\n[ray]\nheartbeat = 2\nlease_timeout = 3\n",
+            r"at least twice `heartbeat` \(got 3 s < 2 x 2 s\)",
+        ),
     ],
 )
 def test_mistakes_fail_at_load_naming_the_key(tmp_path: Path, text: str, match: str) -> None:
@@ -216,8 +222,33 @@ async def test_ray_mode_connects_lazily_with_the_files_settings(
             "create": create,
             "detached": True,
             "policy": tangram.FcfsPolicy(dop=2),
+            "heartbeat": 1.0,
+            "lease_timeout": 10.0,
         }
     ]
+
+
+def test_a_file_without_mode_shares_one_scheduler_per_job(tmp_path: Path) -> None:
+    config = tc.load(write(tmp_path, "[capacity]\ncpu = 1\n[ray]\nlease_timeout = 4\n"))
+    assert config.mode == "shared"
+    assert (config.ray.heartbeat, config.ray.lease_timeout) == (1.0, 4.0)
+
+
+@pytest.mark.anyio
+async def test_shared_mode_outside_ray_falls_back_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No Ray job here: the process gets its own runtime and is told its limits are its own."""
+    config = tc.load(write(tmp_path, "[capacity]\ncpu = 2\n", "fallback.toml"))
+    with caplog.at_level("WARNING", logger="tangram"):
+        async with tc.open_scheduler(config) as runtime:
+            assert isinstance(runtime, tangram.Runtime)
+            assert runtime.capacity["cpu"].total == 2
+        async with tc.open_scheduler(config):
+            pass
+    warnings = [r for r in caplog.records if "per process" in r.getMessage()]
+    assert len(warnings) == 1  # once per config and process, not per scheduler
+    assert "fallback.toml" in warnings[0].getMessage()
 
 
 def test_local_mode_never_imports_ray(tmp_path: Path) -> None:

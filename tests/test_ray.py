@@ -248,6 +248,24 @@ def test_the_host_book_keeps_a_trajectory_on_the_least_loaded_host() -> None:
     assert book.describe()["a"]["placed"] == 0
 
 
+def test_the_host_book_hands_back_the_sandboxes_of_a_dropped_proxy() -> None:
+    from tangram._ray._placement import HostBook
+
+    book = HostBook()
+    book.add("a", "cpu@a", 2, "agent-a", "cid-a", None)
+    book.place("t1", "cid-w")
+    book.place("t2", "cid-w")
+    book.place("t3", "cid-v")
+    assert book.agents() == [("cid-a", "agent-a")]
+    # The worker's proxy went silent: its two sandboxes are to be closed on their agent,
+    # and they no longer count on the host; the other worker's stays.
+    assert sorted(book.orphans("cid-w")) == [("t1", "agent-a"), ("t2", "agent-a")]
+    assert book.describe()["a"]["placed"] == 1
+    assert book.orphans("cid-w") == []
+    book.unplace("t3")  # closed by its owner: nothing left to hand back
+    assert book.orphans("cid-v") == []
+
+
 async def test_a_grant_made_as_a_silent_process_is_dropped_fails_its_request() -> None:
     """The scheduler actor's books, driven directly: no cluster needed for the race.
 

@@ -6,7 +6,8 @@ YAML, or the ``TANGRAM_CONFIG`` environment variable every worker inherits), so 
 set-up (capacities, policy, sandboxes, GPU services, API quotas, and whether the scheduler
 is this process's own or one shared on Ray) is written once, in a file::
 
-    mode = "local"            # or "ray": one scheduler shared by every worker
+    mode = "shared"           # the default: one scheduler per Ray job (see below);
+                              # "local": this process's own; "ray": the driver's actor
     [capacity]                # exactly what tangram.Runtime(capacity=...) takes
     cpu = 8
     search = "5/s"
@@ -15,16 +16,25 @@ is this process's own or one shared on Ray) is written once, in a file::
     [sandbox]                 # optional: a SandboxPool
     backend = "local"         # or "docker"
     warm = 4
-    [ray]                     # used when mode = "ray"
+    [ray]                     # name .. detached: used when mode = "ray"
     name = "tangram"
     namespace = "my-job"
     detached = false          # create = false: only look the driver's actor up
+    lease_timeout = 10        # shared and ray modes: seconds before a silent worker's
+                              # grants come back (heartbeat = 1: seconds between beats)
     [adapters.verl]           # settings of one framework's adapter, read by it
     record = "traces/"        # optional, local mode: each scheduler writes what it
                               # served there as a tangram-trace/1 file when it stops
 
 Beyond these, ``[gpu]`` declares torch model services (``[[gpu.services]]``) and
 ``[quota.NAME]`` the keys of a rate-limited API; their resources join the capacity.
+
+``mode = "shared"`` (the default) gives every worker process of a Ray job (verl's and
+OpenRLHF's workers all are Ray actors) one scheduler, created by whichever worker comes
+first, and each node one host agent that owns its sandboxes (``[sandbox]``, its cores
+as ``cpu@<node>``) and GPU services (``[gpu]``, loaded once per node); ``[capacity]``
+and quotas are the job's, not a node's (:mod:`tangram._ray._shared`). A process outside
+Ray falls back to a scheduler of its own, with a WARNING that its limits are per process.
 
 The file is read and checked whole when it is loaded, so a typo fails in the process that
 read it, naming the key, instead of as a scheduler that never admits anything.
@@ -35,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import logging
 import os
 import sys
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -47,9 +58,15 @@ import attrs
 from .._core._policy import ElasticPolicy, FcfsPolicy, Policy
 from .._core._resources import parse_capacity
 from .._core._validate import seconds, whole
-from .._runtime._run import Runtime
+from .._runtime._run import Runtime, _enter_current, _exit_current
 from .._sim._record import record_trace
 from ..errors import ConfigError, InvalidCapacityError
+
+logger = logging.getLogger("tangram")
+
+# The same numbers as tangram.ray's, repeated so that reading a config never imports Ray.
+DEFAULT_HEARTBEAT = 1.0
+DEFAULT_TIMEOUT = 10.0
 
 __all__ = [
     "ENV_VAR",
@@ -61,15 +78,19 @@ __all__ = [
     "QuotaConfig",
     "RayConfig",
     "SandboxConfig",
+    "check_shared",
+    "in_ray",
     "load",
     "open_scheduler",
+    "open_shared",
+    "warn_per_process",
     "parse",
 ]
 
 #: The environment variable naming the config file when no path is given.
 ENV_VAR = "TANGRAM_CONFIG"
 
-MODES = ("local", "ray")
+MODES = ("shared", "local", "ray")
 BACKENDS = ("local", "docker")
 
 
@@ -143,7 +164,10 @@ class RayConfig:
     ``create = false`` only looks the actor up (the driver created it); ``detached = true``
     lets an actor created by one worker outlive that worker (kill it when the job ends).
     A non-detached actor shares the fate of the process that created it, so in a job of
-    many workers either the driver creates it or it is detached.
+    many workers either the driver creates it or it is detached. ``heartbeat`` and
+    ``lease_timeout`` (seconds) serve both shared modes: a worker silent for
+    ``lease_timeout`` loses its grants, and in ``mode = "shared"`` the job's actors end
+    that long after the last worker's went.
     """
 
     name: str = "tangram"
@@ -151,13 +175,15 @@ class RayConfig:
     address: str | None = None
     create: bool = True
     detached: bool = False
+    heartbeat: float = DEFAULT_HEARTBEAT
+    lease_timeout: float = DEFAULT_TIMEOUT
 
 
 @attrs.frozen(kw_only=True)
 class Config:
     """A checked tangram config (see :func:`load`); built from a file or with :func:`parse`."""
 
-    mode: str = "local"
+    mode: str = "shared"
     capacity: dict[str, Any] = attrs.field(factory=dict, converter=_frozen_mapping)
     policy: PolicyConfig | None = None
     sandbox: SandboxConfig | None = None
@@ -232,7 +258,7 @@ def parse(data: Mapping[str, Any], *, source: str | None = None) -> Config:
     unknown = sorted(set(data) - _TOP)
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {unknown}; known: {sorted(_TOP)}")
-    mode = data.get("mode", "local")
+    mode = data.get("mode", "shared")
     if mode not in MODES:
         raise ConfigError(f"{where}: `mode` must be one of {list(MODES)} (got {mode!r})")
     capacity = _table(data, "capacity", where)
@@ -247,26 +273,53 @@ def parse(data: Mapping[str, Any], *, source: str | None = None) -> Config:
     quotas = _quotas(data, where)
     ray_table = _table(data, "ray", where)
     here = f"{where}: [ray]"
-    _keys(ray_table, {"name", "namespace", "address", "create", "detached"}, here)
+    _keys(
+        ray_table,
+        {"name", "namespace", "address", "create", "detached", "heartbeat", "lease_timeout"},
+        here,
+    )
     for flag in ("create", "detached"):
         if not isinstance(ray_table.get(flag, False), bool):
             raise ConfigError(f"{here} `{flag}` must be true or false")
+    error = _error_at(here)
+    heartbeat = seconds(
+        "heartbeat",
+        ray_table.get("heartbeat", DEFAULT_HEARTBEAT),
+        strict=True,
+        type_error=error,
+        value_error=error,
+    )
+    lease_timeout = seconds(
+        "lease_timeout",
+        ray_table.get("lease_timeout", DEFAULT_TIMEOUT),
+        strict=True,
+        type_error=error,
+        value_error=error,
+    )
+    if lease_timeout < 2 * heartbeat:
+        raise ConfigError(
+            f"{here} `lease_timeout` must be at least twice `heartbeat` "
+            f"(got {lease_timeout:g} s < 2 x {heartbeat:g} s)"
+        )
     ray = RayConfig(
         name=_str(ray_table, "name", "tangram", here),
         namespace=_opt_str(ray_table, "namespace", here),
         address=_opt_str(ray_table, "address", here),
         create=ray_table.get("create", True),
         detached=ray_table.get("detached", False),
+        heartbeat=heartbeat,
+        lease_timeout=lease_timeout,
     )
     record = data.get("record")
     if record is not None:
         if not isinstance(record, str) or not record:
             raise ConfigError(f"{where}: `record` must be a directory path (got {record!r})")
-        if mode != "local":
+        if mode == "ray":
             # The shared actor's runtime serves every worker; a per-process recorder
-            # would see none of it.
+            # would see none of it. (Shared mode records only where it falls back to a
+            # scheduler of this process's own, and refuses to start on Ray.)
             raise ConfigError(f"{where}: `record` needs mode = 'local'")
-    if mode == "local" and not capacity and sandbox is None and gpu is None and not quotas:
+    if mode != "ray" and not capacity and sandbox is None and gpu is None and not quotas:
         raise ConfigError(
             f"{where}: nothing to schedule: give [capacity] (or [sandbox], [gpu], [quota.NAME])"
         )
@@ -417,6 +470,47 @@ def _quotas(data: Mapping[str, Any], where: str) -> tuple[QuotaConfig, ...]:
 # -- the scheduler -------------------------------------------------------------------------
 
 
+def in_ray() -> bool:
+    """Whether this process is part of a Ray job (every verl and OpenRLHF worker is).
+
+    Ray is looked at only if something imported it already: a process outside Ray never
+    pays for importing it.
+    """
+    ray = sys.modules.get("ray")
+    return ray is not None and bool(ray.is_initialized())
+
+
+_warned: set[str] = set()
+
+
+def warn_per_process(config: Config) -> None:
+    """Say, once per config and process, that shared mode fell back to per-process limits."""
+    source = config.source or "the tangram config"
+    if source in _warned:
+        return
+    _warned.add(source)
+    logger.warning(
+        "tangram: %s asks for one scheduler shared by the job (mode = 'shared'), but this "
+        "process (pid %d) is not in a Ray job: it gets a scheduler of its own, so every "
+        "limit in the file holds per process and per event loop. Run it under Ray, or set "
+        "mode = 'local' to say per-process limits are meant.",
+        source,
+        os.getpid(),
+    )
+
+
+def check_shared(config: Config) -> None:
+    """What shared mode refuses on Ray that a per-process scheduler allows.
+
+    :raises ConfigError: ``record`` in shared mode inside a Ray job.
+    """
+    if config.mode == "shared" and config.record is not None and in_ray():
+        raise ConfigError(
+            f"{config.source or 'tangram config'}: `record` needs a scheduler of this "
+            "process's own (mode = 'local'); in a Ray job mode = 'shared' shares one"
+        )
+
+
 @contextlib.asynccontextmanager
 async def open_scheduler(
     config: Config, *, capacity: Mapping[str, object] | None = None
@@ -425,14 +519,17 @@ async def open_scheduler(
 
     ``mode = "local"``: a :class:`tangram.Runtime` of this process. ``mode = "ray"``: a
     proxy to the named scheduler actor (:func:`tangram.ray.connect`, imported only then, so
-    a local config never imports Ray). ``capacity`` adds resources known only at run time
-    (a sandbox pool's cores, GPU memory, quota keys); the file's values win where both
-    name a resource. With ``record``, the runtime is recorded
-    (:func:`tangram.record_trace`) into a file of its own in that directory, written when
-    the block ends, so a rollout run through the adapters can be replayed under
-    ``tangram simulate`` without a code change.
+    a local config never imports Ray). ``mode = "shared"``: inside a Ray job, a proxy on
+    the job's own scheduler actor (created by the first process that asks); outside Ray,
+    a runtime of this process, with a WARNING that its limits are per process.
+    ``capacity`` adds resources known only at run time (a sandbox pool's cores, GPU
+    memory, quota keys); the file's values win where both name a resource. With
+    ``record``, the runtime is recorded (:func:`tangram.record_trace`) into a file of its
+    own in that directory, written when the block ends, so a rollout run through the
+    adapters can be replayed under ``tangram simulate`` without a code change.
 
-    :raises ConfigError: the capacity is invalid once merged.
+    :raises ConfigError: the capacity is invalid once merged, or differs from the one the
+        job's shared scheduler was created with.
     """
     merged = {**(capacity or {}), **config.capacity}
     if config.mode == "ray":
@@ -449,9 +546,18 @@ async def open_scheduler(
             create=ray.create,
             detached=ray.detached,
             policy=config.policy.build() if config.policy is not None else None,
+            heartbeat=ray.heartbeat,
+            lease_timeout=ray.lease_timeout,
         ) as remote:
             yield remote
         return
+    if config.mode == "shared":
+        if in_ray():
+            check_shared(config)
+            async with open_shared(config, capacity=merged) as remote:
+                yield remote
+            return
+        warn_per_process(config)
     try:
         runtime = Runtime(
             merged, policy=config.policy.build() if config.policy is not None else None
@@ -475,3 +581,38 @@ def _trace_path(directory: str) -> Path:
     folder = Path(directory)
     folder.mkdir(parents=True, exist_ok=True)
     return folder / f"tangram-{os.getpid()}-{next(_traces)}.jsonl"
+
+
+@contextlib.asynccontextmanager
+async def open_shared(
+    config: Config, *, capacity: Mapping[str, object], **agent: Any
+) -> AsyncIterator[Any]:
+    """A proxy on this Ray job's scheduler, current while the block runs.
+
+    ``agent`` (``backend``, ``warm``, ``timeout``, ``services``, ``devices``) starts this
+    node's host agent too (see :func:`tangram._ray._shared.open_shared`).
+
+    :raises ConfigError: the capacity is invalid, or not the one the job's scheduler has.
+    """
+    from .._ray._shared import open_shared as open_job_scheduler
+
+    where = config.source or "tangram config"
+    async with contextlib.AsyncExitStack() as stack:
+        try:
+            remote = await stack.enter_async_context(
+                open_job_scheduler(
+                    capacity=capacity,
+                    policy=config.policy.build() if config.policy is not None else None,
+                    agent=bool(agent),
+                    heartbeat=config.ray.heartbeat,
+                    lease_timeout=config.ray.lease_timeout,
+                    **agent,
+                )
+            )
+        except (InvalidCapacityError, TypeError) as exc:
+            raise ConfigError(f"{where}: [capacity]: {exc}") from exc
+        token = _enter_current(remote)
+        try:
+            yield remote
+        finally:
+            _exit_current(token)

@@ -14,9 +14,12 @@ must end in the task that entered it, and the first caller, a single tool call, 
 before the process does. It stops when its loop's ``asyncio.run`` cancels leftover
 tasks, at interpreter exit for loops still running in other threads, or at :func:`aclose`.
 
-Per-process limits: with ``mode = "local"`` each process (and each loop in it) has its
-own scheduler, so ``cpu = 8`` means 8 per process. ``mode = "ray"`` shares one scheduler
-between every worker; use it when a limit must hold across processes (an API's rate).
+Where limits hold: with ``mode = "shared"`` (the default) every loop of every process of
+a Ray job reaches the job's one scheduler, and sandboxes and GPU services come from the
+host agent of the node the scheduler places them on (see :mod:`._config`); this loop keeps
+only a proxy. Outside Ray, and with ``mode = "local"``, each process (and each loop in
+it) has its own scheduler, so ``cpu = 8`` means 8 per process. ``mode = "ray"`` shares
+the named actor the driver created.
 """
 
 from __future__ import annotations
@@ -25,13 +28,14 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
+import functools
 import importlib
 import os
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import attrs
 
@@ -40,7 +44,20 @@ from .._sandbox._backend import SandboxBackend
 from .._sandbox._docker import DockerBackend, DockerConfig
 from .._sandbox._local import LocalBackend
 from .._sandbox._pool import SandboxPool
-from ._config import ENV_VAR, Config, ConfigError, GpuConfig, SandboxConfig, load, open_scheduler
+from ._config import (
+    ENV_VAR,
+    Config,
+    ConfigError,
+    GpuConfig,
+    GpuServiceConfig,
+    SandboxConfig,
+    check_shared,
+    in_ray,
+    load,
+    open_scheduler,
+    open_shared,
+    warn_per_process,
+)
 
 __all__ = [
     "Resources",
@@ -54,13 +71,55 @@ __all__ = [
 ]
 
 
+class JobSandboxes:
+    """The job's sandboxes in shared mode: ``sandbox(name)`` as on a :class:`SandboxPool`.
+
+    Each block is a :class:`tangram.ray.RemoteSandbox` on the host agent the scheduler
+    places it on, with the ``run``/``put``/``get`` an adapter calls on a local sandbox,
+    so adapters need not know which mode they run in.
+    """
+
+    def __init__(self, remote: Any) -> None:
+        self._remote = remote
+
+    def __repr__(self) -> str:
+        return f"<tangram job sandboxes via {self._remote!r}>"
+
+    def sandbox(self, trajectory_id: str) -> contextlib.AbstractAsyncContextManager[Any]:
+        block: contextlib.AbstractAsyncContextManager[Any] = self._remote.sandbox(trajectory_id)
+        return block
+
+
+class JobGpu:
+    """The job's GPU services in shared mode: ``use(name)`` as on a :class:`GpuPool`.
+
+    A block is a :class:`tangram.ray.RemoteService` on a node's agent, where the service
+    is loaded once for every worker of that node.
+    """
+
+    def __init__(self, remote: Any) -> None:
+        self._remote = remote
+
+    def __repr__(self) -> str:
+        return f"<tangram job GPU services via {self._remote!r}>"
+
+    def use(self, name: str) -> contextlib.AbstractAsyncContextManager[Any]:
+        block: contextlib.AbstractAsyncContextManager[Any] = self._remote.service(name)
+        return block
+
+
 @attrs.frozen
 class Resources:
-    """What one loop's scheduler serves: the scheduler and the pools the config declared."""
+    """What one loop's scheduler serves: the scheduler and the pools the config declared.
+
+    In shared mode on Ray, ``sandboxes`` and ``gpu`` are :class:`JobSandboxes` and
+    :class:`JobGpu`: the same calls (``sandbox(name)``, ``use(name)``) reach the job's
+    host agents instead of pools of this process.
+    """
 
     scheduler: Any
     config: Config
-    sandboxes: SandboxPool | None = None
+    sandboxes: SandboxPool | JobSandboxes | None = None
     gpu: Any = None  # tangram.gpu.GpuPool; typed loosely so torch stays an optional import
     quotas: Mapping[str, Any] = attrs.field(factory=dict)
 
@@ -69,7 +128,9 @@ class Resources:
             raise ConfigError(
                 f"{self.config.source or 'the tangram config'} has no [sandbox] table"
             )
-        return self.sandboxes
+        # Typed as the local pool: what adapters call on it (``sandbox(name)`` and, on the
+        # sandbox it yields, run/put/get/python) a JobSandboxes block has too.
+        return cast(SandboxPool, self.sandboxes)
 
     def gpu_pool(self) -> Any:
         if self.gpu is None:
@@ -149,6 +210,7 @@ def check(path: str | os.PathLike[str] | None = None, *, needs: tuple[str, ...] 
                 raise ConfigError(f"{where} has no [quota.{name}] table")
     if config.sandbox is not None:
         _sandbox_pool(config.sandbox)  # a bad backend option fails here, not at a call
+    check_shared(config)
     return config
 
 
@@ -202,7 +264,13 @@ async def _host(config: Config, hosted: _Hosted) -> None:
 
 
 async def _open(config: Config, stack: contextlib.AsyncExitStack) -> Resources:
+    shared = config.mode == "shared" and in_ray()
+    if config.mode == "shared" and not shared:
+        warn_per_process(config)
     capacity: dict[str, object] = {}
+    quotas = _quotas(config, capacity)
+    if shared:
+        return await _open_on_job(config, stack, capacity, quotas)
     sandboxes = None
     if config.sandbox is not None:
         sandboxes = await stack.enter_async_context(_sandbox_pool(config.sandbox))
@@ -211,6 +279,12 @@ async def _open(config: Config, stack: contextlib.AsyncExitStack) -> Resources:
     if config.gpu is not None:
         gpu = await stack.enter_async_context(_gpu_pool(config.gpu))
         capacity.update(gpu.capacity())
+    scheduler = await stack.enter_async_context(open_scheduler(config, capacity=capacity))
+    return Resources(scheduler, config, sandboxes, gpu, quotas)
+
+
+def _quotas(config: Config, capacity: dict[str, object]) -> dict[str, Any]:
+    """The config's API quotas, built here; their resources are added to ``capacity``."""
     quotas: dict[str, Any] = {}
     if config.quotas:
         try:
@@ -231,40 +305,88 @@ async def _open(config: Config, stack: contextlib.AsyncExitStack) -> Resources:
             except (TypeError, ValueError) as exc:
                 raise ConfigError(f"[quota.{q.name}]: {exc}") from exc
             capacity.update(quotas[q.name].capacity())
-    scheduler = await stack.enter_async_context(open_scheduler(config, capacity=capacity))
-    return Resources(scheduler, config, sandboxes, gpu, quotas)
+    return quotas
 
 
-def _sandbox_pool(sandbox: SandboxConfig) -> SandboxPool:
-    backend: SandboxBackend
+async def _open_on_job(
+    config: Config,
+    stack: contextlib.AsyncExitStack,
+    capacity: dict[str, object],
+    quotas: dict[str, Any],
+) -> Resources:
+    """Shared mode in a Ray job: a proxy on the job's scheduler, pools on the node agents.
+
+    The pools are described, not built, here: this node's agent builds them on first
+    use (whichever worker of the node asks first), so sandboxes and services exist once
+    per node, and every worker's blocks go through the agent the scheduler picks.
+    """
+    agent: dict[str, Any] = {}
+    if config.sandbox is not None or config.gpu is not None:
+        sandbox = config.sandbox if config.sandbox is not None else SandboxConfig(warm=0)
+        agent.update(
+            backend=functools.partial(_backend, sandbox),
+            warm=sandbox.warm,
+            timeout=sandbox.timeout,
+        )
+    if config.gpu is not None:
+        agent["services"] = [functools.partial(_torch_service, s) for s in config.gpu.services]
+        agent["devices"] = _devices(config.gpu) or None
+    merged = {**capacity, **config.capacity}
+    remote = await stack.enter_async_context(open_shared(config, capacity=merged, **agent))
+    return Resources(
+        remote,
+        config,
+        JobSandboxes(remote) if config.sandbox is not None else None,
+        JobGpu(remote) if config.gpu is not None else None,
+        quotas,
+    )
+
+
+def _backend(sandbox: SandboxConfig) -> SandboxBackend:
+    """The ``[sandbox]`` backend; a module-level function, so an agent can build it remotely."""
     try:
         if sandbox.backend == "docker":
             options = dict(sandbox.options)
             if sandbox.image is not None:
                 options["image"] = sandbox.image
-            backend = DockerBackend(config=DockerConfig(**options))
-        else:
-            backend = LocalBackend(**sandbox.options)
+            return DockerBackend(config=DockerConfig(**options))
+        return LocalBackend(**sandbox.options)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"[sandbox]: {exc}") from exc
+
+
+def _sandbox_pool(sandbox: SandboxConfig) -> SandboxPool:
+    backend = _backend(sandbox)
     extra: dict[str, Any] = {} if sandbox.timeout is None else {"timeout": sandbox.timeout}
     return SandboxPool(backend, warm=sandbox.warm, **extra)
 
 
 def _gpu_pool(gpu_config: GpuConfig) -> Any:
-    from .._gpu._devices import Device
     from .._gpu._pool import GpuPool
+
+    services = [_torch_service(s) for s in gpu_config.services]
+    return GpuPool(services, devices=_devices(gpu_config) or None)
+
+
+def _torch_service(service: GpuServiceConfig) -> Any:
+    """One ``[[gpu.services]]`` entry as a TorchService (built where it will be served)."""
     from .._gpu._torch import TorchService
 
     try:
-        services = [
-            TorchService(s.name, load_object(s.factory), memory=s.memory, **dict(s.options))
-            for s in gpu_config.services
-        ]
-        devices = [Device(name, memory=memory) for name, memory in gpu_config.devices.items()]
+        return TorchService(
+            service.name, load_object(service.factory), memory=service.memory, **service.options
+        )
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"[gpu] {service.name!r}: {exc}") from exc
+
+
+def _devices(gpu_config: GpuConfig) -> list[Any]:
+    from .._gpu._devices import Device
+
+    try:
+        return [Device(name, memory=memory) for name, memory in gpu_config.devices.items()]
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"[gpu]: {exc}") from exc
-    return GpuPool(services, devices=devices or None)
 
 
 @contextlib.asynccontextmanager

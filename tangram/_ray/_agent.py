@@ -47,6 +47,7 @@ from .._sandbox._backend import (
 from .._sandbox._pool import Sandbox, SandboxPool
 from ..errors import GpuError, SandboxClosedError
 from ._connect import attach
+from ._protocol import logger
 from ._proxy import RemoteRuntime
 
 if TYPE_CHECKING:
@@ -144,11 +145,16 @@ class HostAgentActor:
         warm: int,
         services: Sequence[Any] = (),
         devices: Sequence[Device] | None = None,
+        timeout: float | None = None,
+        exit_alone: bool = False,
     ) -> None:
         self._name = name
         self._scheduler = scheduler
         self._backend = backend
         self._warm = warm
+        self._timeout = timeout
+        self._exit_alone = exit_alone
+        self._calls: dict[str, set[asyncio.Task[Any]]] = {}
         self._services = list(services)
         self._devices = None if devices is None else list(devices)
         self._gpu: GpuPool | None = None
@@ -180,7 +186,8 @@ class HostAgentActor:
                 inner = spec()
             backend = _HostBackend(inner, self._name)
             async with attach(self._scheduler) as remote, contextlib.AsyncExitStack() as stack:
-                pool = SandboxPool(backend, runtime=cast(Runtime, remote), warm=self._warm)
+                extra: dict[str, Any] = {} if self._timeout is None else {"timeout": self._timeout}
+                pool = SandboxPool(backend, runtime=cast(Runtime, remote), warm=self._warm, **extra)
                 await stack.enter_async_context(pool)
                 self._pool = pool
                 gpu: dict[str, Any] | None = None
@@ -205,7 +212,10 @@ class HostAgentActor:
                     }
                 )
                 try:
-                    await self._stop.wait()
+                    if self._exit_alone:
+                        await self._outlive(remote)
+                    else:
+                        await self._stop.wait()
                 finally:
                     for sandbox_stack, _ in list(self._sandboxes.values()):
                         await sandbox_stack.aclose()
@@ -214,6 +224,23 @@ class HostAgentActor:
             if not self._started.done():
                 self._started.set_exception(exc)
             raise
+
+    async def _outlive(self, remote: RemoteRuntime) -> None:
+        """Serve until stopped, or end this actor once its scheduler is gone.
+
+        A detached agent (one per node for a job's shared scheduler) has no owner to
+        take it down: the scheduler stops it when the job's workers are gone, and if the
+        scheduler itself dies first (killed, or its node lost), its proxy here fails and
+        the agent ends on its own, its sandboxes and services first.
+        """
+        assert self._stop is not None
+        while not self._stop.is_set() and remote._error is None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), 1.0)
+        if not self._stop.is_set():
+            logger.warning("host agent %r: its scheduler is gone; it ends", self._name)
+            me = ray.get_runtime_context().current_actor
+            asyncio.get_running_loop().call_later(1.0, ray.kill, me)
 
     async def _open_gpu(
         self, remote: RemoteRuntime, stack: contextlib.AsyncExitStack
@@ -284,7 +311,8 @@ class HostAgentActor:
         with contextlib.suppress(Exception):
             await self._main
 
-    async def open(self, trajectory: str) -> None:
+    async def open(self, trajectory: str) -> str:
+        """Open ``trajectory``'s sandbox here; returns the interpreter ``code=`` runs in it."""
         await self.start()
         if trajectory in self._sandboxes:
             raise ValueError(f"trajectory {trajectory!r} already has a sandbox on this host")
@@ -292,11 +320,29 @@ class HostAgentActor:
         stack = contextlib.AsyncExitStack()
         sandbox = await stack.enter_async_context(self._pool.sandbox(trajectory))
         self._sandboxes[trajectory] = (stack, sandbox)
+        return self._pool.backend.python
 
     async def close(self, trajectory: str) -> None:
+        """Close the sandbox, cancelling its calls still running (their caller is gone)."""
+        calls = self._calls.pop(trajectory, set())
+        for task in calls:
+            task.cancel()
+        for task in calls:
+            with contextlib.suppress(BaseException):
+                await task
         entry = self._sandboxes.pop(trajectory, None)
         if entry is not None:
             await entry[0].aclose()
+
+    async def _tracked(self, trajectory: str, call: Any) -> Any:
+        """Run one call of ``trajectory`` as a task ``close`` can cancel."""
+        task = asyncio.ensure_future(call)
+        calls = self._calls.setdefault(trajectory, set())
+        calls.add(task)
+        try:
+            return await task
+        finally:
+            calls.discard(task)
 
     def _sandbox(self, trajectory: str) -> Sandbox:
         entry = self._sandboxes.get(trajectory)
@@ -305,13 +351,15 @@ class HostAgentActor:
         return entry[1]
 
     async def run(self, trajectory: str, kwargs: dict[str, Any]) -> RunResult:
-        return await self._sandbox(trajectory).run(**kwargs)
+        result: RunResult = await self._tracked(trajectory, self._sandbox(trajectory).run(**kwargs))
+        return result
 
     async def put(self, trajectory: str, path: str, data: bytes | str) -> None:
-        await self._sandbox(trajectory).put(path, data)
+        await self._tracked(trajectory, self._sandbox(trajectory).put(path, data))
 
     async def get(self, trajectory: str, path: str) -> bytes:
-        return await self._sandbox(trajectory).get(path)
+        data: bytes = await self._tracked(trajectory, self._sandbox(trajectory).get(path))
+        return data
 
 
 @attrs.frozen

@@ -9,8 +9,13 @@ devices leave the shared capacity with it.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Mapping
 from typing import Any
+
+import ray
+import ray.exceptions
 
 from .._core._policy import Policy
 from ._placement import HostBook
@@ -29,17 +34,36 @@ class ClusterSchedulerActor(SchedulerActor):
         heartbeat: float,
         timeout: float,
         token: str,
+        idle: float | None = None,
     ) -> None:
-        super().__init__(capacity, policy, heartbeat, timeout, token)
+        super().__init__(capacity, policy, heartbeat, timeout, token, idle)
         self._book = HostBook()
 
     def _drop_client(self, cid: str, *, expired: bool = False) -> bool:
         if not super()._drop_client(cid, expired=expired):
             return False
+        for trajectory, agent in self._book.orphans(cid):
+            # The agent cancels what still runs there: the cores its commands hold return.
+            agent.close.remote(trajectory)
         gone = self._book.drop(cid)
         if gone:
             self._runtime.set_capacity(gone)
         return True
+
+    def _own_clients(self) -> set[str]:
+        return {cid for cid, _ in self._book.agents()}
+
+    async def _retire(self) -> None:
+        """Stop the agents (their sandboxes and services) before this actor ends."""
+        agents = [agent for _, agent in self._book.agents()]
+        with contextlib.suppress(ray.exceptions.RayError, asyncio.TimeoutError):
+            await asyncio.wait_for(
+                asyncio.gather(*(agent.stop.remote() for agent in agents)), self._timeout
+            )
+        for agent in agents:
+            with contextlib.suppress(ray.exceptions.RayError):
+                ray.kill(agent, no_restart=True)
+        await super()._retire()
 
     async def add_host(
         self,
@@ -57,9 +81,9 @@ class ClusterSchedulerActor(SchedulerActor):
         await self._ready()
         return self._book.describe()
 
-    async def place(self, trajectory: str) -> tuple[str, Any]:
+    async def place(self, trajectory: str, cid: str | None = None) -> tuple[str, Any]:
         await self._ready()
-        return self._book.place(trajectory)
+        return self._book.place(trajectory, cid)
 
     async def unplace(self, trajectory: str) -> None:
         await self._ready()

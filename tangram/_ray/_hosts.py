@@ -31,12 +31,17 @@ __all__ = ["RemoteSandbox", "RemoteService", "open_sandbox", "open_service"]
 
 
 class RemoteSandbox:
-    """A trajectory's sandbox on a host agent: ``run``, ``put`` and ``get`` as on a Sandbox."""
+    """A trajectory's sandbox on a host agent: ``run``, ``put`` and ``get`` as on a Sandbox.
 
-    def __init__(self, agent: Any, trajectory_id: str, host: str) -> None:
+    ``python`` is the interpreter ``run(code=...)`` uses inside it, for callers that run
+    Python with flags of their own (a grading harness).
+    """
+
+    def __init__(self, agent: Any, trajectory_id: str, host: str, python: str = "python3") -> None:
         self._agent = agent
         self.trajectory_id = trajectory_id
         self.host = host
+        self.python = python
 
     def __repr__(self) -> str:
         return f"<tangram.ray.RemoteSandbox trajectory={self.trajectory_id!r} host={self.host!r}>"
@@ -82,17 +87,23 @@ class RemoteSandbox:
 
 
 @contextlib.asynccontextmanager
-async def open_sandbox(scheduler: Any, trajectory_id: str) -> AsyncIterator[RemoteSandbox]:
-    """Place ``trajectory_id`` through the ``scheduler`` actor and open its sandbox there."""
+async def open_sandbox(
+    scheduler: Any, trajectory_id: str, cid: str | None = None
+) -> AsyncIterator[RemoteSandbox]:
+    """Place ``trajectory_id`` through the ``scheduler`` actor and open its sandbox there.
+
+    ``cid`` (the opening proxy) owns the sandbox: if that proxy goes silent, the
+    scheduler has the agent close it, cancelling what still runs in it.
+    """
     try:
-        host, agent = await scheduler.place.remote(trajectory_id)
+        host, agent = await scheduler.place.remote(trajectory_id, cid)
     except ray.exceptions.RayTaskError as exc:
         raise exc.cause from exc
     except ray.exceptions.RayError as exc:
         raise SchedulerUnavailableError(f"the scheduler actor is unreachable: {exc}") from exc
     sandbox = RemoteSandbox(agent, trajectory_id, host)
     try:
-        await sandbox._call("open")
+        sandbox.python = await sandbox._call("open")
         yield sandbox
     finally:
         with anyio.CancelScope(shield=True), contextlib.suppress(ray.exceptions.RayError):

@@ -63,6 +63,7 @@ class HostBook:
     def __init__(self) -> None:
         self._hosts: dict[str, _Host] = {}
         self._placements: dict[str, str] = {}
+        self._owners: dict[str, str] = {}  # trajectory -> the proxy that opened its sandbox
         self._tickets = itertools.count(1)
         self._service_calls: dict[int, tuple[str, str]] = {}  # ticket -> (host, cid)
 
@@ -112,11 +113,32 @@ class HostBook:
             for h in self._hosts.values()
         }
 
-    def place(self, trajectory: str) -> tuple[str, Any]:
+    def agents(self) -> list[tuple[str, Any]]:
+        """Every registered host agent, as (its proxy's id, its actor handle)."""
+        return [(h.cid, h.agent) for h in self._hosts.values()]
+
+    def orphans(self, cid: str) -> list[tuple[str, Any]]:
+        """Forget the sandboxes proxy ``cid`` opened: (trajectory, agent) for each to close.
+
+        A worker that dies inside a sandbox's block never closes it; its agent would keep
+        the sandbox, and any command still running in it, for as long as it lives.
+        """
+        found = []
+        for trajectory, owner in list(self._owners.items()):
+            if owner != cid:
+                continue
+            name = self._placements.get(trajectory)
+            host = self._hosts.get(name) if name is not None else None
+            self.unplace(trajectory)
+            if host is not None:
+                found.append((trajectory, host.agent))
+        return found
+
+    def place(self, trajectory: str, cid: str | None = None) -> tuple[str, Any]:
         """The host for ``trajectory``'s sandbox: where it already is, else the least loaded.
 
         Load is sandboxes placed per core; a trajectory's actions then all run on the
-        host that keeps its files.
+        host that keeps its files. ``cid`` is the proxy opening it, which owns it.
 
         :raises SchedulerUnavailableError: no host agent is registered.
         """
@@ -128,9 +150,12 @@ class HostBook:
             host = min(self._hosts.values(), key=lambda h: (h.placed / max(h.units, 1), h.name))
             host.placed += 1
             self._placements[trajectory] = host.name
+            if cid is not None:
+                self._owners[trajectory] = cid
         return host.name, host.agent
 
     def unplace(self, trajectory: str) -> None:
+        self._owners.pop(trajectory, None)
         name = self._placements.pop(trajectory, None)
         host = self._hosts.get(name) if name is not None else None
         if host is not None:

@@ -409,7 +409,7 @@ class RemoteRuntime(RunMixin):
         """
         if not isinstance(trajectory_id, str):
             raise TypeError(f"`trajectory_id` must be a string (got {trajectory_id!r})")
-        return open_sandbox(self._actor, trajectory_id)
+        return open_sandbox(self._actor, trajectory_id, self._id)
 
     def service(self, name: str) -> contextlib.AbstractAsyncContextManager[RemoteService]:
         """A GPU model service on the host the scheduler picks, like ``GpuPool.use``.

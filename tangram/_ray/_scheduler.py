@@ -87,11 +87,14 @@ class SchedulerActor:
         heartbeat: float,
         timeout: float,
         token: str,
+        idle: float | None = None,
     ) -> None:
         self._runtime = Runtime(capacity, policy=policy)
         self._heartbeat = heartbeat
         self._timeout = timeout
         self._token = token
+        self._idle = idle
+        self._last_user = time.monotonic()
         self._clients: dict[str, _Client] = {}
         self._held: dict[int, _Held] = {}
         self._ids = itertools.count(1)
@@ -319,6 +322,20 @@ class SchedulerActor:
             for cid, client in list(self._clients.items()):
                 if now - client.seen > self._timeout:
                     self._drop_client(cid, expired=True)
+            if set(self._clients) - self._own_clients():
+                self._last_user = now
+            elif self._idle is not None and now - self._last_user > self._idle:
+                logger.info("no client for %.1f s: the scheduler actor ends", now - self._last_user)
+                await self._retire()
+                return
+
+    def _own_clients(self) -> set[str]:
+        """Proxies that serve the scheduler (host agents'), not users: they keep no one alive."""
+        return set()
+
+    async def _retire(self) -> None:
+        """End this actor: what it started goes first (see :mod:`._cluster`)."""
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
     # -- introspection and capacity ------------------------------------------------------
 
