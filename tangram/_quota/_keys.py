@@ -132,6 +132,7 @@ class ApiKey:
     :param concurrency: requests in flight at once.
     :param headers: added to each request sent with this key (``Authorization`` ...).
     :param url: a base URL that replaces scheme, host and port: a key per endpoint.
+    :raises InvalidCapacityError: a limit, header or URL that no request could be sent with.
     """
 
     name: str = attrs.field()
