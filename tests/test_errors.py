@@ -115,3 +115,19 @@ def test_a_key_error_of_ours_reads_as_its_message() -> None:
 
 def test_errors_are_reachable_from_the_package() -> None:
     assert tangram.errors is errors
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "builtin"),
+    [("8", errors.SettingTypeError, TypeError), (-1, errors.InvalidSettingError, ValueError)],
+)
+def test_the_shared_checks_raise_tangram_errors_by_default(
+    value: object, error: type[Exception], builtin: type[Exception]
+) -> None:
+    """Every layer's settings go through these checks (pools, quotas, the simulator)."""
+    from tangram._core._validate import seconds
+
+    with pytest.raises(error, match=r"`timeout` must be a number of seconds") as info:
+        seconds("timeout", value)
+    assert isinstance(info.value, builtin)
+    assert f"(got {value!r})" in str(info.value)

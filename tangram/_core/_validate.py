@@ -2,9 +2,12 @@
 
 Each public constructor checks its arguments where the caller made them (attrs validators,
 trio's ``CapacityLimiter``): a ``TypeError`` for a wrong type, a ``ValueError`` for a bad
-range, the parameter named, the value shown. The callers pick the error classes (a demand's
-bad deadline is an :class:`~tangram.errors.InvalidDemandError`, a pool's bad timeout a plain
-``ValueError``), so the checks live here once and the types stay where they belong.
+range, the parameter named, the value shown. The callers may pick the error classes (a
+demand's bad deadline is an :class:`~tangram.errors.InvalidDemandError`); by default a
+wrong type is a :class:`~tangram.errors.SettingTypeError` and a bad range an
+:class:`~tangram.errors.InvalidSettingError`, tangram errors that are still the
+``TypeError`` and ``ValueError`` callers catch. The checks live here once and the types
+stay where they belong.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from typing import Any
+
+from ..errors import InvalidSettingError, SettingTypeError
 
 __all__ = ["non_negative", "number", "positive", "seconds", "validator", "whole"]
 
@@ -29,8 +34,8 @@ def number(
     maximum: float | None = None,
     finite: bool = True,
     unit: str = "",
-    type_error: _Error = TypeError,
-    value_error: _Error = ValueError,
+    type_error: _Error = SettingTypeError,
+    value_error: _Error = InvalidSettingError,
 ) -> float:
     """``value`` as a float, or the caller's errors naming ``name``.
 
@@ -58,8 +63,8 @@ def seconds(
     *,
     strict: bool = False,
     finite: bool = True,
-    type_error: _Error = TypeError,
-    value_error: _Error = ValueError,
+    type_error: _Error = SettingTypeError,
+    value_error: _Error = InvalidSettingError,
 ) -> float:
     """A duration: ``>= 0`` (``> 0`` with ``strict``), finite unless ``finite=False``."""
     return number(
@@ -78,8 +83,8 @@ def whole(
     value: object,
     *,
     minimum: int = 0,
-    type_error: _Error = TypeError,
-    value_error: _Error = ValueError,
+    type_error: _Error = SettingTypeError,
+    value_error: _Error = InvalidSettingError,
 ) -> int:
     """A whole number ``>= minimum`` (bools refused: ``True`` is not a count)."""
     # The bound in both messages: "must be a whole number" alone hides that 0 is refused.
