@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, generate_latest, start_http_ser
 from prometheus_client.parser import text_string_to_metric_families
 
 import tangram
-from tangram.errors import RuntimeClosedError
+from tangram.errors import RuntimeClosedError, SettingTypeError
 from tangram.gpu import Device, GpuPool, TorchService
 from tangram.metrics import Collector, StepMetrics
 from tangram.quota import ApiKey, Quota
@@ -118,6 +118,17 @@ async def test_prometheus_http_server_scrapes_from_its_thread_on_the_runtime_loo
         # From a worker thread too (anyio's), as a custom exporter would call it.
         samples = parse(await anyio.to_thread.run_sync(generate_latest, registry))
         assert samples[("tangram_actions_total", (("kind", "held"), ("outcome", "completed")))] == 1
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_scrape_from_a_worker_thread_reads_on_the_loop_on_either_backend() -> None:
+    registry = CollectorRegistry()
+    async with tangram.Runtime(capacity={"cpu": 2}) as runtime:
+        registry.register(Collector(runtime))
+        async with runtime.acquire(cpu=2, kind="k"):
+            samples = parse(await anyio.to_thread.run_sync(generate_latest, registry))
+    assert samples[("tangram_resource_held", (("resource", "cpu"),))] == 2
+    assert samples[("tangram_actions_running", ())] == 1
 
 
 def test_built_before_the_loop_registers_without_reading_and_fails_clearly_after_it() -> None:
@@ -242,15 +253,15 @@ async def test_fixed_keys_are_exactly_the_keys_of_every_dict() -> None:
 
 def test_wrong_arguments_fail_where_they_are_given() -> None:
     runtime = tangram.Runtime(capacity={"cpu": 1})
-    with pytest.raises(TypeError, match=r"`runtime` must be a tangram\.Runtime"):
+    with pytest.raises(SettingTypeError, match=r"`runtime` must be a tangram\.Runtime"):
         Collector(object())  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="`sandboxes`"):
+    with pytest.raises(SettingTypeError, match=r"`sandboxes` must be a tangram\.SandboxPool"):
         Collector(runtime, sandboxes=[runtime])  # type: ignore[list-item]
-    with pytest.raises(TypeError, match="`gpu`"):
+    with pytest.raises(SettingTypeError, match=r"`gpu` must be a tangram\.gpu\.GpuPool"):
         StepMetrics(runtime, gpu=runtime)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="`quotas`"):
+    with pytest.raises(SettingTypeError, match=r"`quotas` must be a tangram\.quota\.Quota .*3"):
         StepMetrics(runtime, quotas=3)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="`keys`"):
+    with pytest.raises(SettingTypeError, match="`keys` must be a collection of strings"):
         StepMetrics(runtime, keys="tangram/actions")
 
 

@@ -32,7 +32,7 @@ import attrs
 from .._core._stats import Stats
 from .._runtime._run import Runtime
 from .._sandbox._pool import SandboxPool
-from ..errors import RuntimeClosedError
+from ..errors import RuntimeClosedError, SettingTypeError
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
@@ -77,12 +77,17 @@ class Sources:
         quotas: Quota | Iterable[Quota] | None,
     ) -> Sources:
         if not callable(getattr(runtime, "stats", None)):
-            raise TypeError(f"`runtime` must be a tangram.Runtime (got {runtime!r})")
-        pools = _many("sandboxes", sandboxes, lambda p: isinstance(p, SandboxPool))
+            raise SettingTypeError(f"`runtime` must be a tangram.Runtime (got {runtime!r})")
+        pools = _many(
+            "sandboxes", "tangram.SandboxPool", sandboxes, lambda p: isinstance(p, SandboxPool)
+        )
         if gpu is not None and not callable(getattr(gpu, "service_stats", None)):
-            raise TypeError(f"`gpu` must be a tangram.gpu.GpuPool (got {gpu!r})")
+            raise SettingTypeError(f"`gpu` must be a tangram.gpu.GpuPool (got {gpu!r})")
         keyed = _many(
-            "quotas", quotas, lambda q: callable(getattr(q, "stats", None)) and hasattr(q, "name")
+            "quotas",
+            "tangram.quota.Quota",
+            quotas,
+            lambda q: callable(getattr(q, "stats", None)) and hasattr(q, "name"),
         )
         return cls(runtime, pools, gpu, keyed)
 
@@ -98,12 +103,12 @@ class Sources:
         )
 
 
-def _many(name: str, value: Any, accept: Any) -> tuple[Any, ...]:
+def _many(name: str, kind: str, value: Any, accept: Any) -> tuple[Any, ...]:
     if value is None:
         return ()
     items = (value,) if accept(value) else tuple(value) if isinstance(value, Iterable) else None
     if items is None or not all(accept(item) for item in items):
-        raise TypeError(f"`{name}` must be one of them or an iterable of them (got {value!r})")
+        raise SettingTypeError(f"`{name}` must be a {kind} or an iterable of them (got {value!r})")
     return items
 
 
@@ -191,7 +196,7 @@ class StepMetrics:
         if keys is not None and (
             isinstance(keys, str) or not all(isinstance(k, str) for k in keys)
         ):
-            raise TypeError(f"`keys` must be a collection of strings (got {keys!r})")
+            raise SettingTypeError(f"`keys` must be a collection of strings (got {keys!r})")
         self._keys = tuple(keys) if keys is not None else None
         self._last: dict[str, float] = {}
         self._seen: dict[str, None] = {}
@@ -334,7 +339,7 @@ class Collector:
             raise ImportError(_HINT) from exc
         if not isinstance(runtime, Runtime):
             # A remote runtime's figures arrive by an await; a scrape cannot wait on one.
-            raise TypeError(f"`runtime` must be a tangram.Runtime (got {runtime!r})")
+            raise SettingTypeError(f"`runtime` must be a tangram.Runtime (got {runtime!r})")
         self._core = prometheus_client.core
         self._sources = Sources.of(runtime, sandboxes, gpu, quotas)
         self._token: anyio.lowlevel.EventLoopToken | None = None
