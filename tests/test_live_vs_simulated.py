@@ -131,6 +131,11 @@ def random_workload(seed: int, trajectories: int = 6, steps: int = 4) -> Workloa
 async def work(lease: tangram.Lease, step: Step) -> None:
     """Do ``step``'s modelled work, going faster or slower as the grant is resized."""
     left = step.seconds_at_1  # work left, in seconds on one unit
+    elastic = lease.action.demand.elastic
+    if elastic is None or not elastic.resizable:  # its grant is what it keeps
+        units = lease.units
+        await anyio.sleep(left / (step.efficiency.speedup(units) if units else 1.0))
+        return
     since = anyio.current_time()
     while True:
         units = lease.units

@@ -134,9 +134,15 @@ async def test_withdrawn_and_unnameable_actions_stay_out(tmp_path: Path) -> None
     async with tangram.Runtime(capacity=capacity) as runtime:
         recorder = TraceRecorder(runtime, name="mixed")
         async with runtime.acquire({"cpu": 2}, kind="hog", trajectory="a"):
-            with anyio.move_on_after(1.0):  # queued behind the hog, then cancelled
-                async with runtime.acquire({"cpu": 1}, kind="late", trajectory="b"):
-                    pass
+
+            async def late() -> None:
+                with anyio.move_on_after(1.0):  # queued behind the hog, then cancelled
+                    async with runtime.acquire({"cpu": 1}, kind="late", trajectory="b"):
+                        pass
+
+            # Another task's: in the hog's own task it would be a SelfDeadlockError.
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(late)
             await anyio.sleep(2.0)
         async with runtime.acquire({"search_api": 1}, kind="search", trajectory="a"):
             await anyio.sleep(0.5)
