@@ -262,7 +262,7 @@ async def test_failed_restore_is_typed_and_leaves_the_pool_consistent() -> None:
     pool = GpuPool([flaky, torch_service("ok", 6)], devices=devices, warm=False)
     async with pool, tangram.Runtime(capacity=pool.capacity()) as runtime:
         # The message gives the replica's size in human units, as every GPU error does.
-        with pytest.raises(GpuOutOfMemoryError, match=r"\(\d+\.\d KiB per device\).*out of"):
+        with pytest.raises(GpuOutOfMemoryError, match=r"\([\d.]+KiB per device\).*out of"):
             async with pool.use("flaky") as svc:
                 await svc(inputs(0))
         assert pool.usage()["cpu:0"]["resident"] == 0

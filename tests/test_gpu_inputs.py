@@ -156,7 +156,7 @@ async def test_a_declared_memory_smaller_than_the_model_is_refused_with_both_siz
         async with pool:
             pytest.fail("a model larger than its declared memory must not load")
     message = str(caught.value)
-    assert "big" in message and "1.0 KiB" in message and "4.8 MiB" in message, message
+    assert "big" in message and "1KiB" in message and "4.79MiB" in message, message
     assert "bytes" not in message
     assert pool.usage()["cpu:0"]["resident"] == 0
     # A declared size that holds the tensors is accepted as it is.
@@ -264,14 +264,3 @@ def test_http_service_arguments_fail_as_tangram_errors() -> None:
             VllmService("llm", servers, **kwargs)
         assert isinstance(caught.value, TangramError), (servers, kwargs)
         assert "got" in str(caught.value), (servers, kwargs)
-
-
-def test_sizes_in_messages_are_in_binary_units() -> None:
-    from tangram._gpu._checks import format_bytes
-
-    assert format_bytes(0) == "0 B"
-    assert format_bytes(1023) == "1023 B"
-    assert format_bytes(1024) == "1.0 KiB"
-    assert format_bytes(5_022_080) == "4.8 MiB"
-    assert format_bytes(80 * 2**30) == "80.0 GiB"
-    assert format_bytes(3 * 2**60) == "3072.0 PiB"

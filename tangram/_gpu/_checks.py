@@ -1,45 +1,22 @@
-"""How the GPU executor words what it refuses: sizes in human units, typed argument errors.
+"""The one GPU argument check the shared ones (``tangram/_core/_validate.py``) lack.
 
-Every bad argument to a device, a service or the pool is a :class:`~tangram.errors.TangramError`
-that also subclasses the builtin a caller would catch, and names the value and what is
-allowed. A wrong type raises :class:`~tangram.errors.DemandTypeError`, which is both a
-``TypeError`` and a ``ValueError``, so code that caught either before still does; a bad
-value raises :class:`~tangram.errors.InvalidCapacityError` (a ``ValueError``): a device's
-memory is a capacity of the runtime, and a service's settings size what it asks of it.
+Every bad argument to a device, a service or the pool is a
+:class:`~tangram.errors.SettingTypeError` (a wrong type; also a ``TypeError`` and a
+``ValueError``) or an :class:`~tangram.errors.InvalidSettingError` (a value out of range;
+a ``ValueError``), naming the value and what is allowed; sizes in messages are written by
+:func:`tangram._core._units.format_size`.
 """
 
 from __future__ import annotations
 
-from ..errors import DemandTypeError, InvalidCapacityError
+from ..errors import SettingTypeError
 
-__all__ = ["TYPE_ERROR", "VALUE_ERROR", "check_bool", "format_bytes"]
-
-#: What a GPU argument of the wrong type raises.
-TYPE_ERROR = DemandTypeError
-#: What a GPU argument with a value out of range raises.
-VALUE_ERROR = InvalidCapacityError
-
-_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
-
-
-def format_bytes(size: float) -> str:
-    """``size`` bytes as people read them: ``"512 B"``, ``"4.8 MiB"``, ``"80.0 GiB"``.
-
-    Binary units, as devices report their memory and as ``"16GiB"`` is written; one
-    decimal, so that two sizes a message compares stay apart.
-    """
-    if abs(size) < 1024:
-        return f"{size:g} B"
-    value = float(size)
-    for unit in _UNITS:
-        value /= 1024
-        if abs(value) < 1024 or unit == _UNITS[-1]:
-            break
-    return f"{value:.1f} {unit}"
+__all__ = ["check_bool"]
 
 
 def check_bool(name: str, value: object) -> bool:
-    """``value`` if it is ``True`` or ``False``; a truthy string is not a setting."""
+    """``value`` if it is ``True`` or ``False``: a truthy string such as ``"no"`` would
+    otherwise switch the setting on."""
     if not isinstance(value, bool):
-        raise TYPE_ERROR(f"`{name}` must be True or False (got {value!r})")
+        raise SettingTypeError(f"`{name}` must be True or False (got {value!r})")
     return value

@@ -16,7 +16,7 @@ import attrs
 
 from .._core._units import parse_size
 from .._core._validate import number
-from ._checks import TYPE_ERROR, VALUE_ERROR
+from ..errors import InvalidSettingError, SettingTypeError
 from ._optional import nvml, torch
 
 __all__ = [
@@ -37,30 +37,31 @@ KIND_PREFIX = "gpu_mem:"
 def to_bytes(value: object, name: str = "memory") -> int:
     """Whole bytes, at least one, from a number or a size like ``"16GiB"``.
 
-    :raises DemandTypeError: neither a number nor text.
-    :raises InvalidCapacityError: not a size, not finite, or less than one byte.
+    :raises SettingTypeError: neither a number nor text.
+    :raises InvalidCapacityError: text that is not a size (from ``parse_size``).
+    :raises InvalidSettingError: not finite, or less than one byte.
     """
     if isinstance(value, str):
         size = parse_size(value)
     elif isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TYPE_ERROR(f"`{name}` must be bytes or a size like '16GiB' (got {value!r})")
+        raise SettingTypeError(f"`{name}` must be bytes or a size like '16GiB' (got {value!r})")
     else:
         size = value
     # Checked before ``int()``, which would turn NaN and infinity into bare builtin errors.
-    number(name, size, minimum=1, unit="bytes", type_error=TYPE_ERROR, value_error=VALUE_ERROR)
+    number(name, size, minimum=1, unit="bytes")
     return int(size)
 
 
 def _device_name(instance: object, attribute: attrs.Attribute[str], value: object) -> None:
     if not isinstance(value, str) or not value:
-        raise TYPE_ERROR(f"a device's `name` must be text like 'cuda:0' (got {value!r})")
+        raise SettingTypeError(f"a device's `name` must be text like 'cuda:0' (got {value!r})")
 
 
 def _device_index(instance: object, attribute: attrs.Attribute[int | None], value: object) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-        raise TYPE_ERROR(f"`index` must be a device number or None (got {value!r})")
+        raise SettingTypeError(f"`index` must be a device number or None (got {value!r})")
     if value is not None and value < 0:
-        raise VALUE_ERROR(f"`index` must be >= 0 (got {value!r})")
+        raise InvalidSettingError(f"`index` must be >= 0 (got {value!r})")
 
 
 @attrs.frozen
@@ -71,8 +72,9 @@ class Device:
     is a simulated budget on the host (tests, and the benchmark without a GPU), which runs
     the very same code with torch's ``"cpu"`` device.
 
-    :raises DemandTypeError: a name that is not text, or a memory that is not a size.
-    :raises InvalidCapacityError: a memory below one byte, or not finite.
+    :raises SettingTypeError: a name that is not text, or a memory that is not a size.
+    :raises InvalidSettingError: a memory below one byte, or not finite.
+    :raises InvalidCapacityError: a memory written as text that is not a size.
     """
 
     name: str = attrs.field(validator=_device_name)
@@ -114,15 +116,13 @@ def discover_devices(*, fraction: float = 1.0) -> list[Device]:
     by PCI order and ignores ``CUDA_VISIBLE_DEVICES``; set ``CUDA_DEVICE_ORDER=PCI_BUS_ID``
     so the two agree, or pass devices explicitly.
 
-    :raises InvalidCapacityError: ``fraction`` outside (0, 1].
+    :raises InvalidSettingError: ``fraction`` outside (0, 1].
     """
     number(
         "fraction",
         fraction,
         strict=True,
         maximum=1.0,
-        type_error=TYPE_ERROR,
-        value_error=VALUE_ERROR,
     )
     lib = nvml()
     if lib is not None:

@@ -24,8 +24,7 @@ import anyio
 import httpx
 
 from .._core._validate import seconds
-from ..errors import GpuOutOfMemoryError, GpuServiceError
-from ._checks import TYPE_ERROR, VALUE_ERROR
+from ..errors import GpuOutOfMemoryError, GpuServiceError, InvalidSettingError, SettingTypeError
 from ._devices import Device
 from ._service import ModelService
 
@@ -51,8 +50,8 @@ class HttpModelService(ModelService):
         the server's own continuous batching merges them.
     :param timeout: seconds for sleep/wake calls (a wake can take seconds).
     :param transport: the httpx transport (tests hand a real server's, or a mock).
-    :raises DemandTypeError: an argument of the wrong type (also a ``TypeError``).
-    :raises InvalidCapacityError: no server, servers on unequal numbers of devices, a
+    :raises SettingTypeError: an argument of the wrong type (also a ``TypeError``).
+    :raises InvalidSettingError: no server, servers on unequal numbers of devices, a
         memory that is not a size, or a timeout that is not above zero.
     """
 
@@ -73,22 +72,24 @@ class HttpModelService(ModelService):
             and all(isinstance(d, str) for d in devices)
             for url, devices in servers.items()
         ):
-            raise TYPE_ERROR(
+            raise SettingTypeError(
                 "`servers` must map each server's URL to the device names it runs on, like "
                 f"{{'http://host:8000': ['cuda:0']}} (got {servers!r})"
             )
         if not servers:
-            raise VALUE_ERROR(f"`servers` must name at least one server (got {servers!r})")
+            raise InvalidSettingError(f"`servers` must name at least one server (got {servers!r})")
         gpus = {len(devices) for devices in servers.values()}
         if len(gpus) != 1 or 0 in gpus:
-            raise VALUE_ERROR(
+            raise InvalidSettingError(
                 f"every server must run on the same, non-zero number of devices (got {servers!r})"
             )
         if not callable(request):
-            raise TYPE_ERROR(f"`request` must be an async function (got {request!r})")
-        seconds("timeout", timeout, strict=True, type_error=TYPE_ERROR, value_error=VALUE_ERROR)
+            raise SettingTypeError(f"`request` must be an async function (got {request!r})")
+        seconds("timeout", timeout, strict=True)
         if transport is not None and not isinstance(transport, httpx.AsyncBaseTransport):
-            raise TYPE_ERROR(f"`transport` must be an httpx.AsyncBaseTransport (got {transport!r})")
+            raise SettingTypeError(
+                f"`transport` must be an httpx.AsyncBaseTransport (got {transport!r})"
+            )
         super().__init__(
             name, memory=memory, gpus=gpus.pop(), max_replicas=len(servers), batching=True
         )

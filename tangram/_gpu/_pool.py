@@ -37,8 +37,15 @@ import attrs
 
 from .._core._placement import nvlink_groups
 from .._runtime._run import Runtime, current_runtime
-from ..errors import GpuError, GpuPoolClosedError, GpuServiceError, UnknownResourceError
-from ._checks import TYPE_ERROR, VALUE_ERROR, check_bool
+from ..errors import (
+    GpuError,
+    GpuPoolClosedError,
+    GpuServiceError,
+    InvalidSettingError,
+    SettingTypeError,
+    UnknownResourceError,
+)
+from ._checks import check_bool
 from ._devices import Device, device_memory_used, discover_devices, nvml_nvlink_pairs
 from ._holding import Holder
 from ._placing import Placer
@@ -95,8 +102,8 @@ class GpuPool:
         first actions pay no restore. They hold no grant and are evicted like any idle
         replica. ``False`` leaves the devices empty until an action needs them (a GPU
         shared with processes the pool does not know about).
-    :raises DemandTypeError: an argument of the wrong type (also a ``TypeError``).
-    :raises InvalidCapacityError: two services or two devices share a name.
+    :raises SettingTypeError: an argument of the wrong type (also a ``TypeError``).
+    :raises InvalidSettingError: two services or two devices share a name.
     """
 
     def __init__(
@@ -110,29 +117,33 @@ class GpuPool:
     ) -> None:
         check_bool("warm", warm)
         if isinstance(services, (str, ModelService)) or not isinstance(services, Iterable):
-            raise TYPE_ERROR(f"`services` must be a list of model services (got {services!r})")
+            raise SettingTypeError(
+                f"`services` must be a list of model services (got {services!r})"
+            )
         states: dict[str, ServiceState] = {}
         for service in services:
             if not isinstance(service, ModelService):
-                raise TYPE_ERROR(
+                raise SettingTypeError(
                     f"`services` must hold tangram.gpu.ModelService objects (got {service!r})"
                 )
             if service.name in states:
-                raise VALUE_ERROR(f"service names must be unique (got {service.name!r} twice)")
+                raise InvalidSettingError(
+                    f"service names must be unique (got {service.name!r} twice)"
+                )
             states[service.name] = ServiceState(service)
         if devices is not None:
             given = devices
             devices = list(devices) if isinstance(devices, Iterable) else []
             if not devices or not all(isinstance(d, Device) for d in devices):
-                raise TYPE_ERROR(
+                raise SettingTypeError(
                     f"`devices` must be a non-empty list of tangram.gpu.Device (got {given!r})"
                 )
             names = [d.name for d in devices]
             twice = sorted({n for n in names if names.count(n) > 1})
             if twice:
-                raise VALUE_ERROR(f"device names must be unique (got {twice} twice)")
+                raise InvalidSettingError(f"device names must be unique (got {twice} twice)")
         if runtime is not None and not isinstance(runtime, Runtime):
-            raise TYPE_ERROR(f"`runtime` must be a tangram.Runtime or None (got {runtime!r})")
+            raise SettingTypeError(f"`runtime` must be a tangram.Runtime or None (got {runtime!r})")
         if links is not None:
             pairs = []
             for pair in links:
@@ -141,7 +152,7 @@ class GpuPool:
                     or len(pair) != 2
                     or not all(isinstance(i, int) and not isinstance(i, bool) for i in pair)
                 ):
-                    raise TYPE_ERROR(
+                    raise SettingTypeError(
                         f"`links` must be pairs of device indices like (0, 1) (got {pair!r})"
                     )
                 pairs.append((pair[0], pair[1]))

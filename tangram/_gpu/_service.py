@@ -12,8 +12,10 @@ import abc
 from collections.abc import Sequence
 from typing import Any
 
+from .._core._units import format_size
 from .._core._validate import whole
-from ._checks import TYPE_ERROR, VALUE_ERROR, check_bool, format_bytes
+from ..errors import SettingTypeError
+from ._checks import check_bool
 from ._devices import Device, to_bytes
 
 __all__ = ["ModelService"]
@@ -36,8 +38,8 @@ class ModelService(abc.ABC):
     :param max_batch: most actions merged into one run (``None``: no limit); for a
         batching service also the actions one replica takes before the pool counts it
         full and weighs starting another.
-    :raises DemandTypeError: an argument of the wrong type.
-    :raises InvalidCapacityError: a count below one, or a memory that is not a size.
+    :raises SettingTypeError: an argument of the wrong type.
+    :raises InvalidSettingError: a count below one, or a memory that is not a size.
     """
 
     def __init__(
@@ -51,11 +53,11 @@ class ModelService(abc.ABC):
         max_batch: int | None = None,
     ) -> None:
         if not isinstance(name, str) or not name:
-            raise TYPE_ERROR(f"`name` must be a non-empty string (got {name!r})")
+            raise SettingTypeError(f"`name` must be a non-empty string (got {name!r})")
         for setting, value in (("gpus", gpus), ("max_replicas", max_replicas)):
-            whole(setting, value, minimum=1, type_error=TYPE_ERROR, value_error=VALUE_ERROR)
+            whole(setting, value, minimum=1)
         if max_batch is not None:
-            whole("max_batch", max_batch, minimum=1, type_error=TYPE_ERROR, value_error=VALUE_ERROR)
+            whole("max_batch", max_batch, minimum=1)
         self.name = name
         self.memory: int | None = None if memory is None else to_bytes(memory)
         self.gpus = gpus
@@ -64,7 +66,7 @@ class ModelService(abc.ABC):
         self.max_batch = max_batch
 
     def __repr__(self) -> str:
-        memory = "unknown" if self.memory is None else format_bytes(self.memory)
+        memory = "unknown" if self.memory is None else format_size(self.memory)
         return f"<{type(self).__name__} {self.name!r} memory={memory}>"
 
     def slots(self) -> Sequence[tuple[str, ...]] | None:

@@ -18,8 +18,9 @@ import anyio
 import attrs
 
 from .._core import _validate
-from ..errors import GpuOutOfMemoryError, GpuServiceError
-from ._checks import TYPE_ERROR, VALUE_ERROR, check_bool, format_bytes
+from .._core._units import format_size
+from ..errors import GpuOutOfMemoryError, GpuServiceError, InvalidSettingError, SettingTypeError
+from ._checks import check_bool
 from ._devices import Device
 from ._optional import torch
 from ._service import ModelService
@@ -93,8 +94,8 @@ class TorchService(ModelService):
         shares the GPU; when only in-process torch services do, ``False`` lets torch's
         caching allocator reuse the block and skips a ``cudaFree``/``cudaMalloc`` pair
         per round trip.
-    :raises DemandTypeError: an argument of the wrong type.
-    :raises InvalidCapacityError: an argument out of range, or settings that conflict.
+    :raises SettingTypeError: an argument of the wrong type.
+    :raises InvalidSettingError: an argument out of range, or settings that conflict.
     """
 
     def __init__(
@@ -122,13 +123,13 @@ class TorchService(ModelService):
         )
         self._empty_cache = check_bool("empty_cache", empty_cache)
         if not callable(factory):
-            raise TYPE_ERROR(f"`factory` must build a torch.nn.Module (got {factory!r})")
+            raise SettingTypeError(f"`factory` must build a torch.nn.Module (got {factory!r})")
         if check_bool("writeback", writeback) and max_replicas != 1:
-            raise VALUE_ERROR(
+            raise InvalidSettingError(
                 "`writeback` needs `max_replicas=1`: replicas would overwrite each other's "
                 f"state (got max_replicas={max_replicas!r})"
             )
-        _validate.number("headroom", headroom, type_error=TYPE_ERROR, value_error=VALUE_ERROR)
+        _validate.number("headroom", headroom)
         if split is not None and not callable(split):
             counts = list(split) if isinstance(split, Sequence) else None
             if (
@@ -138,7 +139,7 @@ class TorchService(ModelService):
                     isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in counts
                 )
             ):
-                raise VALUE_ERROR(
+                raise InvalidSettingError(
                     f"`split` must be a callable or {gpus} whole numbers >= 1, the children "
                     f"of an nn.Sequential per stage (got {split!r})"
                 )
@@ -177,7 +178,9 @@ class TorchService(ModelService):
         except Exception as exc:
             raise GpuServiceError(f"could not build {self.name!r}: {exc}") from exc
         if not isinstance(module, torch.nn.Module):
-            raise TYPE_ERROR(f"`factory` of {self.name!r} must return a Module (got {module!r})")
+            raise SettingTypeError(
+                f"`factory` of {self.name!r} must return a Module (got {module!r})"
+            )
         module.eval()
         parts = self._cut(module)
         known: dict[int, str] = {}
@@ -239,9 +242,9 @@ class TorchService(ModelService):
             where = "its largest stage" if len(parts) > 1 else "its parameters and buffers"
             self._stages, self._names = [], {}
             raise GpuOutOfMemoryError(
-                f"{self.name!r} holds {format_bytes(largest)} per device ({where}), more "
-                f"than its declared memory={format_bytes(self.memory)}: declare at least "
-                f"{format_bytes(largest)} plus room for activations, or leave `memory` unset "
+                f"{self.name!r} holds {format_size(largest)} per device ({where}), more "
+                f"than its declared memory={format_size(self.memory)}: declare at least "
+                f"{format_size(largest)} plus room for activations, or leave `memory` unset "
                 "to have it measured"
             )
         self._flat = flat
@@ -321,7 +324,7 @@ class TorchService(ModelService):
             if any(t.type == "cuda" for t in targets):
                 torch.cuda.empty_cache()
             where = ", ".join(device.name for device in devices)
-            size = format_bytes(max(stage.size for stage in self._stages))
+            size = format_size(max(stage.size for stage in self._stages))
             _raise_oom(exc, f"restoring {self.name!r} ({size} per device) onto {where}")
             raise GpuServiceError(f"could not restore {self.name!r}: {exc}") from exc
         modules = self._modules.get(replica)
