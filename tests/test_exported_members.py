@@ -85,3 +85,12 @@ def test_facades_that_reexport_errors_leave_them_in_tangram_errors() -> None:
         assert getattr(tangram.errors, name).__module__ == "tangram.errors"
     assert tangram.gpu.GpuPool.__module__ == "tangram.gpu"
     assert tangram.quota.Quota.__module__ == "tangram.quota"
+
+
+def test_the_metrics_facade_exports_its_two_names_as_its_own() -> None:
+    import tangram.metrics
+
+    assert public_names(tangram.metrics) == set(tangram.metrics.__all__)
+    assert set(tangram.metrics.__all__) == {"Collector", "StepMetrics"}
+    for name in tangram.metrics.__all__:
+        assert getattr(tangram.metrics, name).__module__ == "tangram.metrics"
