@@ -77,6 +77,8 @@ class Handler(BaseHTTPRequestHandler):
         elif url.path == "/v1/completions":
             if self.server.sleeping:
                 self.reply(503, {"error": "asleep"})
+            elif not isinstance(body, dict) or not isinstance(body.get("prompt"), str):
+                self.reply(400, {"error": "`prompt` must be a string"})
             else:
                 self.reply(200, {"text": body["prompt"].upper()})
         else:
@@ -203,3 +205,42 @@ async def test_http_errors_are_typed(servers: list[FakeVllm]) -> None:
     with pytest.raises(GpuServiceError, match="judge"):
         async with GpuPool([closed], devices=[Device("cuda:0", "2GiB")], links=[]):
             pass
+
+
+@pytest.mark.anyio
+async def test_a_malformed_request_fails_only_its_own_action(servers: list[FakeVllm]) -> None:
+    gate = anyio.Event()
+    first = anyio.Event()
+
+    async def request(client: Any, item: Any) -> Any:
+        if not first.is_set():  # hold the first run, so the next calls merge into one
+            first.set()
+            await gate.wait()
+        response = await client.post("/v1/completions", json=item)
+        response.raise_for_status()
+        return response.json()
+
+    judge = VllmService("judge", {url(servers[0]): ["cuda:0"]}, memory="1GiB", request=request)
+    pool = GpuPool([judge], devices=[Device("cuda:0", "2GiB")], links=[])
+    results: dict[str, Any] = {}
+
+    async def action(name: str, batch: list[Any]) -> None:
+        async with pool.use("judge") as svc:
+            try:
+                results[name] = await svc(batch)
+            except GpuServiceError as exc:
+                results[name] = exc
+
+    async with pool, tangram.Runtime(capacity=pool.capacity()), anyio.create_task_group() as tg:
+        tg.start_soon(action, "first", [{"prompt": "a"}])
+        await first.wait()
+        tg.start_soon(action, "good", [{"prompt": "b"}, {"prompt": "c"}])
+        tg.start_soon(action, "bad", [{"prompt": "d"}, {"text": 1}])
+        replica = pool._services["judge"].replicas[0]
+        await wait_until(lambda: len(replica.pending) == 2)
+        gate.set()
+    assert results["first"] == [{"text": "A"}]
+    assert results["good"] == [{"text": "B"}, {"text": "C"}]
+    error = results["bad"]
+    assert isinstance(error, GpuServiceError)
+    assert "400" in str(error) and "TaskGroup" not in str(error), error

@@ -134,17 +134,24 @@ class HttpModelService(ModelService):
     async def run(self, replica: int, batches: Sequence[Any]) -> list[Any]:
         results: list[list[Any]] = [[None] * len(batch) for batch in batches]
         client = self._clients[replica]
+        # The first failure is raised as itself, not inside the task group's
+        # ExceptionGroup, so the action that sent the item reads what the server said.
+        errors: list[GpuServiceError] = []
 
         async def one(i: int, j: int, item: Any) -> None:
             try:
                 results[i][j] = await self._request(client, item)
-            except httpx.HTTPError as exc:
-                raise GpuServiceError(f"{self.name!r} request failed: {exc}") from exc
+            except Exception as exc:
+                error = GpuServiceError(f"{self.name!r} request failed: {exc}")
+                error.__cause__ = exc
+                errors.append(error)
 
         async with anyio.create_task_group() as tg:
             for i, batch in enumerate(batches):
                 for j, item in enumerate(batch):
                     tg.start_soon(one, i, j, item)
+        if errors:
+            raise errors[0]
         return results
 
     async def aclose(self) -> None:
