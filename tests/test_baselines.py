@@ -102,7 +102,7 @@ def test_bound_is_below_every_policy_per_action(workload: str) -> None:
         generate(GenerateConfig(workload=workload, batch=12, seed=2, turns=4)).splitlines()
     )
     bound = {(r.trajectory, r.index): r.exec for r in run_policy("bound", trace).records}
-    for name in ("tangram", "tangram-fcfs", "srpt", "static", "fixed-dop-4"):
+    for name in ("tangram", "tangram-fcfs", "srpt", "static", "pooled", "fixed-dop-4"):
         records = run_policy(name, trace).records
         assert len(records) == len(bound)
         for r in records:
@@ -147,7 +147,8 @@ def test_the_admission_references_are_the_elastic_policy() -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["tangram", "tangram-fcfs", "srpt", "static", "bound", "fixed-dop-1", "fixed-dop-16"]
+    "name",
+    ["tangram", "tangram-fcfs", "srpt", "static", "pooled", "bound", "fixed-dop-1", "fixed-dop-16"],
 )
 def test_known_policy_names(name: str) -> None:
     assert parse_policy(name) == name
@@ -219,6 +220,32 @@ def test_tangram_restores_evicted_services_where_static_pins_them() -> None:
     static_run = run_policy("static", trace)
     assert [r.act for r in static_run.records] == [1, 1, 1]
     assert static_run.unit_seconds["gpu"] == pytest.approx(2 * 21)
+
+
+def test_pooled_serves_every_gpu_request_fcfs_on_any_device_without_a_restore() -> None:
+    # Two GPUs, three a requests and one b, all at once: static gives each service one
+    # GPU (the third a waits two runs); pooled serves the first two on both GPUs in
+    # arrival order and the next two when they free, never restoring, billing both GPUs.
+    actions = [*(_judge(f"t{i}", "a") for i in range(3)), _judge("u", "b", gap=0.5)]
+    trace = _gpu_trace(2, *actions)
+    pooled = run_policy("pooled", trace)
+    by_name = {r.trajectory: r for r in pooled.records}
+    assert [by_name[n].queue for n in ("t0", "t1", "t2", "u")] == [0, 0, 1, 0.5]
+    assert all(r.overhead == 0 for r in pooled.records)
+    assert (pooled.restores, pooled.step_seconds) == (0, 2)
+    assert pooled.unit_seconds["gpu"] == pytest.approx(2 * 2)
+    static = run_policy("static", trace)
+    assert sorted(r.queue for r in static.records) == [0, 0, 1, 2]
+    assert parse_policy("pooled") == "pooled"
+
+
+def test_pooled_counts_a_batching_replica_as_seats_of_one_device() -> None:
+    # max_batch 2: one GPU serves two requests at once, so four on one GPU take two runs.
+    services = {"a": {"gpus": 1, "gpu_mem_gib": 60, "restore_seconds": 5, "max_batch": 2}}
+    trace = _trace(
+        {"capacity": {"gpu": 1}, "services": services}, *(_judge(f"t{i}", "a") for i in range(4))
+    )
+    assert sorted(r.queue for r in run_policy("pooled", trace).records) == [0, 0, 1, 1]
 
 
 def _elastic(name: str, index: int, seconds: float, gap: float = 0.0) -> dict[str, object]:

@@ -105,12 +105,32 @@ def test_contended_mopd_has_ten_gpus_one_request_a_replica() -> None:
     assert plain.trajectories == trace.trajectories
 
 
+def test_the_zipf_exponent_skews_the_teachers_and_is_recorded() -> None:
+    def shares(zipf: float) -> list[int]:
+        trace = _read(GenerateConfig(workload="mopd", batch=512, seed=0, zipf=zipf))
+        counts = {f"teacher{rank}": 0 for rank in range(9)}
+        for actions in trace.trajectories.values():
+            counts[actions[0].kind] += 1
+        return list(counts.values())
+
+    flat, default, steep = shares(0.5), shares(1.1), shares(2.0)
+    assert flat[0] < default[0] < steep[0]
+    assert flat[-1] > steep[-1]
+    assert default == shares(1.1)
+    default_text = generate(GenerateConfig(workload="mopd", batch=4))
+    assert '"zipf"' not in default_text.splitlines()[0]
+    header = generate(GenerateConfig(workload="mopd", batch=4, zipf=0.8)).splitlines()[0]
+    assert '"zipf": 0.8' in header
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [
         {"workload": "chess", "batch": 4},
         {"workload": "coding", "batch": 0},
         {"workload": "coding", "batch": 4, "turns": 0},
+        {"workload": "mopd", "batch": 4, "zipf": 0},
+        {"workload": "mopd", "batch": 4, "zipf": "1"},
     ],
 )
 def test_bad_config_is_rejected(kwargs: dict[str, object]) -> None:

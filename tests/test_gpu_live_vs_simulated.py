@@ -29,6 +29,8 @@ import trio.testing
 from conftest import Backend, virtual_backend
 
 import tangram
+from tangram._core import _placement as rules
+from tangram._gpu import _placing
 from tangram._sim import _simulate
 from tangram._sim._residency import Placement, Residency, ServiceSpec
 from tangram.gpu import Device, GpuPool, ModelService
@@ -256,3 +258,59 @@ def test_the_queue_workload_queues(monkeypatch: pytest.MonkeyPatch) -> None:
     assert residency.log == []  # nothing restored beside A: the line was shorter
     assert runs["a2", 0] == (pytest.approx(2.5), pytest.approx(3.5))
     assert (result.restores, result.unloads) == (0, 0)
+
+
+# Contention: a service with work queued takes a device from one with none. A's run time
+# (1 s) is learnt by a0; b (3 s) holds cpu:1. A's actions come at 2.0, 2.1, 2.2: the third
+# finds two behind the one running, 2 s of queued work, as long as another replica's
+# restore, so A's share of the two devices by queued work is both: a second replica asks
+# for cpu:1 though it is busy, B's replica (past its tenure, nothing queued for it)
+# drains, and A's second copy is restored there for a3 when b ends. The rule it replaced
+# (another copy only where a device has room now) queued a3 on cpu:0. A line that forms
+# after that is one line per service in the simulator and one per replica live (an
+# action is bound to a replica when it comes), so the workload ends there.
+SHARE_RESTORES = {"A": 2.0, "B": 0.5}
+SHARE: Workload = {
+    "a0": [("A", 1.0, 0.1)],
+    "b": [("B", 3.0, 0.2)],
+    **{f"a{i}": [("A", 1.0, 1.9 + 0.1 * i)] for i in range(1, 4)},
+}
+
+
+async def test_live_pool_shares_devices_by_queued_work_as_the_simulator(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    residency, simulated_runs, result = run_simulated(SHARE, SHARE_RESTORES, monkeypatch)
+    assert residency.log == [
+        (pytest.approx(3.2), "evict", "B", (1,)),
+        (pytest.approx(3.2), "restore", "A", (1,)),
+    ]
+    warmed, live_events, live_runs, stats = await run_live(SHARE, SHARE_RESTORES)
+    assert warmed == residency.warmed
+    assert_same_events(residency.log, live_events)
+    assert_same_runs(simulated_runs, live_runs)
+    assert sum(s["restores"] for s in stats.values()) == result.restores
+
+
+async def test_the_share_rule_decides_the_live_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the rule in the live pool alone (each service keeps the replicas it has),
+    the live pool no longer places as the simulator: the match above is the rule's."""
+    residency, simulated_runs, _ = run_simulated(SHARE, SHARE_RESTORES, monkeypatch)
+
+    def keep(lines: Sequence[rules.Backlog[str]], capacity: float) -> dict[str, int]:
+        return {line.key: line.replicas for line in lines}
+
+    monkeypatch.setattr(_placing, "rules", _Without(targets=keep))
+    _, live_events, live_runs, _ = await run_live(SHARE, SHARE_RESTORES)
+    assert live_events != residency.log
+    assert live_runs["a3", 0] != simulated_runs["a3", 0]
+
+
+class _Without:
+    """The placement rules with some replaced, for the live pool alone."""
+
+    def __init__(self, **replaced: Any) -> None:
+        self._replaced = replaced
+
+    def __getattr__(self, name: str) -> Any:
+        return self._replaced.get(name, getattr(rules, name))

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import tangram
 from tangram._core import _placement as rules
-from tangram._core._placement import TENURE, Holding, Idle, Wanted
+from tangram._core._placement import MOVE, TENURE, Backlog, Holding, Idle, Waiting, Wanted
 
 loads = st.lists(st.integers(0, 8), max_size=6)
 
@@ -47,32 +47,127 @@ def test_a_newcomer_joins_the_least_loaded_replica_with_a_seat(
         assert index is None  # every one is full and another may start: weigh it
 
 
-def test_a_full_line_waits_where_it_is_when_that_is_sooner_than_a_restore() -> None:
-    # Second in line on a replica that frees a seat every 1 s, against a 3 s restore.
-    assert rules.queues(2, seats=1, run_seconds=1.0, restore_seconds=3.0)
-    assert not rules.queues(4, seats=1, run_seconds=1.0, restore_seconds=3.0)
-    # Four seats: a seat frees every 0.25 s, so the fifth action waits 0.25 s.
-    assert rules.queues(4, seats=4, run_seconds=1.0, restore_seconds=0.5)
-    # No room for another replica now: wait; an idle copy resident there: start it.
-    assert rules.queues(9, seats=1, run_seconds=1.0, restore_seconds=None)
-    assert not rules.queues(1, seats=1, run_seconds=1.0, restore_seconds=0.0)
-    # Before any run was measured the line's length is unknown: start another.
-    assert not rules.queues(1, seats=1, run_seconds=None, restore_seconds=100.0)
+def backlog(
+    key: str,
+    count: int = 0,
+    oldest: float = 0.0,
+    replicas: int = 1,
+    queued: float | None = None,
+    restore: float = 1.0,
+    seats: int = 1,
+) -> Backlog[str]:
+    seconds = float(count) if queued is None else queued
+    return Backlog(key, seconds, oldest, count, replicas, seats, 1.0, restore)
 
 
-@given(
-    st.integers(1, 20),
-    st.integers(1, 4),
-    st.floats(0.0, 10.0),
-    st.floats(0.0, 10.0),
-    st.floats(0.0, 10.0),
+def test_a_full_line_grows_where_there_is_room_once_it_is_a_restore_long() -> None:
+    # One replica, 1 s runs, a 3 s restore, room for three: two behind the one running
+    # wait there, three get another replica, six a third.
+    assert rules.targets([backlog("a", 2, restore=3.0)], 3.0) == {"a": 1}
+    assert rules.targets([backlog("a", 3, restore=3.0)], 3.0) == {"a": 2}
+    assert rules.targets([backlog("a", 6, restore=3.0)], 3.0) == {"a": 3}
+    # Four seats: a seat frees every 0.25 s, so four behind wait 1 s, not 2.
+    assert rules.targets([backlog("a", 4, restore=2.0, seats=4)], 3.0) == {"a": 1}
+    # An idle copy resident costs no restore: any line takes the room.
+    assert rules.targets([backlog("a", 1, restore=0.0)], 3.0) == {"a": 3}
+
+
+def test_a_service_with_work_and_no_replica_gets_one_first() -> None:
+    lines = [backlog("busy", 50, oldest=90.0, replicas=2), backlog("cold", 1, replicas=0)]
+    assert rules.targets(lines, 2.0) == {"busy": 1, "cold": 1}
+    # Nothing queued and no replica: none.
+    assert rules.targets([backlog("idle", replicas=0)], 2.0) == {"idle": 0}
+
+
+def test_a_device_moves_only_to_a_line_that_waited_far_longer() -> None:
+    # b's line has waited MOVE + 4 restores (of 1 s) more than a's: one of a's two devices
+    # goes to b; MOVE - 6 more is not enough.
+    for more, share in ((MOVE + 4.0, {"a": 1, "b": 2}), (MOVE - 6.0, {"a": 2, "b": 1})):
+        lines = [
+            backlog("a", 100, oldest=10.0, replicas=2),
+            backlog("b", 100, oldest=10.0 + more, replicas=1),
+        ]
+        assert rules.targets(lines, 3.0) == share
+
+
+def test_a_replica_nothing_waits_for_goes_to_a_line_a_restore_long() -> None:
+    lines = [backlog("a", 0, replicas=1), backlog("b", 2, oldest=0.5, replicas=1, restore=2.0)]
+    assert rules.targets(lines, 2.0) == {"a": 0, "b": 2}
+    # The line is shorter than a restore: a keeps its replica.
+    lines[1] = backlog("b", 1, oldest=0.5, replicas=1, restore=2.0)
+    assert rules.targets(lines, 2.0) == {"a": 1, "b": 1}
+
+
+backlogs = st.lists(
+    st.builds(
+        backlog,
+        st.sampled_from("abcdef"),
+        st.integers(0, 40),
+        st.floats(0.0, 200.0),
+        st.integers(0, 4),
+        st.none() | st.floats(0.0, 60.0),
+        st.floats(0.0, 5.0),
+        st.integers(1, 4),
+    ),
+    max_size=6,
+    unique_by=lambda b: b.key,
 )
-def test_a_longer_restore_never_turns_waiting_into_starting(
-    load: int, seats: int, run: float, restore: float, more: float
+
+
+@given(backlogs, st.integers(0, 12))
+def test_shares_fit_need_work_and_the_quick_look_agrees_with_the_walk(
+    lines: list[Backlog[str]], capacity: int
 ) -> None:
-    load = max(load, seats)  # the replica is full
-    if rules.queues(load, seats=seats, run_seconds=run, restore_seconds=restore):
-        assert rules.queues(load, seats=seats, run_seconds=run, restore_seconds=restore + more)
+    share = rules.targets(lines, float(capacity))
+    assert sum(share.values()) <= capacity
+    for line in lines:
+        if line.count == 0:
+            assert share[line.key] <= line.replicas  # nothing waits: nothing new
+    if capacity >= len(lines):
+        assert all(share[line.key] >= 1 for line in lines if line.count > 0)
+    # The full walk, without the look at each service first, gives the same share.
+    original = rules._settled
+    try:
+        rules._settled = lambda *args: False  # type: ignore[assignment]
+        assert rules.targets(lines, float(capacity)) == share
+    finally:
+        rules._settled = original
+
+
+def test_the_line_is_shortest_first_until_an_action_is_due() -> None:
+    line: Waiting[str] = Waiting(aging=4.0)
+    line.push("long", arrival=0.0, seconds=10.0)
+    line.push("short", arrival=1.0, seconds=1.0)
+    line.push("gone", arrival=1.5, seconds=0.5)
+    line.remove("gone")
+    assert (len(line), line.seconds, line.oldest()) == (2, 11.0, 0.0)
+    assert line.pop(now=2.0) == "short"  # long is due at 40 s
+    line.push("short2", arrival=41.0, seconds=1.0)
+    assert line.pop(now=41.0) == "long"  # due: passed by nobody who came since
+    assert line.pop(now=41.0) == "short2"
+    assert (len(line), line.seconds, line.oldest()) == (0, 0.0, None)
+
+
+@given(st.lists(st.tuples(st.floats(0, 100), st.floats(0.01, 20)), max_size=30))
+def test_the_line_gives_everything_back_once(items: list[tuple[float, float]]) -> None:
+    line: Waiting[int] = Waiting()
+    for i, (arrival, seconds) in enumerate(items):
+        line.push(i, arrival, seconds)
+    out = [line.pop(now=50.0) for _ in items]
+    assert sorted(out) == list(range(len(items)))
+    assert len(line) == 0
+
+
+def test_only_services_above_their_share_drain_and_no_more_of_each() -> None:
+    running = [
+        Holding("a1", {"d": 1.0}, 1, 0.0, 1.0, service="a"),
+        Holding("a2", {"d": 1.0}, 1, 0.0, 1.0, service="a"),
+        Holding("b1", {"d": 1.0}, 0, 0.0, 1.0, service="b"),
+    ]
+    # b is the least loaded, but a is the one above its share, by one.
+    chosen = rules.drains(running, wanted={"d": 2.0}, free={}, now=5.0, surplus={"a": 1, "b": 0})
+    assert chosen == ["a1"]
+    assert rules.drains(running, wanted={"d": 2.0}, free={}, now=5.0) == ["b1", "a1"]
 
 
 # -- draining ------------------------------------------------------------------------------

@@ -10,29 +10,41 @@ the rules can be tested alone (``tests/test_placement.py``).
 
 The rules, in the order an action meets them:
 
-- :func:`seat` and :func:`queues`: a newcomer joins the least loaded live replica of its
-  service while that one has a seat; when every one is full it weighs its place in line
-  against a restore of another replica.
+- :func:`seat`: a newcomer joins the least loaded live replica of its service while that
+  one has a seat.
+- :func:`targets`: when every one is full, how many replicas each service should have,
+  from the work in its line against its restore: a service below its share starts
+  another replica, even one that must wait for a drain, so devices move toward the
+  services whose lines have waited longest; else the newcomer waits. :class:`Waiting` is
+  a service's line, size-aware with aging as the CPU admission is.
 - :func:`replica_devices` (live, with :func:`place` for NVLink topology): the devices a new
   replica goes on.
 - :func:`drains`: while replicas wait for their grant, which running replicas stop taking
-  newcomers and hand their devices on, once they have held them for :data:`TENURE`.
+  newcomers and hand their devices on, once they have held them for :data:`TENURE`, from
+  the services above their share.
 - :func:`evictions`: which idle resident replicas make room for a restore (LRU).
 - :func:`fill`: which idle replicas are restored before the first action.
 """
 
 from __future__ import annotations
 
+import heapq
+import math
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Generic, TypeVar
 
 import attrs
 
+from ._policy import AGING
+
 __all__ = [
+    "MOVE",
     "TENURE",
     "Holding",
     "Idle",
+    "Backlog",
     "Wanted",
+    "Waiting",
     "drains",
     "evictions",
     "fill",
@@ -40,20 +52,29 @@ __all__ = [
     "linked",
     "nvlink_groups",
     "place",
-    "queues",
     "replica_devices",
     "seat",
     "seats",
+    "targets",
 ]
 
 K = TypeVar("K")
 D = TypeVar("D")
+T = TypeVar("T")
 
 #: Restore times a running replica holds its grant before it may be drained for a waiter,
 #: so a restore is at most a third of a replica's time on its devices. Measured in the
 #: simulator on mopd-2048 at 10 GPUs, seeds 0 and 2: mean ACT 0.77 and 0.78 s with 0, 0.72
 #: and 0.73 s with 2, 1.18 and 0.94 s with 4 (a popular service then waits too long).
 TENURE = 2.0
+
+#: Restore times by which the line a device would serve must have waited longer than the
+#: one it serves before it changes service (:func:`targets`). A restore is device time no
+#: line gets: measured in the simulator on the contended MOPD trace (2,048 trajectories,
+#: nine Zipf teachers on 10 GPUs, ``max_batch`` 1), seeds 0-2, p95 ACT over ``pooled``'s
+#: was 1.28-1.41x with 4 (70-80 restores), 1.29-1.40x with 8 (50-60) and 1.29-1.46x with
+#: 16 (30-50, the lines of the less popular teachers waiting longer).
+MOVE = 8.0
 
 # Memory shares are GiB floats in the simulator: a replica that fits up to rounding fits.
 _SLACK = 1e-9
@@ -196,7 +217,7 @@ def seats(max_batch: int | None, batching: bool) -> int:
 def seat(loads: Sequence[int], *, seats: int, may_grow: bool) -> int | None:
     """The replica a newcomer joins at once: the index in ``loads`` (actions on each live
     replica that takes newcomers) of the least loaded one, when it has a seat or no other
-    replica may start (``may_grow`` false). ``None``: weigh a new replica (:func:`queues`),
+    replica may start (``may_grow`` false). ``None``: weigh a new replica (:func:`targets`),
     or, with no live replica, start one."""
     if not loads:
         return None
@@ -206,26 +227,184 @@ def seat(loads: Sequence[int], *, seats: int, may_grow: bool) -> int | None:
     return None
 
 
-def queues(
-    load: int, *, seats: int, run_seconds: float | None, restore_seconds: float | None
-) -> bool:
-    """Whether a newcomer finding every replica full waits on the least loaded one (``load``
-    actions) rather than start another.
+@attrs.frozen
+class Backlog(Generic[K]):
+    """One service's line as :func:`targets` weighs it.
 
-    ``restore_seconds`` is what the new replica would cost before it serves: ``None`` when
-    no devices have room for one now (it would wait for memory and serve no one sooner), 0
-    when an idle copy is resident there. A full replica frees a seat every ``run_seconds /
-    seats`` on average, so the newcomer's wait there is its place in line times that. The
-    simulator found (mopd-2048 at 16 GPUs) that restoring a third replica of the busiest
-    teacher at once cost more than queueing on the two it had. Before any run was measured
-    (``run_seconds`` ``None``) the line's length is unknown, and a new replica starts.
+    ``count``: its actions no seat took yet, with those seated on a replica still waiting
+    for its grant; ``oldest``: how long the first of them has waited. ``queued_seconds``:
+    the expected run seconds of those behind a seat (not the ones a waiting replica will
+    serve first). ``replicas``: its granted replicas that take newcomers. ``size``: what
+    one replica takes of the amount :func:`targets` shares out (a count of GPUs
+    simulated, bytes live). ``restore_seconds``: what another replica would cost before
+    it serves (0 when an idle copy is resident).
     """
-    if restore_seconds is None:
-        return True
-    if run_seconds is None:
+
+    key: K
+    queued_seconds: float
+    oldest: float
+    count: int
+    replicas: int
+    seats: int
+    size: float
+    restore_seconds: float
+
+
+def targets(lines: Sequence[Backlog[K]], capacity: float) -> dict[K, int]:
+    """How many replicas each service should have, sharing ``capacity`` by its line.
+
+    Replicas are handed out one at a time, highest score first, while they fit; the
+    score of a service's ``k+1``-th replica is the wait so far of the action it would
+    serve now (the line's oldest waited ``oldest``, the others came since, so the
+    ``j``-th has waited about ``oldest x (1 - j / count)``). The greediest order of these
+    is one first-come-first-served queue on every device, the simulator's ``pooled``
+    reference, which is what the share follows, with three changes for what a move
+    costs:
+
+    - a replica the service has keeps its score, except that one nothing waits for
+      scores below any that something waits for;
+    - a new one scores that wait less :data:`MOVE` restores, so a device changes service
+      only when the line it would serve has waited that much longer than the one it
+      serves; but it scores at least 0 (it takes free room, or a replica nothing waits
+      for) when the line each replica has is at least a restore long,
+      ``queued / (k x seats) >= restore`` (the test a newcomer used to make alone);
+    - every service with work gets one replica first: it must be served somewhere (a
+      drain it causes waits out the tenure, :func:`drains`), and one that lost its last
+      would take one back at the next event.
+
+    Scores only fall as a service gains replicas, so the greedy walk is the best share of
+    whole replicas for these scores; it runs at every arrival and completion, so a look at
+    each service first tells when the share stays as it is.
+    """
+    counts: dict[K, int] = {line.key: 0 for line in lines}
+    left = capacity
+
+    def wait(line: Backlog[K], k: int) -> float:
+        # The wait so far of the action a k+1-th replica would serve now: the oldest
+        # waited ``oldest``, the rest came since.
+        if line.count == 0:
+            return 0.0
+        return line.oldest * max(0.0, 1 - k * line.seats / line.count)
+
+    def moving(line: Backlog[K], k: int) -> float:
+        if k == 0 and line.count:
+            return math.inf
+        if k < line.replicas:
+            return wait(line, k) if line.count else -1.0
+        if line.count == 0:
+            return -math.inf
+        grows = line.queued_seconds / (k * line.seats) >= line.restore_seconds
+        return max(wait(line, k) - MOVE * line.restore_seconds, 0.0 if grows else -1.0)
+
+    if _settled(lines, capacity, moving):
+        return {line.key: line.replicas for line in lines}
+    # Ties go to a replica the service has: moving one for no gain costs a restore.
+    heap = [(-moving(line, 0), line.replicas == 0, i) for i, line in enumerate(lines)]
+    heapq.heapify(heap)
+    while heap:
+        negative, _, i = heapq.heappop(heap)
+        line = lines[i]
+        kept = counts[line.key] < line.replicas
+        if (-negative < 0 and not kept) or not fits(left, line.size):
+            continue  # scores only fall: this service gets no more
+        left -= line.size
+        k = counts[line.key] = counts[line.key] + 1
+        heapq.heappush(heap, (-moving(line, k), k >= line.replicas, i))
+    return counts
+
+
+class Waiting(Generic[T]):
+    """A service's line: its actions that wait for a seat on any of its replicas.
+
+    Size-aware with aging, as the CPU admission of :class:`tangram.ElasticPolicy`: an
+    action is *due* ``aging`` times its expected run seconds after it arrived; due ones go
+    first, earliest due first, then the shortest expected run (ties in arrival order).
+    One line per service rather than one per replica, so a seat that frees anywhere, or a
+    replica that starts, serves the next in line: a replica that joins a busy service takes
+    its backlog, not only its newcomers. Pure (``now`` comes in); removal is lazy, so a
+    push, a pop and a removal cost a heap operation each.
+    """
+
+    def __init__(self, aging: float = AGING) -> None:
+        self.aging = aging
+        self._short: list[tuple[float, int, T]] = []
+        self._due: list[tuple[float, int, T]] = []
+        self._arrivals: list[tuple[float, int, T]] = []
+        self._live: dict[int, tuple[T, float]] = {}
+        self._ids: dict[int, int] = {}
+        self._seq = 0
+        self.seconds = 0.0
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def push(self, item: T, arrival: float, seconds: float) -> None:
+        """``item`` joins, arrived at ``arrival``, expected to run ``seconds``."""
+        self._seq += 1
+        seq = self._seq
+        self._live[seq] = (item, seconds)
+        self._ids[id(item)] = seq
+        self.seconds += seconds
+        heapq.heappush(self._short, (seconds, seq, item))
+        heapq.heappush(self._due, (arrival + self.aging * seconds, seq, item))
+        heapq.heappush(self._arrivals, (arrival, seq, item))
+
+    def remove(self, item: T) -> None:
+        """Take ``item`` out (it left the line); an item not in the line is ignored."""
+        seq = self._ids.pop(id(item), None)
+        if seq is not None:
+            _, seconds = self._live.pop(seq)
+            self.seconds -= seconds
+
+    def _top(self, heap: list[tuple[float, int, T]]) -> tuple[float, int, T] | None:
+        while heap and heap[0][1] not in self._live:
+            heapq.heappop(heap)
+        return heap[0] if heap else None
+
+    def oldest(self) -> float | None:
+        """When the action waiting longest arrived, or ``None`` when the line is empty."""
+        top = self._top(self._arrivals)
+        return None if top is None else top[0]
+
+    def pop(self, now: float) -> T:
+        """The next in line at ``now``, taken out.
+
+        :raises IndexError: the line is empty.
+        """
+        due = self._top(self._due)
+        if due is None:
+            raise IndexError("the line is empty")
+        top = due if due[0] <= now else self._top(self._short)
+        assert top is not None
+        _, seq, item = top
+        self._ids.pop(id(item), None)
+        _, seconds = self._live.pop(seq)
+        self.seconds = self.seconds - seconds if self._live else 0.0
+        return item
+
+
+def _settled(
+    lines: Sequence[Backlog[K]], capacity: float, score: Callable[[Backlog[K], int], float]
+) -> bool:
+    """Whether :func:`targets` would keep every service's replicas as they are, found in
+    one look at each service instead of the greedy walk (it runs at every arrival and
+    completion): the replicas fit and score 0 or more, and no new one scores 0 or more
+    and either fits in the room left or beats the weakest kept one."""
+    used = sum(line.replicas * line.size for line in lines)
+    if not fits(capacity, used):
         return False
-    place_in_line = load - seats + 1
-    return place_in_line * run_seconds / seats < restore_seconds
+    left = capacity - used
+    weakest = min(
+        (score(line, line.replicas - 1) for line in lines if line.replicas > 0),
+        default=math.inf,
+    )
+    for line in lines:
+        if line.count == 0:
+            continue
+        new = score(line, line.replicas)
+        if new >= 0 and (fits(left, line.size) or new > weakest):
+            return False
+    return True
 
 
 # -- draining ------------------------------------------------------------------------------
@@ -236,7 +415,8 @@ class Holding(Generic[K]):
     """A running replica, holding its grant, as :func:`drains` weighs it.
 
     ``holds``: what the grant is, per resource (each device's bytes live, GPUs simulated).
-    ``restored``: its restore is done, so its restore time is known.
+    ``restored``: its restore is done, so its restore time is known. ``service``: whose
+    replica it is, for the ``surplus`` of :func:`drains`.
     """
 
     key: K
@@ -246,6 +426,7 @@ class Holding(Generic[K]):
     restore_seconds: float
     draining: bool = False
     restored: bool = True
+    service: str = ""
 
 
 def drains(
@@ -254,6 +435,7 @@ def drains(
     wanted: Mapping[str, float],
     free: Mapping[str, float],
     now: float,
+    surplus: Mapping[str, int] | None = None,
 ) -> list[K]:
     """The running replicas to drain now so the waiting ones' grants are on the way.
 
@@ -266,6 +448,10 @@ def drains(
     every other replica keeps serving. Draining every replica whenever any waited (tried in
     the simulator) made each busy service ask for a new replica in turn, so one waiter
     rotated the whole pool.
+
+    ``surplus`` (under contention): replicas each service has beyond its :func:`targets`;
+    when given, only those drain, at most that many of a service, so the devices go from
+    the services with the least queued work to those with the most, never the reverse.
     """
     deficit = {k: v - max(0, free.get(k, 0)) for k, v in wanted.items()}
     for holding in running:
@@ -282,9 +468,14 @@ def drains(
         ),
         key=lambda h: (h.users, h.granted_at),
     )
+    left = dict(surplus) if surplus is not None else None
     chosen: list[K] = []
     for holding in candidates:
+        if left is not None and left.get(holding.service, 0) <= 0:
+            continue
         if any(deficit.get(k, 0) > 0 for k in holding.holds):
+            if left is not None:
+                left[holding.service] -= 1
             chosen.append(holding.key)
             for k, amount in holding.holds.items():
                 deficit[k] = deficit.get(k, 0) - amount

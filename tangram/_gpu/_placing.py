@@ -32,6 +32,8 @@ class Placer:
         self.leased: dict[str, int] = {}
         self.peak: dict[str, int] = {}
         self._clock = 0
+        # When each action on a replica joined it, oldest first (trimmed to its users).
+        self._joined: dict[PoolReplica, list[float]] = {}
 
     def open(self, devices: Sequence[Device], groups: Sequence[tuple[int, ...]]) -> None:
         """Start the books on ``devices`` (each with an index) linked as ``groups``."""
@@ -83,34 +85,90 @@ class Placer:
         may_grow = len(alive) < service.max_replicas
         index = rules.seat([r.users for r in live], seats=seats, may_grow=may_grow)
         if index is not None:
-            return live[index], False
+            return self._join(live[index], now), False
         if live:
             least = min(live, key=lambda r: r.users)
-            # Elastic: another copy only when a device has room now, and when the
-            # newcomer's place in line on ``least`` is longer than that copy's restore.
+            if not may_grow:
+                return self._join(least, now), False
             devices = self.choose(state, room_now=True)
-            restore = None if devices is None else self._restore_on(state, devices)
-            if rules.queues(
-                least.users, seats=seats, run_seconds=state.run_seconds, restore_seconds=restore
-            ):
-                return least, False
-            assert devices is not None
+            if state.run_seconds is None:
+                # Before any run was measured the line's length is unknown: another copy
+                # where a device has room now.
+                if devices is None:
+                    return self._join(least, now), False
+            else:
+                # Another copy when the service is below its share of the devices by
+                # queued work (it may wait for a drain), else the least loaded replica.
+                _, wanted = self.targets(now, newcomer=state)
+                if wanted[service.name] <= len(live):
+                    return self._join(least, now), False
+                if devices is None:
+                    devices = self.choose(state, room_now=False)
+                if devices is None:
+                    return self._join(least, now), False
         else:
             if not may_grow:
                 return None
             devices = self.choose(state, room_now=False)
             if devices is None:
                 return None
-        return self.replica_on(state, devices), True
+        return self._join(self.replica_on(state, devices), now), True
 
-    def _restore_on(self, state: ServiceState, devices: tuple[Device, ...]) -> float:
-        """What a new replica on ``devices`` costs before it serves: 0 where an idle copy
-        is resident there, else a restore."""
-        resident = any(
-            r.devices == devices and r.residency is Residency.RESIDENT and not r.alive
-            for r in state.replicas
-        )
-        return 0.0 if resident else state.restore_estimate()
+    def _join(self, replica: PoolReplica, now: float) -> PoolReplica:
+        """Note when an action joined ``replica``: the line's age is read from these."""
+        self._joined.setdefault(replica, []).append(now)
+        return replica
+
+    def targets(
+        self, now: float, newcomer: ServiceState | None = None
+    ) -> tuple[list[rules.Backlog[str]], dict[str, int]]:
+        """Each service's line (with ``newcomer``, an action about to join), and the
+        replicas :func:`tangram._core._placement.targets` gives each, sharing the
+        devices' memory.
+
+        The pool binds an action to a replica when it comes, so a service's line is the
+        actions on its replicas no seat has taken: all of a replica's waiting for its
+        grant, those beyond its seats on a granted one (the latest to join, since calls
+        run in order). What each is expected to run is the service's learnt run time.
+        """
+        lines = []
+        for name, state in self.services.items():
+            service = state.service
+            assert service.memory is not None
+            seats = rules.seats(service.max_batch, service.batching)
+            taking = behind = 0
+            joined: list[float] = []
+            for replica in state.replicas:
+                times = self._joined.get(replica, [])
+                del times[: max(0, len(times) - replica.users)]  # the earliest have left
+                if not replica.alive:
+                    continue
+                if replica.leased and replica.error is None and not replica.draining:
+                    taking += 1
+                behind += max(0, replica.users - seats)
+                waiting = replica.users - (min(replica.users, seats) if replica.leased else 0)
+                joined.extend(times[len(times) - waiting :] if waiting > 0 else [])
+            if newcomer is state:
+                joined.append(now)
+                behind += 1
+            run = state.run_seconds or 0.0
+            idle = any(
+                r.residency is Residency.RESIDENT and not r.alive for r in state.replicas
+            )
+            lines.append(
+                rules.Backlog(
+                    name,
+                    run * behind,
+                    now - min(joined) if joined else 0.0,
+                    len(joined),
+                    taking,
+                    seats,
+                    float(service.memory * service.gpus),
+                    0.0 if idle else state.restore_estimate(),
+                )
+            )
+        capacity = float(sum(d.memory for d in self.devices))
+        return lines, rules.targets(lines, capacity)
 
     def drain(self, now: float) -> None:
         """Mark running replicas draining until the waiting ones' memory is on the way
@@ -124,6 +182,8 @@ class Placer:
         if not any(wanted.values()):
             return
         free = {d.name: d.memory - self.leased[d.name] for d in self.devices}
+        lines, targets = self.targets(now)
+        surplus = {line.key: line.replicas - targets[line.key] for line in lines}
         running = [
             rules.Holding(
                 r,
@@ -133,11 +193,12 @@ class Placer:
                 restore_seconds=r.state.restore_estimate(),
                 draining=r.draining,
                 restored=r.ready.is_set(),  # a first restore's time is known by now
+                service=r.state.service.name,
             )
             for r in replicas
             if r.alive and r.leased
         ]
-        for replica in rules.drains(running, wanted=wanted, free=free, now=now):
+        for replica in rules.drains(running, wanted=wanted, free=free, now=now, surplus=surplus):
             replica.draining = True
 
     def replica_on(self, state: ServiceState, devices: tuple[Device, ...]) -> PoolReplica:

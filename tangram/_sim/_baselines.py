@@ -21,6 +21,11 @@
 - ``k8s``: per-trajectory pods, as ``static`` slots, that grow to an elastic action's
   maximum and shrink back, each resize taking effect a configurable lag (default 60 s)
   after it is asked, as in-place pod resizes or a vertical autoscaler do.
+- ``pooled``: a yardstick for GPU services, not a reachable policy. Every request on a
+  GPU service is served first come, first served by any device of one pool of all of
+  them, with no restore and no residency (each request takes ``1 / max_batch`` of its
+  service's devices); other actions as under ``static``. What tangram's placement
+  would reach if moving a model cost nothing.
 - ``bound``: every action at its maximum units with no queueing. Nothing beats it per
   action, so it is the floor each ACT is compared with.
 
@@ -54,10 +59,20 @@ __all__ = [
     "run_policy",
     "simulate_bound",
     "simulate_k8s",
+    "simulate_pooled",
     "simulate_static",
 ]
 
-POLICIES = ("tangram", "tangram-fcfs", "srpt", "static", "k8s", "bound", "fixed-dop-K")
+POLICIES = (
+    "tangram",
+    "tangram-fcfs",
+    "srpt",
+    "static",
+    "k8s",
+    "pooled",
+    "bound",
+    "fixed-dop-K",
+)
 
 StaticUnits = int | Mapping[str, int] | None
 
@@ -67,7 +82,7 @@ def parse_policy(name: str) -> str:
 
     :raises ValueError: an unknown name or a bad K.
     """
-    if name in ("tangram", "tangram-fcfs", "srpt", "static", "k8s", "bound"):
+    if name in ("tangram", "tangram-fcfs", "srpt", "static", "k8s", "pooled", "bound"):
         return name
     if name.startswith("fixed-dop-"):
         text = name.removeprefix("fixed-dop-")
@@ -91,6 +106,8 @@ def run_policy(
         return simulate_static(trace, overrides, static_units=static_units)
     if name == "k8s":
         return simulate_k8s(trace, overrides, static_units=static_units, lag=k8s_lag)
+    if name == "pooled":
+        return simulate_pooled(trace, overrides, static_units=static_units)
     if name == "bound":
         return simulate_bound(trace)
     capacity = trace.runtime_capacity(overrides)
@@ -255,15 +272,11 @@ class _Static:
             Ledger(self.slot_cap, FcfsPolicy(), Estimator()),
             Ledger(self.api_cap, FcfsPolicy(), Estimator()),
         ]
-        self.replicas = service_shares(trace, overrides)
-        specs = trace.gpu_services()
         self.service_ledger: dict[str, int] = {}
         self.service_gpus = 0
-        for name, replicas in self.replicas.items():
-            self.service_ledger[name] = len(self.ledgers)
-            slots = parse_capacity({_PLACEHOLDER: replicas * specs[name].max_batch})
-            self.ledgers.append(Ledger(slots, FcfsPolicy(), Estimator()))
-            self.service_gpus += replicas * specs[name].gpus
+        # Seats a request on each service takes in its ledger.
+        self.seats: dict[str, int] = {}
+        self.gpu_ledgers(trace, overrides)
         self.slots = slot_sizes(trace, overrides, static_units)
         self.events: list[tuple[float, int, int, object]] = []
         self.seq = 0
@@ -273,6 +286,16 @@ class _Static:
         self.slot_of: dict[Entry, str] = {}
         self.queued: dict[Entry, tuple[str, int, float]] = {}
         self.wake: dict[int, float | None] = dict.fromkeys(range(len(self.ledgers)))
+
+    def gpu_ledgers(self, trace: Trace, overrides: Mapping[str, float] | None) -> None:
+        """One FCFS ledger per GPU service over its fixed replicas, ``max_batch`` seats each."""
+        specs = trace.gpu_services()
+        for name, replicas in service_shares(trace, overrides).items():
+            self.service_ledger[name] = len(self.ledgers)
+            self.seats[name] = 1
+            slots = parse_capacity({_PLACEHOLDER: replicas * specs[name].max_batch})
+            self.ledgers.append(Ledger(slots, FcfsPolicy(), Estimator()))
+            self.service_gpus += replicas * specs[name].gpus
 
     def push(self, at: float, kind: int, payload: object) -> None:
         self.seq += 1
@@ -290,7 +313,7 @@ class _Static:
         action = self.trace.trajectories[name][index]
         if action.service is not None:
             which = self.service_ledger[action.service]
-            demand: dict[str, object] = {_PLACEHOLDER: 1}
+            demand: dict[str, object] = {_PLACEHOLDER: self.seats[action.service]}
         elif self.trace.is_rate(action.resource):
             which = 1
             demand = {action.resource: action.max}
@@ -595,6 +618,40 @@ def simulate_k8s(
     """
     lag = number("lag", lag, type_error=ValueError)
     return _K8s(trace, overrides, static_units, lag).run()
+
+
+class _Pooled(_Static):
+    """The event loop of :func:`simulate_pooled`: one FCFS ledger for every GPU request."""
+
+    def gpu_ledgers(self, trace: Trace, overrides: Mapping[str, float] | None) -> None:
+        specs = trace.gpu_services()
+        if not specs:
+            return
+        gpus = int({**trace.capacity, **(overrides or {})}.get("gpu", 0.0))
+        # A device is ``seats`` seats; a request takes its share of its service's devices.
+        seats = math.lcm(*(s.max_batch for s in specs.values()))
+        pool = len(self.ledgers)
+        self.ledgers.append(
+            Ledger(parse_capacity({_PLACEHOLDER: gpus * seats}), FcfsPolicy(), Estimator())
+        )
+        for name, spec in specs.items():
+            self.service_ledger[name] = pool
+            self.seats[name] = spec.gpus * seats // spec.max_batch
+        self.service_gpus = gpus
+
+
+def simulate_pooled(
+    trace: Trace, overrides: Mapping[str, float] | None = None, *, static_units: StaticUnits = None
+) -> SimulationResult:
+    """GPU requests first come, first served on one pool of every device, no restore.
+
+    A yardstick, not a policy one could run: a device serves any service at once, as if
+    every model were resident everywhere. Each request holds ``gpus / max_batch`` of its
+    service's devices for its run; the pool is billed for every device the whole step.
+    Actions on no service run as under :func:`simulate_static`. tangram's ACT over this
+    one is what moving models between devices costs it.
+    """
+    return _Pooled(trace, overrides, static_units).run()
 
 
 def simulate_static(

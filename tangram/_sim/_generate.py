@@ -61,6 +61,11 @@ def _workload(instance: object, attribute: attrs.Attribute[str], value: str) -> 
         raise ValueError(f"`workload` must be one of {', '.join(WORKLOADS)} (got {value!r})")
 
 
+def _positive(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        raise ValueError(f"`{attribute.name}` must be a number > 0 (got {value!r})")
+
+
 def _at_least_one(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
     whole(attribute.name, value, minimum=1, type_error=ValueError)
 
@@ -69,8 +74,10 @@ def _at_least_one(instance: object, attribute: attrs.Attribute[int], value: int)
 class GenerateConfig:
     """What to generate. ``turns`` is actions per trajectory (coding) or search calls
     (deepsearch) or scoring chunks (mopd); ``None`` takes the workload's default.
+    ``zipf``: the exponent of the teachers' popularity (mopd).
 
-    :raises ValueError: an unknown workload, or a batch or turn count below 1.
+    :raises ValueError: an unknown workload, a batch or turn count below 1, or a Zipf
+        exponent that is not > 0.
     """
 
     workload: str = attrs.field(validator=_workload)
@@ -82,6 +89,7 @@ class GenerateConfig:
     )
     pareto_burst: bool = False
     contended: bool = False
+    zipf: float = attrs.field(default=1.1, validator=_positive)
 
 
 def _r(value: float) -> float:
@@ -226,8 +234,9 @@ def _zipf(rng: random.Random, weights: list[float]) -> int:
 
 def _mopd(config: GenerateConfig, rng: random.Random) -> tuple[dict[str, Any], Iterator[Any]]:
     teachers = 9
-    # Zipf, s = 1.1: the most popular teacher gets ~36% of the trajectories, the least ~4%.
-    weights = [1 / (rank + 1) ** 1.1 for rank in range(teachers)]
+    # Zipf, s = 1.1 by default: the most popular teacher gets ~36% of the trajectories,
+    # the least ~4%.
+    weights = [1 / (rank + 1) ** config.zipf for rank in range(teachers)]
     # Every teacher fits one GPU: the paper served all nine on ~10 GPUs at a latency
     # comparable to 4 GPUs each, which a teacher spanning two devices would rule out.
     # Contended: 10 GPUs, one request per replica at a time, restores spread over 2-4 s.
@@ -289,6 +298,8 @@ def generate_lines(config: GenerateConfig) -> Iterator[str]:
         generator["contended"] = True
     if config.turns is not None:
         generator["turns"] = config.turns
+    if config.zipf != 1.1:
+        generator["zipf"] = config.zipf
     header["generator"] = generator
     yield json.dumps(header, sort_keys=True) + "\n"
     for line in actions:

@@ -103,6 +103,9 @@ class Residency:
         self.restores = 0
         self.evictions = 0
         self.hits = 0
+        # restore_cost runs for every service at every pool event: cached until a place
+        # or a release changes what is resident or busy.
+        self._costs: dict[str, float] = {}
 
     @property
     def devices(self) -> int:
@@ -132,6 +135,7 @@ class Residency:
         each while there is room, and so on, as the static baseline shares its GPUs out.
         Evicts nothing, and never puts two replicas of a service on one device.
         """
+        self._costs.clear()
         wanted = [rules.Wanted(name, s.per_device) for name, s in self.services.items()]
         free = {d: self.memory - self._used[d] for d in range(self.devices)}
         plan = rules.fill(wanted, free, self._warm_devices)
@@ -159,9 +163,11 @@ class Residency:
         What the policy's estimate adds, as the live pool's does: 0 when an idle replica is
         resident, the service's restore time otherwise.
         """
-        if self._idle_replica(service) is not None:
-            return 0.0
-        return self.services[service].restore_seconds
+        cost = self._costs.get(service)
+        if cost is None:
+            idle = self._idle_replica(service) is not None
+            cost = self._costs[service] = 0.0 if idle else self.services[service].restore_seconds
+        return cost
 
     def place(self, service: str | None, gpus: int, now: float) -> Placement:
         """Put an admitted action on devices: a resident replica, or a restore onto free ones.
@@ -172,6 +178,7 @@ class Residency:
         :raises RuntimeError: fewer free devices than the action needs (the scheduler
             granted more GPUs than exist, which the ledger never does).
         """
+        self._costs.clear()
         if service is not None:
             replica = self._idle_replica(service)
             if replica is not None:
@@ -197,6 +204,7 @@ class Residency:
 
     def release(self, placement: Placement, now: float) -> None:
         """The action ended: its devices are free, its replica stays resident and idle."""
+        self._costs.clear()
         for device in placement.devices:
             self._busy[device] = False
         if placement.replica is not None:

@@ -332,7 +332,7 @@ def _pool(
 
 
 class _Hold:
-    """One replica's grant in the ledger and the actions riding on it (the live holder)."""
+    """One replica's grant in the ledger and the actions seated on it (the live holder)."""
 
     __slots__ = ("active", "entry", "gpus", "pending", "placement", "ready", "service", "users")
 
@@ -342,35 +342,48 @@ class _Hold:
         self.gpus = gpus
         self.users = 0
         self.active = 0
-        self.pending: deque[tuple[Action, Step, int, float]] = deque()
+        self.pending: deque[_Waiter] = deque()
         self.ready = math.nan
         self.placement: Placement | None = None
+
+
+# An action on a service: the action, its step, its index, when it arrived.
+_Waiter = tuple[Action, Step, int, float]
 
 
 class _Pool:
     """The live GPU pool's bookkeeping on the virtual clock.
 
-    As :class:`tangram.gpu.GpuPool` does, an action on a service joins a live replica of
-    it: one with room (fewer than the service's ``max_batch`` actions) when there is one.
-    When every live replica is full, another replica starts only if the GPUs for it are
-    free now (a replica that waits for GPUs serves no one sooner); otherwise the action
-    queues on the least loaded replica and runs when one of its actions ends. A replica's
-    grant of the service's GPUs is one ledger entry, asked with the restore time (0 when
-    resident) plus the action's run time as its estimate: the ledger and the policy decide
-    when a replica gets GPUs, :class:`~tangram._sim._residency.Residency` which devices and
+    As :class:`tangram.gpu.GpuPool` does, an action on a service takes a seat on a live
+    replica of it that has one (fewer than the service's ``max_batch`` actions), else it
+    waits in its service's line, which every replica of the service serves as seats free.
+    How many replicas each service should have comes from the work in the lines against
+    the restores; a service below its share starts another replica, whose grant of the
+    service's GPUs is one ledger entry, asked with the restore time (0 when resident) plus
+    the action's run time as its estimate: the ledger and the policy decide when a
+    replica gets GPUs, :class:`~tangram._sim._residency.Residency` which devices and
     whether a restore is paid. The grant goes back when the replica's last action ends;
-    the replica stays resident, idle and evictable. Which replica a newcomer joins, when
-    it waits rather than start another, and which replicas drain for a waiter are the
-    live pool's rules, called from ``tangram/_core/_placement.py``.
+    the replica stays resident, idle and evictable. The seats, the lines, the shares and
+    which replicas drain for a waiter are the live pool's rules, called from
+    ``tangram/_core/_placement.py``.
     """
 
     def __init__(self, residency: Residency, ledger: Ledger) -> None:
         self.residency = residency
         self.ledger = ledger
-        self.live: dict[str, list[_Hold]] = {}
+        self.live: dict[str, list[_Hold]] = {name: [] for name in residency.services}
+        self.waiting: dict[str, rules.Waiting[_Waiter]] = {
+            name: rules.Waiting() for name in residency.services
+        }
         self.holds: dict[Entry, _Hold] = {}
         self.asked = 0  # GPUs asked for by replicas still waiting for their grant
         self.draining: set[_Hold] = set()
+        self.gpus = ledger.capacity["gpu"].total
+        self.taking = dict.fromkeys(residency.services, 0)  # len(_taking(service))
+
+    def _taking(self, service: str) -> list[_Hold]:
+        """The service's live replicas that take newcomers (not draining)."""
+        return [h for h in self.live[service] if h not in self.draining]
 
     def arrive(
         self,
@@ -380,50 +393,86 @@ class _Pool:
         now: float,
         push: Callable[[float, int, object], None],
     ) -> Entry | None:
-        """Attach an action to a replica; the new replica's entry if one was asked for."""
+        """Seat an action, start a replica for it, or line it up; the new replica's
+        entry if one was asked for."""
         service = step.service
         assert service is not None
         spec = self.residency.services[service]
-        live = self.live.get(service, [])
         if self.asked > 0:
-            self._yield(now)
-        if self.draining:
-            # A replica chosen to hand its GPUs on takes no newcomer, so it drains.
-            live = [h for h in live if h not in self.draining]
-        restore = self.residency.restore_cost(service)
+            self._yield(now, *self._targets(now))
+        live = self._taking(service)
+        waiter = (action, step, index, now)
         pick = rules.seat([h.users for h in live], seats=spec.max_batch, may_grow=True)
-        if pick is None and live:
-            # A new replica needs GPUs free now (one that waits for GPUs serves no one
-            # sooner), and a restore unless an idle one is resident.
-            room = self.ledger.free["gpu"] - self.asked >= spec.gpus
-            least = min(live, key=lambda h: h.users)
-            if rules.queues(
-                least.users,
-                seats=spec.max_batch,
-                run_seconds=action.estimate.seconds_at_1,
-                restore_seconds=restore if room else None,
-            ):
-                pick = live.index(least)
         if pick is not None:
-            hold = live[pick]
-            hold.users += 1
-            hold.pending.append((action, step, index, now))
-            if hold.entry.state == RUNNING:
-                self._drain(hold, now, push)
+            self._seat(live[pick], waiter, now, push)
             return None
-        guess = Estimate(action.estimate.seconds_at_1 + restore, action.estimate.efficiency)
+        seconds = action.estimate.seconds_at_1
+        lines, wanted = self._targets(now, (service, seconds))
+        if live and wanted[service] <= len(live):
+            self.waiting[service].push(waiter, now, seconds)
+            return None
+        # Below its share of the GPUs by queued work, or no replica at all: another one,
+        # which may wait for a drain.
+        restore = self.residency.restore_cost(service)
+        guess = Estimate(seconds + restore, action.estimate.efficiency)
         entry = self.ledger.submit(attrs.evolve(action, estimate=guess), now)
         hold = _Hold(service, entry, spec.gpus)
-        hold.users = 1
-        hold.pending.append((action, step, index, now))
-        self.live.setdefault(service, []).append(hold)
+        self.live[service].append(hold)
+        self.taking[service] += 1
         self.holds[entry] = hold
         self.asked += spec.gpus
+        hold.users = 1
+        hold.pending.append(waiter)
+        self._yield(now, lines, wanted)
         return entry
 
-    def _yield(self, now: float) -> None:
+    def _seat(
+        self, hold: _Hold, waiter: _Waiter, now: float, push: Callable[[float, int, object], None]
+    ) -> None:
+        hold.users += 1
+        hold.pending.append(waiter)
+        if hold.entry.state == RUNNING:
+            self._drain(hold, now, push)
+
+    def _targets(
+        self, now: float, newcomer: tuple[str, float] | None = None
+    ) -> tuple[list[rules.Backlog[str]], dict[str, int]]:
+        """Each service's line (with the actions seated on replicas still waiting for
+        their grant, and ``newcomer``, service and seconds), and the replicas
+        :func:`tangram._core._placement.targets` gives each."""
+        lines = []
+        for name, spec in self.residency.services.items():
+            waiting = self.waiting[name]
+            oldest = waiting.oldest()
+            queued, count = waiting.seconds, len(waiting)
+            for hold in self.live[name]:
+                if hold.entry.state != RUNNING:  # seated on a replica not granted yet
+                    for seat, (action, _, _, arrival) in enumerate(hold.pending):
+                        if seat >= spec.max_batch:  # behind the seats, as in a line
+                            queued += action.estimate.seconds_at_1
+                        count += 1
+                        oldest = arrival if oldest is None else min(oldest, arrival)
+            if newcomer is not None and newcomer[0] == name:
+                queued, count = queued + newcomer[1], count + 1
+                oldest = now if oldest is None else oldest
+            lines.append(
+                rules.Backlog(
+                    name,
+                    queued,
+                    0.0 if oldest is None else now - oldest,
+                    count,
+                    sum(h.entry.state == RUNNING for h in self._taking(name)),
+                    spec.max_batch,
+                    spec.gpus,
+                    self.residency.restore_cost(name),
+                )
+            )
+        return lines, rules.targets(lines, self.gpus)
+
+    def _yield(self, now: float, lines: list[rules.Backlog[str]], wanted: dict[str, int]) -> None:
         """Mark running replicas draining until the waiting ones' GPUs are on the way
-        (the rule and its reasons: :func:`tangram._core._placement.drains`)."""
+        (the rule and its reasons: :func:`tangram._core._placement.drains`), from the
+        services above their share by queued work."""
         services = self.residency.services
         running = [
             rules.Holding(
@@ -433,13 +482,17 @@ class _Pool:
                 granted_at=hold.entry.admitted_at,
                 restore_seconds=services[hold.service].restore_seconds,
                 draining=hold in self.draining,
+                service=hold.service,
             )
             for hold in self.holds.values()
             if hold.entry.state == RUNNING
         ]
-        wanted = {"gpu": float(self.asked)}
+        surplus = {line.key: line.replicas - wanted[line.key] for line in lines}
+        need = {"gpu": float(self.asked)}
         free = {"gpu": self.ledger.free["gpu"]}
-        self.draining.update(rules.drains(running, wanted=wanted, free=free, now=now))
+        for hold in rules.drains(running, wanted=need, free=free, now=now, surplus=surplus):
+            self.draining.add(hold)
+            self.taking[hold.service] -= 1
 
     def granted(self, entry: Entry, now: float, push: Callable[[float, int, object], None]) -> bool:
         """Place a replica whose grant came; start its actions once restored."""
@@ -458,7 +511,7 @@ class _Pool:
         return self.residency.place(None, gpus, now) if gpus > 0 else None
 
     def _drain(self, hold: _Hold, now: float, push: Callable[[float, int, object], None]) -> None:
-        """Start queued actions while the replica has batch room; each runs its own time."""
+        """Start seated actions while the replica has batch room; each runs its own time."""
         limit = self.residency.services[hold.service].max_batch
         begin = max(now, hold.ready)
         while hold.pending and hold.active < limit:
@@ -477,11 +530,15 @@ class _Pool:
             push(record.finished, _SERVED, (record, hold))
 
     def served(self, hold: _Hold, now: float, push: Callable[[float, int, object], None]) -> bool:
-        """An action on a replica ended; True when the replica's grant went back."""
+        """An action on a replica ended: its seat goes to the next in line unless the
+        replica drains; True when the replica's grant went back."""
         hold.users -= 1
         hold.active -= 1
         if self.asked > 0:
-            self._yield(now)
+            self._yield(now, *self._targets(now))
+        waiting = self.waiting[hold.service]
+        if waiting and hold not in self.draining:
+            self._seat(hold, waiting.pop(now), now, push)
         if hold.users > 0:
             self._drain(hold, now, push)
             return False
@@ -490,7 +547,10 @@ class _Pool:
             self.residency.release(hold.placement, now)
         self.live[hold.service].remove(hold)
         del self.holds[hold.entry]
-        self.draining.discard(hold)
+        if hold in self.draining:
+            self.draining.remove(hold)
+        else:
+            self.taking[hold.service] -= 1
         return True
 
 
