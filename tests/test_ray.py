@@ -202,7 +202,7 @@ def test_importing_tangram_ray_does_not_import_torch() -> None:
 def test_a_replicas_share_of_devices_never_exceeds_what_its_memory_allows() -> None:
     from tangram._ray._agent import _NodeGpuLedger
 
-    ledger = _NodeGpuLedger(None, None, "gpu@h", {"gpu_mem:a": 3, "gpu_mem:b": 4})  # type: ignore[arg-type]
+    ledger = _NodeGpuLedger(None, "gpu@h", {"gpu_mem:a": 3, "gpu_mem:b": 4})
     thirds = [ledger.share({"gpu_mem:a": 1}) for _ in range(3)]
     assert 0 < thirds[0] < 1 / 3 and sum(thirds) <= 1  # a full device is at most one
     assert ledger.share({"gpu_mem:a": 3, "gpu_mem:b": 4}) == 2  # a replica on two devices

@@ -91,20 +91,21 @@ class _HostBackend(SandboxBackend):
         await self._inner.aclose()
 
 
-class _NodeGpuLedger:
-    """What the agent's GpuPool takes for a runtime: node memory, mirrored centrally.
+class _NodeGpuLedger(Runtime):
+    """The agent GpuPool's runtime: node memory, each grant mirrored centrally.
 
-    A replica's grant is taken first from the node's own runtime (``gpu_mem:<device>``
+    A replica's grant is taken first from this node's own books (``gpu_mem:<device>``
     bytes, which decide eviction and fit) and then, for as long as it is held, as its
     share of devices of ``gpu@<agent>`` from the shared scheduler. Node memory comes
     first: the shared kind is this agent's alone, so its grant never waits on memory, and
-    the central books show only replicas that really hold a device.
+    the central books show only replicas that really hold a device. A Runtime itself,
+    because a GpuPool takes nothing else for its runtime.
     """
 
     def __init__(
-        self, node: Runtime, shared: RemoteRuntime, resource: str, sizes: Mapping[str, int]
+        self, shared: RemoteRuntime | None, resource: str, sizes: Mapping[str, int]
     ) -> None:
-        self._node = node
+        super().__init__(dict(sizes))
         self._shared = shared
         self._resource = resource
         self._sizes = dict(sizes)
@@ -117,7 +118,8 @@ class _NodeGpuLedger:
             total += math.floor(fraction / _SHARE_STEP) * _SHARE_STEP
         return max(total, _SHARE_STEP)
 
-    def acquire(
+    # The pool's one call; a narrower signature than Runtime.acquire on purpose.
+    def acquire(  # type: ignore[override]
         self, demand: Mapping[str, object], *, kind: str, estimate: float | None = None
     ) -> contextlib.AbstractAsyncContextManager[Lease]:
         return self._acquire(dict(demand), kind, estimate)
@@ -126,9 +128,10 @@ class _NodeGpuLedger:
     async def _acquire(
         self, demand: dict[str, object], kind: str, estimate: float | None
     ) -> AsyncIterator[Lease]:
+        assert self._shared is not None
         share = {self._resource: self.share(demand)}
         async with (
-            self._node.acquire(demand, kind=kind, estimate=estimate) as lease,
+            super().acquire(demand, kind=kind, estimate=estimate) as lease,
             self._shared.acquire(share, kind=kind, estimate=estimate),
         ):
             yield lease
@@ -268,11 +271,10 @@ class HostAgentActor:
                     "the host"
                 )
         resource = f"gpu@{self._name}"
-        node = await stack.enter_async_context(
-            Runtime(capacity={d.kind: d.memory for d in devices})
+        ledger = await stack.enter_async_context(
+            _NodeGpuLedger(remote, resource, {d.kind: d.memory for d in devices})
         )
-        ledger = _NodeGpuLedger(node, remote, resource, {d.kind: d.memory for d in devices})
-        pool = GpuPool(services, devices=devices, runtime=cast(Runtime, ledger))
+        pool = GpuPool(services, devices=devices, runtime=ledger)
         self._gpu = await stack.enter_async_context(pool)
         return {
             "resource": resource,
