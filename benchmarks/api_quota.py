@@ -35,7 +35,6 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
-import stamina.instrumentation
 
 import tangram
 from tangram.quota import Adapt, ApiKey, Quota
@@ -214,8 +213,6 @@ def _table(figures: dict[str, dict[str, float]], settle: float) -> str:
 
 
 async def main(quick: bool) -> dict[str, object]:
-    # Each retry would log a line; the table below counts them instead.
-    stamina.instrumentation.set_on_retry_hooks([])
     settle, window = (3.5, 2.0) if quick else (10.0, 20.0)
     arms: dict[str, tuple[Client, float]] = {"semaphore": (_bare, 1.0)}
     labels = {"semaphore": f"semaphore({SEMAPHORE}) + retry"}
