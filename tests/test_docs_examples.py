@@ -10,7 +10,9 @@ page marks it.
   module ``__main__`` in an empty working directory. Where a block shows its output as
   ``#>`` comments under its prints, ``run_print_check`` compares them; where the page shows
   it in a ```` ```text ```` block marked ``output`` (below), the captured stdout must equal
-  that block.
+  that block. A block that uses ``tangram.ray`` gets the local Ray, and its ``#>`` lines
+  are compared with its stdout (see below why); one that builds a ``DockerBackend`` gets
+  the daemon and the test image.
 - Command blocks (```` ```sh ````, ``bash``, ``console``, ``shell``) run their lines
   that start with ``tangram `` in page order, in one working directory per page, through
   the CLI's ``main`` in-process; each must exit 0. Their other lines (``make``, ``pip``,
