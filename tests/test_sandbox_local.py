@@ -104,6 +104,18 @@ async def test_run_reports_output_exit_code_and_grant() -> None:
         assert missing.exit_code == 127
 
 
+async def test_an_elastic_demand_that_is_not_resizable_runs_on_its_grant() -> None:
+    # Its grant never changes, so nothing may wait for a resize of it (that wait raises).
+    async with (
+        SandboxPool(LocalBackend()) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+        pool.sandbox("t") as sbx,
+    ):
+        result = await sbx.run("echo $TANGRAM_CPUS", cpu=tangram.Elastic(1, len(CORES)))
+        assert result.ok, result
+        assert 1 <= int(result.stdout) == result.units == len(result.cores) <= len(CORES)
+
+
 async def test_state_persists_within_a_trajectory_and_never_leaks() -> None:
     async with (
         SandboxPool(LocalBackend(), warm=1) as pool,

@@ -386,7 +386,8 @@ class SandboxPool:
         error: Exception | None = None
         with anyio.move_on_after(request.timeout + grace):
             async with anyio.create_task_group() as task_group:
-                if active.lease.action.demand.elastic is not None:
+                elastic = active.lease.action.demand.elastic
+                if elastic is not None and elastic.resizable:  # no other grant ever changes
                     task_group.start_soon(self._follow, state, active)
                 try:
                     result = await active.handle.execute(request)
