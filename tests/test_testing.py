@@ -114,8 +114,9 @@ async def test_a_capacity_cut_may_leave_holdings_above_it_but_not_grow_them() ->
         checker = InvariantChecker(runtime)
         async with runtime.acquire(cpu=3):
             runtime.set_capacity(cpu=1)
-            async with runtime.acquire(cpu=1):
-                pass
+            # From another task: in this one, holding 3 of 1, it is a SelfDeadlockError.
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(runtime.run, {"cpu": 1}, anyio.sleep, 0)
         assert any("grew to 4" in v for v in checker.violations), checker.violations
 
 
