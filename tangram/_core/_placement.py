@@ -76,6 +76,11 @@ TENURE = 2.0
 #: 16 (30-50, the lines of the less popular teachers waiting longer).
 MOVE = 8.0
 
+# A service's first replica outranks every other (more seconds than any line waits,
+# few enough that a float still tells microseconds apart above it);
+# first replicas rank among themselves by how long their lines have waited.
+_FIRST = 1e9
+
 # Memory shares are GiB floats in the simulator: a replica that fits up to rounding fits.
 _SLACK = 1e-9
 
@@ -268,9 +273,10 @@ def targets(lines: Sequence[Backlog[K]], capacity: float) -> dict[K, int]:
       serves; but it scores at least 0 (it takes free room, or a replica nothing waits
       for) when the line each replica has is at least a restore long,
       ``queued / (k x seats) >= restore`` (the test a newcomer used to make alone);
-    - every service with work gets one replica first: it must be served somewhere (a
-      drain it causes waits out the tenure, :func:`drains`), and one that lost its last
-      would take one back at the next event.
+    - every service with work gets one replica first, the longest waiting first (one
+      with none counts a restore longer, since it serves nobody now): it must be served
+      somewhere (a drain it causes waits out the tenure, :func:`drains`), and
+      one that lost its last would take one back at the next event.
 
     Scores only fall as a service gains replicas, so the greedy walk is the best share of
     whole replicas for these scores; it runs at every arrival and completion, so a look at
@@ -288,7 +294,8 @@ def targets(lines: Sequence[Backlog[K]], capacity: float) -> dict[K, int]:
 
     def moving(line: Backlog[K], k: int) -> float:
         if k == 0 and line.count:
-            return math.inf
+            # One with no replica serves nobody now: a restore ahead of one that has.
+            return _FIRST + line.oldest + (line.restore_seconds if line.replicas == 0 else 0)
         if k < line.replicas:
             return wait(line, k) if line.count else -1.0
         if line.count == 0:
