@@ -72,8 +72,8 @@ TENURE = 2.0
 #: one it serves before it changes service (:func:`targets`). A restore is device time no
 #: line gets: measured in the simulator on the contended MOPD trace (2,048 trajectories,
 #: nine Zipf teachers on 10 GPUs, ``max_batch`` 1), seeds 0-2, p95 ACT over ``pooled``'s
-#: was 1.28-1.41x with 4 (70-80 restores), 1.29-1.40x with 8 (50-60) and 1.29-1.46x with
-#: 16 (30-50, the lines of the less popular teachers waiting longer).
+#: was 1.28-1.41x with 4 (71-79 restores), 1.29-1.40x with 8 (47-62) and 1.29-1.46x with
+#: 16 (29-52, the lines of the less popular teachers waiting longer).
 MOVE = 8.0
 
 # A service's first replica outranks every other (more seconds than any line waits,
