@@ -24,8 +24,8 @@ already catch, so ``except ValueError`` around a bad demand keeps working::
     │   ├── GpuOutOfMemoryError (MemoryError)  a restore or load ran out of device memory
     │   ├── GpuServiceError (RuntimeError)     the service failed (an outside cause)
     │   └── GpuPoolClosedError (RuntimeError)  your code used the pool outside its block
-    ├── QuotaDeadlineError (TimeoutError)    an API request cannot be sent before its deadline
-    ├── TraceFormatError (ValueError)        a malformed tangram-trace/1 line (``.line``)
+    ├── QuotaDeadlineError (TimeoutError)    an API request not answered before its deadline
+    ├── TraceFormatError (ValueError)        a malformed tangram-trace/1 line (``.line``, ``.path``)
     ├── PlotUnavailableError (ImportError)   a plot was asked for without matplotlib
     ├── SandboxError                         a CPU sandbox could not run the action
     │   ├── SandboxBrokenError (RuntimeError)  it died (an outside cause, see ``__cause__``)
@@ -194,11 +194,13 @@ class InstrumentNotAttachedError(TangramError, KeyError):
 
 
 class QuotaDeadlineError(TangramError, TimeoutError):
-    """The request could not be sent before its deadline.
+    """The request was not answered before its deadline.
 
-    Raised as soon as that is known (the key's budget refills too late, every key is set
-    aside, or the provider's ``Retry-After`` reaches past it), not when the deadline
-    passes. Nothing is held when it is raised.
+    The deadline bounds the whole call: waiting for a key's budget, every attempt and the
+    pauses between retries. Raised as soon as a miss is certain (the key's budget refills
+    too late, every key is set aside, or the provider's ``Retry-After`` reaches past it),
+    otherwise when the deadline passes with the reply still outstanding. Nothing is held
+    when it is raised.
     """
 
 
@@ -226,16 +228,20 @@ class GpuPoolClosedError(GpuError, RuntimeError):
 class TraceFormatError(TangramError, ValueError):
     """A trace line that is not valid tangram-trace/1; ``line`` is its 1-based number.
 
-    Line 0 stands for the whole file (an empty trace).
+    Line 0 stands for the whole file (an empty trace). ``path`` is the file it was read
+    from, or None for lines given directly, so a tool that reads many traces can say which
+    one failed without parsing the message (which ends with ``(in PATH)`` all the same).
     """
 
-    def __init__(self, reason: str, line: int = 0) -> None:
-        super().__init__(reason, line)
+    def __init__(self, reason: str, line: int = 0, path: str | None = None) -> None:
+        super().__init__(reason, line, path)
         self.reason = reason
         self.line = line
+        self.path = path
 
     def __str__(self) -> str:
-        return f"line {self.line}: {self.reason}" if self.line else self.reason
+        text = f"line {self.line}: {self.reason}" if self.line else self.reason
+        return f"{text} (in {self.path})" if self.path is not None else text
 
 
 class PlotUnavailableError(TangramError, ImportError):

@@ -15,94 +15,106 @@ from contextlib import AsyncExitStack
 import pytest
 
 import tangram
-from tangram.errors import DemandTypeError, InvalidDemandError, TangramError
+from tangram.errors import (
+    DemandTypeError,
+    InvalidCapacityError,
+    InvalidDemandError,
+    SettingTypeError,
+    TangramError,
+)
 from tangram.quota import Adapt, ApiKey, Quota, Retry, SetAside
 from tangram.testing import Limit, QuotaServer
 
 _KEY = ApiKey(name="k", requests=10)
+_RANGE = InvalidCapacityError
+_TYPE = SettingTypeError
 
-# (what is built, the builtin it must also be, fragments its message must hold)
-_SETTINGS: list[tuple[str, Callable[[], object], type[Exception], tuple[str, ...]]] = [
-    ("key name ''", lambda: ApiKey(name="", requests=1), ValueError, ("`name`", "''")),
-    ("key name 3", lambda: ApiKey(name=3, requests=1), ValueError, ("`name`", "3")),  # type: ignore[arg-type]
-    ("no limit", lambda: ApiKey(name="k"), ValueError, ("'k'", "`requests`")),
-    ("rate -5", lambda: ApiKey(name="k", requests=-5), ValueError, ("`requests`", "-5", "> 0")),
-    ("rate 0/s", lambda: ApiKey(name="k", requests="0/s"), ValueError, ("`requests`", "'0/s'")),
-    ("rate -1/s", lambda: ApiKey(name="k", requests="-1/s"), ValueError, ("`requests`", "-1/s")),
-    ("rate nan", lambda: ApiKey(name="k", tokens=math.nan), ValueError, ("`tokens`", "nan")),
-    ("rate inf", lambda: ApiKey(name="k", tokens=math.inf), ValueError, ("`tokens`", "inf")),
-    ("rate fast", lambda: ApiKey(name="k", requests="fast"), ValueError, ("`requests`", "'50/s'")),
-    ("rate True", lambda: ApiKey(name="k", requests=True), ValueError, ("`requests`", "True")),
-    ("slots 0", lambda: ApiKey(name="k", concurrency=0), ValueError, ("`concurrency`", "0")),
-    ("slots 1.5", lambda: ApiKey(name="k", concurrency=1.5), ValueError, ("`concurrency`", "1.5")),
+# (what is built, the error it raises, fragments its message must hold): a value of the wrong
+# type is a SettingTypeError (a TypeError and a ValueError), one out of range an
+# InvalidCapacityError (a ValueError only), so ``except TypeError`` tells them apart.
+_SETTINGS: list[tuple[str, Callable[[], object], type[TangramError], tuple[str, ...]]] = [
+    ("key name ''", lambda: ApiKey(name="", requests=1), _RANGE, ("`name`", "''")),
+    ("key name 3", lambda: ApiKey(name=3, requests=1), _TYPE, ("`name`", "3")),  # type: ignore[arg-type]
+    ("no limit", lambda: ApiKey(name="k"), _RANGE, ("'k'", "`requests`")),
+    ("rate -5", lambda: ApiKey(name="k", requests=-5), _RANGE, ("`requests`", "-5", "> 0")),
+    ("rate 0/s", lambda: ApiKey(name="k", requests="0/s"), _RANGE, ("`requests`", "'0/s'")),
+    ("rate -1/s", lambda: ApiKey(name="k", requests="-1/s"), _RANGE, ("`requests`", "-1/s")),
+    ("rate nan", lambda: ApiKey(name="k", tokens=math.nan), _RANGE, ("`tokens`", "nan")),
+    ("rate inf", lambda: ApiKey(name="k", tokens=math.inf), _RANGE, ("`tokens`", "inf")),
+    ("rate fast", lambda: ApiKey(name="k", requests="fast"), _RANGE, ("`requests`", "'50/s'")),
+    ("rate True", lambda: ApiKey(name="k", requests=True), _TYPE, ("`requests`", "True")),
+    ("slots 0", lambda: ApiKey(name="k", concurrency=0), _RANGE, ("`concurrency`", "0")),
+    ("slots 1.5", lambda: ApiKey(name="k", concurrency=1.5), _TYPE, ("`concurrency`", "1.5")),
     (
         "headers 3",
         lambda: ApiKey(name="k", requests=1, headers=3),  # type: ignore[arg-type]
-        ValueError,
+        _TYPE,
         ("`headers`", "3", "Authorization"),
     ),
     (
         "header value 1",
         lambda: ApiKey(name="k", requests=1, headers={"X-Key": 1}),  # type: ignore[dict-item]
-        ValueError,
+        _TYPE,
         ("`headers`", "'X-Key': 1"),
     ),
     (
         "url nope",
         lambda: ApiKey(name="k", requests=1, url="nope"),
-        ValueError,
+        _RANGE,
         ("`url`", "'nope'", "https://"),
     ),
     (
         "url ftp",
         lambda: ApiKey(name="k", requests=1, url="ftp://x"),
-        ValueError,
+        _RANGE,
         ("`url`", "ftp://x"),
     ),
-    ("keys []", lambda: Quota([]), ValueError, ("`keys`", "[]", "ApiKey")),
-    ("keys one", lambda: Quota(_KEY), ValueError, ("`keys`", "list of ApiKey")),  # type: ignore[arg-type]
-    ("keys twice", lambda: Quota([_KEY, _KEY]), ValueError, ("unique", "['k', 'k']")),
-    ("quota name", lambda: Quota([_KEY], name=""), ValueError, ("`name`", "''")),
-    ("headroom 0", lambda: Quota([_KEY], headroom=0), ValueError, ("`headroom`", "0", "<= 1")),
-    ("headroom x", lambda: Quota([_KEY], headroom="x"), ValueError, ("`headroom`", "'x'")),  # type: ignore[arg-type]
-    ("jitter -1", lambda: Quota([_KEY], jitter=-1), ValueError, ("`jitter`", "-1", ">= 0")),
-    ("deadline -1", lambda: Quota([_KEY], deadline=-1), ValueError, ("`deadline`", "-1", "> 0")),
-    ("deadline 0", lambda: Quota([_KEY], deadline=0), ValueError, ("`deadline`", "0", "> 0")),
-    ("deadline nan", lambda: Quota([_KEY], deadline=math.nan), ValueError, ("`deadline`", "nan")),
-    ("deadline x", lambda: Quota([_KEY], deadline="x"), ValueError, ("`deadline`", "'x'")),  # type: ignore[arg-type]
+    ("keys []", lambda: Quota([]), _RANGE, ("`keys`", "[]", "ApiKey")),
+    ("keys one", lambda: Quota(_KEY), _TYPE, ("`keys`", "list of ApiKey")),  # type: ignore[arg-type]
+    ("keys twice", lambda: Quota([_KEY, _KEY]), _RANGE, ("unique", "['k', 'k']")),
+    ("quota name", lambda: Quota([_KEY], name=""), _RANGE, ("`name`", "''")),
+    ("headroom 0", lambda: Quota([_KEY], headroom=0), _RANGE, ("`headroom`", "0", "<= 1")),
+    ("headroom x", lambda: Quota([_KEY], headroom="x"), _TYPE, ("`headroom`", "'x'")),  # type: ignore[arg-type]
+    ("jitter -1", lambda: Quota([_KEY], jitter=-1), _RANGE, ("`jitter`", "-1", ">= 0")),
+    ("deadline -1", lambda: Quota([_KEY], deadline=-1), _RANGE, ("`deadline`", "-1", "> 0")),
+    ("deadline 0", lambda: Quota([_KEY], deadline=0), _RANGE, ("`deadline`", "0", "> 0")),
+    ("deadline nan", lambda: Quota([_KEY], deadline=math.nan), _RANGE, ("`deadline`", "nan")),
+    ("deadline x", lambda: Quota([_KEY], deadline="x"), _TYPE, ("`deadline`", "'x'")),  # type: ignore[arg-type]
     (
         "estimate 3",
         lambda: Quota([_KEY], estimate_tokens=3),  # type: ignore[arg-type]
-        ValueError,
+        _TYPE,
         ("`estimate_tokens`", "3", "function"),
     ),
-    ("retry 3", lambda: Quota([_KEY], retry=3), ValueError, ("`retry`", "3", "Retry")),  # type: ignore[arg-type]
-    ("adapt {}", lambda: Quota([_KEY], adapt={}), ValueError, ("`adapt`", "{}", "Adapt")),  # type: ignore[arg-type]
-    ("aside 1", lambda: Quota([_KEY], set_aside=1), ValueError, ("`set_aside`", "SetAside")),  # type: ignore[arg-type]
-    ("attempts 0", lambda: Retry(attempts=0), ValueError, ("`attempts`", "0", ">= 1")),
-    ("wait_max -1", lambda: Retry(wait_max=-1), ValueError, ("`wait_max`", "-1", "> 0")),
-    ("wait x", lambda: Retry(wait_initial="x"), ValueError, ("`wait_initial`", "'x'")),  # type: ignore[arg-type]
-    ("methods str", lambda: Retry(methods="GET"), ValueError, ("`methods`", "'GET'", "{'GET'")),
-    ("method G ET", lambda: Retry(methods={"G ET"}), ValueError, ("`methods`", "'G ET'")),
-    ("method 1", lambda: Retry(methods={1}), ValueError, ("`methods`", "1", "'GET'")),  # type: ignore[arg-type]
-    ("key flag", lambda: Retry(idempotency_key=1), ValueError, ("`idempotency_key`", "1")),  # type: ignore[arg-type]
-    ("decrease 2", lambda: Adapt(decrease=2), ValueError, ("`decrease`", "2", "<= 1")),
-    ("above 0.5", lambda: Adapt(above=0.5), ValueError, ("`above`", "0.5", ">= 1")),
-    ("failures 0", lambda: SetAside(failures=0), ValueError, ("`failures`", "0", ">= 1")),
-    ("cooldown -1", lambda: SetAside(cooldown=-1), ValueError, ("`cooldown`", "-1", "> 0")),
+    ("retry 3", lambda: Quota([_KEY], retry=3), _TYPE, ("`retry`", "3", "Retry")),  # type: ignore[arg-type]
+    ("adapt {}", lambda: Quota([_KEY], adapt={}), _TYPE, ("`adapt`", "{}", "Adapt")),  # type: ignore[arg-type]
+    ("aside 1", lambda: Quota([_KEY], set_aside=1), _TYPE, ("`set_aside`", "SetAside")),  # type: ignore[arg-type]
+    ("attempts 0", lambda: Retry(attempts=0), _RANGE, ("`attempts`", "0", ">= 1")),
+    ("wait_max -1", lambda: Retry(wait_max=-1), _RANGE, ("`wait_max`", "-1", "> 0")),
+    ("wait x", lambda: Retry(wait_initial="x"), _TYPE, ("`wait_initial`", "'x'")),  # type: ignore[arg-type]
+    ("methods str", lambda: Retry(methods="GET"), _TYPE, ("`methods`", "'GET'", "{'GET'")),
+    ("method G ET", lambda: Retry(methods={"G ET"}), _RANGE, ("`methods`", "'G ET'")),
+    ("method 1", lambda: Retry(methods={1}), _TYPE, ("`methods`", "1", "'GET'")),  # type: ignore[arg-type]
+    ("key flag", lambda: Retry(idempotency_key=1), _TYPE, ("`idempotency_key`", "1")),  # type: ignore[arg-type]
+    ("decrease 2", lambda: Adapt(decrease=2), _RANGE, ("`decrease`", "2", "<= 1")),
+    ("above 0.5", lambda: Adapt(above=0.5), _RANGE, ("`above`", "0.5", ">= 1")),
+    ("failures 0", lambda: SetAside(failures=0), _RANGE, ("`failures`", "0", ">= 1")),
+    ("cooldown -1", lambda: SetAside(cooldown=-1), _RANGE, ("`cooldown`", "-1", "> 0")),
 ]
 
 
 @pytest.mark.parametrize(
-    ("build", "builtin", "fragments"),
+    ("build", "error", "fragments"),
     [pytest.param(b, e, f, id=i) for i, b, e, f in _SETTINGS],
 )
 def test_a_bad_setting_fails_where_it_is_made(
-    build: Callable[[], object], builtin: type[Exception], fragments: tuple[str, ...]
+    build: Callable[[], object], error: type[TangramError], fragments: tuple[str, ...]
 ) -> None:
     with pytest.raises(TangramError) as caught:
         build()
-    assert isinstance(caught.value, builtin)
+    assert type(caught.value) is error
+    assert isinstance(caught.value, ValueError)
+    assert isinstance(caught.value, TypeError) == (error is SettingTypeError)
     for fragment in fragments:
         assert fragment in str(caught.value)
 

@@ -212,6 +212,26 @@ def test_a_binary_file_names_the_file_and_line(tmp_path: Path) -> None:
     assert str(info.value) == f"line 2: not UTF-8 text (byte 1 is b'\\x89') (in {path})"
 
 
+def test_the_error_carries_the_file_apart_from_its_message(tmp_path: Path) -> None:
+    """A tool reading many traces tells which failed from ``.path``, not by parsing text;
+    lines given directly have no file, and the attributes survive pickling (Ray workers)."""
+    import pickle
+
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(HEADER) + "\n{\n")
+    with pytest.raises(TraceFormatError) as info:
+        read_trace(path)
+    assert (info.value.path, info.value.line) == (str(path), 2)
+    assert info.value.reason.startswith("not JSON")
+    assert str(info.value) == f"line 2: {info.value.reason} (in {path})"
+    copy = pickle.loads(pickle.dumps(info.value))
+    assert (copy.path, copy.line, str(copy)) == (str(path), 2, str(info.value))
+    with pytest.raises(TraceFormatError) as direct:
+        read_trace([json.dumps(HEADER), "{"])
+    assert direct.value.path is None
+    assert str(direct.value) == f"line 2: {direct.value.reason}"
+
+
 @pytest.mark.parametrize(
     "field",
     [

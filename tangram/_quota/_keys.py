@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypedDict
 
 import anyio
 import attrs
@@ -21,7 +22,7 @@ from .._core._resources import Rate
 from .._core._units import is_rate_text, parse_rate
 from .._core._validate import whole
 from .._runtime._run import Runtime
-from ..errors import InvalidCapacityError
+from ..errors import InvalidCapacityError, SettingTypeError
 
 __all__ = [
     "DEFAULT_HEADROOM",
@@ -51,9 +52,16 @@ DEFAULT_HEADROOM = 0.97
 #: least 2 where the provider's is: see ``KeyState.rates``), and a key's first request
 #: goes alone, the others waiting for its answer, so connection set-up is out of the way.
 DEFAULT_JITTER = 0.15
+
+
+class _Errors(TypedDict):
+    type_error: Callable[[str], Exception]
+    value_error: Callable[[str], Exception]
+
+
 #: What a bad quota setting raises, for the shared checks: the caller's error at the call,
-#: in tangram's tree, whether the value is of the wrong type or out of range.
-SETTING_ERRORS = {"type_error": InvalidCapacityError, "value_error": InvalidCapacityError}
+#: in tangram's tree, a ``TypeError`` too for a value of the wrong type (``headroom="x"``).
+SETTING_ERRORS: _Errors = {"type_error": SettingTypeError, "value_error": InvalidCapacityError}
 
 
 def _requests(value: object) -> Rate | None:
@@ -75,8 +83,10 @@ def _rate(name: str, value: object) -> Rate | None:
             raise InvalidCapacityError(f"`{name}`: {exc}") from None
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
         per_second = float(value)
-    else:
+    elif isinstance(value, str):
         raise InvalidCapacityError(f"`{name}` must be {allowed} (got {value!r})")
+    else:
+        raise SettingTypeError(f"`{name}` must be {allowed} (got {value!r})")
     if not (0 < per_second < math.inf):
         raise InvalidCapacityError(f"`{name}` must be {allowed}, and finite (got {value!r})")
     return Rate(per_second, burst=max(1.0, per_second))
@@ -85,24 +95,21 @@ def _rate(name: str, value: object) -> Rate | None:
 def _concurrency(value: object) -> int | None:
     if value is None:
         return None
-    return whole(
-        "concurrency",
-        value,
-        minimum=1,
-        type_error=InvalidCapacityError,
-        value_error=InvalidCapacityError,
-    )
+    return whole("concurrency", value, minimum=1, **SETTING_ERRORS)
 
 
 def _headers(value: Mapping[str, str]) -> dict[str, str]:
     """A private copy: the caller's mapping may change after the key is made."""
+    message = (
+        f"`headers` must map header names to strings, like "
+        f"{{'Authorization': 'Bearer ...'}} (got {value!r})"
+    )
     if not isinstance(value, Mapping) or not all(
-        isinstance(k, str) and k and isinstance(v, str) for k, v in value.items()
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
     ):
-        raise InvalidCapacityError(
-            f"`headers` must map header names to strings, like "
-            f"{{'Authorization': 'Bearer ...'}} (got {value!r})"
-        )
+        raise SettingTypeError(message)
+    if not all(value):
+        raise InvalidCapacityError(message)
     return dict(value)
 
 
@@ -110,14 +117,15 @@ def _url(value: str | None) -> str | None:
     """Checked here: a bad base URL would otherwise fail at the first request it sends."""
     if value is None:
         return None
+    allowed = "an http(s) base URL like 'https://api.example:8443'"
+    if not isinstance(value, str):
+        raise SettingTypeError(f"`url` must be {allowed} (got {value!r})")
     try:
-        url = httpx.URL(value) if isinstance(value, str) else None
+        url = httpx.URL(value)
     except httpx.InvalidURL:
         url = None
     if url is None or url.scheme not in ("http", "https") or not url.host:
-        raise InvalidCapacityError(
-            f"`url` must be an http(s) base URL like 'https://api.example:8443' (got {value!r})"
-        )
+        raise InvalidCapacityError(f"`url` must be {allowed} (got {value!r})")
     return value
 
 
@@ -133,6 +141,7 @@ class ApiKey:
     :param headers: added to each request sent with this key (``Authorization`` ...).
     :param url: a base URL that replaces scheme, host and port: a key per endpoint.
     :raises InvalidCapacityError: a limit, header or URL that no request could be sent with.
+    :raises SettingTypeError: an argument of the wrong type (``requests=[50]``).
     """
 
     name: str = attrs.field()
@@ -144,7 +153,9 @@ class ApiKey:
 
     @name.validator
     def _check_name(self, attribute: attrs.Attribute[str], value: str) -> None:
-        if not isinstance(value, str) or not value:
+        if not isinstance(value, str):
+            raise SettingTypeError(f"`name` must be a non-empty string (got {value!r})")
+        if not value:
             raise InvalidCapacityError(f"`name` must be a non-empty string (got {value!r})")
 
     def __attrs_post_init__(self) -> None:

@@ -52,12 +52,19 @@ import httpx
 
 from .._core._validate import number, seconds
 from .._runtime._run import AcquireContext, Runtime, current_runtime
-from ..errors import DemandTypeError, InvalidCapacityError, InvalidDemandError, QuotaDeadlineError
+from ..errors import (
+    DemandTypeError,
+    InvalidCapacityError,
+    InvalidDemandError,
+    QuotaDeadlineError,
+    SettingTypeError,
+)
 from ._adapt import Adapt, adapt_down, adapt_up, note_accepted
 from ._aside import SetAside, note_failure, note_recovered
 from ._keys import (
     DEFAULT_HEADROOM,
     DEFAULT_JITTER,
+    SETTING_ERRORS,
     ApiKey,
     KeyState,
     KeyStats,
@@ -131,7 +138,8 @@ class Quota:
         ``extensions={"tangram.idempotent": True}`` (or an ``Idempotency-Key`` header)
         marks it safe to resend after a ``5xx`` or a timeout.
     :param adapt: AIMD settings, or ``None`` to trust the configured rates.
-    :raises InvalidCapacityError: an argument out of range or of the wrong type.
+    :raises InvalidCapacityError: an argument out of range (``keys=[]``, ``headroom=2``).
+    :raises SettingTypeError: an argument of the wrong type (``keys="k"``, ``headroom="x"``).
     """
 
     def __init__(
@@ -149,29 +157,29 @@ class Quota:
         set_aside: SetAside | None = None,
         runtime: Runtime | None = None,
     ) -> None:
+        message = f"`keys` must be a non-empty list of ApiKey (got {keys!r})"
         if isinstance(keys, (str, bytes, ApiKey)) or not isinstance(keys, Sequence):
-            raise InvalidCapacityError(f"`keys` must be a non-empty list of ApiKey (got {keys!r})")
+            raise SettingTypeError(message)
         keys = list(keys)
-        if not keys or not all(isinstance(k, ApiKey) for k in keys):
-            raise InvalidCapacityError(f"`keys` must be a non-empty list of ApiKey (got {keys!r})")
+        if not all(isinstance(k, ApiKey) for k in keys):
+            raise SettingTypeError(message)
+        if not keys:
+            raise InvalidCapacityError(message)
         names = [k.name for k in keys]
         if len(set(names)) != len(names):
             raise InvalidCapacityError(f"key names must be unique within a quota (got {names!r})")
-        if not isinstance(name, str) or not name:
+        if not isinstance(name, str):
+            raise SettingTypeError(f"`name` must be a non-empty string (got {name!r})")
+        if not name:
             raise InvalidCapacityError(f"`name` must be a non-empty string (got {name!r})")
-        bad = InvalidCapacityError
-        share = number(
-            "headroom", headroom, strict=True, maximum=1.0, type_error=bad, value_error=bad
-        )
-        spread = seconds("jitter", jitter, type_error=bad, value_error=bad)
+        share = number("headroom", headroom, strict=True, maximum=1.0, **SETTING_ERRORS)
+        spread = seconds("jitter", jitter, **SETTING_ERRORS)
         if deadline is not None:
-            seconds(
-                "deadline", deadline, strict=True, finite=False, type_error=bad, value_error=bad
-            )
+            seconds("deadline", deadline, strict=True, finite=False, **SETTING_ERRORS)
         functions = (("estimate_tokens", estimate_tokens), ("count_tokens", count_tokens))
         for what, function in functions:
             if function is not None and not callable(function):
-                raise InvalidCapacityError(
+                raise SettingTypeError(
                     f"`{what}` must be a function of the request or response (got {function!r})"
                 )
         for what, setting, kind in (
@@ -181,7 +189,7 @@ class Quota:
             ("runtime", runtime, Runtime),
         ):
             if setting is not None and not isinstance(setting, kind):
-                raise InvalidCapacityError(
+                raise SettingTypeError(
                     f"`{what}` must be a {kind.__qualname__} or None (got {setting!r})"
                 )
         self.name = name

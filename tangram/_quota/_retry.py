@@ -36,7 +36,7 @@ import attrs
 import httpx
 
 from .._core._validate import number, seconds, validator, whole
-from ..errors import InvalidCapacityError, QuotaDeadlineError
+from ..errors import InvalidCapacityError, QuotaDeadlineError, SettingTypeError
 from ._keys import SETTING_ERRORS
 
 __all__ = [
@@ -80,21 +80,22 @@ _jitter = validator(seconds, **SETTING_ERRORS)
 def _methods(value: Iterable[str]) -> frozenset[str]:
     """Upper-cased, as httpx writes a request's method; each a non-empty HTTP token."""
     if isinstance(value, str) or not isinstance(value, Iterable):
-        raise InvalidCapacityError(
+        raise SettingTypeError(
             f"`methods` must be a set of HTTP method names like {{'GET', 'PUT'}} (got {value!r})"
         )
     methods = frozenset(value)
     for method in methods:
-        if not isinstance(method, str) or not METHOD.fullmatch(method):
-            raise InvalidCapacityError(
-                f"`methods` must hold HTTP method names like 'GET' (got {method!r})"
-            )
+        message = f"`methods` must hold HTTP method names like 'GET' (got {method!r})"
+        if not isinstance(method, str):
+            raise SettingTypeError(message)
+        if not METHOD.fullmatch(method):
+            raise InvalidCapacityError(message)
     return frozenset(m.upper() for m in methods)
 
 
 def _flag(instance: object, attribute: attrs.Attribute[bool], value: object) -> None:
     if not isinstance(value, bool):
-        raise InvalidCapacityError(f"`{attribute.name}` must be True or False (got {value!r})")
+        raise SettingTypeError(f"`{attribute.name}` must be True or False (got {value!r})")
 
 
 @attrs.frozen(kw_only=True)

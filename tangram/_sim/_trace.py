@@ -165,7 +165,7 @@ def read_lines(lines: Iterable[str] | Iterable[bytes], where: str | None = None)
     except TraceFormatError as exc:
         if where is None:
             raise
-        raise TraceFormatError(f"{exc.reason} (in {where})", exc.line) from None
+        raise TraceFormatError(exc.reason, exc.line, where) from None
 
 
 def _parse(lines: Iterable[tuple[int, str | bytes]]) -> Trace:
