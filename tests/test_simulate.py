@@ -612,3 +612,39 @@ def test_service_steps_are_checked(steps: list[Step], match: str) -> None:
 def test_gpu_service_checks_its_fields(fields: dict[str, object], error: type[Exception]) -> None:
     with pytest.raises(error):
         ServiceSpec(name="x", **fields)  # type: ignore[arg-type]
+
+
+def test_a_service_line_feeds_every_replica_shortest_first_until_due() -> None:
+    # Two resident replicas of a (one per GPU) run a1 (5 s) and a2 (1 s); a3 (3 s) and a4
+    # (0.5 s) wait in a's one line. When a2's replica frees at 1 s it takes the shortest,
+    # a4 (a3 is due only at 0.1 + 4 x 3 s), then a3 at 1.5 s: neither waits for a1.
+    services = {"a": _service("a")}
+    work = {
+        "a1": [_on("a", 5.0)],
+        "a2": [_on("a", 1.0)],
+        "a3": [_on("a", 3.0, gap=0.1)],
+        "a4": [_on("a", 0.5, gap=0.2)],
+    }
+    result = simulate(work, {"gpu": 2}, services=services)
+    by_name = {r.trajectory: r for r in result.records}
+    assert (by_name["a4"].admitted, by_name["a4"].finished) == (1.0, 1.5)
+    assert (by_name["a3"].admitted, by_name["a3"].finished) == (1.5, 4.5)
+    assert (result.restores, result.unloads) == (0, 0)
+
+
+def test_a_replica_nothing_waits_for_goes_to_a_long_line_once_its_action_ends() -> None:
+    # One GPU each for a and b, both resident; a1 runs 30 s, twenty b actions of 2 s wait
+    # on b's one replica. The next b action (at 5 s) finds 38 s of work in b's line,
+    # longer than a restore, and nothing waiting for a: b asks for a second replica, a's
+    # (past its tenure) drains, and when a1 ends b is restored on its GPU for b20.
+    services = {
+        "a": _service("a", memory=60, restore=1.0),
+        "b": _service("b", memory=60, restore=1.0),
+    }
+    work = {"a1": [_on("a", 30.0)], **{f"b{i}": [_on("b", 2.0)] for i in range(20)}}
+    work["b20"] = [_on("b", 2.0, gap=5.0)]
+    result = simulate(work, {"gpu": 2}, services=services)
+    by_name = {r.trajectory: r for r in result.records}
+    assert by_name["a1"].finished == 30.0  # draining only stops newcomers
+    assert (by_name["b20"].admitted, by_name["b20"].overhead) == (30.0, 1.0)
+    assert (result.restores, result.unloads) == (1, 1)
