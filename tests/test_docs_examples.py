@@ -17,6 +17,12 @@ page marks it.
   that start with ``tangram `` in page order, in one working directory per page, through
   the CLI's ``main`` in-process; each must exit 0. Their other lines (``make``, ``pip``,
   ``python3 -m verl...``) are set-up and are not run; ```` ```text ```` blocks are output.
+  A page's ``export NAME=VALUE`` lines (``$PWD`` the repository) are set before its
+  commands and Python blocks run, and ``$NAME`` in its commands is expanded. A server command
+  (``tangram serve-sandbox-fusion``) runs in its own process, on a free port, until it
+  has answered one real request, and must then stop cleanly on SIGTERM.
+- A Python block that defines ``test_*`` functions is a reader's test module: besides
+  running as a module, it is run by pytest, and its tests must pass.
 
 Markers: an HTML comment on the line right before a fence, ``<!-- test: NAME -->``,
 invisible on GitHub and in the built site. They are defined here and nowhere else:
@@ -34,10 +40,15 @@ invisible on GitHub and in the built site. They are defined here and nowhere els
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
+import signal
 import subprocess
+import sys
+import urllib.request
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -60,6 +71,13 @@ NOT_HERE = {
     "training": "a framework's full training run",
 }
 SHELLS = {"sh", "bash", "console", "shell"}
+#: Commands that serve until they are stopped (run briefly, see ``_serve_briefly``).
+SERVERS = {"serve-sandbox-fusion"}
+#: verl 0.9 imports Ray's state API from its old place; Ray warns, and the suite's
+#: ``filterwarnings = error`` would fail the import. Ignored only where a block imports verl.
+VERL_IMPORT_WARNING = r"Ray state API is no longer experimental"
+_EXPORT = re.compile(r"^(?:\$ )?export (\w+)=(\S+)$")
+_TESTS = re.compile(r"^(?:async )?def test_\w+\(", re.MULTILINE)
 MARKERS = {*NOT_HERE, "gpu", "results", "continues", "output"}
 _MARKER = re.compile(r"^<!--\s*test:\s*(\S+)\s*-->\s*$")
 
@@ -82,6 +100,14 @@ class Fence:
         joined = self.content.replace("\\\n", " ")
         lines = (line.strip().removeprefix("$ ") for line in joined.splitlines())
         return [shlex.split(line, comments=True) for line in lines if line.startswith("tangram ")]
+
+    @property
+    def exports(self) -> dict[str, str]:
+        """The block's ``export NAME=VALUE`` lines."""
+        if self.info not in SHELLS:
+            return {}
+        found = (_EXPORT.match(line.strip()) for line in self.content.splitlines())
+        return {match.group(1): match.group(2) for match in found if match}
 
 
 def _fences(page: Path) -> list[Fence]:
@@ -217,6 +243,7 @@ def test_python_block(
         request.getfixturevalue("local_ray")
     if "DockerBackend" in source:
         request.getfixturevalue("docker")
+    _export(example.path, monkeypatch)
     monkeypatch.chdir(tmp_path)
     names: dict[str, Any] | None = None
     if fence.marker == "continues":
@@ -228,11 +255,20 @@ def test_python_block(
         # source of every frame on the stack; with Ray's modules loaded that takes
         # minutes per print. The `#>` lines are compared with what the block printed.
         shown = "".join(line.strip()[3:] + "\n" for line in _comments(example))
-    if shown is None:
-        _run(eval_example.run_print_check, example, names)
-    else:
-        _run(eval_example.run, example, names)
-        assert capsys.readouterr().out == shown
+    with warnings.catch_warnings():
+        if "verl" in source:
+            warnings.filterwarnings("ignore", VERL_IMPORT_WARNING, DeprecationWarning)
+        if shown is None:
+            _run(eval_example.run_print_check, example, names)
+        else:
+            _run(eval_example.run, example, names)
+            assert capsys.readouterr().out == shown
+    if _TESTS.search(source):
+        module = tmp_path / f"test_{example.path.stem}_{example.start_line}.py"
+        module.write_text(source, encoding="utf-8")
+        # pytest-asyncio (here for other tests) would warn that its loop scope is unset.
+        run = ["-q", "-p", "no:cacheprovider", "-p", "no:asyncio", str(module)]
+        assert pytest.main(run) == pytest.ExitCode.OK, f"{example}: its tests failed"
 
 
 def _comments(example: CodeExample) -> list[str]:
@@ -278,6 +314,7 @@ def _leaves(exc: BaseException) -> list[str]:
 
 @pytest.mark.parametrize("page", COMMAND_PAGES, ids=lambda page: str(page.relative_to(ROOT)))
 def test_command_blocks(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _export(page, monkeypatch)
     monkeypatch.chdir(tmp_path)
     ran = 0
     for fence in FENCES[page]:
@@ -285,7 +322,50 @@ def test_command_blocks(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPa
             continue
         _skip_unless_runnable(fence.marker)
         for argv in fence.commands:
-            assert cli_main(argv[1:]) == 0, f"{page.name}:{fence.line}: {shlex.join(argv)}"
+            argv = [os.path.expandvars(arg) for arg in argv]
+            where = f"{page.name}:{fence.line}: {shlex.join(argv)}"
+            if argv[1] in SERVERS:
+                _serve_briefly(argv[1:], where)
+            else:
+                assert cli_main(argv[1:]) == 0, where
             ran += 1
     if not ran:
         pytest.skip("every command block on this page is marked")
+
+
+def _export(page: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Set the page's ``export`` lines, with ``$PWD`` the repository, as a reader's shell has."""
+    monkeypatch.setenv("PWD", str(ROOT))
+    for fence in FENCES[page]:
+        for name, value in fence.exports.items():
+            monkeypatch.setenv(name, os.path.expandvars(value))
+
+
+def _serve_briefly(args: list[str], where: str) -> None:
+    """Start the server as the page does (on a free port), send it one request, stop it.
+
+    A server runs until a signal stops it, so it gets a process of its own: SIGTERM is
+    what a job scheduler sends, and the command must exit 0 on it.
+    """
+    if "--port" in args:
+        args[args.index("--port") + 1] = "0"
+    command = [sys.executable, "-m", "tangram._tools._cli", *args]
+    server = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    try:
+        assert server.stdout is not None
+        started = re.search(r"http://\S+/run_code", server.stdout.readline())
+        assert started, f"{where}: the server did not start"
+        body = json.dumps({"code": "print(6 * 7)", "language": "python"}).encode()
+        request = urllib.request.Request(
+            started.group(0), data=body, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            answer = json.load(reply)
+        assert answer["status"] == "Success", f"{where}: {answer}"
+        assert answer["run_result"]["stdout"] == "42\n", f"{where}: {answer}"
+    finally:
+        server.send_signal(signal.SIGTERM)
+        _, errors = server.communicate(timeout=60)
+    assert server.returncode == 0, f"{where}: exit {server.returncode}\n{errors}"
