@@ -152,9 +152,7 @@ class Placer:
                 joined.append(now)
                 behind += 1
             run = state.run_seconds or 0.0
-            idle = any(
-                r.residency is Residency.RESIDENT and not r.alive for r in state.replicas
-            )
+            idle = any(r.residency is Residency.RESIDENT and not r.alive for r in state.replicas)
             lines.append(
                 rules.Backlog(
                     name,
