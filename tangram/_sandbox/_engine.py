@@ -15,8 +15,8 @@ import anyio
 import attrs
 
 from .._core._units import parse_size
-from .._core._validate import positive
-from ..errors import SandboxBrokenError, SandboxError
+from .._core._validate import positive, whole
+from ..errors import InvalidSettingError, SandboxBrokenError, SandboxError, SettingTypeError
 from ._backend import Host
 from ._cgroupfs import PERIOD_US
 from ._reaper import LABEL, owner_labels
@@ -38,14 +38,39 @@ def _size(value: str | int) -> int:
     return int(parse_size(value)) if isinstance(value, str) else int(value)
 
 
+def byte_size(name: str, value: object) -> int:
+    """``value`` (``"512MiB"`` or a whole number of bytes) in bytes, checked where it is
+    given: a bad size would otherwise fail at the first container or sandbox made."""
+    if isinstance(value, str):
+        try:
+            return int(parse_size(value))
+        except InvalidSettingError as exc:
+            raise InvalidSettingError(f"`{name}`: {exc}") from None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SettingTypeError(
+            f"`{name}` must be a size like '512MiB' or a whole number of bytes (got {value!r})"
+        )
+    return whole(name, value)
+
+
+def _size_field(instance: object, attribute: Any, value: object) -> None:
+    if value is not None or attribute.name != "memory":
+        byte_size(attribute.name, value)
+
+
+def _pids(instance: object, attribute: Any, value: object) -> None:
+    if value is not None:
+        whole(attribute.name, value, minimum=1)
+
+
 def _sandbox_user(instance: object, attribute: Any, value: object) -> None:
     if not isinstance(value, str):
-        raise TypeError(f"`user` must be a string 'UID' or 'UID:GID' (got {value!r})")
+        raise SettingTypeError(f"`user` must be a string 'UID' or 'UID:GID' (got {value!r})")
     uid, _, gid = value.partition(":")
     if not uid.isdigit() or not (gid.isdigit() or not gid):
-        raise ValueError(f"`user` must be numeric, 'UID' or 'UID:GID' (got {value!r})")
+        raise InvalidSettingError(f"`user` must be numeric, 'UID' or 'UID:GID' (got {value!r})")
     if int(uid) == 0 or (gid and int(gid) == 0):
-        raise ValueError(
+        raise InvalidSettingError(
             f"`user` must not be root (got {value!r}): commands run under a user other than "
             "the runner's, so they can neither write on its channel nor trace it"
         )
@@ -77,12 +102,12 @@ class DockerConfig:
     """
 
     image: str = "tangram-sandbox-test:latest"
-    memory: str | int | None = "1GiB"
-    pids: int | None = 256
+    memory: str | int | None = attrs.field(default="1GiB", validator=_size_field)
+    pids: int | None = attrs.field(default=256, validator=_pids)
     network: str = "none"
     read_only: bool = True
-    work_size: str | int = "512MiB"
-    tmp_size: str | int = "64MiB"
+    work_size: str | int = attrs.field(default="512MiB", validator=_size_field)
+    tmp_size: str | int = attrs.field(default="64MiB", validator=_size_field)
     user: str = attrs.field(default="65534:65534", validator=_sandbox_user)
     cap_drop: tuple[str, ...] = ("ALL",)
     cap_add: tuple[str, ...] = ()

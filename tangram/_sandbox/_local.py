@@ -57,11 +57,12 @@ import anyio
 import anyio.abc
 import attrs
 
-from .._core._units import parse_size
-from ..errors import SandboxBrokenError, SandboxError
+from .._core._validate import whole
+from ..errors import InvalidSettingError, SandboxBrokenError, SandboxError
 from ._backend import ExecRequest, ExecResult, Host, SandboxBackend, SandboxHandle
 from ._cgroup import CgroupLeaf, CgroupTree, open_tree
 from ._cores import numa_nodes
+from ._engine import byte_size
 from ._files import WorkDir
 from ._isolate import (
     DEFAULT_UIDS,
@@ -184,22 +185,22 @@ class LocalBackend(SandboxBackend):
     ) -> None:
         self._cores = tuple(sorted(cores if cores is not None else os.sched_getaffinity(0)))
         if not self._cores:
-            raise ValueError("`cores` must name at least one core")
-        if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
-            raise ValueError(f"`processes` must be a whole number >= 1 (got {processes!r})")
+            raise InvalidSettingError(f"`cores` must name at least one core (got {cores!r})")
+        whole("processes", processes, minimum=1)
         if not isinstance(uids, range) or not uids or uids.start < 1 or uids.step != 1:
-            raise ValueError(f"`uids` must be a non-empty range of positive ids (got {uids!r})")
+            raise InvalidSettingError(
+                f"`uids` must be a non-empty range of positive ids (got {uids!r})"
+            )
         self._root = Path(root) if root is not None else Path(tempfile.gettempdir())
-        self.memory = _bytes(memory) if memory is not None else None
+        self.memory = byte_size("memory", memory) if memory is not None else None
         self.processes = processes
-        self.file_size = _bytes(file_size)
-        self.disk = _bytes(disk) if disk is not None else None
-        if isinstance(open_files, bool) or not isinstance(open_files, int) or open_files < 16:
-            raise ValueError(f"`open_files` must be a whole number >= 16 (got {open_files!r})")
+        self.file_size = byte_size("file_size", file_size)
+        self.disk = byte_size("disk", disk) if disk is not None else None
+        whole("open_files", open_files, minimum=16)
         self.open_files = open_files
-        self.max_file = _bytes(max_file)
+        self.max_file = byte_size("max_file", max_file)
         if self.max_file < 1:
-            raise ValueError(f"`max_file` must be at least 1 byte (got {max_file!r})")
+            raise InvalidSettingError(f"`max_file` must be at least 1 byte (got {max_file!r})")
         self.network = bool(network)
         self._want_bwrap = bubblewrap
         self._uids: range | None = None
@@ -371,10 +372,6 @@ class LocalBackend(SandboxBackend):
                     claim.release()
             raise
         return _LocalHandle(self, host, box, work, owner, claim, leaf)
-
-
-def _bytes(value: str | int) -> int:
-    return int(parse_size(value)) if isinstance(value, str) else int(value)
 
 
 def _default_python(other_user: bool) -> str:

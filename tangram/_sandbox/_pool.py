@@ -30,12 +30,16 @@ import attrs
 
 from .._core._demand import Elastic
 from .._core._validate import seconds as _seconds
+from .._core._validate import whole
 from .._runtime._lease import Lease
 from .._runtime._run import Runtime, current_runtime
 from ..errors import (
+    DemandTypeError,
+    InvalidSettingError,
     SandboxBrokenError,
     SandboxClosedError,
     SandboxError,
+    SettingTypeError,
 )
 from ._backend import (
     CPUS_ENV,
@@ -118,11 +122,9 @@ class SandboxPool:
         kind: str = "sandbox",
     ) -> None:
         if backend is not None and not isinstance(backend, SandboxBackend):
-            raise TypeError(f"`backend` must be a tangram.SandboxBackend (got {backend!r})")
-        if isinstance(warm, bool) or not isinstance(warm, int) or warm < 0:
-            raise ValueError(f"`warm` must be a whole number >= 0 (got {warm!r})")
-        if isinstance(output_limit, bool) or not isinstance(output_limit, int) or output_limit < 0:
-            raise ValueError(f"`output_limit` must be a whole number >= 0 (got {output_limit!r})")
+            raise SettingTypeError(f"`backend` must be a tangram.SandboxBackend (got {backend!r})")
+        whole("warm", warm)
+        whole("output_limit", output_limit)
         _seconds("timeout", timeout, strict=True)
         self._backend = backend
         self._runtime = runtime
@@ -219,7 +221,7 @@ class SandboxPool:
     async def sandbox(self, trajectory_id: str) -> AsyncIterator[Sandbox]:
         """A sandbox for one trajectory, removed with its files when the block ends."""
         if not isinstance(trajectory_id, str):
-            raise TypeError(f"`trajectory_id` must be a string (got {trajectory_id!r})")
+            raise SettingTypeError(f"`trajectory_id` must be a string (got {trajectory_id!r})")
         self._check_open()
         handle = await self._checkout()
         sandbox = Sandbox(self, handle, trajectory_id)
@@ -486,6 +488,12 @@ class Sandbox:
     def host(self) -> Host:
         return self._handle.host
 
+    @property
+    def python(self) -> str:
+        """The interpreter ``run(code=...)`` uses inside the sandbox, for callers that need
+        flags ``code=`` cannot pass (the code grader runs it with ``-I``)."""
+        return self._pool.backend.python
+
     def _check(self) -> None:
         if self._closed:
             raise SandboxClosedError("this sandbox's `async with` block has ended")
@@ -523,11 +531,13 @@ class Sandbox:
         :raises SandboxClosedError: used after its ``async with`` block.
         """
         if (command is None) == (code is None):
-            raise TypeError("give exactly one of `command` and `code`")
+            raise SettingTypeError(
+                f"give exactly one of `command` and `code` (got command={command!r}, code={code!r})"
+            )
         argv: tuple[str, ...]
         if code is not None:
             if not isinstance(code, str):
-                raise TypeError(f"`code` must be a string (got {code!r})")
+                raise SettingTypeError(f"`code` must be a string (got {code!r})")
             argv = (self._pool.backend.python, "-c", code)
         elif isinstance(command, str):
             argv = ("/bin/sh", "-c", command)
@@ -538,19 +548,23 @@ class Sandbox:
         ):
             argv = tuple(command)
         else:
-            raise TypeError(f"`command` must be a string or a list of strings (got {command!r})")
+            raise SettingTypeError(
+                f"`command` must be a string or a list of strings (got {command!r})"
+            )
         seconds = (
             self._pool.timeout if timeout is None else _seconds("timeout", timeout, strict=True)
         )
         data = stdin.encode() if isinstance(stdin, str) else (stdin or b"")
         if not isinstance(data, bytes):
-            raise TypeError(f"`stdin` must be bytes or str (got {stdin!r})")
+            raise SettingTypeError(f"`stdin` must be bytes or str (got {stdin!r})")
         variables = dict(env or {})
         for key, value in variables.items():
             if not isinstance(key, str) or not isinstance(value, str) or "=" in key:
-                raise TypeError(f"`env` must map names to strings (got {key!r}: {value!r})")
+                raise SettingTypeError(f"`env` must map names to strings (got {key!r}: {value!r})")
         if isinstance(cpu, bool) or not isinstance(cpu, (int, float, Elastic)):
-            raise TypeError(f"`cpu` must be a number of cores or tangram.Elastic (got {cpu!r})")
+            raise DemandTypeError(
+                f"`cpu` must be a number of cores or tangram.Elastic (got {cpu!r})"
+            )
         _exec_safe(argv, variables)
         async with self._lock:
             self._check()
@@ -600,21 +614,27 @@ def _exec_safe(argv: tuple[str, ...], env: Mapping[str, str]) -> None:
     A NUL byte in model-written code cannot reach a process: caught in the sandbox it
     cost a round trip and, before the runner answered cancels while idle, the sandbox.
 
-    :raises ValueError: a NUL byte in an argument or the environment, or an empty name.
+    :raises InvalidSettingError: a NUL byte in an argument or the environment, or an empty name.
     """
     for part in argv:
         if "\0" in part:
-            raise ValueError(f"the command or code contains a NUL byte (got {part[:80]!r})")
+            raise InvalidSettingError(
+                f"the command or code contains a NUL byte (got {part[:80]!r})"
+            )
     for key, value in env.items():
         if not key or "\0" in key or "\0" in value:
-            raise ValueError(f"`env` names must be non-empty, without NUL bytes (got {key!r})")
+            raise InvalidSettingError(
+                f"`env` names must be non-empty, without NUL bytes (got {key!r})"
+            )
 
 
 def _relative(path: str) -> str:
     """A work-dir-relative path that cannot climb out of the work dir."""
     if not isinstance(path, str) or not path:
-        raise TypeError(f"`path` must be a non-empty string (got {path!r})")
+        raise SettingTypeError(f"`path` must be a non-empty string (got {path!r})")
     parts = [part for part in path.split("/") if part not in ("", ".")]
     if not parts or ".." in parts or os.path.isabs(path):
-        raise ValueError(f"`path` must be relative to the work dir, without '..' (got {path!r})")
+        raise InvalidSettingError(
+            f"`path` must be relative to the work dir, without '..' (got {path!r})"
+        )
     return "/".join(parts)

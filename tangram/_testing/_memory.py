@@ -17,10 +17,16 @@ from typing import Any
 
 import attrs
 
+from .._core._validate import whole
 from .._gpu._devices import Device
 from .._gpu._service import ModelService
 from .._sandbox._backend import ExecRequest, ExecResult, Host, SandboxBackend, SandboxHandle
-from ..errors import GpuOutOfMemoryError, SandboxBrokenError, SandboxClosedError
+from ..errors import (
+    GpuOutOfMemoryError,
+    SandboxBrokenError,
+    SandboxClosedError,
+    SettingTypeError,
+)
 
 __all__ = ["MemoryBackend", "MemoryModelService", "MemorySandbox"]
 
@@ -74,7 +80,7 @@ class MemorySandbox(SandboxHandle):
         if inspect.isawaitable(result):
             result = await result
         if not isinstance(result, ExecResult):
-            raise TypeError(f"the handler must return tangram.ExecResult (got {result!r})")
+            raise SettingTypeError(f"the handler must return tangram.ExecResult (got {result!r})")
         return result
 
     async def apply(self, cores: tuple[int, ...], quota: float) -> None:
@@ -107,10 +113,9 @@ class MemoryBackend(SandboxBackend):
     """
 
     def __init__(self, handler: Handler | None = None, *, cores: int = 4) -> None:
-        if isinstance(cores, bool) or not isinstance(cores, int) or cores < 1:
-            raise ValueError(f"`cores` must be a whole number >= 1 (got {cores!r})")
+        whole("cores", cores, minimum=1)
         if handler is not None and not callable(handler):
-            raise TypeError(f"`handler` must be callable (got {handler!r})")
+            raise SettingTypeError(f"`handler` must be callable (got {handler!r})")
         self._handler: Handler = handler if handler is not None else _succeed
         self._host = Host("memory", tuple(range(cores)))
         self.sandboxes: list[MemorySandbox] = []
@@ -149,7 +154,7 @@ class MemoryModelService(ModelService):
     ) -> None:
         super().__init__(name, memory=memory, **options)
         if fn is not None and not callable(fn):
-            raise TypeError(f"`fn` must be callable (got {fn!r})")
+            raise SettingTypeError(f"`fn` must be callable (got {fn!r})")
         self._fn: Callable[[Any], Any] = fn if fn is not None else (lambda batch: batch)
         self.events: list[tuple[Any, ...]] = []
         self.resident: dict[int, tuple[str, ...]] = {}

@@ -19,26 +19,42 @@ import json
 import math
 from collections.abc import Collection, Mapping
 from types import TracebackType
+from typing import Any
 
 import anyio
 import anyio.abc
 import attrs
 from anyio.streams.buffered import BufferedByteReceiveStream
 
+from .._core._validate import number, seconds, validator, whole
+from ..errors import InvalidSettingError
+
 __all__ = ["Limit", "QuotaServer"]
 
 _MAX_HEAD = 65536
+_positive = validator(number, strict=True, finite=False)
+_count = validator(whole, minimum=1)
+
+
+def _rate(instance: object, attribute: Any, value: float | None) -> None:
+    if value is not None:
+        _positive(instance, attribute, value)
+
+
+def _slots(instance: object, attribute: Any, value: int | None) -> None:
+    if value is not None:
+        _count(instance, attribute, value)
 
 
 @attrs.frozen(kw_only=True)
 class Limit:
     """What the server allows one key: ``None`` leaves that dimension unlimited."""
 
-    requests: float | None = None
-    requests_burst: float | None = None
-    tokens: float | None = None
-    tokens_burst: float | None = None
-    concurrency: int | None = None
+    requests: float | None = attrs.field(default=None, validator=_rate)
+    requests_burst: float | None = attrs.field(default=None, validator=_rate)
+    tokens: float | None = attrs.field(default=None, validator=_rate)
+    tokens_burst: float | None = attrs.field(default=None, validator=_rate)
+    concurrency: int | None = attrs.field(default=None, validator=_slots)
 
 
 class _Bucket:
@@ -96,7 +112,8 @@ class QuotaServer:
         refuse_with: int = 429,
     ) -> None:
         if refuse_with not in (429, 503):
-            raise ValueError(f"`refuse_with` must be 429 or 503 (got {refuse_with!r})")
+            raise InvalidSettingError(f"`refuse_with` must be 429 or 503 (got {refuse_with!r})")
+        seconds("latency", latency)
         self.refuse_with = refuse_with
         self.limit = limit if limit is not None else Limit()
         self.limits = dict(limits or {})
