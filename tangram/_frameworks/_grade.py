@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import secrets
 from collections.abc import Mapping
 from pathlib import Path
@@ -32,8 +31,9 @@ from typing import Any
 import attrs
 
 from .._core._demand import Elastic
+from .._core._validate import seconds
 from .._sandbox._pool import Sandbox
-from ..errors import SandboxBrokenError
+from ..errors import InvalidSettingError, SandboxBrokenError, SettingTypeError
 from . import _checks, _harness
 
 __all__ = [
@@ -115,7 +115,7 @@ def _text(value: Any, where: str) -> str:
         return value
     if isinstance(value, list) and all(isinstance(line, str) for line in value):
         return "\n".join(value)
-    raise ValueError(f"{where} must be a string or a list of lines (got {value!r:.80})")
+    raise InvalidSettingError(f"{where} must be a string or a list of lines (got {value!r:.80})")
 
 
 def _arguments(value: Any) -> list[Any]:
@@ -127,7 +127,7 @@ def _arguments(value: Any) -> list[Any]:
         try:
             return [json.loads(line) for line in value.split("\n") if line.strip()]
         except ValueError as exc:
-            raise ValueError(f"a call test's input is not JSON lines ({exc})") from None
+            raise InvalidSettingError(f"a call test's input is not JSON lines ({exc})") from None
     return [value]
 
 
@@ -137,9 +137,9 @@ def _asserts(source: str, entry_point: str | None) -> TestSuite:
             {"kind": "assert", "source": source, "entry_point": entry_point}
         )
     except SyntaxError as exc:
-        raise ValueError(f"the tests do not parse: {exc}") from None
+        raise InvalidSettingError(f"the tests do not parse: {exc}") from None
     if total == 0:
-        raise ValueError(
+        raise InvalidSettingError(
             "the tests hold no test: no top-level `assert` or call, and no `check` with an "
             "`entry_point`"
         )
@@ -150,16 +150,16 @@ def _from_mapping(label: Mapping[str, Any]) -> TestSuite:
     if "inputs" in label and "outputs" in label and not _plain(label.get("assert_case")):
         inputs, outputs = _plain(label["inputs"]), _plain(label["outputs"])
         if not isinstance(inputs, list) or not isinstance(outputs, list):
-            raise ValueError("`inputs` and `outputs` must be lists")
+            raise InvalidSettingError("`inputs` and `outputs` must be lists")
         if len(inputs) != len(outputs) or not inputs:
-            raise ValueError(
+            raise InvalidSettingError(
                 f"`inputs` and `outputs` must be non-empty and as long as each other "
                 f"(got {len(inputs)} and {len(outputs)})"
             )
         fn_name = label.get("fn_name")
         if fn_name:
             if not isinstance(fn_name, str) or not fn_name.isidentifier():
-                raise ValueError(f"`fn_name` must be a Python name (got {fn_name!r})")
+                raise InvalidSettingError(f"`fn_name` must be a Python name (got {fn_name!r})")
             cases = [
                 {"args": _arguments(i), "expected": _plain(o)}
                 for i, o in zip(inputs, outputs, strict=True)
@@ -167,7 +167,7 @@ def _from_mapping(label: Mapping[str, Any]) -> TestSuite:
             try:
                 json.dumps(cases)
             except (TypeError, ValueError) as exc:
-                raise ValueError(f"call tests must be JSON values ({exc})") from None
+                raise InvalidSettingError(f"call tests must be JSON values ({exc})") from None
             return TestSuite({"kind": "call", "fn_name": fn_name, "cases": cases}, len(cases))
         stdio = [
             {"stdin": _text(i, "an input"), "stdout": _text(o, "an output")}
@@ -178,7 +178,7 @@ def _from_mapping(label: Mapping[str, Any]) -> TestSuite:
         if key in label:
             lines = _plain(label[key])
             if not isinstance(lines, list) or not all(isinstance(x, str) for x in lines):
-                raise ValueError(f"`{key}` must be a list of strings")
+                raise InvalidSettingError(f"`{key}` must be a list of strings")
             setup = [
                 _text(label[k], f"`{k}`")
                 for k in ("test_imports", "test_setup_code")
@@ -190,9 +190,9 @@ def _from_mapping(label: Mapping[str, Any]) -> TestSuite:
         if entry_point is not None and (
             not isinstance(entry_point, str) or not entry_point.isidentifier()
         ):
-            raise ValueError(f"`entry_point` must be a Python name (got {entry_point!r})")
+            raise InvalidSettingError(f"`entry_point` must be a Python name (got {entry_point!r})")
         return _asserts(_text(label["test"], "`test`"), entry_point)
-    raise ValueError(
+    raise InvalidSettingError(
         "a test mapping needs `inputs` and `outputs` (with `fn_name` for calls), "
         f"`assert_case`, `test_list` or `test` (got keys {sorted(label)})"
     )
@@ -207,8 +207,8 @@ def parse_tests(label: object) -> TestSuite:
       ``assert_case`` or ``test_list`` (+ ``test_imports``, ``test_setup_code``); or
       ``test`` (+ ``entry_point``, HumanEval's form).
 
-    :raises ValueError: the label holds no test that can be run.
-    :raises TypeError: the label is none of these.
+    :raises InvalidSettingError: the label holds no test that can be run (a ValueError).
+    :raises SettingTypeError: the label is none of these (a TypeError).
     """
     if isinstance(label, TestSuite):
         return label
@@ -227,8 +227,8 @@ def parse_tests(label: object) -> TestSuite:
         return _asserts("\n".join(label) + "\n", None)
     if isinstance(label, Mapping):
         return _from_mapping(label)
-    raise TypeError(
-        f"tests must be a string, a list of strings or a mapping (got {type(label).__name__})"
+    raise SettingTypeError(
+        f"tests must be a string, a list of strings or a mapping (got {label!r:.80})"
     )
 
 
@@ -237,19 +237,12 @@ def parse_tests(label: object) -> TestSuite:
 
 def _interpreter(sandbox: Sandbox) -> str:
     # The interpreter ``sbx.run(code=...)`` uses; ``-I`` is added to it, so ``code=`` (no
-    # way to pass flags) cannot be used.
-    python: str = sandbox._pool.backend.python
-    return python
+    # way to pass flags) cannot be used. A local and a remote sandbox both name it.
+    return sandbox.python
 
 
 def _seconds(name: str, value: float | None, default: float) -> float:
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"`{name}` must be a number of seconds (got {value!r})")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"`{name}` must be > 0 seconds (got {value!r})")
-    return float(value)
+    return default if value is None else seconds(name, value, strict=True)
 
 
 def _messages(stdout: bytes, secret: str) -> list[Any]:
@@ -282,15 +275,16 @@ async def grade(
     ``timeout`` bounds the whole grading, ``case_timeout`` each call into the answer and
     each input/output case; a test past either fails.
 
-    :raises ValueError: the tests hold nothing to run.
+    :raises InvalidSettingError: the tests hold nothing to run, or a timeout is not > 0.
+    :raises SettingTypeError: ``answer`` is not a string, or the tests none of the forms.
     :raises SandboxBrokenError: the sandbox or the harness failed before the answer ran
         (or the harness misbehaved): tangram's failure, never scored as the answer's.
     """
     if not isinstance(answer, str):
-        raise TypeError(f"`answer` must be Python source (got {type(answer).__name__})")
+        raise SettingTypeError(f"`answer` must be Python source (got {answer!r:.80})")
     suite = parse_tests(tests)
-    seconds = _seconds("timeout", timeout, DEFAULT_TIMEOUT)
-    budget = seconds - min(_HARNESS_MARGIN, seconds / 5)
+    whole_run = _seconds("timeout", timeout, DEFAULT_TIMEOUT)
+    budget = whole_run - min(_HARNESS_MARGIN, whole_run / 5)
     per_case = min(_seconds("case_timeout", case_timeout, DEFAULT_CASE_TIMEOUT), budget)
     secret = secrets.token_hex(16)
     source = _harness_source()
@@ -305,7 +299,7 @@ async def grade(
         [_interpreter(sandbox), "-I", "-c", source],
         stdin=f"{secret}\n{json.dumps(payload)}",
         cpu=cpu,
-        timeout=seconds,
+        timeout=whole_run,
         kind=kind,
     )
     messages = _messages(result.stdout, secret)

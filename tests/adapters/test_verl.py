@@ -340,6 +340,10 @@ async def test_the_reward_manager_grades_code_under_verls_reward_loop(tmp_path: 
 
 
 @pytest.mark.anyio
+# The tool holds a connection while its code waits for a core: a hold-and-wait, which the
+# runtime warns about. No task here holds cores while it waits for a connection, so it
+# cannot deadlock.
+@pytest.mark.filterwarnings("ignore::tangram.errors.DeadlockRiskWarning")
 async def test_function_tools_run_through_tangram(docs_config: Path) -> None:
     _Probe.active = _Probe.peak = 0
 
@@ -378,6 +382,9 @@ async def test_function_tools_run_through_tangram(docs_config: Path) -> None:
 def _reward_config(tmp_path: Path, tokenizer_dir: Path, manager: str) -> tuple[Any, Path]:
     toml = tmp_path / "reward.toml"
     toml.write_text(
+        # Per process: the test reads this process's own pool and runtime (shared mode's
+        # reward workers are tests/adapters/test_shared_ray.py's).
+        'mode = "local"\n'
         "[gpu]\n"
         'devices = { "cpu:0" = "1MiB" }\n'
         "[[gpu.services]]\n"
