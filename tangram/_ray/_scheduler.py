@@ -25,6 +25,7 @@ import ray
 from .._core._policy import Policy
 from .._core._resources import Capacity
 from .._runtime._run import Runtime
+from ..errors import LeaseReleasedError
 from ._protocol import CANCELLED, FAILED, logger
 
 __all__ = ["SchedulerActor"]
@@ -249,9 +250,12 @@ class SchedulerActor:
             held.follower = asyncio.get_running_loop().create_task(self._follow(lease_id, held))
 
     async def _follow(self, lease_id: int, held: _Held) -> None:
-        while True:
-            units = await held.lease.wait_resized()
-            held.client.post(("resize", lease_id, dict(held.lease.grant), units))
+        # Cancelled at the release; a lease ended another way (the runtime closing, a
+        # capacity cut) ends the wait with LeaseReleasedError, and the follow with it.
+        with contextlib.suppress(LeaseReleasedError):
+            while True:
+                units = await held.lease.wait_resized()
+                held.client.post(("resize", lease_id, dict(held.lease.grant), units))
 
     def _release(self, lease_id: int, outcome: int) -> bool:
         held = self._held.pop(lease_id, None)
