@@ -1,7 +1,9 @@
 """The error tree: every error is a TangramError and the builtin the tree says it is.
 
 The trees (errors, then warnings) are read from the ``tangram.errors`` docstring, so the
-picture users read and the classes they catch cannot drift apart.
+picture users read and the classes they catch cannot drift apart. Then every public
+constructor and call is fed bad input (wrong types on purpose, so the table is not
+type-checked): each must fail at the call with a tangram error that names the value.
 """
 
 from __future__ import annotations
@@ -9,10 +11,18 @@ from __future__ import annotations
 import builtins
 import pickle
 import re
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 
+import anyio
 import pytest
+import torch
 
 import tangram
+import tangram.gpu as gpu
+import tangram.metrics as metrics
+import tangram.quota as quota
+import tangram.testing as testing
 from tangram import errors
 
 # "    │   ├── DemandTypeError (TypeError)      a value of the wrong type"
@@ -131,3 +141,429 @@ def test_the_shared_checks_raise_tangram_errors_by_default(
         seconds("timeout", value)
     assert isinstance(info.value, builtin)
     assert f"(got {value!r})" in str(info.value)
+
+
+# -- every public call, fed bad input ----------------------------------------------------
+#
+# (id, the call, the error it raises, a fragment of the message that names the value). A
+# value of the wrong type must raise a TypeError and a ValueError (the tangram leaves for
+# it subclass both, as these calls raised ValueError before), one out of range a
+# ValueError that is not a TypeError: ``except TypeError`` tells the two apart.
+
+_KEY = quota.ApiKey(name="k", requests=10)
+
+
+def _in_runtime(call: Callable[[], AbstractAsyncContextManager[object]]) -> Callable[[], None]:
+    """Enter ``call()`` inside a running runtime of 4 cores and 16 GiB."""
+
+    async def main() -> None:
+        async with tangram.Runtime({"cpu": 4, "mem": "16GiB"}), call():
+            pass
+
+    return lambda: anyio.run(main)
+
+
+def _in_sandbox(act: Callable[[tangram.Sandbox], Awaitable[object]]) -> Callable[[], None]:
+    """Run ``act(sandbox)`` on a real pool over in-memory sandboxes."""
+
+    async def main() -> None:
+        async with testing.memory_sandboxes() as pool, pool.sandbox("t") as sandbox:
+            await act(sandbox)
+
+    return lambda: anyio.run(main)
+
+
+def _step(**changes: object) -> tangram.Step:
+    return tangram.Step(**{"demand": {"cpu": 1}, "seconds_at_1": 1.0, **changes})
+
+
+_CALLS: list[tuple[str, Callable[[], object], type[errors.TangramError], str]] = [
+    # tangram.Runtime and its calls
+    ("Runtime('cpu')", lambda: tangram.Runtime("cpu"), errors.InvalidCapacityError, "'cpu'"),
+    ("Runtime cpu=-1", lambda: tangram.Runtime({"cpu": -1}), errors.InvalidCapacityError, "-1"),
+    (
+        "Runtime mem=lots",
+        lambda: tangram.Runtime({"mem": "lots"}),
+        errors.InvalidCapacityError,
+        "'lots'",
+    ),
+    ("Runtime {}", lambda: tangram.Runtime({}), errors.InvalidCapacityError, "at least one"),
+    (
+        "Runtime policy=3",
+        lambda: tangram.Runtime({"cpu": 4}, policy=3),
+        errors.SettingTypeError,
+        "3",
+    ),
+    (
+        "set_capacity cpu=-1",
+        lambda: tangram.Runtime({"cpu": 1}).set_capacity(cpu=-1),
+        errors.InvalidCapacityError,
+        "-1",
+    ),
+    (
+        "add_instrument 3",
+        lambda: tangram.Runtime({"cpu": 1}).add_instrument(3),
+        errors.SettingTypeError,
+        "3",
+    ),
+    # tangram.acquire
+    (
+        "acquire cpu=-1",
+        _in_runtime(lambda: tangram.acquire(cpu=-1)),
+        errors.InvalidDemandError,
+        "-1",
+    ),
+    (
+        "acquire cpu='x'",
+        _in_runtime(lambda: tangram.acquire(cpu="x")),
+        errors.DemandTypeError,
+        "'cpu'",
+    ),
+    (
+        "acquire gpu=1",
+        _in_runtime(lambda: tangram.acquire(gpu=1)),
+        errors.UnknownResourceError,
+        "'gpu'",
+    ),
+    (
+        "acquire cpu=8",
+        _in_runtime(lambda: tangram.acquire(cpu=8)),
+        errors.CapacityExceededError,
+        "8",
+    ),
+    (
+        "acquire mem=32GiB",
+        _in_runtime(lambda: tangram.acquire(mem=32 * 2**30)),
+        errors.CapacityExceededError,
+        "32GiB",
+    ),
+    (
+        "acquire wait=-1",
+        _in_runtime(lambda: tangram.acquire(cpu=1, wait_timeout=-1)),
+        errors.InvalidDemandError,
+        "-1",
+    ),
+    (
+        "acquire estimate='x'",
+        _in_runtime(lambda: tangram.acquire(cpu=1, estimate="x")),
+        errors.DemandTypeError,
+        "'x'",
+    ),
+    (
+        "acquire kind=3",
+        _in_runtime(lambda: tangram.acquire(cpu=1, kind=3)),
+        errors.DemandTypeError,
+        "3",
+    ),
+    ("acquire(3)", _in_runtime(lambda: tangram.acquire(3)), errors.DemandTypeError, "3"),
+    # demands, rates, efficiency models, policies
+    ("Elastic(3, 2)", lambda: tangram.Elastic(3, 2), errors.InvalidDemandError, "2 < 3"),
+    ("Elastic(0, 2)", lambda: tangram.Elastic(0, 2), errors.InvalidDemandError, "0"),
+    ("Elastic(1, 'x')", lambda: tangram.Elastic(1, "x"), errors.DemandTypeError, "'x'"),
+    (
+        "Elastic efficiency=3",
+        lambda: tangram.Elastic(1, 2, efficiency=3),
+        errors.DemandTypeError,
+        "3",
+    ),
+    (
+        "Elastic resizable=1",
+        lambda: tangram.Elastic(1, 2, resizable=1),
+        errors.DemandTypeError,
+        "1",
+    ),
+    ("Rate(-1)", lambda: tangram.Rate(-1), errors.InvalidCapacityError, "-1"),
+    ("Rate(1, burst=0)", lambda: tangram.Rate(1, burst=0), errors.InvalidCapacityError, "0"),
+    ("Amdahl(2)", lambda: tangram.Amdahl(2), errors.InvalidDemandError, "2"),
+    ("Amdahl('x')", lambda: tangram.Amdahl("x"), errors.DemandTypeError, "'x'"),
+    ("Power(-1)", lambda: tangram.Power(-1), errors.InvalidDemandError, "-1"),
+    ("SpeedupTable({})", lambda: tangram.SpeedupTable({}), errors.DemandTypeError, "{}"),
+    ("FcfsPolicy(dop=0)", lambda: tangram.FcfsPolicy(dop=0), errors.InvalidSettingError, "0"),
+    ("FcfsPolicy(dop='4')", lambda: tangram.FcfsPolicy(dop="4"), errors.SettingTypeError, "'4'"),
+    # CPU sandboxes
+    ("SandboxPool(3)", lambda: tangram.SandboxPool(3), errors.SettingTypeError, "3"),
+    ("SandboxPool warm=-1", lambda: tangram.SandboxPool(warm=-1), errors.InvalidSettingError, "-1"),
+    ("SandboxPool warm=1.5", lambda: tangram.SandboxPool(warm=1.5), errors.SettingTypeError, "1.5"),
+    (
+        "SandboxPool timeout=0",
+        lambda: tangram.SandboxPool(timeout=0),
+        errors.InvalidSettingError,
+        "0",
+    ),
+    ("SandboxPool kind=3", lambda: tangram.SandboxPool(kind=3), errors.SettingTypeError, "3"),
+    ("run no command", _in_sandbox(lambda s: s.run()), errors.SettingTypeError, "command=None"),
+    ("run command=3", _in_sandbox(lambda s: s.run(3)), errors.SettingTypeError, "3"),
+    ("run cpu='2'", _in_sandbox(lambda s: s.run("true", cpu="2")), errors.DemandTypeError, "'2'"),
+    (
+        "run timeout=0",
+        _in_sandbox(lambda s: s.run("true", timeout=0)),
+        errors.InvalidSettingError,
+        "0",
+    ),
+    ("run NUL", _in_sandbox(lambda s: s.run("a\0b")), errors.InvalidSettingError, "NUL"),
+    ("run env 3", _in_sandbox(lambda s: s.run("true", env={"A": 3})), errors.SettingTypeError, "3"),
+    ("put ../x", _in_sandbox(lambda s: s.put("../x", b"")), errors.InvalidSettingError, "'../x'"),
+    ("get 3", _in_sandbox(lambda s: s.get(3)), errors.SettingTypeError, "3"),
+    (
+        "LocalBackend processes=0",
+        lambda: tangram.LocalBackend(processes=0),
+        errors.InvalidSettingError,
+        "0",
+    ),
+    (
+        "LocalBackend memory=lots",
+        lambda: tangram.LocalBackend(memory="lots"),
+        errors.InvalidSettingError,
+        "'lots'",
+    ),
+    (
+        "LocalBackend memory=[1]",
+        lambda: tangram.LocalBackend(memory=[1]),
+        errors.SettingTypeError,
+        "[1]",
+    ),
+    (
+        "LocalBackend memory=-1",
+        lambda: tangram.LocalBackend(memory=-1),
+        errors.InvalidSettingError,
+        "-1",
+    ),
+    (
+        "LocalBackend uids",
+        lambda: tangram.LocalBackend(uids=range(0)),
+        errors.InvalidSettingError,
+        "range(0, 0)",
+    ),
+    (
+        "LocalBackend cores=[]",
+        lambda: tangram.LocalBackend(cores=[]),
+        errors.InvalidSettingError,
+        "[]",
+    ),
+    (
+        "LocalBackend open_files=8",
+        lambda: tangram.LocalBackend(open_files=8),
+        errors.InvalidSettingError,
+        "8",
+    ),
+    (
+        "LocalBackend max_file=0",
+        lambda: tangram.LocalBackend(max_file=0),
+        errors.InvalidSettingError,
+        "0",
+    ),
+    (
+        "LocalBackend user=3.5",
+        lambda: tangram.LocalBackend(user=3.5),
+        errors.SettingTypeError,
+        "3.5",
+    ),
+    (
+        "LocalBackend user=?",
+        lambda: tangram.LocalBackend(user="no such user"),
+        errors.InvalidSettingError,
+        "'no such user'",
+    ),
+    (
+        "DockerConfig memory=lots",
+        lambda: tangram.DockerConfig(memory="lots"),
+        errors.InvalidSettingError,
+        "'lots'",
+    ),
+    (
+        "DockerConfig work_size=-1",
+        lambda: tangram.DockerConfig(work_size=-1),
+        errors.InvalidSettingError,
+        "-1",
+    ),
+    ("DockerConfig pids=0", lambda: tangram.DockerConfig(pids=0), errors.InvalidSettingError, "0"),
+    (
+        "DockerConfig user='0'",
+        lambda: tangram.DockerConfig(user="0"),
+        errors.InvalidSettingError,
+        "'0'",
+    ),
+    ("DockerConfig user=3", lambda: tangram.DockerConfig(user=3), errors.SettingTypeError, "3"),
+    (
+        "DockerConfig api_timeout=0",
+        lambda: tangram.DockerConfig(api_timeout=0),
+        errors.InvalidSettingError,
+        "0",
+    ),
+    (
+        "DockerConfig sync_after=-1",
+        lambda: tangram.DockerConfig(sync_after=-1),
+        errors.InvalidSettingError,
+        "-1",
+    ),
+    ("DockerConfig image=3", lambda: tangram.DockerConfig(image=3), errors.SettingTypeError, "3"),
+    # GPU model services
+    ("Device memory=-1", lambda: gpu.Device("d", memory=-1), errors.InvalidSettingError, "-1"),
+    (
+        "Device memory=lots",
+        lambda: gpu.Device("d", memory="lots"),
+        errors.InvalidCapacityError,
+        "'lots'",
+    ),
+    ("Device name=3", lambda: gpu.Device(3, memory="1GiB"), errors.SettingTypeError, "3"),
+    (
+        "Device index=-1",
+        lambda: gpu.Device("d", memory="1GiB", index=-1),
+        errors.InvalidSettingError,
+        "-1",
+    ),
+    ("GpuPool(3)", lambda: gpu.GpuPool(3), errors.SettingTypeError, "3"),
+    (
+        "GpuPool devices=3",
+        lambda: gpu.GpuPool([testing.MemoryModelService("m")], devices=3),
+        errors.SettingTypeError,
+        "3",
+    ),
+    ("TorchService factory=3", lambda: gpu.TorchService("m", 3), errors.SettingTypeError, "3"),
+    (
+        "TorchService headroom=-1",
+        lambda: gpu.TorchService("m", torch.nn.Identity, headroom=-1),
+        errors.InvalidSettingError,
+        "-1",
+    ),
+    (
+        "TorchService memory=lots",
+        lambda: gpu.TorchService("m", torch.nn.Identity, memory="lots"),
+        errors.InvalidCapacityError,
+        "'lots'",
+    ),
+    (
+        "TorchService max_replicas=0",
+        lambda: gpu.TorchService("m", torch.nn.Identity, max_replicas=0),
+        errors.InvalidSettingError,
+        "0",
+    ),
+    (
+        "TorchService split='x'",
+        lambda: gpu.TorchService("m", torch.nn.Identity, split="x"),
+        errors.InvalidSettingError,
+        "'x'",
+    ),
+    (
+        "VllmService servers=3",
+        lambda: gpu.VllmService("m", 3, memory="1GiB"),
+        errors.SettingTypeError,
+        "3",
+    ),
+    (
+        "discover_devices fraction=2",
+        lambda: gpu.discover_devices(fraction=2),
+        errors.InvalidSettingError,
+        "2",
+    ),
+    # API quotas
+    ("Quota('x')", lambda: quota.Quota("x"), errors.SettingTypeError, "'x'"),
+    ("Quota([])", lambda: quota.Quota([]), errors.InvalidCapacityError, "[]"),
+    (
+        "Quota headroom='x'",
+        lambda: quota.Quota([_KEY], headroom="x"),
+        errors.SettingTypeError,
+        "'x'",
+    ),
+    (
+        "ApiKey requests=-1",
+        lambda: quota.ApiKey(name="k", requests=-1),
+        errors.InvalidCapacityError,
+        "-1",
+    ),
+    (
+        "ApiKey requests=[5]",
+        lambda: quota.ApiKey(name="k", requests=[5]),
+        errors.SettingTypeError,
+        "[5]",
+    ),
+    ("Retry attempts=0", lambda: quota.Retry(attempts=0), errors.InvalidCapacityError, "0"),
+    ("Adapt decrease=2", lambda: quota.Adapt(decrease=2), errors.InvalidCapacityError, "2"),
+    ("Adapt decrease='x'", lambda: quota.Adapt(decrease="x"), errors.SettingTypeError, "'x'"),
+    # traces and the simulator
+    ("read_trace(3)", lambda: tangram.read_trace(3), errors.SettingTypeError, "3"),
+    ("read_trace(['{'])", lambda: tangram.read_trace(["{"]), errors.TraceFormatError, "line 1"),
+    (
+        "simulate cpu=-1",
+        lambda: tangram.simulate({}, {"cpu": -1}),
+        errors.InvalidCapacityError,
+        "-1",
+    ),
+    (
+        "simulate demand",
+        lambda: tangram.simulate({"t": [_step(demand={"cpu": -1})]}, {"cpu": 4}),
+        errors.InvalidDemandError,
+        "-1",
+    ),
+    ("Step seconds=-1", lambda: _step(seconds_at_1=-1), errors.InvalidSettingError, "-1"),
+    # the test kit
+    (
+        "MemoryBackend cores=0",
+        lambda: testing.MemoryBackend(cores=0),
+        errors.InvalidSettingError,
+        "0",
+    ),
+    (
+        "MemoryBackend cores='4'",
+        lambda: testing.MemoryBackend(cores="4"),
+        errors.SettingTypeError,
+        "'4'",
+    ),
+    ("MemoryBackend(3)", lambda: testing.MemoryBackend(3), errors.SettingTypeError, "3"),
+    (
+        "MemoryModelService fn=3",
+        lambda: testing.MemoryModelService("m", 3),
+        errors.SettingTypeError,
+        "3",
+    ),
+    (
+        "MemoryModelService memory=-1",
+        lambda: testing.MemoryModelService("m", memory=-1),
+        errors.InvalidSettingError,
+        "-1",
+    ),
+    (
+        "QuotaServer refuse_with=500",
+        lambda: testing.QuotaServer(refuse_with=500),
+        errors.InvalidSettingError,
+        "500",
+    ),
+    (
+        "QuotaServer latency=-1",
+        lambda: testing.QuotaServer(latency=-1),
+        errors.InvalidSettingError,
+        "-1",
+    ),
+    ("Limit requests=-1", lambda: testing.Limit(requests=-1), errors.InvalidSettingError, "-1"),
+    ("Limit concurrency=0", lambda: testing.Limit(concurrency=0), errors.InvalidSettingError, "0"),
+    ("Limit requests='x'", lambda: testing.Limit(requests="x"), errors.SettingTypeError, "'x'"),
+    # metrics
+    ("Collector(3)", lambda: metrics.Collector(3), errors.SettingTypeError, "3"),
+    (
+        "Collector sandboxes=3",
+        lambda: metrics.Collector(tangram.Runtime({"cpu": 1}), sandboxes=3),
+        errors.SettingTypeError,
+        "3",
+    ),
+    ("StepMetrics(3)", lambda: metrics.StepMetrics(3), errors.SettingTypeError, "3"),
+    (
+        "StepMetrics keys=3",
+        lambda: metrics.StepMetrics(tangram.Runtime({"cpu": 1}), keys=3),
+        errors.SettingTypeError,
+        "3",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "fragment"), [pytest.param(c, e, f, id=i) for i, c, e, f in _CALLS]
+)
+def test_bad_input_to_a_public_call_raises_a_tangram_error_naming_it(
+    call: Callable[[], object], error: type[errors.TangramError], fragment: str
+) -> None:
+    with pytest.raises(errors.TangramError) as caught:
+        call()
+    assert type(caught.value) is error, f"{type(caught.value).__name__}: {caught.value}"
+    assert isinstance(caught.value, ValueError)
+    assert isinstance(caught.value, TypeError) == issubclass(error, TypeError)
+    assert fragment in str(caught.value)

@@ -194,7 +194,9 @@ class StepMetrics:
     ) -> None:
         self._sources = Sources.of(runtime, sandboxes, gpu, quotas)
         if keys is not None and (
-            isinstance(keys, str) or not all(isinstance(k, str) for k in keys)
+            isinstance(keys, str)
+            or not isinstance(keys, Collection)
+            or not all(isinstance(k, str) for k in keys)
         ):
             raise SettingTypeError(f"`keys` must be a collection of strings (got {keys!r})")
         self._keys = tuple(keys) if keys is not None else None

@@ -15,7 +15,7 @@ import anyio
 import attrs
 
 from .._core._units import parse_size
-from .._core._validate import positive, whole
+from .._core._validate import non_negative, positive, whole
 from ..errors import InvalidSettingError, SandboxBrokenError, SandboxError, SettingTypeError
 from ._backend import Host
 from ._cgroupfs import PERIOD_US
@@ -56,6 +56,13 @@ def byte_size(name: str, value: object) -> int:
 def _size_field(instance: object, attribute: Any, value: object) -> None:
     if value is not None or attribute.name != "memory":
         byte_size(attribute.name, value)
+
+
+def _text(instance: object, attribute: Any, value: object) -> None:
+    if not isinstance(value, str):
+        raise SettingTypeError(f"`{attribute.name}` must be a string (got {value!r})")
+    if not value:
+        raise InvalidSettingError(f"`{attribute.name}` must be a non-empty string (got '')")
 
 
 def _pids(instance: object, attribute: Any, value: object) -> None:
@@ -101,10 +108,10 @@ class DockerConfig:
         progress on the runner's channel before the sandbox is taken as broken.
     """
 
-    image: str = "tangram-sandbox-test:latest"
+    image: str = attrs.field(default="tangram-sandbox-test:latest", validator=_text)
     memory: str | int | None = attrs.field(default="1GiB", validator=_size_field)
     pids: int | None = attrs.field(default=256, validator=_pids)
-    network: str = "none"
+    network: str = attrs.field(default="none", validator=_text)
     read_only: bool = True
     work_size: str | int = attrs.field(default="512MiB", validator=_size_field)
     tmp_size: str | int = attrs.field(default="64MiB", validator=_size_field)
@@ -114,7 +121,7 @@ class DockerConfig:
     no_new_privileges: bool = True
     fast_path: bool = True
     sync_docker_view: bool = True
-    sync_after: float = 1.0
+    sync_after: float = attrs.field(default=1.0, validator=non_negative)
     api_timeout: float = attrs.field(default=30.0, validator=positive)
     io_timeout: float = attrs.field(default=30.0, validator=positive)
     env: Mapping[str, str] = attrs.field(factory=dict)

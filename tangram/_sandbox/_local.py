@@ -58,7 +58,7 @@ import anyio.abc
 import attrs
 
 from .._core._validate import whole
-from ..errors import InvalidSettingError, SandboxBrokenError, SandboxError
+from ..errors import InvalidSettingError, SandboxBrokenError, SandboxError, SettingTypeError
 from ._backend import ExecRequest, ExecResult, Host, SandboxBackend, SandboxHandle
 from ._cgroup import CgroupLeaf, CgroupTree, open_tree
 from ._cores import numa_nodes
@@ -206,7 +206,7 @@ class LocalBackend(SandboxBackend):
         self._uids: range | None = None
         self._fixed: tuple[int, int] | None = None
         if user is not None:
-            entry = pwd.getpwuid(user) if isinstance(user, int) else pwd.getpwnam(user)
+            entry = _account(user)
             if entry.pw_uid != os.geteuid():
                 self._fixed = (entry.pw_uid, entry.pw_gid)
         elif os.geteuid() == 0:
@@ -372,6 +372,17 @@ class LocalBackend(SandboxBackend):
                     claim.release()
             raise
         return _LocalHandle(self, host, box, work, owner, claim, leaf)
+
+
+def _account(user: object) -> pwd.struct_passwd:
+    """The account ``user`` (a name or a uid) names, checked where it is given."""
+    allowed = "a user name or a uid of this host"
+    if isinstance(user, bool) or not isinstance(user, (str, int)):
+        raise SettingTypeError(f"`user` must be {allowed} (got {user!r})")
+    try:
+        return pwd.getpwuid(user) if isinstance(user, int) else pwd.getpwnam(user)
+    except (KeyError, OverflowError):
+        raise InvalidSettingError(f"`user` must be {allowed} (got {user!r})") from None
 
 
 def _default_python(other_user: bool) -> str:

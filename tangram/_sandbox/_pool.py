@@ -126,6 +126,8 @@ class SandboxPool:
         whole("warm", warm)
         whole("output_limit", output_limit)
         _seconds("timeout", timeout, strict=True)
+        if not isinstance(kind, str):
+            raise SettingTypeError(f"`kind` must be a string (got {kind!r})")
         self._backend = backend
         self._runtime = runtime
         self._warm_target = warm

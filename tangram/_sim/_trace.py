@@ -22,7 +22,7 @@ import attrs
 from .._core._demand import Elastic
 from .._core._efficiency import Efficiency, Linear, efficiency_from_dict
 from .._core._resources import Rate
-from ..errors import InvalidDemandError, TraceFormatError
+from ..errors import InvalidDemandError, SettingTypeError, TraceFormatError
 from ._residency import ServiceSpec
 from ._simulate import Step
 
@@ -147,11 +147,16 @@ def read_trace(source: str | Path | Iterable[str] | Iterable[bytes]) -> Trace:
 
     :raises TraceFormatError: the first malformed line, with its number, the reason and,
         when read from a path, the file.
+    :raises SettingTypeError: ``source`` is neither a path nor lines (a ``TypeError``).
     :raises OSError: the file cannot be opened or read.
     """
     if isinstance(source, (str, Path)):
         with open(source, "rb") as handle:
             return read_lines(handle, str(source))
+    if isinstance(source, (bytes, bytearray)) or not isinstance(source, Iterable):
+        raise SettingTypeError(
+            f"`source` must be a path or lines of text or bytes (got {_cut(repr(source), 60)})"
+        )
     return read_lines(source)
 
 
