@@ -163,16 +163,42 @@ def _chain(example: CodeExample) -> list[CodeExample]:
     return chain
 
 
-def _skip_unless_runnable(marker: str | None) -> None:
+def _source(example: CodeExample) -> str:
+    return "".join(link.source for link in _chain(example))
+
+
+RAY_BLOCKS = [example for example in PYTHON if "tangram.ray" in _source(example)]
+
+
+def _why_not_here(marker: str | None) -> str | None:
+    """Why a block with this marker cannot run here, or ``None`` when it can."""
     if marker in NOT_HERE:
-        pytest.skip(NOT_HERE[marker])
+        return NOT_HERE[marker]
     if marker == "gpu":
+        no_gpu = "needs a CUDA GPU (runs on the device machine)"
         # No NVIDIA driver, no CUDA: decided without importing torch (seconds) first.
         if not Path("/proc/driver/nvidia/version").exists():
-            pytest.skip("needs a CUDA GPU (runs on the device machine)")
-        torch = pytest.importorskip("torch")
+            return no_gpu
+        try:
+            import torch
+        except ImportError:
+            return no_gpu
         if not torch.cuda.is_available():
-            pytest.skip("needs a CUDA GPU (runs on the device machine)")
+            return no_gpu
+    return None
+
+
+def _skip_unless_runnable(marker: str | None) -> None:
+    reason = _why_not_here(marker)
+    if reason is not None:
+        pytest.skip(reason)
+
+
+def _last_ray_block(example: CodeExample) -> bool:
+    """Whether no Ray block after this one runs here."""
+    later = RAY_BLOCKS[RAY_BLOCKS.index(example) + 1 :]
+    runs = (all(_why_not_here(_fence_of(link).marker) is None for link in _chain(e)) for e in later)
+    return not any(runs)
 
 
 def test_every_marker_is_known_and_in_its_place() -> None:
@@ -197,8 +223,12 @@ def test_quickstart_shows_the_readmes_example() -> None:
 
 
 @pytest.fixture(scope="module")
-def local_ray() -> Iterator[None]:
-    """A real single-node Ray, as a reader's laptop would have (two CPUs)."""
+def local_ray() -> Iterator[Callable[[], None]]:
+    """A real single-node Ray, as a reader's laptop would have (two CPUs), one for every block.
+
+    It yields ``ray.shutdown``: the last Ray block stops it, so the blocks after it do
+    not share the two cores with an idle Ray's daemons and workers.
+    """
     ray = pytest.importorskip("ray")
     # address="local": a Ray of its own, never a cluster another process left running here.
     ray.init(
@@ -208,7 +238,7 @@ def local_ray() -> Iterator[None]:
         log_to_driver=False,
     )
     try:
-        yield
+        yield ray.shutdown
     finally:
         ray.shutdown()
 
@@ -238,9 +268,11 @@ def test_python_block(
     chain = _chain(example)
     for link in chain:
         _skip_unless_runnable(_fence_of(link).marker)
-    source = "".join(link.source for link in chain)
+    source = _source(example)
     if "tangram.ray" in source:
-        request.getfixturevalue("local_ray")
+        stop_ray = request.getfixturevalue("local_ray")
+        if _last_ray_block(example):
+            request.addfinalizer(stop_ray)
     if "DockerBackend" in source:
         request.getfixturevalue("docker")
     _export(example.path, monkeypatch)
