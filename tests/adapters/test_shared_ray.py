@@ -15,9 +15,8 @@ process on this machine); OpenRLHF's own ``MultiTurnAgentExecutor.execute`` driv
 adapter's ``AgentInstance``; sandboxes are tangram's local backend; the judge is a real
 torch module. Stand-ins: the LLM engine behind OpenRLHF's executor (vLLM needs a GPU),
 which returns fixed turns through a real tokenizer, and the judge's device, a
-``cpu:0`` Device (no GPU here). The OpenRLHF config scores with a small function of this
-module instead of the docs' ``reward = "tests"``: the code grader reads the interpreter
-from a local sandbox's pool, which a remote sandbox does not have.
+``cpu:0`` Device (no GPU here). The OpenRLHF config scores with the docs' own
+``reward = "tests"``: the sealed code grader, on a sandbox of the node's agent.
 """
 
 from __future__ import annotations
@@ -178,12 +177,6 @@ def build_judge() -> Any:
     return torch.nn.Linear(4, 2)
 
 
-async def exit_code_reward(action: str, label: Any, sandbox: Any) -> float:
-    """A reward of the episode's own sandbox: the label's check, run there."""
-    result = await sandbox.run(code=str(label), cpu=1)
-    return 1.0 if result.ok else 0.0
-
-
 class OpenRLHFWorker:
     """One vLLM engine actor's agent side: OpenRLHF's executor, built as its actor does."""
 
@@ -224,7 +217,7 @@ class OpenRLHFWorker:
             engine = Engine()
             params = SimpleNamespace(max_tokens=None, logprobs=None)
             result = await self.executor.execute(
-                "Probe.", "assert True", params, 8192, tokenizer, engine
+                "Probe.", "assert answer() == 42", params, 8192, tokenizer, engine
             )
             return float(result["reward"]), engine.prompts[1:]
 
@@ -321,16 +314,16 @@ def test_two_openrlhf_engine_actors_share_the_hosts_cores(cluster: dict[str, Any
 
     tokenizer_dir = cluster["tmp"] / "tok"
     tiny_tokenizer(tokenizer_dir)
-    config = _config(
-        cluster["tmp"],
-        "openrlhf.toml",
-        {'reward = "tests"': 'reward = "test_shared_ray:exit_code_reward"'},
-    )
+    config = _config(cluster["tmp"], "openrlhf.toml")
     env = {**cluster["env"], "TANGRAM_CONFIG": str(config)}
     call = '<tool_call>{"name": "run_code", "arguments": {"code": %s}}</tool_call>'
     import json
 
-    turns = [call % json.dumps(PROBE.format(seconds=0.3)), "Done."]
+    # The last turn is the answer the grader scores against the label's assertion.
+    turns = [
+        call % json.dumps(PROBE.format(seconds=0.3)),
+        "Done.\n```python\ndef answer():\n    return 42\n```",
+    ]
     workers = [
         ray.remote(OpenRLHFWorker)
         .options(**_on(cluster["head"]), runtime_env={"env_vars": env})
