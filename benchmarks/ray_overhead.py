@@ -58,20 +58,27 @@ The adapters' path (issue 18: ``mode = "shared"``, the adapters' default)
       trajectory``) with verl's own ``initialize_tools_from_config``, and each runs M
       trajectories that alternate a think sleep with a tool call, made as verl's
       ``ToolAgentLoop._call_tool`` makes it (``create``, ``execute`` with the
-      trajectory's ``agent_data``, ``release``). The call runs a fixed amount of pure
-      Python work (a loop, not a timed spin, so contention shows as time) in a local
-      sandbox and prints its start, end and ``Cpus_allowed_list``. Both modes have the
-      same cores, the host's: shared gives the job one ledger of them (the node's host
-      agent picks core ids); per-process gives each worker its own pool that believes it
-      owns them all. Figures: wall time from the common start to the last trajectory's
-      end in each mode (each arm runs twice, interleaved shared/local/shared/local; the
-      better, i.e. shorter, of the two counts, both are reported), their ratio (target
-      shared / per-process <= 1: sharing must not cost rollout time), and from the
-      sandboxes' own records the peak cores held at once (the largest sum of allowed
-      cores over commands running at one instant; target shared <= host cores) and the
-      overlaps (pairs of commands running at once on a common core; target 0 in shared
-      mode). Per-process mode is expected to oversubscribe: that is the bug the shared
-      mode fixes.
+      trajectory's ``agent_data``, ``release``): 4 workers x 4 trajectories x 3 calls,
+      2 x 2 x 2 under ``--quick``; the sandboxes as the docs' tangram.toml has them
+      (``backend = "local"``, ``warm = 2``: per node shared, per process local). The
+      call runs a fixed amount of pure Python work (a loop, not a timed spin, so
+      contention shows as time) in a local sandbox and prints its start, end and
+      ``Cpus_allowed_list``. Both modes have the same cores, the host's: shared gives
+      the job one ledger of them (the node's host agent picks core ids); per-process
+      gives each worker its own pool that believes it owns them all. Figures: wall time
+      from the common start to the last trajectory's end in each mode (each arm runs
+      twice, interleaved shared/local/shared/local; the better, i.e. shorter, of the two
+      counts, both are reported), their ratio (target shared / per-process <= 1: sharing
+      must not cost rollout time), and from the sandboxes' own records the peak cores
+      held at once (the largest sum of allowed cores over commands running at one
+      instant; target shared <= host cores) and the overlaps (pairs of commands running
+      at once on a common core; target 0 in shared mode). Per-process mode is expected
+      to oversubscribe: that is the bug the shared mode fixes. On a host other jobs load
+      too, per-process mode's extra concurrent commands also take a larger share of the
+      contended cores from those jobs, which favours it in wall time:
+      ``load_average_at_rollout`` says how loaded the host was. Each call's mean wall,
+      queued and running seconds (``rollout_call_s_mean`` and so on, the last two from
+      the tool's own metrics) say where a mode's time went.
 
     Why: the gain the paper claims needs one scheduler to see every action of the job;
     this checks that the adapters' default gets it without slowing a tool call or a
@@ -135,6 +142,7 @@ ROLLOUT = {True: (2, 2, 2), False: (4, 4, 3)}
 ROLLOUT_THINK = 0.1  # seconds of "generation" before each tool call
 ROLLOUT_RUNS = 2  # per mode, interleaved
 WORK = 2_000_000  # loop iterations per tool call: about 0.1-0.2 s of one core here
+CALL_SPLIT = ("call_s", "queue_s", "exec_s")  # a tool call's wall, queued and running time
 TOOLS_YAML = Path(__file__).resolve().parents[1] / "docs" / "examples" / "verl_tools.yaml"
 # The command a tool call runs: fixed work, then when it ran and on which cores.
 PROBE = (
@@ -212,7 +220,7 @@ class Worker:
         self, mode: str, start: float, trajectories: int, turns: int, think: float
     ) -> dict[str, Any]:
         """``trajectories`` concurrent trajectories from ``start``; when the last ended."""
-        outputs: list[str] = []
+        outputs: list[dict[str, Any]] = []
         await anyio.sleep(max(0.0, start - time.time()))
         async with anyio.create_task_group() as tg:
             for _ in range(trajectories):
@@ -227,19 +235,31 @@ class AgentData:
         self.request_id = uuid.uuid4().hex
 
 
-async def _trajectory(tool: Any, turns: int, think: float, outputs: list[str]) -> None:
-    """One trajectory: think, then a tool call as ``ToolAgentLoop._call_tool`` makes it."""
+async def _trajectory(tool: Any, turns: int, think: float, outputs: list[dict[str, Any]]) -> None:
+    """One trajectory: think, then a tool call as ``ToolAgentLoop._call_tool`` makes it.
+
+    Each call's output, its wall time and the tool's own metrics (time queued for cores,
+    time running) are kept: together they say where a slower mode lost its time.
+    """
     agent_data = AgentData()
     for _ in range(turns):
         await anyio.sleep(think)
+        began = time.perf_counter()
         instance_id, _ = await tool.create(create_kwargs={})
         try:
-            response, _, _ = await tool.execute(
+            response, _, metrics = await tool.execute(
                 instance_id, {"code": PROBE.format(work=WORK)}, agent_data=agent_data
             )
         finally:
             await tool.release(instance_id)
-        outputs.append(str(response.text))
+        outputs.append(
+            {
+                "text": str(response.text),
+                "call_s": time.perf_counter() - began,
+                "queue_s": metrics.get("queue_seconds") or 0.0,
+                "exec_s": metrics.get("exec_seconds") or 0.0,
+            }
+        )
 
 
 async def _local(tasks: int, seconds: float) -> float:
@@ -388,15 +408,23 @@ async def _rollouts(workers: list[Any], trajectories: int, turns: int) -> dict[s
                 w.rollout.remote(mode, start, trajectories, turns, ROLLOUT_THINK) for w in workers
             ]
             reports = [await ref for ref in refs]
-            probes, failed = _probes([o for r in reports for o in r["outputs"]])
+            calls = [o for r in reports for o in r["outputs"]]
+            probes, failed = _probes([c["text"] for c in calls])
             peak, overlaps = _occupancy(probes)
             wall = max(r["end"] for r in reports) - start
             runs[mode].append(
-                {"wall_s": wall, "peak_cores": peak, "core_overlaps": overlaps, "failed": failed}
+                {
+                    "wall_s": wall,
+                    "peak_cores": peak,
+                    "core_overlaps": overlaps,
+                    "failed": failed,
+                    **{k: statistics.fmean(c[k] for c in calls) for k in CALL_SPLIT},
+                }
             )
             print(
                 f"  rollout {mode:>6}: {wall:.2f} s, peak {peak} cores at once, "
-                f"{overlaps} core overlaps, {failed} failed calls",
+                f"{overlaps} core overlaps, {failed} failed calls; per call "
+                + ", ".join(f"{k} {runs[mode][-1][k]:.2f}" for k in CALL_SPLIT),
                 file=sys.stderr,
                 flush=True,
             )
@@ -447,9 +475,10 @@ def main(argv: list[str] | None = None) -> int:
     configs = _configs(Path(folder.name))
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
-        workers = [Worker.remote() for _ in range(max(SIZES))]  # type: ignore[attr-defined]
-        # The last workers are the rollout's: verl loads there while the others start,
-        # and the first ones, which the 1- and 4-worker rows use, never load it.
+        # Created last first: the last workers are the rollout's, so verl loads there
+        # while the others start, and the first ones (the 1- and 4-worker rows) never load it.
+        created = [Worker.remote() for _ in range(max(SIZES))]  # type: ignore[attr-defined]
+        workers = created[::-1]
         rollout_workers = workers[-n_rollout:]
         loading = [w.load_tools.remote(configs["tools"]) for w in rollout_workers]
         ray.get([w.ready.remote() for w in workers] + loading)
@@ -464,6 +493,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
             flush=True,
         )
+        rollout_load = os.getloadavg()[0]
         runs = anyio.run(_rollouts, rollout_workers, trajectories, turns)
     finally:
         ray.shutdown()
@@ -528,6 +558,7 @@ def main(argv: list[str] | None = None) -> int:
         "rollout_trajectories_per_worker": trajectories,
         "rollout_calls_per_trajectory": turns,
         "rollout_think_s": ROLLOUT_THINK,
+        "load_average_at_rollout": round(rollout_load, 2),
         "rollout_work_s_one_core": round(work_s, 3),
         "rollout_wall_s_runs": {m: [round(r["wall_s"], 3) for r in runs[m]] for m in MODES},
         "rollout_wall_s_best": {m: round(best[m], 3) for m in MODES},
@@ -535,6 +566,12 @@ def main(argv: list[str] | None = None) -> int:
         "rollout_peak_cores": peak,
         "rollout_core_overlaps": overlaps,
         "rollout_failed_calls": {m: sum(r["failed"] for r in runs[m]) for m in MODES},
+        **{
+            f"rollout_{key}_mean": {
+                m: round(statistics.fmean(r[key] for r in runs[m]), 3) for m in MODES
+            }
+            for key in CALL_SPLIT
+        },
     }
     targets = {
         f"extra_ms_per_action_{size}": {
