@@ -40,14 +40,12 @@ invisible on GitHub and in the built site. They are defined here and nowhere els
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
 import signal
 import subprocess
 import sys
-import urllib.request
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -55,6 +53,7 @@ from typing import Any
 
 import anyio
 import attrs
+import httpx
 import pytest
 from markdown_it import MarkdownIt
 from pytest_examples import CodeExample, EvalExample, find_examples
@@ -385,19 +384,20 @@ def _serve_briefly(args: list[str], where: str) -> None:
     server = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
     )
+    started: re.Match[str] | None = None
+    answer: Any = None
     try:
         assert server.stdout is not None
         started = re.search(r"http://\S+/run_code", server.stdout.readline())
-        assert started, f"{where}: the server did not start"
-        body = json.dumps({"code": "print(6 * 7)", "language": "python"}).encode()
-        request = urllib.request.Request(
-            started.group(0), data=body, headers={"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(request, timeout=60) as reply:
-            answer = json.load(reply)
-        assert answer["status"] == "Success", f"{where}: {answer}"
-        assert answer["run_result"]["stdout"] == "42\n", f"{where}: {answer}"
+        if started:
+            code = {"code": "print(6 * 7)", "language": "python"}
+            # trust_env=False: a proxy set for the host must not receive a loopback request.
+            answer = httpx.post(started.group(0), json=code, timeout=60, trust_env=False).json()
     finally:
-        server.send_signal(signal.SIGTERM)
+        if server.poll() is None:
+            server.send_signal(signal.SIGTERM)
         _, errors = server.communicate(timeout=60)
+    assert started, f"{where}: the server did not start (exit {server.returncode})\n{errors}"
+    assert answer["status"] == "Success", f"{where}: {answer}"
+    assert answer["run_result"]["stdout"] == "42\n", f"{where}: {answer}"
     assert server.returncode == 0, f"{where}: exit {server.returncode}\n{errors}"
