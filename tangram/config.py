@@ -20,6 +20,15 @@ from ._frameworks._config import SandboxConfig as SandboxConfig
 from ._frameworks._config import load as load
 from ._frameworks._config import open_scheduler as open_scheduler
 from ._frameworks._config import parse as parse
+from ._frameworks._failures import counts as _counts
+
+
+def infrastructure_failures() -> dict[str, int]:
+    """Tangram's own failures in this process so far (a scheduler gone, a sandbox broken),
+    per action kind: the calls the adapters raised to the framework or dropped from
+    scoring instead of handing them to the model. A trainer can log it per step."""
+    return _counts()
+
 
 __all__ = [
     "ENV_VAR",
@@ -31,6 +40,7 @@ __all__ = [
     "QuotaConfig",
     "RayConfig",
     "SandboxConfig",
+    "infrastructure_failures",
     "load",
     "open_scheduler",
     "parse",

@@ -94,3 +94,14 @@ def test_the_metrics_facade_exports_its_two_names_as_its_own() -> None:
     assert set(tangram.metrics.__all__) == {"Collector", "StepMetrics"}
     for name in tangram.metrics.__all__:
         assert getattr(tangram.metrics, name).__module__ == "tangram.metrics"
+
+
+def test_the_config_facade_counts_infrastructure_failures_under_its_own_name() -> None:
+    import tangram.config
+    from tangram._frameworks import _failures
+
+    _failures.reset()
+    _failures.record("run_code", RuntimeError("the scheduler is gone"))
+    assert tangram.config.infrastructure_failures() == {"run_code": 1}
+    assert tangram.config.infrastructure_failures.__module__ == "tangram.config"
+    _failures.reset()
