@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import pytest
-from docker_support import Setup, ensure_docker, open_pool
+
+from .docker_support import Setup, ensure_docker, open_pool
 
 
 @pytest.fixture

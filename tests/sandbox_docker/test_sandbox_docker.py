@@ -15,7 +15,15 @@ from pathlib import Path
 
 import anyio
 import pytest
-from docker_support import (
+
+import tangram
+from tangram._sandbox._backend import RunResult
+from tangram._sandbox._cgroupfs import CgroupFiles
+from tangram._sandbox._docker import PARKED_QUOTA_US, PERIOD_US, DockerBackend, DockerConfig
+from tangram._sandbox._pool import Sandbox, SandboxPool
+from tangram.errors import SandboxBrokenError
+
+from .docker_support import (
     CPUSET_FILES,
     IMAGE,
     QUOTA_FILES,
@@ -29,13 +37,6 @@ from docker_support import (
     open_pool,
     quota_of,
 )
-
-import tangram
-from tangram._sandbox._backend import RunResult
-from tangram._sandbox._cgroupfs import CgroupFiles
-from tangram._sandbox._docker import PARKED_QUOTA_US, PERIOD_US, DockerBackend, DockerConfig
-from tangram._sandbox._pool import Sandbox, SandboxPool
-from tangram.errors import SandboxBrokenError
 
 pytestmark = pytest.mark.anyio
 

@@ -11,15 +11,16 @@ import logging
 
 import anyio
 import pytest
-from docker_support import (
-    Setup,
-    config,
-    inspect,
-)
 
 from tangram._sandbox._backend import ExecRequest
 from tangram._sandbox._docker import DockerBackend
 from tangram.errors import SandboxBrokenError
+
+from .docker_support import (
+    Setup,
+    config,
+    inspect,
+)
 
 pytestmark = pytest.mark.anyio
 

@@ -14,13 +14,14 @@ import os
 import aiodocker
 import anyio
 import pytest
-from docker_support import (
+
+from tangram.errors import SandboxBrokenError
+
+from .docker_support import (
     Setup,
     config,
     open_pool,
 )
-
-from tangram.errors import SandboxBrokenError
 
 pytestmark = pytest.mark.anyio
 

@@ -18,17 +18,18 @@ import anyio
 import anyio.abc
 import pytest
 from anyio import open_process
-from docker_support import (
-    IMAGE,
-    REPO,
-    config,
-    open_pool,
-)
 
 import tangram
 from tangram._sandbox._docker import DockerBackend
 from tangram._sandbox._pool import Sandbox, SandboxPool
 from tangram.errors import SandboxBrokenError, SandboxError
+
+from .docker_support import (
+    IMAGE,
+    REPO,
+    config,
+    open_pool,
+)
 
 pytestmark = pytest.mark.anyio
 
