@@ -10,6 +10,7 @@ already catch, so ``except ValueError`` around a bad demand keeps working::
     │   └── CapacityExceededError            asks for more than the whole capacity
     ├── InvalidSettingError (ValueError)     a policy, estimator or runtime setting out of range
     │   ├── SettingTypeError (TypeError)     a setting or argument of the wrong type
+    │   ├── UnknownBackendError (LookupError)  names a sandbox backend that does not exist
     │   └── InvalidCapacityError             a capacity that makes no sense
     ├── ConfigError (ValueError)             a config file that cannot be read or is impossible
     ├── WaitTimeoutError (TimeoutError)      queued for longer than ``wait_timeout``
@@ -76,6 +77,7 @@ __all__ = [
     "TangramError",
     "TangramWarning",
     "TraceFormatError",
+    "UnknownBackendError",
     "UnknownResourceError",
     "WaitTimeoutError",
 ]
@@ -119,6 +121,14 @@ class SettingTypeError(InvalidSettingError, TypeError):
     not callable.
 
     Also a ``ValueError``, as these settings raised before they had a class of their own.
+    """
+
+
+class UnknownBackendError(InvalidSettingError, LookupError):
+    """A sandbox backend name no backend is registered under, such as ``"podman"``.
+
+    The message lists the names there are. Also a ``LookupError``, as the lookup raised
+    one before it had a class of its own.
     """
 
 

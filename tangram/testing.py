@@ -47,6 +47,7 @@ from ._runtime._run import Runtime
 from ._sandbox._pool import SandboxPool
 from ._testing._memory import Applied, Handler, MemoryBackend, MemoryModelService, MemorySandbox
 from ._testing._quota_server import Limit, QuotaServer
+from .errors import InstrumentNotAttachedError, SettingTypeError
 
 if TYPE_CHECKING:
     from ._core._policy import Entry, Plan
@@ -140,8 +141,7 @@ class InvariantChecker(Instrument):
     """
 
     def __init__(self, runtime: Runtime, *, raise_immediately: bool = False) -> None:
-        if not isinstance(runtime, Runtime):
-            raise TypeError(f"`runtime` must be a tangram.Runtime (got {runtime!r})")
+        _check_runtime(runtime)
         self.runtime = runtime
         self.raise_immediately = raise_immediately
         self._raises = raise_immediately
@@ -284,19 +284,36 @@ class InvariantChecker(Instrument):
 _CHECKERS: weakref.WeakKeyDictionary[Runtime, InvariantChecker] = weakref.WeakKeyDictionary()
 
 
+def _check_runtime(runtime: object) -> None:
+    if not isinstance(runtime, Runtime):
+        raise SettingTypeError(f"`runtime` must be a tangram.Runtime (got {runtime!r})")
+
+
 def checker_of(runtime: Runtime) -> InvariantChecker:
-    """The checker :func:`checked_runtime` (the ``tangram_runtime`` fixture) attached."""
+    """The checker :func:`checked_runtime` (the ``tangram_runtime`` fixture) attached.
+
+    :raises SettingTypeError: ``runtime`` is not a :class:`tangram.Runtime`.
+    :raises InstrumentNotAttachedError: no such checker is attached to it (also a
+        ``LookupError``).
+    """
+    _check_runtime(runtime)
     try:
         return _CHECKERS[runtime]
     except KeyError:
-        raise LookupError(f"no InvariantChecker attached to {runtime!r}") from None
+        raise InstrumentNotAttachedError(
+            f"no InvariantChecker attached to {runtime!r}: build it with checked_runtime() "
+            "or the tangram_runtime fixture"
+        ) from None
 
 
 def check_idle(runtime: Runtime) -> None:
     """Raise :class:`InvariantViolation` unless ``runtime`` holds, queues and leases nothing.
 
     Rate kinds are budgets, not holdings, and are not checked.
+
+    :raises SettingTypeError: ``runtime`` is not a :class:`tangram.Runtime`.
     """
+    _check_runtime(runtime)
     ledger = runtime._ledger
     problems: list[str] = []
     for kind, held in ledger.held.items():

@@ -173,8 +173,27 @@ def _in_sandbox(act: Callable[[tangram.Sandbox], Awaitable[object]]) -> Callable
     return lambda: anyio.run(main)
 
 
+def _backend_class(name: object) -> object:
+    """Where a backend name is looked up (a sandbox pool's ``backend`` by name)."""
+    from tangram._sandbox._backend import backend_class
+
+    return backend_class(name)
+
+
 def _step(**changes: object) -> tangram.Step:
     return tangram.Step(**{"demand": {"cpu": 1}, "seconds_at_1": 1.0, **changes})
+
+
+def _tool(name: str) -> Callable[..., object]:
+    """A class or function of the simulator or the tools that users reach through the CLI."""
+    from tangram._sim import _baselines, _generate, _residency
+    from tangram._tools import _bench_workload
+
+    for module in (_baselines, _generate, _residency, _bench_workload):
+        if hasattr(module, name):
+            found: Callable[..., object] = getattr(module, name)
+            return found
+    raise AssertionError(name)
 
 
 _CALLS: list[tuple[str, Callable[[], object], type[errors.TangramError], str]] = [
@@ -188,6 +207,12 @@ _CALLS: list[tuple[str, Callable[[], object], type[errors.TangramError], str]] =
         "'lots'",
     ),
     ("Runtime {}", lambda: tangram.Runtime({}), errors.InvalidCapacityError, "at least one"),
+    (
+        "Runtime estimator=3",
+        lambda: tangram.Runtime({"cpu": 4}, estimator=3),
+        errors.SettingTypeError,
+        "3",
+    ),
     (
         "Runtime policy=3",
         lambda: tangram.Runtime({"cpu": 4}, policy=3),
@@ -291,6 +316,8 @@ _CALLS: list[tuple[str, Callable[[], object], type[errors.TangramError], str]] =
         "0",
     ),
     ("SandboxPool kind=3", lambda: tangram.SandboxPool(kind=3), errors.SettingTypeError, "3"),
+    ("backend 'podman'", lambda: _backend_class("podman"), errors.UnknownBackendError, "'podman'"),
+    ("backend 3", lambda: _backend_class(3), errors.SettingTypeError, "3"),
     ("run no command", _in_sandbox(lambda s: s.run()), errors.SettingTypeError, "command=None"),
     ("run command=3", _in_sandbox(lambda s: s.run(3)), errors.SettingTypeError, "3"),
     ("run cpu='2'", _in_sandbox(lambda s: s.run("true", cpu="2")), errors.DemandTypeError, "'2'"),
@@ -413,6 +440,7 @@ _CALLS: list[tuple[str, Callable[[], object], type[errors.TangramError], str]] =
         "-1",
     ),
     ("GpuPool(3)", lambda: gpu.GpuPool(3), errors.SettingTypeError, "3"),
+    ("GpuPool([])", lambda: gpu.GpuPool([]), errors.InvalidSettingError, "[]"),
     (
         "GpuPool devices=3",
         lambda: gpu.GpuPool([testing.MemoryModelService("m")], devices=3),
@@ -496,7 +524,70 @@ _CALLS: list[tuple[str, Callable[[], object], type[errors.TangramError], str]] =
         "-1",
     ),
     ("Step seconds=-1", lambda: _step(seconds_at_1=-1), errors.InvalidSettingError, "-1"),
+    ("Step efficiency=3", lambda: _step(efficiency=3), errors.DemandTypeError, "3"),
+    ("simulate(3)", lambda: tangram.simulate(3, {"cpu": 4}), errors.SettingTypeError, "3"),
+    (
+        "simulate step 3",
+        lambda: tangram.simulate({"t": [3]}, {"cpu": 4}),
+        errors.SettingTypeError,
+        "step 0 of 't'",
+    ),
+    (
+        "simulate estimates='x'",
+        lambda: tangram.simulate({}, {"cpu": 4}, estimates="x"),
+        errors.InvalidSettingError,
+        "'x'",
+    ),
+    (
+        "simulate policy=3",
+        lambda: tangram.simulate({}, {"cpu": 4}, policy=3),
+        errors.SettingTypeError,
+        "3",
+    ),
+    (
+        "simulate estimator=3",
+        lambda: tangram.simulate({}, {"cpu": 4}, estimator=3),
+        errors.SettingTypeError,
+        "3",
+    ),
+    (
+        "simulate gpu_mem=-1",
+        lambda: tangram.simulate({}, {"gpu": 1}, gpu_mem_gib_per_device=-1),
+        errors.InvalidSettingError,
+        "-1",
+    ),
+    (
+        "simulate services, no gpu",
+        lambda: tangram.simulate({}, {"cpu": 4}, services={}),
+        errors.InvalidSettingError,
+        "'cpu'",
+    ),
+    (
+        "simulate unknown service",
+        lambda: tangram.simulate(
+            {"t": [_step(demand={"gpu": 1}, service="x")]}, {"gpu": 1}, services={}
+        ),
+        errors.InvalidSettingError,
+        "'x'",
+    ),
+    ("TraceRecorder(3)", lambda: tangram.TraceRecorder(3), errors.SettingTypeError, "3"),
+    (
+        "TraceRecorder name=3",
+        lambda: tangram.TraceRecorder(tangram.Runtime({"cpu": 1}), name=3),
+        errors.SettingTypeError,
+        "3",
+    ),
+    ("record_trace(3)", lambda: tangram.record_trace(3, "x"), errors.SettingTypeError, "3"),
+    (
+        "record_trace path=3",
+        lambda: tangram.record_trace(tangram.Runtime({"cpu": 1}), 3),
+        errors.SettingTypeError,
+        "3",
+    ),
     # the test kit
+    ("InvariantChecker(3)", lambda: testing.InvariantChecker(3), errors.SettingTypeError, "3"),
+    ("checker_of(3)", lambda: testing.checker_of(3), errors.SettingTypeError, "3"),
+    ("check_idle(3)", lambda: testing.check_idle(3), errors.SettingTypeError, "3"),
     (
         "MemoryBackend cores=0",
         lambda: testing.MemoryBackend(cores=0),
@@ -537,6 +628,82 @@ _CALLS: list[tuple[str, Callable[[], object], type[errors.TangramError], str]] =
     ("Limit requests=-1", lambda: testing.Limit(requests=-1), errors.InvalidSettingError, "-1"),
     ("Limit concurrency=0", lambda: testing.Limit(concurrency=0), errors.InvalidSettingError, "0"),
     ("Limit requests='x'", lambda: testing.Limit(requests="x"), errors.SettingTypeError, "'x'"),
+    # the benchmark and trace tools
+    ("parse_policy('x')", lambda: _tool("parse_policy")("x"), errors.InvalidSettingError, "'x'"),
+    (
+        "parse_policy fixed-dop-0",
+        lambda: _tool("parse_policy")("fixed-dop-0"),
+        errors.InvalidSettingError,
+        "'fixed-dop-0'",
+    ),
+    (
+        "GenerateConfig workload='x'",
+        lambda: _tool("GenerateConfig")(workload="x", batch=1),
+        errors.InvalidSettingError,
+        "'x'",
+    ),
+    (
+        "GenerateConfig batch='x'",
+        lambda: _tool("GenerateConfig")(workload="coding", batch="x"),
+        errors.SettingTypeError,
+        "'x'",
+    ),
+    (
+        "GenerateConfig zipf=0",
+        lambda: _tool("GenerateConfig")(workload="mopd", batch=1, zipf=0),
+        errors.InvalidSettingError,
+        "0",
+    ),
+    (
+        "GenerateConfig zipf='x'",
+        lambda: _tool("GenerateConfig")(workload="mopd", batch=1, zipf="x"),
+        errors.SettingTypeError,
+        "'x'",
+    ),
+    (
+        "Residency too big",
+        lambda: _tool("Residency")(
+            1, 10.0, {"m": _tool("ServiceSpec")(name="m", gpu_mem_gib=20.0)}
+        ),
+        errors.InvalidSettingError,
+        "20 GiB",
+    ),
+    (
+        "Residency too many GPUs",
+        lambda: _tool("Residency")(1, 80.0, {"m": _tool("ServiceSpec")(name="m", gpus=2)}),
+        errors.InvalidSettingError,
+        "2 GPUs",
+    ),
+    (
+        "BenchConfig turns=0",
+        lambda: _tool("BenchConfig")(trajectories=2, cores=1, turns=0),
+        errors.InvalidSettingError,
+        "0",
+    ),
+    (
+        "BenchConfig cores='x'",
+        lambda: _tool("BenchConfig")(trajectories=2, cores="x"),
+        errors.SettingTypeError,
+        "'x'",
+    ),
+    (
+        "BenchConfig reward_models=1",
+        lambda: _tool("BenchConfig")(trajectories=2, cores=1, reward_models=1),
+        errors.InvalidSettingError,
+        "1",
+    ),
+    (
+        "BenchConfig time_scale=0",
+        lambda: _tool("BenchConfig")(trajectories=2, cores=1, time_scale=0),
+        errors.InvalidSettingError,
+        "0",
+    ),
+    (
+        "BenchConfig sandbox='x'",
+        lambda: _tool("BenchConfig")(trajectories=2, cores=1, sandbox="x"),
+        errors.InvalidSettingError,
+        "'x'",
+    ),
     # metrics
     ("Collector(3)", lambda: metrics.Collector(3), errors.SettingTypeError, "3"),
     (
@@ -567,3 +734,11 @@ def test_bad_input_to_a_public_call_raises_a_tangram_error_naming_it(
     assert isinstance(caught.value, ValueError)
     assert isinstance(caught.value, TypeError) == issubclass(error, TypeError)
     assert fragment in str(caught.value)
+
+
+def test_a_runtime_without_a_checker_is_a_lookup_of_ours() -> None:
+    """Not a ValueError (the runtime is fine; the checker is absent), so not in the table."""
+    runtime = tangram.Runtime({"cpu": 1})
+    with pytest.raises(errors.InstrumentNotAttachedError, match="no InvariantChecker") as info:
+        testing.checker_of(runtime)
+    assert isinstance(info.value, LookupError)

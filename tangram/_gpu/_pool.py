@@ -103,7 +103,7 @@ class GpuPool:
         replica. ``False`` leaves the devices empty until an action needs them (a GPU
         shared with processes the pool does not know about).
     :raises SettingTypeError: an argument of the wrong type (also a ``TypeError``).
-    :raises InvalidSettingError: two services or two devices share a name.
+    :raises InvalidSettingError: no services, or two services or two devices share a name.
     """
 
     def __init__(
@@ -131,6 +131,11 @@ class GpuPool:
                     f"service names must be unique (got {service.name!r} twice)"
                 )
             states[service.name] = ServiceState(service)
+        if not states:
+            raise InvalidSettingError(
+                f"`services` must hold at least one model service (got {services!r}): "
+                "a pool with none can serve nothing"
+            )
         if devices is not None:
             given = devices
             devices = list(devices) if isinstance(devices, Iterable) else []

@@ -132,7 +132,8 @@ class Runtime(RunMixin):
     :param policy: the scheduling policy (default :class:`tangram.ElasticPolicy`).
     :param estimator: learns durations online (default :class:`tangram.Estimator`).
     :raises InvalidCapacityError: a capacity that makes no sense.
-    :raises SettingTypeError: ``policy`` has no ``plan`` method.
+    :raises SettingTypeError: ``policy`` has no ``plan`` method, or ``estimator`` is not
+        a :class:`tangram.Estimator`.
     """
 
     def __init__(
@@ -146,6 +147,10 @@ class Runtime(RunMixin):
         self._policy = policy if policy is not None else ElasticPolicy()
         if not callable(getattr(self._policy, "plan", None)):
             raise SettingTypeError(f"`policy` must have a plan(state) method (got {policy!r})")
+        if estimator is not None and not isinstance(estimator, Estimator):
+            raise SettingTypeError(
+                f"`estimator` must be a tangram.Estimator or None (got {estimator!r})"
+            )
         self._estimator = estimator if estimator is not None else Estimator()
         self._ledger = Ledger(self._capacity, self._policy, self._estimator)
         self._recorder = Recorder()

@@ -17,6 +17,8 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
+from ..errors import SettingTypeError, UnknownBackendError
+
 __all__ = [
     "BACKENDS",
     "CPUS_ENV",
@@ -217,13 +219,16 @@ _DEFAULT_ORDER = ("docker", "local")
 def backend_class(name: str) -> type[SandboxBackend]:
     """The backend class registered as ``name``.
 
-    :raises LookupError: no backend has that name.
+    :raises SettingTypeError: ``name`` is not a string.
+    :raises UnknownBackendError: no backend has that name (also a ``LookupError``).
     :raises ImportError: its optional dependency is missing (``tangram[docker]``).
     """
+    if not isinstance(name, str):
+        raise SettingTypeError(f"a sandbox backend name must be a string (got {name!r})")
     try:
         where = BACKENDS[name]
     except KeyError:
-        raise LookupError(
+        raise UnknownBackendError(
             f"no sandbox backend named {name!r} (known: {sorted(BACKENDS)})"
         ) from None
     module, _, attribute = where.partition(":")

@@ -50,6 +50,7 @@ from .._core._ledger import Ledger
 from .._core._policy import RUNNING, ElasticPolicy, Entry, FcfsPolicy, Policy
 from .._core._resources import Capacity, parse_capacity
 from .._core._validate import number
+from ..errors import InvalidSettingError
 from ._simulate import ActionRecord, SimulationResult, simulate
 from ._trace import Trace, TraceAction
 
@@ -80,7 +81,7 @@ StaticUnits = int | Mapping[str, int] | None
 def parse_policy(name: str) -> str:
     """Check a policy name; ``fixed-dop-K`` needs a whole K >= 1.
 
-    :raises ValueError: an unknown name or a bad K.
+    :raises InvalidSettingError: an unknown name or a bad K.
     """
     if name in ("tangram", "tangram-fcfs", "srpt", "static", "k8s", "pooled", "bound"):
         return name
@@ -88,8 +89,8 @@ def parse_policy(name: str) -> str:
         text = name.removeprefix("fixed-dop-")
         if text.isdigit() and int(text) >= 1:
             return name
-        raise ValueError(f"`fixed-dop-K` needs a whole K >= 1 (got {name!r})")
-    raise ValueError(f"unknown policy {name!r} (known: {', '.join(POLICIES)})")
+        raise InvalidSettingError(f"`fixed-dop-K` needs a whole K >= 1 (got {name!r})")
+    raise InvalidSettingError(f"unknown policy {name!r} (known: {', '.join(POLICIES)})")
 
 
 def run_policy(
@@ -614,9 +615,10 @@ def simulate_k8s(
     trajectory's last action ending deletes the pod at once. API and GPU-service actions
     are served as under ``static``.
 
-    :raises ValueError: a negative or non-finite lag.
+    :raises InvalidSettingError: a negative or non-finite lag (a ``SettingTypeError`` for
+        one that is not a number).
     """
-    lag = number("lag", lag, type_error=ValueError)
+    lag = number("lag", lag)
     return _K8s(trace, overrides, static_units, lag).run()
 
 

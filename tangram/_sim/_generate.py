@@ -22,7 +22,8 @@ from typing import Any, Literal
 
 import attrs
 
-from .._core._validate import whole
+from .._core._validate import number, whole
+from ..errors import InvalidSettingError
 from ._trace import FORMAT
 
 __all__ = ["WORKLOADS", "GenerateConfig", "generate", "generate_lines"]
@@ -58,16 +59,17 @@ TEACHER_BATCH = 32
 
 def _workload(instance: object, attribute: attrs.Attribute[str], value: str) -> None:
     if value not in WORKLOADS:
-        raise ValueError(f"`workload` must be one of {', '.join(WORKLOADS)} (got {value!r})")
+        raise InvalidSettingError(
+            f"`workload` must be one of {', '.join(WORKLOADS)} (got {value!r})"
+        )
 
 
 def _positive(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-        raise ValueError(f"`{attribute.name}` must be a number > 0 (got {value!r})")
+    number(attribute.name, value, strict=True)
 
 
 def _at_least_one(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    whole(attribute.name, value, minimum=1, type_error=ValueError)
+    whole(attribute.name, value, minimum=1)
 
 
 @attrs.frozen(kw_only=True)
@@ -76,8 +78,8 @@ class GenerateConfig:
     (deepsearch) or scoring chunks (mopd); ``None`` takes the workload's default.
     ``zipf``: the exponent of the teachers' popularity (mopd).
 
-    :raises ValueError: an unknown workload, a batch or turn count below 1, or a Zipf
-        exponent that is not > 0.
+    :raises InvalidSettingError: an unknown workload, a batch or turn count below 1, or a
+        Zipf exponent that is not > 0 (a ``SettingTypeError`` for a value of the wrong type).
     """
 
     workload: str = attrs.field(validator=_workload)

@@ -21,7 +21,9 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,7 @@ from .._core._stats import Outcome
 from .._runtime._instrument import Instrument
 from .._runtime._lease import Lease
 from .._runtime._run import Runtime
+from ..errors import SettingTypeError
 from ._trace import FORMAT
 
 __all__ = ["TraceRecorder", "record_trace"]
@@ -84,12 +87,15 @@ class TraceRecorder(Instrument):
     :meth:`detach` removes it, in any order with other instruments.
 
     :param name: the trace's ``name`` in its header.
-    :raises TypeError: ``runtime`` is not a :class:`tangram.Runtime`.
+    :raises SettingTypeError: ``runtime`` is not a :class:`tangram.Runtime`, or ``name``
+        not a string.
     """
 
     def __init__(self, runtime: Runtime, *, name: str = "recorded") -> None:
         if not isinstance(runtime, Runtime):
-            raise TypeError(f"`runtime` must be a tangram.Runtime (got {runtime!r})")
+            raise SettingTypeError(f"`runtime` must be a tangram.Runtime (got {runtime!r})")
+        if not isinstance(name, str):
+            raise SettingTypeError(f"`name` must be a string (got {name!r})")
         self.runtime = runtime
         self.name = name
         self.withdrawn = 0
@@ -235,15 +241,29 @@ def _efficiency_dict(efficiency: Efficiency, units: int) -> dict[str, Any]:
     return {"model": "table", "speedup": [efficiency.speedup(m) for m in range(1, units + 1)]}
 
 
-@contextlib.asynccontextmanager
-async def record_trace(
+def record_trace(
     runtime: Runtime, path: str | Path, *, name: str = "recorded"
-) -> AsyncIterator[TraceRecorder]:
+) -> AbstractAsyncContextManager[TraceRecorder]:
     """Record what ``runtime`` serves inside the block and write it to ``path`` on exit.
 
     ``async with tangram.record_trace(runtime, "step.jsonl"):`` around a rollout step;
     the file is written even when the block raises, so a failed step can be replayed.
+
+    :raises SettingTypeError: at the call, not at the ``async with``: ``runtime`` is not a
+        :class:`tangram.Runtime`, ``path`` not a path, or ``name`` not a string.
     """
+    if not isinstance(runtime, Runtime):
+        raise SettingTypeError(f"`runtime` must be a tangram.Runtime (got {runtime!r})")
+    if not isinstance(path, (str, os.PathLike)):
+        raise SettingTypeError(f"`path` must be a str or a path (got {path!r})")
+    if not isinstance(name, str):
+        raise SettingTypeError(f"`name` must be a string (got {name!r})")
+    return _record(runtime, path, name)
+
+
+@contextlib.asynccontextmanager
+async def _record(runtime: Runtime, path: str | Path, name: str) -> AsyncIterator[TraceRecorder]:
+    """The block of :func:`record_trace`, its arguments already checked."""
     recorder = TraceRecorder(runtime, name=name)
     try:
         yield recorder

@@ -25,6 +25,7 @@ import attrs
 
 from .._core import _placement as rules
 from .._core._validate import non_negative, whole
+from ..errors import InvalidSettingError
 
 __all__ = ["ServiceSpec", "Placement", "Residency"]
 
@@ -79,7 +80,8 @@ class Placement:
 class Residency:
     """Which replicas are resident on which of ``devices`` GPUs of ``memory_gib`` each.
 
-    :raises ValueError: a service larger than one device's memory, or than the devices.
+    :raises InvalidSettingError: a service larger than one device's memory, or than the
+        devices.
     """
 
     def __init__(
@@ -87,12 +89,12 @@ class Residency:
     ) -> None:
         for service in services.values():
             if service.per_device > memory_gib + 1e-9:
-                raise ValueError(
+                raise InvalidSettingError(
                     f"service {service.name!r} needs {service.per_device:g} GiB per device, "
                     f"more than a device's {memory_gib:g} GiB"
                 )
             if service.gpus > devices:
-                raise ValueError(
+                raise InvalidSettingError(
                     f"service {service.name!r} needs {service.gpus} GPUs; there are {devices}"
                 )
         self.services = dict(services)

@@ -25,7 +25,8 @@ from .._core._ledger import Ledger
 from .._core._policy import RUNNING, ElasticPolicy, Entry, Policy
 from .._core._resources import Capacity, parse_capacity
 from .._core._stats import nearest_rank
-from .._core._validate import seconds
+from .._core._validate import number, seconds
+from ..errors import DemandTypeError, InvalidDemandError, InvalidSettingError, SettingTypeError
 from ._residency import Placement, Residency, ServiceSpec
 
 __all__ = ["ActionRecord", "SimulationResult", "Step", "simulate"]
@@ -42,7 +43,7 @@ def _step_efficiency(
     instance: object, attribute: attrs.Attribute[Efficiency], value: object
 ) -> None:
     if not isinstance(value, Efficiency):
-        raise TypeError(f"`efficiency` must have a speedup(units) method (got {value!r})")
+        raise DemandTypeError(f"`efficiency` must have a speedup(units) method (got {value!r})")
 
 
 @attrs.frozen(kw_only=True)
@@ -52,8 +53,9 @@ class Step:
     The demand is checked when :func:`simulate` starts. ``service`` names the GPU model
     service a rigid ``gpu`` step runs on (see ``services`` of :func:`simulate`).
 
-    :raises TypeError: a time that is not a number, or an efficiency without ``speedup``.
-    :raises ValueError: a time that is not finite and >= 0.
+    :raises SettingTypeError: a time that is not a number.
+    :raises DemandTypeError: an efficiency without ``speedup``.
+    :raises InvalidSettingError: a time that is not finite and >= 0.
     """
 
     demand: Mapping[str, object]
@@ -163,9 +165,15 @@ def simulate(
         grant is asked from the same ledger and policy, with the restore in its estimate;
         :class:`~tangram._sim._residency.Residency` places it (evict-on-execution), and a step on
         a replica that was not resident waits for its restore (its ``overhead``).
-    :raises ValueError: a step names an unknown service, a service step that is elastic
-        or whose GPUs differ from its service's, or services without a ``gpu`` capacity.
+    :raises SettingTypeError: ``trajectories`` is not a mapping of names to sequences of
+        :class:`Step`, or ``policy`` or ``estimator`` of the wrong type.
+    :raises InvalidSettingError: ``estimates`` or ``gpu_mem_gib_per_device`` out of range, a
+        step names an unknown service, or services without a ``gpu`` capacity.
+    :raises InvalidDemandError: a service step that is elastic or whose GPUs differ from its
+        service's.
     """
+    _check_arguments(trajectories, policy, estimates, estimator)
+    number("gpu_mem_gib_per_device", gpu_mem_gib_per_device, strict=True, unit="GiB")
     cap = parse_capacity(capacity)
     learner = estimator if estimator is not None else Estimator()
     ledger = Ledger(cap, policy if policy is not None else ElasticPolicy(), learner)
@@ -294,6 +302,32 @@ def simulate(
     )
 
 
+def _check_arguments(
+    trajectories: object, policy: object, estimates: object, estimator: object
+) -> None:
+    """Refuse what would otherwise fail deep in the replay, far from the call that made it."""
+    if not isinstance(trajectories, Mapping):
+        raise SettingTypeError(
+            f"`trajectories` must be a mapping of names to sequences of Step (got {trajectories!r})"
+        )
+    for name, steps in trajectories.items():
+        if isinstance(steps, (str, bytes)) or not isinstance(steps, Sequence):
+            raise SettingTypeError(
+                f"trajectory {name!r} must be a sequence of Step (got {steps!r})"
+            )
+        for i, step in enumerate(steps):
+            if not isinstance(step, Step):
+                raise SettingTypeError(f"step {i} of {name!r} must be a Step (got {step!r})")
+    if policy is not None and not callable(getattr(policy, "plan", None)):
+        raise SettingTypeError(f"`policy` must have a plan(state) method (got {policy!r})")
+    if estimates not in ("exact", "learned"):
+        raise InvalidSettingError(f"`estimates` must be 'exact' or 'learned' (got {estimates!r})")
+    if estimator is not None and not isinstance(estimator, Estimator):
+        raise SettingTypeError(
+            f"`estimator` must be a tangram.Estimator or None (got {estimator!r})"
+        )
+
+
 def _pool(
     trajectories: Mapping[str, Sequence[Step]],
     demands: Mapping[tuple[str, int], Demand],
@@ -306,23 +340,32 @@ def _pool(
     if services is None:
         return None
     if "gpu" not in cap:
-        raise ValueError("GPU services need a `gpu` capacity (the number of devices)")
+        raise InvalidSettingError(
+            "GPU services need a `gpu` capacity, the number of devices "
+            f"(the capacity has {', '.join(map(repr, cap))})"
+        )
     for name, steps in trajectories.items():
         for i, step in enumerate(steps):
             demand = demands[(name, i)]
             if demand.elastic_kind == "gpu":
-                raise ValueError(
+                raise InvalidDemandError(
                     f"step {i} of {name!r}: elastic GPU steps cannot be placed on devices"
                 )
             if step.service is None:
                 continue
             if step.service not in services:
-                raise ValueError(f"step {i} of {name!r}: unknown service {step.service!r}")
+                raise InvalidSettingError(
+                    f"step {i} of {name!r}: unknown service {step.service!r} "
+                    f"(known: {', '.join(map(repr, services)) or 'none'})"
+                )
             if demand.elastic is not None or any(k != "gpu" for k, _ in demand.rigid):
-                raise ValueError(f"step {i} of {name!r}: a service step holds only `gpu`")
+                raise InvalidDemandError(
+                    f"step {i} of {name!r}: a service step holds only `gpu` "
+                    f"(got {dict(step.demand)!r})"
+                )
             gpus = demand.amount("gpu", 0)
             if gpus != services[step.service].gpus:
-                raise ValueError(
+                raise InvalidDemandError(
                     f"step {i} of {name!r} holds {gpus:g} GPUs but a replica of "
                     f"{step.service!r} needs {services[step.service].gpus}"
                 )

@@ -7,12 +7,15 @@ generated test suites and build jobs. Pure except for :func:`usable_cores`.
 
 from __future__ import annotations
 
-import math
 import os
 import random
 from typing import Any, Literal
 
 import attrs
+
+from .._core._validate import number as check_number
+from .._core._validate import whole
+from ..errors import InvalidSettingError, SettingTypeError
 
 __all__ = [
     "BUILD_HEADER",
@@ -129,21 +132,23 @@ class BenchConfig:
 
     def __attrs_post_init__(self) -> None:
         for name in ("trajectories", "cores", "turns", "call_cores"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"`{name}` must be a whole number >= 1 (got {value!r})")
+            whole(name, getattr(self, name), minimum=1)
         if self.call_cores > self.cores:
-            raise ValueError(
+            raise InvalidSettingError(
                 f"`call_cores` must be <= `cores` (got {self.call_cores} > {self.cores})"
             )
+        if isinstance(self.reward_models, bool) or not isinstance(self.reward_models, int):
+            raise SettingTypeError(
+                f"`reward_models` must be a whole number (got {self.reward_models!r})"
+            )
         if self.reward_models < 2:
-            raise ValueError(f"`reward_models` must be >= 2 (got {self.reward_models!r})")
+            raise InvalidSettingError(f"`reward_models` must be >= 2 (got {self.reward_models!r})")
         for name in ("time_scale", "search_rate"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"`{name}` must be > 0 (got {value!r})")
+            check_number(name, getattr(self, name), strict=True)
         if self.sandbox not in ("local", "docker"):
-            raise ValueError(f"`sandbox` must be 'local' or 'docker' (got {self.sandbox!r})")
+            raise InvalidSettingError(
+                f"`sandbox` must be 'local' or 'docker' (got {self.sandbox!r})"
+            )
 
 
 def usable_cores() -> int:

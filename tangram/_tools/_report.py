@@ -391,7 +391,7 @@ def _simulate_command(args: argparse.Namespace) -> int:
         where = str(args.trace)
         trace = read_trace(args.trace)
     if not trace.actions:
-        raise TraceFormatError(f"the trace has no actions: nothing to simulate (in {where})")
+        raise TraceFormatError("the trace has no actions: nothing to simulate", path=where)
     overrides: dict[str, float] = {}
     for part in args.capacity:
         overrides.update(part)
