@@ -600,6 +600,46 @@ def test_service_steps_are_checked(steps: list[Step], match: str) -> None:
 
 
 @pytest.mark.parametrize(
+    ("steps", "error"),
+    [
+        ([_on("nope", 1.0)], "InvalidSettingError"),
+        ([_on("a", 1.0, gpus=2)], "InvalidDemandError"),
+        ([Step(demand={"gpu": 1, "cpu": 1}, seconds_at_1=1.0, service="a")], "InvalidDemandError"),
+        (
+            [Step(demand={"gpu": Elastic(1, 2)}, seconds_at_1=1.0, service="a")],
+            "InvalidDemandError",
+        ),
+    ],
+)
+def test_a_bad_service_step_is_a_tangram_error_of_its_own(steps: list[Step], error: str) -> None:
+    """A step naming a service the run lacks is a setting; one that holds the wrong units is
+    a demand no replica could serve. Both are refused before the replay starts."""
+    from tangram import errors
+
+    with pytest.raises(getattr(errors, error)) as info:
+        simulate({"t": steps}, {"gpu": 2, "cpu": 2}, services={"a": _service("a")})
+    assert "step 0 of 't'" in str(info.value)
+
+
+def test_a_bad_argument_to_simulate_fails_before_any_step_runs() -> None:
+    """The arguments are checked at the call: a policy that is not one never sees a step."""
+    from tangram import errors
+
+    planned: list[object] = []
+
+    class NotAPolicy:
+        def decide(self, state: object) -> None:
+            planned.append(state)
+
+    work = {"t": [Step(demand={"cpu": 1}, seconds_at_1=1.0)]}
+    with pytest.raises(errors.SettingTypeError, match="plan"):
+        simulate(work, {"cpu": 1}, policy=NotAPolicy())  # type: ignore[arg-type]
+    with pytest.raises(errors.InvalidSettingError, match="'learnt'"):
+        simulate(work, {"cpu": 1}, estimates="learnt")  # type: ignore[arg-type]
+    assert planned == []
+
+
+@pytest.mark.parametrize(
     ("fields", "error"),
     [
         ({"gpus": 0}, ValueError),

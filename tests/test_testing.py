@@ -170,6 +170,17 @@ def test_the_checker_needs_a_runtime() -> None:
         InvariantChecker(object())  # type: ignore[arg-type]
 
 
+def test_the_kit_refuses_what_is_not_a_runtime_with_a_tangram_error() -> None:
+    """Without the check, ``check_idle(3)`` failed on a missing attribute, naming nothing."""
+    from tangram import errors
+
+    for call in (InvariantChecker, checker_of, check_idle):
+        with pytest.raises(errors.SettingTypeError, match=r"tangram\.Runtime \(got 3\)"):
+            call(3)  # type: ignore[arg-type]
+    with pytest.raises(errors.InstrumentNotAttachedError, match="checked_runtime"):
+        checker_of(tangram.Runtime({"cpu": 1}))
+
+
 def test_the_pytest_plugin_gives_checked_runtimes(pytester: pytest.Pytester) -> None:
     pytester.makeini("[pytest]\nasyncio_default_fixture_loop_scope = function\n")
     pytester.makeconftest('pytest_plugins = ["tangram.testing"]')
