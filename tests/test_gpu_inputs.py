@@ -148,6 +148,19 @@ async def test_a_call_in_a_run_when_the_pool_closes_fails_as_closed() -> None:
 
 
 @pytest.mark.anyio
+async def test_a_service_larger_than_every_device_is_refused_in_human_units() -> None:
+    pool = GpuPool(
+        [TorchService("big", small_model, memory="8MiB")], devices=[Device("cpu:0", "4MiB")]
+    )
+    with pytest.raises(GpuOutOfMemoryError) as caught:
+        async with pool:
+            pytest.fail("a service no device can hold must not start")
+    message = str(caught.value)
+    assert "8MiB" in message and "4MiB" in message, message
+    assert str(8 * MIB) not in message
+
+
+@pytest.mark.anyio
 async def test_a_declared_memory_smaller_than_the_model_is_refused_with_both_sizes() -> None:
     # 5 MB of float32 weights declared as 1 KiB: a restore would overrun its grant.
     service = TorchService("big", lambda: torch.nn.Linear(1120, 1120), memory="1KiB")

@@ -14,7 +14,8 @@ import itertools
 from collections.abc import Collection, Mapping, Sequence
 
 from .._core import _placement as rules
-from ..errors import GpuOutOfMemoryError
+from .._core._units import format_size
+from ..errors import GpuOutOfMemoryError, InvalidSettingError
 from ._devices import Device
 from ._replica import PoolReplica, Residency, ServiceState
 
@@ -50,7 +51,7 @@ class Placer:
     def check_fits(self, state: ServiceState) -> None:
         """Refuse a service bound to unknown devices, or larger than the devices.
 
-        :raises ValueError: a slot names a device the pool does not have.
+        :raises InvalidSettingError: a slot names a device the pool does not have.
         :raises GpuOutOfMemoryError: too few devices can hold one replica's memory.
         """
         service = state.service
@@ -61,12 +62,16 @@ class Placer:
             for slot in slots:
                 unknown = [n for n in slot if n not in names]
                 if unknown:
-                    raise ValueError(f"{service.name!r} is bound to unknown devices {unknown}")
+                    raise InvalidSettingError(
+                        f"{service.name!r} is bound to unknown devices {unknown} "
+                        f"(the pool has {sorted(names)})"
+                    )
         big_enough = [d for d in self.devices if d.memory >= service.memory]
         if len(big_enough) < service.gpus:
             raise GpuOutOfMemoryError(
-                f"{service.name!r} needs {service.memory} bytes on {service.gpus} device(s); "
-                f"the largest device has {max(d.memory for d in self.devices)}"
+                f"{service.name!r} needs {format_size(service.memory)} on each of "
+                f"{service.gpus} device(s); the largest device has "
+                f"{format_size(max(d.memory for d in self.devices))}"
             )
 
     # -- actions ---------------------------------------------------------------------------
