@@ -85,6 +85,7 @@ class Tally:
         self.wait_timeouts = 0
         self.rejected = 0
         self.never_started = 0
+        self.left_units = 0.0  # units still held once every worker ended (0 unless leaked)
 
 
 async def body(lease: tangram.Lease, r: random.Random, scale: float) -> None:
@@ -185,8 +186,11 @@ async def chaos(
                 tg.start_soon(
                     worker, runtime, random.Random(r.random()), tally, budget, scopes, scale
                 )
-        check_idle(runtime)
         stats = runtime.stats()
+        tally.left_units = sum(
+            abs(use.held) for kind, use in stats.resources.items() if kind != "search"
+        )
+        check_idle(runtime)
     checker.verify()
     outcomes = stats.kinds.values()
     completed = sum(k.completed for k in outcomes)

@@ -7,6 +7,7 @@ fixed time for something to happen.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -22,6 +23,7 @@ import pytest
 import tangram
 from tangram._sandbox._backend import RunResult
 from tangram._sandbox._cores import CoreSet, format_cpu_list, parse_cpu_list
+from tangram._sandbox._isolate import reachable_by_others
 from tangram._sandbox._local import LocalBackend
 from tangram._sandbox._pool import Sandbox, SandboxPool
 from tangram.errors import SandboxBrokenError, SandboxClosedError
@@ -102,6 +104,56 @@ async def test_run_reports_output_exit_code_and_grant() -> None:
         assert result.stdout == b"y\n"
         missing = await sbx.run(["/no/such/program"])
         assert missing.exit_code == 127
+
+
+FALLBACK = "not this process's interpreter"
+
+
+async def test_an_interpreter_sandboxes_cannot_reach_is_named_at_start(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A root trainer whose environment lies under a 0700 home (a virtualenv under
+    ``/root``, as on this machine and CI): ``run(code=...)`` gets the system ``python3``,
+    without the trainer's packages, and the pool says so once at start instead of the
+    model's ``import numpy`` failing unexplained (issue #18)."""
+    from tangram._sandbox import _local
+
+    backend = LocalBackend()
+    mine = (sys.executable, sys.prefix, sys.base_prefix)
+    falls_back = ROOT and not all(reachable_by_others(p) for p in mine)
+    _local._WARNED.discard(backend.python)
+    with caplog.at_level(logging.WARNING, logger="tangram.sandbox"):
+        async with (
+            SandboxPool(backend) as pool,
+            tangram.Runtime(capacity=pool.capacity()),
+            pool.sandbox("t") as sbx,
+        ):
+            result = await sbx.run(code="import sys; print(sys.executable)")
+    said = [r.getMessage() for r in caplog.records if FALLBACK in r.getMessage()]
+    assert result.ok, result
+    assert result.stdout.decode().strip() == backend.python == sbx.python
+    if falls_back:
+        assert backend.python != sys.executable
+        assert len(said) == 1
+        assert backend.python in said[0] and "[sandbox] python" in said[0]
+    else:
+        assert backend.python == sys.executable and not said
+
+
+async def test_a_named_interpreter_is_used_without_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    system = shutil.which("python3", path="/usr/bin:/bin")
+    assert system is not None
+    with caplog.at_level(logging.WARNING, logger="tangram.sandbox"):
+        async with (
+            SandboxPool(LocalBackend(python=system)) as pool,
+            tangram.Runtime(capacity=pool.capacity()),
+            pool.sandbox("t") as sbx,
+        ):
+            result = await sbx.run(code="import sys; print(sys.executable)")
+    assert result.stdout.decode().strip() == system
+    assert not [r for r in caplog.records if FALLBACK in r.getMessage()]
 
 
 async def test_an_elastic_demand_that_is_not_resizable_runs_on_its_grant() -> None:

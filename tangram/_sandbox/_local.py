@@ -214,6 +214,8 @@ class LocalBackend(SandboxBackend):
         self._ns_uid = uids.start
         others = self._uids is not None or self._fixed is not None
         self.python = python or _default_python(others)
+        # Said once at start: code run with ``run(code=...)`` misses the trainer's packages.
+        self._python_fallback = python is None and self.python != sys.executable
         self._host = Host("local", self._cores, numa_nodes(self._cores), "cpu")
         self._protections: Protections | None = None
         self._bwrap: str | None = None
@@ -240,6 +242,17 @@ class LocalBackend(SandboxBackend):
             if sentence not in _WARNED:
                 _WARNED.add(sentence)
                 logger.warning("local sandboxes are not fully isolated here: %s", sentence)
+        if self._python_fallback and self.python not in _WARNED:
+            _WARNED.add(self.python)
+            logger.warning(
+                "local sandboxes run code with %s, not this process's interpreter %s, which "
+                "their users cannot reach (a directory on its path lacks o+x), so this "
+                "environment's packages are missing there: name an interpreter they can "
+                "reach with `python` ([sandbox] python in a tangram config), or make this "
+                "one reachable",
+                self.python,
+                sys.executable,
+            )
         if self._mount:
             await anyio.to_thread.run_sync(reap_boxes, self._root)
         self._started = True
