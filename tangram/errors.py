@@ -10,7 +10,7 @@ already catch, so ``except ValueError`` around a bad demand keeps working::
     │   └── CapacityExceededError            asks for more than the whole capacity
     ├── InvalidSettingError (ValueError)     a policy, estimator or runtime setting out of range
     │   ├── SettingTypeError (TypeError)     a setting or argument of the wrong type
-    │   ├── UnknownBackendError (LookupError)  names a sandbox backend that does not exist
+    │   ├── UnknownBackendError (LookupError)  no sandbox backend of that name (or none usable)
     │   └── InvalidCapacityError             a capacity that makes no sense
     ├── ConfigError (ValueError)             a config file that cannot be read or is impossible
     ├── WaitTimeoutError (TimeoutError)      queued for longer than ``wait_timeout``
@@ -31,6 +31,7 @@ already catch, so ``except ValueError`` around a bad demand keeps working::
     ├── SandboxError                         a CPU sandbox could not run the action
     │   ├── SandboxBrokenError (RuntimeError)  it died (an outside cause, see ``__cause__``)
     │   └── SandboxClosedError (RuntimeError)  your code used it after it closed
+    │       └── UnknownSandboxError (KeyError)  an id with no open sandbox (not opened, or closed)
     ├── SchedulerUnavailableError (RuntimeError)  the shared Ray scheduler cannot serve you
     └── AsyncioRequiredError (RuntimeError)  ``tangram.ray`` on a loop other than asyncio
 
@@ -79,6 +80,7 @@ __all__ = [
     "TraceFormatError",
     "UnknownBackendError",
     "UnknownResourceError",
+    "UnknownSandboxError",
     "WaitTimeoutError",
 ]
 
@@ -127,8 +129,10 @@ class SettingTypeError(InvalidSettingError, TypeError):
 class UnknownBackendError(InvalidSettingError, LookupError):
     """A sandbox backend name no backend is registered under, such as ``"podman"``.
 
-    The message lists the names there are. Also a ``LookupError``, as the lookup raised
-    one before it had a class of its own.
+    The message lists the names there are. Also raised when a pool left to choose its
+    backend finds none usable here (no Docker, and no embedded backend on this platform):
+    pass one as ``backend=``. Also a ``LookupError``, as the lookup raised one before it
+    had a class of its own.
     """
 
 
@@ -272,6 +276,19 @@ class SandboxBrokenError(SandboxError, RuntimeError):
 
 class SandboxClosedError(SandboxError, RuntimeError):
     """The sandbox or pool was used after it closed (a mistake in the calling code)."""
+
+
+class UnknownSandboxError(SandboxClosedError, KeyError):
+    """An id that names no open sandbox: never opened, or already closed.
+
+    Raised by an adapter's tool (verl's ``execute``) given an instance id it has no
+    sandbox for: ``create`` was never called for it, or ``release`` already was. Also a
+    ``KeyError``, as the lookup raised one before it had a class of its own.
+    """
+
+    def __str__(self) -> str:
+        # KeyError's own __str__ shows the message's repr, quotes and all.
+        return str(self.args[0]) if self.args else ""
 
 
 class SchedulerUnavailableError(TangramError, RuntimeError):

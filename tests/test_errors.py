@@ -9,10 +9,13 @@ type-checked): each must fail at the call with a tangram error that names the va
 from __future__ import annotations
 
 import builtins
+import functools
+import os
 import pickle
 import re
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
+from typing import Any
 
 import anyio
 import pytest
@@ -95,6 +98,9 @@ def test_error_matches_its_place_in_the_tree(name: str) -> None:
         ("LeaseNotResizableError", RuntimeError),
         ("LeaseReleasedError", RuntimeError),
         ("InstrumentNotAttachedError", KeyError),
+        ("UnknownBackendError", LookupError),
+        ("UnknownSandboxError", KeyError),
+        ("UnknownSandboxError", errors.SandboxClosedError),
         ("DeadlockRiskWarning", UserWarning),
     ],
 )
@@ -118,9 +124,12 @@ def test_errors_pickle_with_their_message(name: str) -> None:
     assert str(copy) == "what happened"
 
 
-def test_a_key_error_of_ours_reads_as_its_message() -> None:
+@pytest.mark.parametrize(
+    "name", sorted(n for n in errors.__all__ if issubclass(getattr(errors, n), KeyError))
+)
+def test_a_key_error_of_ours_reads_as_its_message(name: str) -> None:
     """KeyError's own str() quotes its message; ours reads as a sentence like the rest."""
-    assert str(errors.InstrumentNotAttachedError("not attached")) == "not attached"
+    assert str(getattr(errors, name)("not attached")) == "not attached"
 
 
 def test_errors_are_reachable_from_the_package() -> None:
@@ -178,6 +187,44 @@ def _backend_class(name: object) -> object:
     from tangram._sandbox._backend import backend_class
 
     return backend_class(name)
+
+
+def _ray() -> Any:
+    """``tangram.ray``, skipped where Ray is not installed (never under CI, as test_ray)."""
+    if not os.environ.get("CI"):
+        pytest.importorskip("ray")
+    import tangram.ray
+
+    return tangram.ray
+
+
+def _remote() -> Any:
+    """A proxy as ``tangram.ray.connect`` hands out, on no actor and no cluster.
+
+    Its calls check their arguments before any Ray call (demands against the capacity it
+    was given), so no cluster is started for these rows.
+    """
+    return _ray().RemoteRuntime(None, heartbeat=1.0, capacity={"cpu": 4})
+
+
+def _connect(**settings: object) -> Callable[[], None]:
+    """Enter ``tangram.ray.connect(**settings)`` on asyncio: refused before Ray starts."""
+
+    async def main() -> None:
+        async with _ray().connect(**settings):
+            raise AssertionError("connected: the settings were not refused")
+
+    return lambda: anyio.run(main)  # asyncio, anyio.run's default: connect refuses trio
+
+
+def _on_asyncio(call: Callable[..., Awaitable[object]], *args: Any, **kwargs: Any) -> object:
+    """``await call(*args, **kwargs)`` on a fresh asyncio loop."""
+    return anyio.run(functools.partial(call, *args, **kwargs))
+
+
+def _start_agent(**kwargs: object) -> Callable[[], object]:
+    """``tangram.ray.start_agent`` on a proxy with no actor: refused before the Ray call."""
+    return lambda: _on_asyncio(_ray().start_agent, _remote(), **kwargs)
 
 
 def _step(**changes: object) -> tangram.Step:
@@ -703,6 +750,83 @@ _CALLS: list[tuple[str, Callable[[], object], type[errors.TangramError], str]] =
         lambda: _tool("BenchConfig")(trajectories=2, cores=1, sandbox="x"),
         errors.InvalidSettingError,
         "'x'",
+    ),
+    # tangram.ray: checked before any Ray call, so no cluster starts
+    ("ray connect name=3", _connect(name=3), errors.SettingTypeError, "3"),
+    ("ray connect name=''", _connect(name=""), errors.SettingTypeError, "''"),
+    ("ray connect heartbeat=0", _connect(heartbeat=0), errors.InvalidCapacityError, "(got 0)"),
+    (
+        "ray connect lease_timeout < 2 heartbeats",
+        _connect(heartbeat=1.0, lease_timeout=1.5),
+        errors.InvalidCapacityError,
+        "1.5 < 2 x 1",
+    ),
+    (
+        "ray connect cpu=-4",
+        _connect(capacity={"cpu": -4}),
+        errors.InvalidCapacityError,
+        "-4",
+    ),
+    (
+        "remote.acquire cpu='x'",
+        lambda: _remote().acquire(cpu="x"),
+        errors.DemandTypeError,
+        "'x'",
+    ),
+    (
+        "remote.acquire gpu=1",
+        lambda: _remote().acquire(gpu=1),
+        errors.UnknownResourceError,
+        "'gpu'",
+    ),
+    ("remote.acquire cpu=8", lambda: _remote().acquire(cpu=8), errors.CapacityExceededError, "8"),
+    (
+        "remote.run fn=3",
+        lambda: _on_asyncio(_remote().run, {"cpu": 1}, 3),
+        errors.SettingTypeError,
+        "3",
+    ),
+    (
+        "remote.set_capacity(3)",
+        lambda: _on_asyncio(_remote().set_capacity, 3),
+        errors.InvalidCapacityError,
+        "3",
+    ),
+    (
+        "remote.set_capacity cpu=lots",
+        lambda: _on_asyncio(_remote().set_capacity, cpu="lots"),
+        errors.InvalidCapacityError,
+        "'lots'",
+    ),
+    ("remote.sandbox(3)", lambda: _remote().sandbox(3), errors.SettingTypeError, "3"),
+    ("remote.service(3)", lambda: _remote().service(3), errors.SettingTypeError, "3"),
+    ("remote.service('')", lambda: _remote().service(""), errors.SettingTypeError, "''"),
+    ("start_agent name=3", _start_agent(name=3), errors.SettingTypeError, "3"),
+    ("start_agent name=''", _start_agent(name=""), errors.InvalidSettingError, "''"),
+    ("start_agent name='a@b'", _start_agent(name="a@b"), errors.InvalidSettingError, "'a@b'"),
+    (
+        "start_agent services='judge'",
+        _start_agent(name="a", services="judge"),
+        errors.SettingTypeError,
+        "'judge'",
+    ),
+    (
+        "start_agent services=[3]",
+        _start_agent(name="a", services=[3]),
+        errors.SettingTypeError,
+        "3",
+    ),
+    (
+        "start_agent devices=['cpu:0']",
+        _start_agent(name="a", services=[testing.MemoryModelService("m")], devices=["cpu:0"]),
+        errors.SettingTypeError,
+        "['cpu:0']",
+    ),
+    (
+        "start_agent devices, no services",
+        _start_agent(name="a", devices=[gpu.Device("cpu:0", memory="1GiB")]),
+        errors.InvalidSettingError,
+        "without `services`",
     ),
     # metrics
     ("Collector(3)", lambda: metrics.Collector(3), errors.SettingTypeError, "3"),

@@ -233,8 +233,9 @@ def test_the_host_book_keeps_a_trajectory_on_the_least_loaded_host() -> None:
     assert book.place("t1") == ("a", "agent-a")  # both empty: the first by name
     assert book.place("t2") == ("b", "agent-b")  # a has a sandbox per 4 cores, b none
     assert book.place("t1") == ("a", "agent-a")  # a trajectory stays where its files are
-    with pytest.raises(LookupError, match="no host agent serves 'other'"):
+    with pytest.raises(UnknownResourceError, match="no host agent serves 'other'") as caught:
         book.place_service("cid-w", "other")
+    assert isinstance(caught.value, LookupError)  # as GpuPool.use for a name it lacks
     ticket, host, _ = book.place_service("cid-w", "judge")
     assert host == "b" and book.describe()["b"]["calls"] == 1
     # The worker's proxy is dropped: its service block ends; host b's agent is dropped

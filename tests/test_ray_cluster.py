@@ -30,7 +30,13 @@ import pytest
 from ray_support import held, wait_for, work_dir_holding
 
 import tangram
-from tangram.errors import GpuServiceError, SandboxBrokenError
+from tangram.errors import (
+    GpuServiceError,
+    InvalidSettingError,
+    SandboxBrokenError,
+    SettingTypeError,
+    UnknownResourceError,
+)
 
 if os.environ.get("CI"):
     import ray
@@ -191,12 +197,14 @@ async def test_agents_run_on_their_own_nodes_and_register_cores_and_devices(
     # The scheduler stays on the driver's node, so losing a worker node cannot take it.
     info = await remote.actor.info.remote()
     assert info["node_id"] == deployment["head"]
-    with pytest.raises(ValueError, match="already registered"):
+    # Refused with tangram's errors, still the ValueError and TypeError they were.
+    with pytest.raises(InvalidSettingError, match="named 'a' is already registered"):
         await tray.start_agent(remote, name="a", services=_services("lin"))
-    with pytest.raises(ValueError, match="without `services`"):
+    with pytest.raises(InvalidSettingError, match="without `services`"):
         await tray.start_agent(remote, name="c", devices=[Device("cpu:0", memory="1MiB")])
-    with pytest.raises(TypeError, match="ModelService"):
+    with pytest.raises(SettingTypeError, match="ModelService") as caught:
         await tray.start_agent(remote, name="c", services=[object()])
+    assert isinstance(caught.value, TypeError)
 
 
 async def test_a_trajectorys_sandbox_actions_stay_on_its_host(
@@ -285,7 +293,7 @@ async def test_a_service_call_runs_on_a_node_that_serves_it(
     host, tags = await worker.call.remote(deployment["name"], "only_b")
     assert host == "b" and tags == [float(agents["b"].pid)] * 2
     ray.kill(worker)
-    with pytest.raises(LookupError, match="no host agent serves 'missing'"):
+    with pytest.raises(UnknownResourceError, match="no host agent serves 'missing'"):
         async with remote.service("missing"):
             pass
     # Each replica's grant was mirrored centrally as its share of a device, and returned.
@@ -356,7 +364,7 @@ async def test_removing_a_node_mid_action_returns_its_units_and_others_keep_serv
     async with remote.service("lin") as svc:
         assert svc.host == "a"
         assert (await svc(torch.ones(1, 4))).shape == (1, 4)
-    with pytest.raises(LookupError, match="'slow'"):
+    with pytest.raises(UnknownResourceError, match="'slow'"):
         async with remote.service("slow"):
             pass
     hosts = await remote.actor.hosts.remote()

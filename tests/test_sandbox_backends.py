@@ -10,6 +10,7 @@ import pytest
 import tangram
 from tangram._sandbox import _backend
 from tangram._sandbox._docker import DockerBackend
+from tangram.errors import UnknownBackendError
 
 pytestmark = pytest.mark.anyio
 
@@ -47,3 +48,15 @@ async def test_the_default_is_docker_where_it_is_usable(monkeypatch: pytest.Monk
 
     monkeypatch.setattr(DockerBackend, "usable", classmethod(lambda cls: yes()))
     assert isinstance(await _backend.default_backend(), tangram.DockerBackend)
+
+
+async def test_no_usable_backend_is_a_tangram_lookup_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def no() -> bool:
+        return False
+
+    for cls in (DockerBackend, tangram.LocalBackend):
+        monkeypatch.setattr(cls, "usable", classmethod(lambda cls: no()))
+    with pytest.raises(UnknownBackendError, match=r"usable here \(tried: docker, local\)") as info:
+        await _backend.default_backend()
+    assert isinstance(info.value, LookupError)
+    assert "`backend=`" in str(info.value)

@@ -45,7 +45,13 @@ from .._sandbox._backend import (
     default_backend,
 )
 from .._sandbox._pool import Sandbox, SandboxPool
-from ..errors import GpuError, SandboxClosedError
+from ..errors import (
+    GpuError,
+    InvalidSettingError,
+    SandboxClosedError,
+    SettingTypeError,
+    UnknownResourceError,
+)
 from ._connect import attach
 from ._protocol import logger
 from ._proxy import RemoteRuntime
@@ -77,9 +83,9 @@ class _HostBackend(SandboxBackend):
     async def start(self) -> Sequence[Host]:
         hosts = list(await self._inner.start())
         if len(hosts) != 1:
-            raise ValueError(
-                f"a host agent's backend must place sandboxes on exactly one host "
-                f"(got {len(hosts)}): start one agent per host"
+            raise InvalidSettingError(
+                f"`backend` must place a host agent's sandboxes on exactly one host "
+                f"(got {len(hosts)} hosts): start one agent per host"
             )
         self._hosts = {host.name: host for host in hosts}
         return [attrs.evolve(hosts[0], resource=f"cpu@{self._agent}")]
@@ -257,7 +263,7 @@ class HostAgentActor:
         for spec in self._services:
             service = spec if isinstance(spec, ModelService) else spec()
             if not isinstance(service, ModelService):
-                raise TypeError(
+                raise SettingTypeError(
                     f"a service factory must return a tangram.gpu.ModelService (got {service!r})"
                 )
             services.append(service)
@@ -297,7 +303,9 @@ class HostAgentActor:
         """One action on service ``name`` of this node's pool, and the residency after it."""
         await self.start()
         if self._gpu is None:
-            raise LookupError(f"host agent {self._name!r} serves no GPU model services")
+            raise UnknownResourceError(
+                f"host agent {self._name!r} serves no GPU model services (asked for {name!r})"
+            )
         async with self._gpu.use(name) as svc:
             result = await svc(batch)
         return (result, *self._residency())
@@ -317,7 +325,10 @@ class HostAgentActor:
         """Open ``trajectory``'s sandbox here; returns the interpreter ``code=`` runs in it."""
         await self.start()
         if trajectory in self._sandboxes:
-            raise ValueError(f"trajectory {trajectory!r} already has a sandbox on this host")
+            raise InvalidSettingError(
+                f"trajectory {trajectory!r} already has an open sandbox on host agent "
+                f"{self._name!r}: one `remote.sandbox(...)` block per trajectory at a time"
+            )
         assert self._pool is not None
         stack = contextlib.AsyncExitStack()
         sandbox = await stack.enter_async_context(self._pool.sandbox(trajectory))
@@ -425,18 +436,23 @@ async def start_agent(
     :param devices: the node's devices as :class:`tangram.gpu.Device`; default: every
         CUDA device visible on the agent's node. ``Device("cpu:0", memory=...)`` serves
         on the host (CPU-only nodes, tests).
-    :raises ValueError: a name in use, a backend that spans several hosts, or devices
-        without services.
-    :raises TypeError: services or devices of the wrong type.
+    :raises InvalidSettingError: a name that is empty, has an ``@`` or is in use, a backend
+        that spans several hosts, or devices without services (a ``ValueError``).
+    :raises SettingTypeError: a name, services or devices of the wrong type (a
+        ``TypeError``, and a ``ValueError`` as the name check raised before).
     :raises tangram.errors.GpuError: no device on the node, or a service that failed to
         load or fits no device (from the agent).
     """
-    if not isinstance(name, str) or not name or "@" in name:
-        raise ValueError(f"`name` must be a non-empty string without '@' (got {name!r})")
+    if not isinstance(name, str):
+        raise SettingTypeError(f"`name` must be a non-empty string without '@' (got {name!r})")
+    if not name or "@" in name:
+        raise InvalidSettingError(f"`name` must be a non-empty string without '@' (got {name!r})")
     services, devices = _check_gpu_arguments(services, devices)
     hosts = await remote.actor.hosts.remote()
     if name in hosts:
-        raise ValueError(f"a host agent named {name!r} is already registered")
+        raise InvalidSettingError(
+            f"`name`: a host agent named {name!r} is already registered (have {sorted(hosts)})"
+        )
     node = node_id if node_id is not None else ray.get_runtime_context().get_node_id()
     actor_class: Any = ray.remote(HostAgentActor)
     actor = actor_class.options(
@@ -475,11 +491,11 @@ def _check_gpu_arguments(
     from .._gpu._service import ModelService
 
     if isinstance(services, (str, bytes)) or not isinstance(services, Sequence):
-        raise TypeError(f"`services` must be a list of model services (got {services!r})")
+        raise SettingTypeError(f"`services` must be a list of model services (got {services!r})")
     checked: list[Any] = []
     for spec in services:
         if not isinstance(spec, ModelService) and not callable(spec):
-            raise TypeError(
+            raise SettingTypeError(
                 "each service must be a tangram.gpu.ModelService or a callable building one "
                 f"on the agent's node (got {spec!r})"
             )
@@ -487,12 +503,15 @@ def _check_gpu_arguments(
     if devices is None:
         return checked, None
     if not checked:
-        raise ValueError("`devices` without `services`: an agent's devices serve its services")
+        raise InvalidSettingError(
+            f"`devices` without `services` (got devices={devices!r}): an agent's devices "
+            "serve its services"
+        )
     if isinstance(devices, (str, bytes)) or not isinstance(devices, Sequence):
-        raise TypeError(f"`devices` must be a list of tangram.gpu.Device (got {devices!r})")
+        raise SettingTypeError(f"`devices` must be a list of tangram.gpu.Device (got {devices!r})")
     listed = list(devices)
     if not listed or not all(isinstance(d, Device) for d in listed):
-        raise TypeError(
+        raise SettingTypeError(
             f"`devices` must be a non-empty list of tangram.gpu.Device (got {devices!r})"
         )
     return checked, listed

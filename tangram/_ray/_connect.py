@@ -23,7 +23,12 @@ from .._core._policy import Policy
 from .._core._resources import Capacity
 from .._core._validate import seconds
 from .._runtime._run import Runtime, _enter_current, _exit_current
-from ..errors import AsyncioRequiredError, InvalidCapacityError, SchedulerUnavailableError
+from ..errors import (
+    AsyncioRequiredError,
+    InvalidCapacityError,
+    SchedulerUnavailableError,
+    SettingTypeError,
+)
 from ._cluster import ClusterSchedulerActor
 from ._protocol import DEFAULT_HEARTBEAT, DEFAULT_TIMEOUT
 from ._proxy import RemoteRuntime
@@ -85,6 +90,7 @@ async def connect(
     :raises SchedulerUnavailableError: there is no such actor and none was created.
     :raises AsyncioRequiredError: not on asyncio (trio cannot await a Ray call).
     :raises InvalidCapacityError: a bad capacity, or one that differs from the actor's.
+    :raises SettingTypeError: ``name`` is not a non-empty string (also a ``TypeError``).
     """
     try:
         asyncio.get_running_loop()
@@ -112,7 +118,7 @@ async def connect(
             f"(got {lease_timeout:g} < 2 x {heartbeat:g})"
         )
     if not isinstance(name, str) or not name:
-        raise TypeError(f"`name` must be a non-empty string (got {name!r})")
+        raise SettingTypeError(f"`name` must be a non-empty string (got {name!r})")
     wanted = Runtime(capacity).capacity if capacity is not None else None
     if not ray.is_initialized():
         await anyio.to_thread.run_sync(

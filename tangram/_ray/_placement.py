@@ -12,7 +12,7 @@ import itertools
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import SchedulerUnavailableError
+from ..errors import SchedulerUnavailableError, UnknownResourceError
 from ._protocol import logger
 
 __all__ = ["HostBook"]
@@ -169,12 +169,13 @@ class HostBook:
         host is that busy, the least busy host that serves it, so calls spread over the
         cluster's devices instead of queueing on one.
 
-        :raises LookupError: no registered host serves ``service``.
+        :raises UnknownResourceError: no registered host serves ``service`` (also a
+            ``LookupError``), as ``GpuPool.use`` for a name it lacks.
         """
         serving = [h for h in self._hosts.values() if service in h.services and h.gpus > 0]
         if not serving:
             offered = sorted({s for h in self._hosts.values() for s in h.services})
-            raise LookupError(
+            raise UnknownResourceError(
                 f"no host agent serves {service!r} (served: {offered}): start one with "
                 "tangram.ray.start_agent(..., services=[...])"
             )

@@ -38,6 +38,7 @@ from ..errors import (
     InvalidCapacityError,
     RuntimeClosedError,
     SchedulerUnavailableError,
+    SettingTypeError,
 )
 from ._hosts import RemoteSandbox, RemoteService, open_sandbox, open_service
 from ._protocol import CANCELLED, COMPLETED, FAILED, logger
@@ -406,9 +407,14 @@ class RemoteRuntime(RunMixin):
         ``async with remote.sandbox("traj-7") as sbx: await sbx.run("pytest -q", cpu=2)``:
         the sandbox lives on one host agent (see :func:`tangram.ray.start_agent`) for the
         block's whole life, so every action of the trajectory runs where its files are.
+
+        :raises SettingTypeError: ``trajectory_id`` is not a string (at the call; also a
+            ``TypeError``).
+        :raises InvalidSettingError: ``trajectory_id`` already has an open sandbox
+            (entering the block; also a ``ValueError``).
         """
         if not isinstance(trajectory_id, str):
-            raise TypeError(f"`trajectory_id` must be a string (got {trajectory_id!r})")
+            raise SettingTypeError(f"`trajectory_id` must be a string (got {trajectory_id!r})")
         return open_sandbox(self._actor, trajectory_id, self._id)
 
     def service(self, name: str) -> contextlib.AbstractAsyncContextManager[RemoteService]:
@@ -419,11 +425,13 @@ class RemoteRuntime(RunMixin):
         :func:`tangram.ray.start_agent`), preferably one where it is resident; each call
         is one action on that agent's :class:`tangram.gpu.GpuPool`.
 
-        :raises TypeError: ``name`` is not a non-empty string (at the call).
-        :raises LookupError: no live host agent serves ``name`` (entering the block).
+        :raises SettingTypeError: ``name`` is not a non-empty string (at the call; also a
+            ``TypeError``).
+        :raises UnknownResourceError: no live host agent serves ``name`` (entering the
+            block; also a ``LookupError``), as ``GpuPool.use`` for a name it lacks.
         """
         if not isinstance(name, str) or not name:
-            raise TypeError(f"`name` must be a non-empty string (got {name!r})")
+            raise SettingTypeError(f"`name` must be a non-empty string (got {name!r})")
         return open_service(self._actor, self._id, name)
 
     # -- remote introspection ---------------------------------------------------------

@@ -237,7 +237,10 @@ def backend_class(name: str) -> type[SandboxBackend]:
 
 
 async def default_backend() -> SandboxBackend:
-    """Docker when it is usable here, else the embedded local backend (logged either way)."""
+    """Docker when it is usable here, else the embedded local backend (logged either way).
+
+    :raises UnknownBackendError: neither is usable here (also a ``LookupError``).
+    """
     for name in _DEFAULT_ORDER:
         try:
             cls = backend_class(name)
@@ -247,4 +250,7 @@ async def default_backend() -> SandboxBackend:
             logger.info("sandbox pool: using the %s backend", name)
             return cls()
         logger.info("sandbox pool: the %s backend is not usable here", name)
-    raise LookupError("no sandbox backend is usable here")
+    raise UnknownBackendError(
+        f"no sandbox backend is usable here (tried: {', '.join(_DEFAULT_ORDER)}): pass "
+        "`backend=` a tangram.SandboxBackend"
+    )

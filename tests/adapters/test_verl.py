@@ -49,7 +49,8 @@ with warnings.catch_warnings():
 
 from tangram_verl import SandboxTool, TangramTool, run_code, with_tangram  # noqa: E402
 
-from tangram._frameworks import _session  # noqa: E402
+from tangram._frameworks import _failures, _session  # noqa: E402
+from tangram.errors import UnknownSandboxError  # noqa: E402
 from tangram.testing import Limit, QuotaServer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -183,6 +184,26 @@ async def test_tool_agent_loop_runs_the_call_in_a_tangram_sandbox(
                 break
             await anyio.sleep(0.01)
         assert len(pool._live) == warm
+
+
+@pytest.mark.anyio
+async def test_a_call_on_an_instance_with_no_sandbox_is_a_tangram_error(
+    docs_config: Path,
+) -> None:
+    """Never created (or already released): tangram's error, kept for ``release``."""
+    run = initialize_tools_from_config(str(TOOLS_YAML))[0]
+    run.scope = "instance"
+    try:
+        with pytest.raises(UnknownSandboxError, match="'never-created'") as caught:
+            await run.execute("never-created", {"code": "print(1)"})
+        assert isinstance(caught.value, KeyError)  # what it raised before it had a class
+        assert str(caught.value).startswith("no sandbox for instance")  # not KeyError's repr
+        # Like any tangram failure under verl, raised again from release, then forgotten.
+        with pytest.raises(UnknownSandboxError):
+            await run.release("never-created")
+        assert run._failed == {}
+    finally:
+        _failures.reset()
 
 
 class _Probe(BaseTool):

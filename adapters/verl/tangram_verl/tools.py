@@ -31,6 +31,7 @@ from tangram._frameworks._convert import cpu_demand, demand_of, format_result, r
 from tangram._frameworks._failures import is_infrastructure, record
 from tangram._frameworks._session import release_later
 from tangram.config import ConfigError
+from tangram.errors import UnknownSandboxError
 
 __all__ = ["TOOL_METRICS", "SandboxTool", "TangramTool", "record_call", "run_code", "with_tangram"]
 
@@ -180,7 +181,9 @@ class SandboxTool(BaseTool):
             self._instances[instance_id] = await self._bind(instance_id, instance_id)
         entry = self._instances.get(instance_id)
         if entry is None:
-            raise KeyError(f"no sandbox for instance {instance_id!r}: call create first")
+            raise UnknownSandboxError(
+                f"no sandbox for instance {instance_id!r}: not created, or already released"
+            )
         return entry[1]
 
     @rollout_trace_op  # type: ignore[untyped-decorator]  # verl tracing, as BaseTool
