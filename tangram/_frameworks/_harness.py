@@ -438,7 +438,16 @@ def _free_names(tree: ast.Module) -> set[str]:
     return loaded - bound - set(dir(builtins))
 
 
-def _run_asserts(suite: Mapping[str, Any], answer: Answer) -> int:
+_Plan = tuple[list[tuple[ast.Module, bool]], bool, dict[str, Any]]
+
+
+def _assert_plan(suite: Mapping[str, Any], answer: Answer) -> _Plan:
+    """The test steps and their namespace, made before the answer runs.
+
+    Once it runs, the answer can lower this process's limits (``prlimit`` needs only the
+    same uid): an import that then failed to open its file made a wrong answer's 0 an
+    infrastructure failure. So every module the tests name is imported first.
+    """
     entry_point = suite.get("entry_point")
     tree, steps, check = test_plan(suite["source"], entry_point)
     namespace: dict[str, Any] = {"__name__": "__tests__", "__builtins__": builtins}
@@ -454,6 +463,12 @@ def _run_asserts(suite: Mapping[str, Any], answer: Answer) -> int:
         namespace[name] = Function(answer, name)
     if entry_point:
         namespace[entry_point] = Function(answer, entry_point)
+    return list(steps), bool(check), namespace
+
+
+def _run_asserts(suite: Mapping[str, Any], plan: _Plan) -> int:
+    entry_point = suite.get("entry_point")
+    steps, check, namespace = plan
     passed = 0
     broken = False
     for step, is_test in steps:
@@ -582,11 +597,12 @@ def _judge(payload: Mapping[str, Any]) -> int:
     if suite["kind"] == "stdio":
         return _run_stdio(suite, payload["harness"], payload["answer"], deadline)
     answer = Answer(payload["harness"], payload["answer"], deadline)
+    plan = None if suite["kind"] == "call" else _assert_plan(suite, answer)
     try:
         answer.start()
-        if suite["kind"] == "call":
+        if plan is None:
             return _run_calls(suite, answer)
-        return _run_asserts(suite, answer)
+        return _run_asserts(suite, plan)
     finally:
         answer.close()
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hmac
 import logging
 import math
@@ -233,6 +234,8 @@ class DockerHandle(SandboxHandle):
         message = str(reply.get("message", ""))[:2000]
         if error in ERRORS:
             raise ERRORS[error](message)
+        if reply.get("errno") == errno.EFBIG:  # a file over the cap of a get: nothing read
+            raise OSError(errno.EFBIG, message)
         raise SandboxError(f"the sandbox runner failed: {error}: {message}")
 
     @contextlib.asynccontextmanager
@@ -346,7 +349,7 @@ class DockerHandle(SandboxHandle):
         got = 0
         async with (
             self._transfer_share(),
-            self._request({"op": "get", "path": path}, CHUNK) as ident,
+            self._request({"op": "get", "path": path, "limit": limit}, CHUNK) as ident,
         ):
             while True:
                 reply, data = await self._wait(self._frame(ident, CHUNK))
