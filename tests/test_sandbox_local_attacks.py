@@ -26,6 +26,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+from _hacks import SURVIVOR
 
 import tangram
 from tangram._sandbox._isolate import find_bwrap
@@ -672,3 +673,26 @@ async def test_a_killed_trainers_work_dir_mounts_are_reaped_at_the_next_start(
     async with SandboxPool(LocalBackend(root=scratch_root)):
         pass
     assert not box.exists(), "a dead process's work dir mount was left"
+
+
+@pytest.mark.parametrize("bubblewrap", [None, False], ids=["bwrap", "no-bwrap"])
+async def test_a_thread_whose_leader_exited_does_not_outlive_its_action(
+    bubblewrap: bool | None,
+) -> None:
+    """A process that ends its main thread with ``exit`` (not ``exit_group``) shows ``Z``
+    while its other thread runs; on Docker it outlived its action (a scan skipped ``Z``).
+    Here it must die with the action: its heartbeat in the work dir stops."""
+    beat = "while True:\n        open('beat', 'a').write('x')\n        time.sleep(0.02)"
+    async with (
+        SandboxPool(LocalBackend(bubblewrap=bubblewrap)) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+        pool.sandbox("t") as sbx,
+    ):
+        first = await sbx.run(code=SURVIVOR.replace("BODY", beat), timeout=10)
+        assert first.stdout == b"hidden\n", first
+        beats = workdir(sbx) / "beat"
+        await wait_for_file(beats)
+        await anyio.sleep(0.3)  # a survivor would beat about 15 times in this window
+        size = beats.stat().st_size
+        await anyio.sleep(0.5)
+        assert beats.stat().st_size == size, "a process of the action is still running"

@@ -11,6 +11,7 @@ import platform
 
 import anyio
 import pytest
+from _hacks import HIDE, SURVIVOR
 
 from tangram._frameworks._grade import grade
 from tangram.errors import SandboxBrokenError
@@ -23,50 +24,6 @@ OTHERS = (
     "import os\n"
     "print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()"
     " and int(p) not in (1, os.getpid())))\n"
-)
-
-# A process whose main thread exits (the `exit` system call, not `exit_group`) while
-# another thread lives on: its /proc/<pid>/stat says Z, so a scan that skips zombies
-# never kills it, and its parent cannot reap it while the thread runs.
-HIDE = r"""
-import ctypes, os, platform, threading, time
-SYS_EXIT = {"x86_64": 60, "aarch64": 93}[platform.machine()]
-libc = ctypes.CDLL(None, use_errno=True)
-
-def hidden(pid):
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        return f.read().rpartition(b")")[2].split()[0] == b"Z"
-
-def hide(body, ready=None):
-    me = os.getpid()
-    def run():
-        while not hidden(me):
-            time.sleep(0.001)
-        if ready is not None:
-            os.write(ready, b"h")
-            os.close(ready)
-        body()
-    threading.Thread(target=run).start()
-    libc.syscall(SYS_EXIT, 0)  # only the main thread ends
-"""
-
-SURVIVOR = (
-    HIDE
-    + r"""
-def body():
-    BODY
-
-r, w = os.pipe()
-if os.fork() == 0:
-    os.close(r)
-    null = os.open("/dev/null", os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(null, fd)
-    hide(body, w)
-os.close(w)
-os.read(r, 1)  # the child is hidden now
-print("hidden")
-"""
 )
 
 
