@@ -33,6 +33,7 @@ from tangram.errors import (
     GpuServiceError,
     InvalidCapacityError,
     InvalidDemandError,
+    InvalidSettingError,
     UnknownResourceError,
     WaitTimeoutError,
 )
@@ -232,7 +233,9 @@ def test_the_host_book_keeps_a_trajectory_on_the_least_loaded_host() -> None:
     assert book.add("b", "cpu@b", 2, "agent-b", "cid-b", gpu) == {"cpu@b": 2, "gpu@b": 1}
     assert book.place("t1") == ("a", "agent-a")  # both empty: the first by name
     assert book.place("t2") == ("b", "agent-b")  # a has a sandbox per 4 cores, b none
-    assert book.place("t1") == ("a", "agent-a")  # a trajectory stays where its files are
+    with pytest.raises(InvalidSettingError, match="already has an open sandbox"):
+        book.place("t1")  # one block per trajectory: its first keeps its host and count
+    assert book.describe()["a"]["placed"] == 1
     with pytest.raises(UnknownResourceError, match="no host agent serves 'other'") as caught:
         book.place_service("cid-w", "other")
     assert isinstance(caught.value, LookupError)  # as GpuPool.use for a name it lacks

@@ -315,6 +315,11 @@ async def test_removing_a_node_mid_action_returns_its_units_and_others_keep_serv
     async def sandbox_action() -> None:
         async with remote.sandbox("traj-a") as on_a:
             assert on_a.host == "a"
+            # A second block of the same trajectory is refused and leaves the first open.
+            with pytest.raises(InvalidSettingError, match="already has an open sandbox"):
+                async with remote.sandbox("traj-a"):
+                    pass
+            assert (await on_a.run("echo still")).stdout == b"still\n"
             async with remote.sandbox("traj-b") as sbx:
                 assert sbx.host == "b"
                 opened.set()

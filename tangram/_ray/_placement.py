@@ -12,7 +12,7 @@ import itertools
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import SchedulerUnavailableError, UnknownResourceError
+from ..errors import InvalidSettingError, SchedulerUnavailableError, UnknownResourceError
 from ._protocol import logger
 
 __all__ = ["HostBook"]
@@ -135,23 +135,29 @@ class HostBook:
         return found
 
     def place(self, trajectory: str, cid: str | None = None) -> tuple[str, Any]:
-        """The host for ``trajectory``'s sandbox: where it already is, else the least loaded.
+        """The host for ``trajectory``'s sandbox: the least loaded (sandboxes per core).
 
-        Load is sandboxes placed per core; a trajectory's actions then all run on the
-        host that keeps its files. ``cid`` is the proxy opening it, which owns it.
+        A trajectory's actions then all run on the host that keeps its files. ``cid`` is
+        the proxy opening it, which owns it. One open sandbox per trajectory: a second
+        block used to be sent to the same host, where the agent refused it, and its
+        clean-up then closed the first block's sandbox and unplaced it twice.
 
         :raises SchedulerUnavailableError: no host agent is registered.
+        :raises InvalidSettingError: ``trajectory`` has an open sandbox already.
         """
         name = self._placements.get(trajectory)
-        host = self._hosts.get(name) if name is not None else None
-        if host is None:
-            if not self._hosts:
-                raise SchedulerUnavailableError("no host agent is registered with the scheduler")
-            host = min(self._hosts.values(), key=lambda h: (h.placed / max(h.units, 1), h.name))
-            host.placed += 1
-            self._placements[trajectory] = host.name
-            if cid is not None:
-                self._owners[trajectory] = cid
+        if name is not None and name in self._hosts:
+            raise InvalidSettingError(
+                f"trajectory {trajectory!r} already has an open sandbox (on host {name!r}): "
+                "one block per trajectory at a time"
+            )
+        if not self._hosts:
+            raise SchedulerUnavailableError("no host agent is registered with the scheduler")
+        host = min(self._hosts.values(), key=lambda h: (h.placed / max(h.units, 1), h.name))
+        host.placed += 1
+        self._placements[trajectory] = host.name
+        if cid is not None:
+            self._owners[trajectory] = cid
         return host.name, host.agent
 
     def unplace(self, trajectory: str) -> None:
