@@ -236,8 +236,15 @@ class Answer:
             that is the sandbox's failure, not the answer's.
         """
         # An answer that does not load is recorded in ``failed``: every test fails.
-        with contextlib.suppress(AnswerError):
+        try:
             self._start()
+        except AnswerError:
+            pass
+        except MemoryError:
+            # The answer capped this process's memory (``prlimit`` needs only the same
+            # uid), then sent more than that before saying it was ready: its failure.
+            self.failed = "the answer exhausted the judge's memory"
+            self.close()
 
     def _start(self) -> None:
         source_fd = _memfd("answer", self.source)
@@ -418,8 +425,40 @@ class Remote:
         return method
 
 
-def _free_names(tree: ast.Module) -> set[str]:
-    """Names the tests read that nothing at their top level binds: the answer's names."""
+def _top_level_names(source: bytes) -> set[str]:
+    """Names the answer binds at its top level (``def sum``, ``max = ...``, imports).
+
+    Read as text, never run; an answer that does not parse binds nothing here (it fails
+    its tests when it runs).
+    """
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return set()
+    names: set[str] = set()
+    for stmt in tree.body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(stmt.name)
+        elif isinstance(stmt, (ast.Import, ast.ImportFrom)):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in stmt.names)
+        elif isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+            for target in targets:
+                names.update(
+                    node.id
+                    for node in ast.walk(target)
+                    if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store)
+                )
+    return names
+
+
+def _free_names(tree: ast.Module, shadowed: frozenset[str] | set[str] = frozenset()) -> set[str]:
+    """Names the tests read that nothing at their top level binds: the answer's names.
+
+    A builtin's name is the answer's too where the answer binds it (``def sum``): tests
+    and answer read as one module would call the answer's, and calling the real builtin
+    scored a wrong ``sum`` 1.0.
+    """
     bound: set[str] = set()
     for stmt in tree.body:
         if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -435,7 +474,7 @@ def _free_names(tree: ast.Module) -> set[str]:
         for node in ast.walk(tree)
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)
     }
-    return loaded - bound - set(dir(builtins))
+    return loaded - bound - (set(dir(builtins)) - shadowed)
 
 
 _Plan = tuple[list[tuple[ast.Module, bool]], bool, dict[str, Any]]
@@ -450,9 +489,11 @@ def _assert_plan(suite: Mapping[str, Any], answer: Answer) -> _Plan:
     """
     entry_point = suite.get("entry_point")
     tree, steps, check = test_plan(suite["source"], entry_point)
-    namespace: dict[str, Any] = {"__name__": "__tests__", "__builtins__": builtins}
+    # ``__main__``: tests often end in ``if __name__ == "__main__": check(...)``, which
+    # under any other name was counted as a test and never ran (a wrong answer scored 1).
+    namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
     stdlib = sys.stdlib_module_names
-    for name in _free_names(tree):
+    for name in _free_names(tree, _top_level_names(answer.source)):
         # Tests often lean on the answer's ``import math``; they get the real module here.
         if name in stdlib:
             try:
@@ -521,35 +562,45 @@ def _run_main(harness: str, source: bytes, stdin: bytes, until: float) -> tuple[
     os.set_blocking(out, False)
     output = bytearray()
     try:
-        while True:
-            left = until - time.monotonic()
-            if left <= 0:
-                return None, b""
-            readable, _, _ = select.select([out], [], [], min(left, 0.05))
-            if readable:
-                try:
-                    chunk = os.read(out, 1 << 16)
-                except BlockingIOError:
-                    continue
-                if not chunk:
-                    break
-                output += chunk
-                if len(output) > _OUTPUT_LIMIT:
-                    return None, b""
-            elif process.poll() is not None:
-                # Exited: what it forked into its group goes too, closing their copies of
-                # the pipe; one that left the group keeps it open until the deadline.
-                with contextlib.suppress(OSError):
-                    os.killpg(process.pid, 9)
-        deadline_left = max(0.0, until - time.monotonic())
-        try:
-            code = process.wait(timeout=deadline_left)
-        except subprocess.TimeoutExpired:
-            return None, b""
-        return code, bytes(output)
+        return _collect(process, out, output, until)
+    except MemoryError:
+        # The answer ran: it capped this process's memory and then printed past it.
+        return None, b""
     finally:
         _kill(process)
         os.close(out)
+
+
+def _collect(
+    process: subprocess.Popen[bytes], out: int, output: bytearray, until: float
+) -> tuple[int | None, bytes]:
+    """The answer program's exit status and stdout, read from ``out`` until ``until``."""
+    while True:
+        left = until - time.monotonic()
+        if left <= 0:
+            return None, b""
+        readable, _, _ = select.select([out], [], [], min(left, 0.05))
+        if readable:
+            try:
+                chunk = os.read(out, 1 << 16)
+            except BlockingIOError:
+                continue
+            if not chunk:
+                break
+            output += chunk
+            if len(output) > _OUTPUT_LIMIT:
+                return None, b""
+        elif process.poll() is not None:
+            # Exited: what it forked into its group goes too, closing their copies of
+            # the pipe; one that left the group keeps it open until the deadline.
+            with contextlib.suppress(OSError):
+                os.killpg(process.pid, 9)
+    deadline_left = max(0.0, until - time.monotonic())
+    try:
+        code = process.wait(timeout=deadline_left)
+    except subprocess.TimeoutExpired:
+        return None, b""
+    return code, bytes(output)
 
 
 def _run_stdio(suite: Mapping[str, Any], harness: str, source: str, deadline: _Deadline) -> int:
@@ -585,10 +636,28 @@ def _seal() -> str | None:
     return None
 
 
+_VERDICTS = 1
+"""Where verdict lines go: this process's stdout, kept for them alone (see ``_harness``)."""
+
+
 def _emit(secret: str, message: Mapping[str, Any]) -> None:
     view = memoryview(f"{secret} {json.dumps(message)}\n".encode())
     while view:
-        view = view[os.write(1, view) :]
+        view = view[os.write(_VERDICTS, view) :]
+
+
+def _keep_stdout_for_verdicts() -> None:
+    """Send what the tests print to ``/dev/null``, keeping stdout for verdict lines.
+
+    A test that prints the answer's result shared the stream the sandbox caps (1 MiB by
+    default): a result sized to put the cut inside the verdict line made it unreadable,
+    and the wrong answer an infrastructure failure.
+    """
+    global _VERDICTS
+    _VERDICTS = os.dup(1)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.close(null)
 
 
 def _judge(payload: Mapping[str, Any]) -> int:
@@ -610,6 +679,7 @@ def _judge(payload: Mapping[str, Any]) -> int:
 def _harness() -> None:
     # Sealed first: until then another process of this user could open our stdin.
     sealed = _seal()
+    _keep_stdout_for_verdicts()
     raw = sys.stdin.buffer.read()
     head, _, body = raw.partition(b"\n")
     secret = head.decode("ascii", "replace")

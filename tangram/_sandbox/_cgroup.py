@@ -138,10 +138,53 @@ class CgroupTree:
             raise
         return leaf
 
+    def cap_total(self) -> int | None:
+        """Hold every sandbox together to half the memory this process may use; the cap.
+
+        A sandbox's files are tmpfs pages no process owns, counted in its leaf and so in
+        every cgroup above it, the trainer's included. Live sandboxes each inside their
+        own ``memory`` could fill a memory-limited container (a pod) with files, and the
+        OOM killer, finding nothing in them to kill, took the trainer. Capped here, the
+        base is where the memory runs out: a sandbox's command is killed, not the
+        trainer. The ceiling is the tightest limit of this process's cgroup and its
+        ancestors, or the host's memory; ``None`` when it cannot be read or written.
+        """
+        base = self.bases.get("memory")
+        ceiling = _memory_ceiling(base.parent) if base is not None else None
+        if base is None or ceiling is None:
+            return None
+        cap = ceiling // 2
+        name = "memory.max" if self.version == 2 else "memory.limit_in_bytes"
+        try:
+            (base / name).write_text(str(cap))
+        except OSError:
+            return None
+        return cap
+
     def close(self) -> None:
         for base in dict.fromkeys(self.bases.values()):
             with contextlib.suppress(OSError):
                 base.rmdir()
+
+
+def _memory_ceiling(own: Path) -> int | None:
+    """The smallest memory limit of ``own`` and the cgroups above it, or the host's RAM."""
+    limits: list[int] = []
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                limits.append(int(line.split()[1]) * 1024)
+    current = own
+    while (current / "cgroup.procs").exists():
+        for name in ("memory.max", "memory.limit_in_bytes"):
+            with contextlib.suppress(OSError, ValueError):
+                text = (current / name).read_text().strip()
+                if text != "max":
+                    limits.append(int(text))
+        if current.parent == current:
+            break
+        current = current.parent
+    return min(limits) if limits else None
 
 
 _V1_WANTED = ("memory", "pids", "cpuacct", "cpuset")

@@ -1,0 +1,283 @@
+"""Red-team review of the local backend and the code reward: attacks not covered elsewhere.
+
+Each test performs an attack as a policy rewarded for any hole would, and asserts the safe
+behaviour, so it fails while the hole is open.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+import tangram
+from tangram._frameworks._grade import Verdict, grade
+from tangram._sandbox._local import LocalBackend
+from tangram._sandbox._pool import SandboxPool
+from tangram.errors import SandboxBrokenError
+
+pytestmark = pytest.mark.anyio
+
+LIMITS = {"timeout": 8.0, "case_timeout": 2.0}
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+async def pool() -> AsyncIterator[SandboxPool]:
+    async with (
+        SandboxPool(LocalBackend(), warm=1) as sandboxes,
+        tangram.Runtime(capacity=sandboxes.capacity()),
+    ):
+        yield sandboxes
+
+
+async def judge(pool: SandboxPool, answer: str, tests: object, **limits: float) -> Verdict:
+    async with pool.sandbox("graded") as sandbox:
+        return await grade(sandbox, answer, tests, **{**LIMITS, **limits})
+
+
+WRONG = "def add(a, b):\n    return 0\n"
+RIGHT = "def add(a, b):\n    return a + b\n"
+
+
+# -- the code reward: a wrong answer scoring > 0 -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    "tests",
+    [
+        pytest.param(
+            "if __name__ == '__main__':\n    assert add(2, 3) == 5\n    assert add(-1, 4) == 3\n",
+            id="asserts under a main guard",
+        ),
+        pytest.param(
+            "def check(candidate):\n    assert candidate(2, 3) == 5\n\n"
+            "if __name__ == '__main__':\n    check(add)\n",
+            id="check() called under a main guard",
+        ),
+    ],
+)
+async def test_tests_under_a_main_guard_are_run_not_skipped(pool: SandboxPool, tests: str) -> None:
+    """Test files often end with ``if __name__ == "__main__":``. Run as a script (what the
+    naive reward does) the block runs; the harness runs the tests with ``__name__`` set
+    to ``"__tests__"``, so the block is skipped and counted as a passed test."""
+    verdict = await judge(pool, WRONG, tests)
+    assert verdict.score() == 0.0, verdict
+    assert (await judge(pool, RIGHT, tests)).score() == 1.0
+
+
+@pytest.mark.parametrize(
+    ("answer", "tests"),
+    [
+        pytest.param(
+            "def sum(xs):\n    return 0\n",
+            "assert sum([1, 2, 3]) == 6\nassert sum([]) == 0\n",
+            id="sum",
+        ),
+        pytest.param(
+            "def max(xs):\n    return -1\n",
+            "assert max([1, 5, 2]) == 5\n",
+            id="max",
+        ),
+    ],
+)
+async def test_an_answer_function_named_like_a_builtin_is_the_one_tested(
+    pool: SandboxPool, answer: str, tests: str
+) -> None:
+    """A task whose function shares a builtin's name (``sum``, ``max``, ``sorted``...):
+    the harness leaves builtin names out of the answer's proxies, so the tests call the
+    real builtin, which is right, and any answer (here a wrong one) scores 1.0. In one
+    program the answer's definition would shadow the builtin and score 0."""
+    verdict = await judge(pool, answer, tests)
+    assert verdict.score() == 0.0, verdict
+
+
+# -- the code reward: a wrong answer turning its 0 into an infrastructure failure ----------
+
+# The limit of stdout the pool keeps (1 MiB) minus the "started" line (32 hex digits, a
+# space, '{"started": true}', a newline): the answer's string fills stdout so that the cut
+# falls 40 bytes into the verdict line, after the secret.
+_STARTED = 32 + 1 + len('{"started": true}') + 1
+_FILL = (1 << 20) - _STARTED - 40
+
+
+async def test_a_verdict_line_cut_by_the_output_limit_is_not_an_infrastructure_failure(
+    pool: SandboxPool,
+) -> None:
+    """Tests that print a result (common in generated suites) write it to the harness's
+    stdout, the verdict's channel. An answer returning a string of the right length puts
+    the pool's 1 MiB cut inside the verdict line: the host reads the secret, then broken
+    JSON, and raises SandboxBrokenError, which stops the training step."""
+    # Ends in a newline, so the verdict starts a line of its own; print's own newline stays
+    # in the harness's buffer until it exits, after the verdict.
+    answer = f"def add(a, b):\n    return 'x' * {_FILL - 1} + '\\n'\n"
+    tests = "r = add(2, 3)\nprint(r)\nassert r == 5\n"
+    try:
+        verdict = await judge(pool, answer, tests)
+    except SandboxBrokenError as exc:
+        pytest.fail(f"a wrong answer turned its 0 into an infrastructure failure: {exc}")
+    assert verdict.score() == 0.0
+    assert (await judge(pool, RIGHT, tests)).score() == 1.0
+
+
+# The answer's top level caps its judge's memory where it stands (``prlimit`` needs only
+# the same uid; being non-dumpable does not stop it), then makes the judge buffer more.
+_CAP_THE_JUDGE = (
+    "import os, resource\n"
+    "for line in open(f'/proc/{os.getppid()}/status'):\n"
+    "    if line.startswith('VmSize:'):\n"
+    "        cap = int(line.split()[1]) * 1024 + (1 << 20)\n"
+    "resource.prlimit(os.getppid(), resource.RLIMIT_AS, (cap, cap))\n"
+)
+# Call and assertion tests: a long line on the reply pipe before the answer says it is
+# ready (its descriptor is the last argument on its command line).
+_FLOOD_THE_REPLY = (
+    "reply = int(open('/proc/self/cmdline', 'rb').read().split(b'\\0')[-2])\n"
+    "for _ in range(64):\n"
+    "    os.write(reply, b'x' * (1 << 16))\n" + WRONG
+)
+# Input/output tests: four MiB of output, under the harness's 8 MiB cap.
+_FLOOD_THE_OUTPUT = "import sys\nsys.stdout.write('x' * (4 << 20))\n"
+
+
+@pytest.mark.parametrize(
+    ("answer", "tests"),
+    [
+        pytest.param(
+            _CAP_THE_JUDGE + _FLOOD_THE_REPLY,
+            "assert add(2, 3) == 5\nassert add(-1, 4) == 3\n",
+            id="assert",
+        ),
+        pytest.param(
+            _CAP_THE_JUDGE + _FLOOD_THE_REPLY,
+            {"fn_name": "add", "inputs": [[2, 3], [-1, 4]], "outputs": [5, 3]},
+            id="call",
+        ),
+        pytest.param(
+            _CAP_THE_JUDGE + _FLOOD_THE_OUTPUT,
+            {"inputs": ["2 3\n", "-1 4\n"], "outputs": ["5\n", "3\n"]},
+            id="stdio",
+        ),
+    ],
+)
+async def test_a_judge_whose_memory_the_answer_capped_is_not_an_infrastructure_failure(
+    pool: SandboxPool, answer: str, tests: object
+) -> None:
+    """``test_a_wrong_answer_cannot_make_grading_an_infrastructure_failure`` (Docker) has
+    the answer lower its judge's open files; lowering its address space instead makes the
+    harness's next buffer a MemoryError outside every per-test guard (``Answer._start``
+    catches only AnswerError, ``_run_stdio`` only OSError): the harness reports its own
+    error and the host raises SandboxBrokenError, stopping the training step."""
+    try:
+        verdict = await judge(pool, answer, tests)
+    except SandboxBrokenError as exc:
+        pytest.fail(f"a wrong answer turned its 0 into an infrastructure failure: {exc}")
+    assert verdict.score() == 0.0
+
+
+# -- the local backend: a resource flood that kills the trainer ------------------------------
+
+_FILLING_TRAINER = """
+import sys, anyio, tangram
+from tangram._sandbox._local import LocalBackend
+
+async def main():
+    backend = LocalBackend(root=sys.argv[1], memory="512MiB", disk="256MiB")
+    async with (
+        tangram.SandboxPool(backend) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+    ):
+        async with (
+            pool.sandbox("t0") as a, pool.sandbox("t1") as b,
+            pool.sandbox("t2") as c, pool.sandbox("t3") as d,
+        ):
+            for sbx in (a, b, c, d):  # each well inside its own memory and disk
+                result = await sbx.run("head -c 200M /dev/zero > fill", timeout=30)
+                print("filled", result.exit_code, result.signal, flush=True)
+            # The trainer goes on with its own work while those trajectories think.
+            work = bytearray(96 << 20)
+            for i in range(0, len(work), 4096):
+                work[i] = 1
+            print("trainer alive", flush=True)
+
+anyio.run(main)
+"""
+
+
+def _memory_cgroup_v1() -> Path | None:
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            where = Path("/sys/fs/cgroup/memory") / path.lstrip("/")
+            return where if (where / "memory.limit_in_bytes").exists() else None
+    return None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes a memory cgroup for a trainer")
+def test_files_left_in_idle_sandboxes_cannot_get_the_trainer_oom_killed() -> None:
+    """A trainer in a memory-limited container (768 MiB here, a pod's limit in practice)
+    with four live trajectories. Each sandbox's work dir is a tmpfs counted in its own
+    cgroup, below the trainer's, so the container's limit holds every sandbox's files as
+    well as the trainer. Four policies each write 200 MiB, inside their own 512 MiB memory
+    and 256 MiB disk; those pages belong to no process, so killing sandbox processes frees
+    nothing, and the next thing the OOM killer can pick is the trainer itself."""
+    own = _memory_cgroup_v1()
+    if own is None:
+        pytest.skip("needs a cgroup v1 memory controller")
+    group = own / f"redteam-{os.getpid()}"
+    group.mkdir()
+    root = tempfile.mkdtemp(prefix="tangram-redteam-", dir="/tmp")
+    os.chmod(root, 0o755)
+    try:
+        (group / "memory.limit_in_bytes").write_text(str(768 << 20))
+
+        def enter() -> None:
+            with open(group / "cgroup.procs", "w") as handle:
+                handle.write("0")
+
+        run = subprocess.run(
+            [sys.executable, "-c", _FILLING_TRAINER, root],
+            preexec_fn=enter,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert run.returncode == 0 and "trainer alive" in run.stdout, (
+            f"the trainer died (status {run.returncode}) of files its sandboxes left: "
+            f"{run.stdout!r}"
+        )
+    finally:
+        from tangram._sandbox._quota_fs import reap_boxes
+
+        reap_boxes(Path(root))  # the boxes of a killed trainer
+        for leftover in sorted(group.rglob("*"), key=lambda p: -len(p.parts)):
+            if leftover.is_dir():
+                leftover.rmdir()
+        group.rmdir()
+        os.rmdir(root)
+
+
+async def test_output_past_the_limit_does_not_cost_the_trainer_a_core(pool: SandboxPool) -> None:
+    """Only ``output_limit`` bytes of each stream are kept, but the trainer's event loop
+    goes on reading (and dropping) whatever the command writes, as fast as it writes it:
+    a command copying /dev/zero to stdout and stderr for its whole timeout held about
+    three quarters of one of the trainer's cores (3.7 s of CPU in 5 s), every action
+    that does so another core of the trainer's one event-loop thread."""
+    import resource
+
+    async with pool.sandbox("flood") as sbx:
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        result = await sbx.run("cat /dev/zero & cat /dev/zero >&2 & wait", timeout=4)
+        after = resource.getrusage(resource.RUSAGE_SELF)
+    assert result.timed_out and result.stdout_truncated
+    spent = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    assert spent < 0.5, f"the trainer spent {spent:.1f} s of CPU draining discarded output"
