@@ -194,8 +194,11 @@ def check(path: str | os.PathLike[str] | None = None, *, needs: tuple[str, ...] 
     this node or a missing table fails the worker at start, not every call after it.
     ``needs`` names tables: ``"sandbox"``, ``"gpu"``, ``"quota.NAME"``. The pools
     themselves are built and checked too (a bad ``[sandbox]`` option), without starting.
+    In shared mode inside a Ray job the job's scheduler and this node's agent are
+    reached too (found or started), so a worker they refuse fails here.
 
-    :raises ConfigError: no config, an unreadable or invalid one, or a table missing.
+    :raises ConfigError: no config, an unreadable or invalid one, a table missing, or a
+        job's scheduler that refuses this worker.
     """
     config = config_for(path)
     where = config.source or "the tangram config"
@@ -211,7 +214,46 @@ def check(path: str | os.PathLike[str] | None = None, *, needs: tuple[str, ...] 
     if config.sandbox is not None:
         _sandbox_pool(config.sandbox)  # a bad backend option fails here, not at a call
     check_shared(config)
+    if config.mode == "shared" and in_ray():
+        _reach_job(config)
     return config
+
+
+def _reach_job(config: Config) -> None:
+    """Find or start the job's scheduler and this node's agent, then let go of them.
+
+    Shared mode's failures that no file check can see (a worker whose config states
+    another capacity than the job's scheduler, an agent whose sandbox backend cannot
+    start here, a scheduler actor Ray cannot place) then fail the worker where the
+    framework builds it, not its first tool call. It runs in a thread of its own with a
+    loop of its own: a constructor may be called on a thread whose loop is running.
+
+    :raises ConfigError: the job's scheduler or this node's agent refused or failed.
+    """
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        async def reach() -> None:
+            async with contextlib.AsyncExitStack() as stack:
+                await _open(config, stack)
+
+        try:
+            asyncio.run(reach())
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name="tangram-reach", daemon=True)
+    thread.start()
+    thread.join()
+    if failure:
+        exc = failure[0]
+        if isinstance(exc, ConfigError):
+            raise exc
+        where = config.source or "the tangram config"
+        raise ConfigError(
+            f"{where}: the job's shared scheduler cannot serve this worker: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def load_object(spec: str) -> Any:

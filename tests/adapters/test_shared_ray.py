@@ -305,6 +305,23 @@ def test_four_verl_workers_share_the_hosts_cores(
     assert stats.resources[f"cpu@{name}"].held == 0
 
 
+def test_a_worker_the_jobs_scheduler_refuses_fails_at_start(
+    cluster: dict[str, Any], verl_workers: list[Any]
+) -> None:
+    """A worker whose config states another capacity than the job's scheduler (a file
+    edited on one node) fails where verl builds its tools, not at its first call."""
+    assert "ok" in ray.get(verl_workers[1].call.remote("print('ok')"), timeout=180)
+    edited = cluster["tmp"] / "edited"  # the job's own file stays as it is
+    edited.mkdir()
+    config = _config(edited, "tangram.toml", {"search_conn = 4": "search_conn = 8"})
+    env = {**cluster["env"], "TANGRAM_CONFIG": str(config)}
+    worker = ray.remote(VerlWorker).options(runtime_env={"env_vars": env}).remote()
+    with pytest.raises(ray.exceptions.RayActorError) as caught:
+        ray.get(worker.call.remote("print(1)"), timeout=180)
+    assert "ConfigError" in str(caught.value)
+    assert "every worker must read the same config" in str(caught.value)
+
+
 def test_two_openrlhf_engine_actors_share_the_hosts_cores(cluster: dict[str, Any]) -> None:
     import warnings
 
