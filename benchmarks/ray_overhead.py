@@ -208,11 +208,20 @@ class Worker:
             await anyio.sleep(ADAPTER_THINK)
         return spans
 
-    async def load_tools(self, yamls: dict[str, str]) -> None:
-        """Build the tools per mode as verl's agent-loop worker does when it starts."""
+    async def load_verl(self) -> None:
+        """Import verl's tool modules (the costly part), while the cluster starts."""
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
-            from verl.tools.tool_registry import initialize_tools_from_config
+            import tangram_verl.tools  # noqa: F401
+            import verl.tools.tool_registry  # noqa: F401
+
+    async def load_tools(self, yamls: dict[str, str]) -> None:
+        """Build the tools per mode as verl's agent-loop worker does when it starts.
+
+        After the latency arm: building a shared-mode tool reaches the job's scheduler,
+        creating it with this config's capacity if nothing made it yet.
+        """
+        from verl.tools.tool_registry import initialize_tools_from_config
 
         self.tools = {mode: initialize_tools_from_config(path)[0] for mode, path in yamls.items()}
 
@@ -480,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
         created = [Worker.remote() for _ in range(max(SIZES))]  # type: ignore[attr-defined]
         workers = created[::-1]
         rollout_workers = workers[-n_rollout:]
-        loading = [w.load_tools.remote(configs["tools"]) for w in rollout_workers]
+        loading = [w.load_verl.remote() for w in rollout_workers]
         ray.get([w.ready.remote() for w in workers] + loading)
         print(f"  cluster and workers up in {time.perf_counter() - started:.1f} s", file=sys.stderr)
         rows = anyio.run(_bench, workers, seconds, backend="asyncio")
@@ -493,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
             flush=True,
         )
+        ray.get([w.load_tools.remote(configs["tools"]) for w in rollout_workers])
         rollout_load = os.getloadavg()[0]
         runs = anyio.run(_rollouts, rollout_workers, trajectories, turns)
     finally:
