@@ -10,9 +10,9 @@ shows the hacks that read the judge's stdin are real, not merely wrong.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 
 import pytest
+from _grading import LIMITS, anyio_backend, judge, pool  # noqa: F401 (fixtures)
 from _hacks import HACKS, RIGHT, RIGHT_MAIN, STDIO, TESTS, WRONG
 
 import tangram
@@ -23,28 +23,6 @@ from tangram._sandbox._pool import SandboxPool
 from tangram.errors import SandboxBrokenError
 
 pytestmark = pytest.mark.anyio
-
-# Short limits: the hacks that hang cost their timeout, and there are several.
-LIMITS = {"timeout": 8.0, "case_timeout": 2.0}
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
-async def pool() -> AsyncIterator[SandboxPool]:
-    async with (
-        SandboxPool(LocalBackend(), warm=2) as sandboxes,
-        tangram.Runtime(capacity=sandboxes.capacity()),
-    ):
-        yield sandboxes
-
-
-async def judge(pool: SandboxPool, answer: str, tests: object, **limits: float) -> Verdict:
-    async with pool.sandbox("graded") as sandbox:
-        return await grade(sandbox, answer, tests, **{**LIMITS, **limits})
 
 
 # -- the red team ------------------------------------------------------------------------

@@ -10,39 +10,15 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from _grading import anyio_backend, judge, pool  # noqa: F401 (fixtures)
 
-import tangram
-from tangram._frameworks._grade import Verdict, grade
-from tangram._sandbox._local import LocalBackend
 from tangram._sandbox._pool import SandboxPool
 from tangram.errors import SandboxBrokenError
 
 pytestmark = pytest.mark.anyio
-
-LIMITS = {"timeout": 8.0, "case_timeout": 2.0}
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
-async def pool() -> AsyncIterator[SandboxPool]:
-    async with (
-        SandboxPool(LocalBackend(), warm=1) as sandboxes,
-        tangram.Runtime(capacity=sandboxes.capacity()),
-    ):
-        yield sandboxes
-
-
-async def judge(pool: SandboxPool, answer: str, tests: object, **limits: float) -> Verdict:
-    async with pool.sandbox("graded") as sandbox:
-        return await grade(sandbox, answer, tests, **{**LIMITS, **limits})
 
 
 WRONG = "def add(a, b):\n    return 0\n"

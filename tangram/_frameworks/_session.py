@@ -214,9 +214,13 @@ def check(path: str | os.PathLike[str] | None = None, *, needs: tuple[str, ...] 
     if config.sandbox is not None:
         _sandbox_pool(config.sandbox)  # a bad backend option fails here, not at a call
     check_shared(config)
-    if config.mode == "shared" and in_ray():
+    if config.mode == "shared" and in_ray() and config.source not in _reached:
         _reach_job(config)
+        _reached.add(config.source)  # a worker builds several tools from one file
     return config
+
+
+_reached: set[str | None] = set()
 
 
 def _reach_job(config: Config) -> None:

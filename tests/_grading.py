@@ -1,0 +1,34 @@
+"""What the code-reward tests share: short limits, a local sandbox pool, one graded call."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+import tangram
+from tangram._frameworks._grade import Verdict, grade
+from tangram._sandbox._local import LocalBackend
+from tangram._sandbox._pool import SandboxPool
+
+# Short limits: the hacks that hang cost their timeout, and there are several.
+LIMITS = {"timeout": 8.0, "case_timeout": 2.0}
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+async def pool() -> AsyncIterator[SandboxPool]:
+    async with (
+        SandboxPool(LocalBackend(), warm=2) as sandboxes,
+        tangram.Runtime(capacity=sandboxes.capacity()),
+    ):
+        yield sandboxes
+
+
+async def judge(pool: SandboxPool, answer: str, tests: object, **limits: float) -> Verdict:
+    async with pool.sandbox("graded") as sandbox:
+        return await grade(sandbox, answer, tests, **{**LIMITS, **limits})
