@@ -251,10 +251,17 @@ async def main(quick: bool) -> dict[str, object]:
             ">= 1",
             ours["share_of_limit"] >= right["share_of_limit"],
         )
+        # Ahead of verl set the same wrong way. Where that rate is too high, verl's limiter
+        # limits nothing and takes the server's whole limit by sending many times more
+        # requests than it accepts (the semaphore arm shows that ceiling): there, ahead
+        # means as much within 2% (the plateau's 1% and a request of the quick window)
+        # with fewer 429s, the target below.
+        ceiling = verl["share_of_limit"] >= 0.99
+        ratio = ours["share_of_limit"] / verl["share_of_limit"]
         targets[f"{setting}_vs_verl_same"] = target(
-            ours["share_of_limit"] / verl["share_of_limit"],
-            "> 1",
-            ours["share_of_limit"] > verl["share_of_limit"],
+            ratio,
+            ">= 0.98 (verl at the limit)" if ceiling else "> 1",
+            ratio >= 0.98 if ceiling else ratio > 1,
         )
         targets[f"{setting}_429s_vs_verl_same"] = target(
             ours["rejected_429"] - verl["rejected_429"],

@@ -106,7 +106,7 @@ async def test_configured_above_real_limit_converges() -> None:
     # Every request completes: the 429s were retried.
     assert codes == [200] * 150
     # The effective rate ends below the real limit.
-    assert quota.stats()["k"].rate_share * 90 * 0.97 < 30
+    assert quota.stats()["k"].rate_share * 90 * DEFAULT_HEADROOM < 30
     # Once adapted, 429s stop: none in the last half of the run.
     start, end = server.accepted[0][0], server.accepted[-1][0]
     assert [t for t, _ in server.rejected if t > (start + end) / 2] == []
@@ -134,7 +134,7 @@ async def test_aimd_adapts_down_and_back_up() -> None:
         # it gets there: on a loaded machine the send times it measures the provider's
         # rate by are late, and one burst of 40 may end before the second cut.
         with anyio.fail_after(15):
-            while not shares or min(shares) * 60 * 0.97 >= 20 * 1.2:
+            while not shares or min(shares) * 60 * DEFAULT_HEADROOM >= 20 * 1.2:
                 assert await _burst(client, 40) == [200] * 40
         # Up: the provider raises its limit; after `hold` quiet seconds the rate grows.
         server.set_limit(Limit(requests=1000, requests_burst=3))
@@ -267,7 +267,7 @@ async def test_503_with_retry_after_is_retried_and_adapted_like_429() -> None:
     assert codes == [200] * 120
     assert server.rejected, "the configured rate is 3x the real one: some must be refused"
     assert quota.stats()["k"].limited == len(server.rejected)
-    assert quota.stats()["k"].rate_share * 90 * 0.97 < 30
+    assert quota.stats()["k"].rate_share * 90 * DEFAULT_HEADROOM < 30
 
 
 async def test_cancelling_a_request_returns_its_slot() -> None:

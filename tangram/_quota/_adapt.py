@@ -71,7 +71,7 @@ class Adapt:
 
     decrease: float = attrs.field(default=0.9, validator=_fraction)
     increase: float = attrs.field(default=0.1, validator=_positive)
-    plateau: float = attrs.field(default=0.97, validator=_fraction)
+    plateau: float = attrs.field(default=0.99, validator=_fraction)
     hold: float = attrs.field(default=30.0, validator=_positive)
     explore: float = attrs.field(default=1.0, validator=_positive)
     above: float = attrs.field(default=1.0, validator=_multiple)
