@@ -33,6 +33,7 @@ already catch, so ``except ValueError`` around a bad demand keeps working::
     │   └── SandboxClosedError (RuntimeError)  your code used it after it closed
     │       └── UnknownSandboxError (KeyError)  an id with no open sandbox (not opened, or closed)
     ├── SchedulerUnavailableError (RuntimeError)  the shared Ray scheduler cannot serve you
+    ├── UnscoredSampleError (RuntimeError)   a tool call of the sample failed in tangram
     └── AsyncioRequiredError (RuntimeError)  ``tangram.ray`` on a loop other than asyncio
 
 Bad arguments fail at the call that made them, before anything is queued: a demand that
@@ -81,6 +82,7 @@ __all__ = [
     "UnknownBackendError",
     "UnknownResourceError",
     "UnknownSandboxError",
+    "UnscoredSampleError",
     "WaitTimeoutError",
 ]
 
@@ -298,6 +300,16 @@ class SchedulerUnavailableError(TangramError, RuntimeError):
 
     An outside cause (detail in ``__cause__`` when Ray raised one). Leases held when it
     happened stay usable until their block ends; their releases change nothing.
+    """
+
+
+class UnscoredSampleError(TangramError, RuntimeError):
+    """A reward asked for a sample whose trajectory met a tangram failure in a tool call.
+
+    Where a framework needs an observation whatever happens (verl's function tools), the
+    adapter hands the model a fixed text in place of the tool's output and marks the call;
+    scoring the sample would train the model on that, so tangram's reward entries raise
+    this instead, and the step fails as it does when a tool raises.
     """
 
 

@@ -9,13 +9,17 @@ failure is injected (``Sandbox.run`` raising ``SandboxBrokenError``), the rest i
 
 from __future__ import annotations
 
+import copy
 import importlib.util
+import json
+import math
 import os
 import warnings
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 verl = pytest.importorskip("verl") if not os.environ.get("CI") else __import__("verl")
@@ -28,16 +32,28 @@ with warnings.catch_warnings():
     from _tiny import tiny_tokenizer
     from omegaconf import OmegaConf
     from openrlhf.utils.agent import SingleTurnAgentExecutor
+    from tangram_verl import run_code, with_tangram
+    from tangram_verl.reward import compute_score
+    from tangram_verl.tools import FAILED_CALL
     from test_openrlhf import _call as _openrlhf_call
     from test_openrlhf import _Engine, _params
-    from test_verl import TOOLS_YAML, _agent_loop, _call, _Server
+    from test_verl import (
+        TOOLS_YAML,
+        _agent_loop,
+        _batch,
+        _call,
+        _reward_config,
+        _Server,
+        _tests_toml,
+    )
     from verl.experimental.reward_loop.reward_loop import RewardLoopWorker
+    from verl.tools.function_tool import function_tool, get_function_tool
     from verl.tools.tool_registry import initialize_tools_from_config
 
 import tangram  # noqa: E402
 from tangram._frameworks import _failures, _session  # noqa: E402
 from tangram.config import ConfigError  # noqa: E402
-from tangram.errors import SandboxBrokenError  # noqa: E402
+from tangram.errors import SandboxBrokenError, UnscoredSampleError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -174,3 +190,75 @@ async def test_a_broken_sandbox_stops_openrlhfs_episode(
             assert len(pool._live) == warm  # the episode's sandbox went back at once
     finally:
         await _session.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_failure_under_a_function_tool_is_no_observation_and_no_score(
+    docs_config: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """verl turns whatever a function tool raises into the model's next observation, so
+    ``with_tangram`` does not raise a tangram failure: the model sees ``FAILED_CALL``
+    (never the error), the call is marked in ``tool_rewards``, and both reward entries
+    refuse the sample, in the agent loop's streamed layout and the trainer's batch one."""
+    from _hacks import RIGHT, TESTS
+
+    @function_tool("tangram_failing")
+    @with_tangram(kind="compute")
+    async def compute(code: str) -> str:
+        """Run Python in a sandbox.
+
+        Args:
+            code: the program.
+        """
+        return (await run_code(code)).stdout.decode()
+
+    healthy = tangram.Sandbox.run
+
+    async def broken(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise SandboxBrokenError("the sandbox's process tree vanished")
+
+    monkeypatch.setattr(tangram.Sandbox, "run", broken)
+    tokenizer = tiny_tokenizer(tmp_path / "tok")
+    call = json.dumps({"name": "tangram_failing", "arguments": {"code": "print(1)"}})
+    server = _Server(tokenizer, [f"<tool_call>{call}</tool_call><|im_end|>", "done<|im_end|>"])
+    loop = _agent_loop(tokenizer, server, [get_function_tool("tangram_failing")])
+    output = await loop.run({"temperature": 1.0}, raw_prompt=[{"role": "user", "content": "go"}])
+    assert len(server.prompts) == 2
+    assert FAILED_CALL in server.prompts[1]
+    assert "vanished" not in server.prompts[1] and "Error executing" not in server.prompts[1]
+    rewards = output.extra_fields["tool_rewards"]
+    assert len(rewards) == 1 and math.isnan(rewards[0])
+    assert _failures.counts() == {"compute": 1}
+
+    monkeypatch.setattr(tangram.Sandbox, "run", healthy)
+    toml = _tests_toml(tmp_path)
+    config, _ = _reward_config(tmp_path, tmp_path / "tok", "reward_manager")
+    config.reward.tangram.tangram_config = str(toml)
+    worker = RewardLoopWorker(config)
+    sample = _batch(tokenizer, [f"```python\n{RIGHT}```"], [TESTS])
+    streamed, batched, clean = copy.deepcopy(sample), copy.deepcopy(sample), copy.deepcopy(sample)
+    streamed.non_tensor_batch["tool_extra_fields"] = np.array([output.extra_fields], dtype=object)
+    batched.non_tensor_batch["tool_rewards"] = np.empty(1, dtype=object)
+    batched.non_tensor_batch["tool_rewards"][0] = list(rewards)
+    clean.non_tensor_batch["tool_rewards"] = np.empty(1, dtype=object)
+    clean.non_tensor_batch["tool_rewards"][0] = [0.0]
+    solution = f"```python\n{RIGHT}```"
+    try:
+        for data in (streamed, batched):
+            with pytest.raises(UnscoredSampleError, match="not scored"):
+                await worker.compute_score_batch(data)
+        with pytest.raises(UnscoredSampleError):
+            await compute_score(
+                "code", solution, TESTS, {"tool_rewards": rewards}, tangram_config=str(toml)
+            )
+        # The same answer, its tool call not marked, is scored.
+        assert [o["reward_score"] for o in await worker.compute_score_batch(clean)] == [1.0]
+        assert (
+            await compute_score(
+                "code", solution, TESTS, {"tool_rewards": [0.0]}, tangram_config=str(toml)
+            )
+            == 1.0
+        )
+    finally:
+        await _session.aclose()
+    assert _failures.counts() == {"compute": 1, "reward": 3}

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -51,9 +52,10 @@ from tangram._frameworks._failures import is_infrastructure, record
 from tangram._frameworks._grade import grade, parse_tests
 from tangram._frameworks._metrics import step_logs
 from tangram.config import ConfigError
+from tangram.errors import UnscoredSampleError
 from tangram_verl.tools import TOOL_METRICS
 
-__all__ = ["TangramRewardManager", "compute_score", "tool_metrics"]
+__all__ = ["TangramRewardManager", "compute_score", "failed_calls", "tool_metrics"]
 
 _SETTINGS = {
     "tangram_config",
@@ -92,6 +94,45 @@ def _needs(settings: Mapping[str, Any]) -> tuple[str, ...]:
     if "quota" in settings:
         return (f"quota.{settings['quota']}",)
     return ()
+
+
+def _tool_fields(sample: Mapping[str, Any]) -> Any:
+    """The trajectory's ``extra_fields``: whole as ``tool_extra_fields`` where the agent
+    loop scores each sample as it ends, key by key where the trainer scores the batch."""
+    fields = sample.get("tool_extra_fields", None)
+    if fields is not None:
+        return fields
+    return {key: sample[key] for key in ("tool_rewards", "extras") if key in sample}
+
+
+def failed_calls(extra_fields: Any) -> int:
+    """Tool calls of the sample that tangram failed under, as :func:`~tangram_verl.with_tangram`
+    marks them (a NaN in ``tool_rewards``): the model saw :data:`~tangram_verl.tools.FAILED_CALL`
+    where the tool's output should have been."""
+    rewards = extra_fields.get("tool_rewards") if isinstance(extra_fields, Mapping) else None
+    if rewards is None or isinstance(rewards, (str, bytes)):
+        return 0
+    try:
+        return sum(1 for r in rewards if isinstance(r, float) and math.isnan(r))
+    except TypeError:  # not a sequence: no call of ours marked it
+        return 0
+
+
+def refuse_failed(extra_fields: Any) -> None:
+    """Raise :class:`~tangram.errors.UnscoredSampleError` for a sample with a failed call.
+
+    verl's function tools need an observation whatever happens, so a tangram failure
+    under one went to the model as a fixed text; the sample is not scored, and the step
+    fails as it does when a :class:`~tangram_verl.SandboxTool` raises.
+    """
+    failed = failed_calls(extra_fields)
+    if failed:
+        error = UnscoredSampleError(
+            f"{failed} tool call(s) of this sample failed in tangram (see the agent-loop "
+            "worker's ERROR log): the sample is not scored"
+        )
+        record("reward", error)
+        raise error
 
 
 def tool_metrics(extra_fields: Any) -> dict[str, float]:
@@ -180,8 +221,13 @@ async def compute_score(
     extra_info: Any = None,
     **reward_kwargs: Any,
 ) -> float:
-    """verl's ``custom_reward_function``, async: scores through tangram (see the module)."""
+    """verl's ``custom_reward_function``, async: scores through tangram (see the module).
+
+    :raises UnscoredSampleError: a tool call of the sample failed in tangram (verl's
+        reward managers put the trajectory's ``tool_rewards`` in ``extra_info``).
+    """
     settings = _settings(reward_kwargs)
+    refuse_failed(extra_info)
     return await score(
         settings, solution_str, ground_truth, data_source=data_source, extra_info=extra_info
     )
@@ -234,6 +280,8 @@ class TangramRewardManager(RewardManagerBase):
         data_source = item.non_tensor_batch["data_source"]
         ground_truth = item.non_tensor_batch["reward_model"]["ground_truth"]
         extra_info = dict(item.non_tensor_batch.get("extra_info", None) or {})
+        tool_fields = _tool_fields(item.non_tensor_batch)
+        refuse_failed(tool_fields)
         arguments = {
             "data_source": data_source,
             "solution_str": solution,
@@ -257,7 +305,7 @@ class TangramRewardManager(RewardManagerBase):
                 tangram.acquire(cpu=self.cpu, kind="reward"),
             ):
                 result = await anyio.to_thread.run_sync(functools.partial(self.custom, **arguments))
-        tools = tool_metrics(item.non_tensor_batch.get("tool_extra_fields", None))
+        tools = tool_metrics(tool_fields)
         if self.settings.get("metrics"):
             # What this reward process's scheduler did since its previous sample: verl keeps
             # reward_extra_info per sample (validation metrics, rollout dumps), so the

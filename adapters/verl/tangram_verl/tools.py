@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import functools
 import inspect
+import math
 import uuid
 import weakref
 from collections.abc import Awaitable, Callable, Mapping
@@ -31,9 +32,17 @@ from tangram._frameworks._convert import cpu_demand, demand_of, format_result, r
 from tangram._frameworks._failures import is_infrastructure, record
 from tangram._frameworks._session import release_later
 from tangram.config import ConfigError
-from tangram.errors import UnknownSandboxError
+from tangram.errors import TangramError, UnknownSandboxError
 
-__all__ = ["TOOL_METRICS", "SandboxTool", "TangramTool", "record_call", "run_code", "with_tangram"]
+__all__ = [
+    "FAILED_CALL",
+    "TOOL_METRICS",
+    "SandboxTool",
+    "TangramTool",
+    "record_call",
+    "run_code",
+    "with_tangram",
+]
 
 _OWN_KEYS = {"type", "tangram_config"}
 _SANDBOX_KEYS = {"cpu", "timeout", "kind", "language", "code_param", "scope"}
@@ -56,6 +65,10 @@ TOOL_METRICS = (
     "tool_exec_seconds",
     "tool_timeouts",
 )
+#: A function tool's observation when tangram, not the tool, failed under the call
+#: (:func:`with_tangram`): it names no error, so the model learns nothing of the
+#: infrastructure from it, and the sample it ends up in is never scored.
+FAILED_CALL = "(the tool could not run: an infrastructure failure, not a result of this call)"
 
 
 class SandboxTool(BaseTool):
@@ -396,10 +409,15 @@ def with_tangram(
     The signature, docstring and annotations pass through, so verl infers the same schema.
     Inside the call the scheduler is current: ``tangram.acquire`` and :func:`run_code`
     work without arguments. The config is loaded when the function is decorated (verl
-    imports ``function_tool_path`` at worker start), so a bad set-up fails there. verl
-    calls function tools without a release step and hands whatever they raise to the
-    model as text; a tangram failure is counted and logged at ERROR, but only a
-    :class:`SandboxTool` or :class:`TangramTool` can stop the rollout with it.
+    imports ``function_tool_path`` at worker start), so a bad set-up fails there.
+
+    verl calls function tools without a release step and hands whatever they raise to the
+    model as the tool's output. So a tangram failure under the call (the scheduler gone,
+    a sandbox that died) is not raised: it is counted, logged at ERROR, and the call
+    returns :data:`FAILED_CALL` as its observation with a NaN tool reward, which verl
+    keeps in the sample's ``tool_rewards``. tangram's reward entries refuse to score
+    such a sample (:class:`tangram.errors.UnscoredSampleError`), so the step fails
+    rather than train on it. The function's own exceptions reach verl as before.
     """
     _session.check(config)
     wanted = {**(demand or {}), **amounts}
@@ -422,10 +440,17 @@ def with_tangram(
                     except Exception as exc:
                         own.append(exc)
             except Exception as exc:
-                if is_infrastructure(exc):
-                    record(action, exc)
-                raise
-            raise own[0]
+                if not is_infrastructure(exc):
+                    raise
+                failure = exc
+            else:
+                # The function's own error reaches verl, unless tangram raised it in there
+                # (a :func:`run_code` whose sandbox died); an ``OSError`` there is the tool's.
+                failure = own[0]
+                if not isinstance(failure, TangramError):
+                    raise failure
+            record(action, failure)
+            return ToolResponse(text=FAILED_CALL), math.nan, {}
 
         return call  # type: ignore[return-value]
 
