@@ -29,15 +29,19 @@ Where to score comes from ``[adapters.verl.reward]`` in the tangram config, over
   (with ``partial = true``, the fraction passed); ``timeout`` bounds the whole grading,
   ``case_timeout`` each call into the answer. The verdict never comes from the answer's
   exit status, so an answer that exits 0 early or forges ``__eq__`` scores 0.
+
+With ``group = true`` (:class:`TangramRewardManager` only) a prompt's samples are scored
+together, so GRPO's groups complete one after another (``docs/verl.md``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import anyio.to_thread
@@ -50,6 +54,7 @@ from tangram._frameworks import _session
 from tangram._frameworks._convert import cpu_demand, extract_code
 from tangram._frameworks._failures import is_infrastructure, record
 from tangram._frameworks._grade import grade, parse_tests
+from tangram._frameworks._group import DEFAULT_GROUP_WAIT, Gate
 from tangram._frameworks._metrics import step_logs
 from tangram.config import ConfigError
 from tangram.errors import UnscoredSampleError
@@ -70,6 +75,8 @@ _SETTINGS = {
     "case_timeout",
     "partial",
     "metrics",
+    "group",
+    "group_wait",
 }
 
 
@@ -149,6 +156,10 @@ def tool_metrics(extra_fields: Any) -> dict[str, float]:
     return {name: float(totals.get(name, 0.0)) for name in TOOL_METRICS}
 
 
+async def _alone() -> None:
+    """A sample outside any group goes at once."""
+
+
 async def score(
     settings: Mapping[str, Any],
     solution_str: str,
@@ -156,14 +167,22 @@ async def score(
     *,
     data_source: Any = None,
     extra_info: Any = None,
+    arrive: Callable[[], Awaitable[None]] = _alone,
+    group: str | None = None,
 ) -> float:
     """One sample's score through the tests, the service or the judge the settings name.
+
+    ``arrive`` is awaited right before the sample asks for its grant: a group's gate
+    (:class:`tangram._frameworks._group.Gate`) holds it there for the rest of its group,
+    ``group`` (its prompt) which also names its sandbox, for the scheduler's books.
 
     :raises ValueError: with ``tests``, a ground truth that holds no test to run.
     :raises SandboxBrokenError: with ``tests``, a sandbox that cannot run the harness.
     """
     try:
-        return await _score(settings, solution_str, ground_truth, data_source, extra_info)
+        return await _score(
+            settings, solution_str, ground_truth, data_source, extra_info, arrive, group
+        )
     except Exception as exc:
         # verl's reward loop does not catch it: the step fails with tangram's error.
         if is_infrastructure(exc):
@@ -177,6 +196,8 @@ async def _score(
     ground_truth: Any,
     data_source: Any,
     extra_info: Any,
+    arrive: Callable[[], Awaitable[None]],
+    group: str | None,
 ) -> float:
     info = {"data_source": data_source, "extra_info": extra_info}
     async with _session.session(settings.get("tangram_config")) as resources:
@@ -186,7 +207,9 @@ async def _score(
             if code is None:
                 return 0.0
             cpu = cpu_demand(settings.get("cpu", 1), "[adapters.verl.reward]")
-            async with resources.sandbox_pool().sandbox(f"reward-{uuid.uuid4().hex}") as sandbox:
+            name = "-".join(("reward", *(() if group is None else (group,)), uuid.uuid4().hex))
+            async with resources.sandbox_pool().sandbox(name) as sandbox:
+                await arrive()
                 verdict = await grade(
                     sandbox,
                     code,
@@ -199,6 +222,7 @@ async def _score(
         if "service" in settings:
             encode = _session.load_object(settings.get("encode", ""))
             row = encode(solution_str, ground_truth, **info)
+            await arrive()
             async with resources.gpu_pool().use(settings["service"]) as service:
                 output = await service(row)
             return float(output.reshape(-1)[0])
@@ -207,6 +231,7 @@ async def _score(
             quota = resources.quota(settings["quota"])
             options = {"base_url": settings["base_url"]} if "base_url" in settings else {}
             async with quota.client(**options) as client:
+                await arrive()
                 return float(await judge(client, solution_str, ground_truth, **info))
     raise ConfigError(
         "[adapters.verl.reward] needs `tests = true` (code tests), `service` (GPU) or "
@@ -245,6 +270,12 @@ class TangramRewardManager(RewardManagerBase):
     ``tool_exec_seconds``, ``tool_timeouts``) beside the score, and with ``metrics = true``
     what this process's scheduler did since the previous sample (``tangram/queue_s``,
     ``tangram/restores``, ``tangram/limited`` ...: docs/metrics.md).
+
+    With ``group = true`` a prompt's samples (verl's ``uid``) handed over together are
+    scored together: each waits, just before it asks for its grant, for the others of its
+    group in this worker, and the group's demands reach the scheduler in one decision
+    (:mod:`tangram._frameworks._group`). A sample alone goes at once; none waits longer
+    than ``group_wait`` seconds (2).
     """
 
     def __init__(
@@ -262,6 +293,9 @@ class TangramRewardManager(RewardManagerBase):
         # before verl's base class makes an event loop that a failed start would leak.
         _session.check(self.settings.get("tangram_config"), needs=_needs(self.settings))
         self.cpu = cpu_demand(self.settings.get("cpu", 1), "[adapters.verl.reward]")
+        self.gate: Gate | None = None
+        if self.settings.get("group"):
+            self.gate = Gate(self.settings.get("group_wait", DEFAULT_GROUP_WAIT))
         super().__init__(config, tokenizer, compute_score)
         # Without a custom function verl hands over its rule-based default: tangram's
         # scoring replaces it, since a tangram manager was asked for.
@@ -269,8 +303,10 @@ class TangramRewardManager(RewardManagerBase):
         self.custom = custom
         self.custom_is_async = custom is not None and inspect.iscoroutinefunction(custom)
 
-    async def run_single(self, data: DataProto) -> dict[str, Any]:
-        item = data[-1:][0]
+    async def _score(
+        self, item: Any, arrive: Callable[[], Awaitable[None]], group: str | None
+    ) -> tuple[Any, Any]:
+        """The sample's score (or the custom function's result) and its tool fields."""
         response_ids = item.batch["responses"]
         length = int(item.batch["attention_mask"][-response_ids.shape[-1] :].sum())
         tokenizer: Any = self.tokenizer
@@ -295,16 +331,31 @@ class TangramRewardManager(RewardManagerBase):
                 ground_truth,
                 data_source=data_source,
                 extra_info=extra_info,
+                arrive=arrive,
+                group=group,
             )
         elif self.custom_is_async:
             async with _session.session(self.settings.get("tangram_config")):
+                await arrive()
                 result = await self.custom(**arguments)
         else:
-            async with (
-                _session.session(self.settings.get("tangram_config")),
-                tangram.acquire(cpu=self.cpu, kind="reward"),
-            ):
-                result = await anyio.to_thread.run_sync(functools.partial(self.custom, **arguments))
+            async with _session.session(self.settings.get("tangram_config")):
+                await arrive()
+                async with tangram.acquire(cpu=self.cpu, kind="reward"):
+                    call = functools.partial(self.custom, **arguments)
+                    result = await anyio.to_thread.run_sync(call)
+        return result, tool_fields
+
+    async def run_single(self, data: DataProto) -> dict[str, Any]:
+        item = data[-1:][0]
+        uid = item.non_tensor_batch.get("uid", None)
+        async with contextlib.AsyncExitStack() as stack:
+            arrive: Callable[[], Awaitable[None]] = _alone
+            if self.gate is not None and uid is not None:
+                # In the gate from the start: verl hands a batch's samples over at once,
+                # and each counts as on its way while it decodes.
+                arrive = await stack.enter_async_context(self.gate.sample(str(uid)))
+            result, tool_fields = await self._score(item, arrive, None if uid is None else str(uid))
         tools = tool_metrics(tool_fields)
         if self.settings.get("metrics"):
             # What this reward process's scheduler did since its previous sample: verl keeps
