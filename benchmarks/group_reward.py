@@ -54,11 +54,11 @@ from tangram._frameworks import _session  # noqa: E402
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
-    from _hacks import RIGHT, TESTS, WRONG  # noqa: E402
-    from _tiny import tiny_tokenizer  # noqa: E402
-    from omegaconf import OmegaConf  # noqa: E402
-    from verl import DataProto  # noqa: E402
-    from verl.experimental.reward_loop.reward_loop import RewardLoopWorker  # noqa: E402
+    from _hacks import RIGHT, TESTS, WRONG
+    from _tiny import tiny_tokenizer
+    from omegaconf import OmegaConf
+    from verl import DataProto
+    from verl.experimental.reward_loop.reward_loop import RewardLoopWorker
 
 
 class _Finished(tangram.Instrument):
