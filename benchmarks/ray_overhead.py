@@ -46,7 +46,8 @@ The adapters' path (issue 18: ``mode = "shared"``, the adapters' default)
     - *adapter latency*: the 16 workers call as a tool call does, through
       ``tangram._frameworks._session.session(config)`` then ``tangram.acquire(cpu=1)`` and
       release (no sandbox), one call per ``ADAPTER_THINK`` (0.5 s) each, the workers
-      staggered. Paced, not back to back: 16 processes cycling back to back only queue
+      staggered, in windows the two modes take turns at (2 each under ``--quick``, 3
+      in a full run). Paced, not back to back: 16 processes cycling back to back only queue
       for the two cores (the latency rows above show that), and 32 calls/s is already
       three times the 200 ms tool calls two cores can run. The median time of that block
       per call (from entering ``session`` to leaving ``acquire``), shared config against
@@ -133,7 +134,8 @@ CALLS_GOAL = 0.5
 # Seconds between one worker's calls in the adapter-latency arm: 16 workers then make 32
 # calls/s, three times the 200 ms tool calls the host's two cores can run in a second.
 ADAPTER_THINK = 0.5
-ADAPTER_SECONDS = 3.0  # the arm's window under --quick (else --seconds): 100 calls or so
+ADAPTER_SECONDS = 3.0  # a window under --quick (else --seconds): 100 calls or so
+ADAPTER_ROUNDS = {True: 2, False: 3}  # windows per mode, the modes alternating; quick, full
 ADAPTER_GOAL_MS = 5.0
 MODES = ("shared", "local")
 # Rollout: (workers, trajectories per worker, tool calls per trajectory); quick, then full.
@@ -357,23 +359,35 @@ def _configs(folder: Path) -> dict[str, dict[str, str]]:
 
 
 async def _adapter_latency(
-    workers: list[Any], configs: dict[str, str], seconds: float
+    workers: list[Any], configs: dict[str, str], seconds: float, rounds: int
 ) -> dict[str, dict[str, float]]:
-    """Per-call time of the adapters' session + acquire block in each mode, 16 workers."""
-    found: dict[str, dict[str, float]] = {}
+    """Per-call time of the adapters' session + acquire block in each mode, 16 workers.
+
+    ``rounds`` windows per mode, the modes taking turns (and turns about who goes first):
+    one window each, one after the other, put any change in the host's load between them
+    on one mode alone (the figure moved between 4 and 10 ms from run to run).
+    """
     for mode in MODES:
         for ref in [w.adapter_ready.remote(configs[mode]) for w in workers]:
             await ref
-        start = time.time() + 0.5 + 0.05 * len(workers)
-        refs = [
-            w.adapter_calls.remote(configs[mode], start, ADAPTER_THINK * i / len(workers), seconds)
-            for i, w in enumerate(workers)
-        ]
-        spans = sorted([x for ref in refs for x in await ref])
+    spans: dict[str, list[float]] = {mode: [] for mode in MODES}
+    for round_ in range(rounds):
+        for mode in MODES if round_ % 2 == 0 else MODES[::-1]:
+            start = time.time() + 0.5 + 0.05 * len(workers)
+            refs = [
+                w.adapter_calls.remote(
+                    configs[mode], start, ADAPTER_THINK * i / len(workers), seconds
+                )
+                for i, w in enumerate(workers)
+            ]
+            spans[mode].extend(x for ref in refs for x in await ref)
+    found: dict[str, dict[str, float]] = {}
+    for mode, taken in spans.items():
+        taken.sort()
         found[mode] = {
-            "median_ms": statistics.median(spans) * 1e3,
-            "p90_ms": spans[int(0.9 * (len(spans) - 1))] * 1e3,
-            "calls": len(spans),
+            "median_ms": statistics.median(taken) * 1e3,
+            "p90_ms": taken[int(0.9 * (len(taken) - 1))] * 1e3,
+            "calls": len(taken),
         }
     return found
 
@@ -495,7 +509,9 @@ def main(argv: list[str] | None = None) -> int:
         rows = anyio.run(_bench, workers, seconds, backend="asyncio")
         # Latency first: it creates the job's scheduler with its [capacity] (see above).
         window = ADAPTER_SECONDS if args.quick and not args.seconds else seconds
-        adapter = anyio.run(_adapter_latency, workers, configs["latency"], window)
+        adapter = anyio.run(
+            _adapter_latency, workers, configs["latency"], window, ADAPTER_ROUNDS[args.quick]
+        )
         print(
             "  adapter path, 16 workers: "
             + ", ".join(f"{m} {adapter[m]['median_ms']:.2f} ms/call" for m in MODES),
@@ -558,7 +574,8 @@ def main(argv: list[str] | None = None) -> int:
         "local_actions_per_s": per_size("local_actions_per_s", 0),
         "amortized_ms_per_action": per_size("amortized_ms", 3),
         "adapter_think_s": ADAPTER_THINK,
-        "adapter_seconds_per_arm": window,
+        "adapter_seconds_per_window": window,
+        "adapter_windows_per_mode": ADAPTER_ROUNDS[args.quick],
         "adapter_ms_per_call": {m: round(adapter[m]["median_ms"], 3) for m in MODES},
         "adapter_p90_ms_per_call": {m: round(adapter[m]["p90_ms"], 3) for m in MODES},
         "adapter_calls": {m: adapter[m]["calls"] for m in MODES},

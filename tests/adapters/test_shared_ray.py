@@ -7,16 +7,16 @@ first worker creates the job's scheduler actor and its node's host agent; later 
 find them. ``ray.cluster_utils.Cluster`` gives a head and a second node as separate
 raylets on this machine.
 
-What runs is real: verl's tool loader builds the tools from the docs' YAML and each
-worker calls the tool's ``create``/``execute``/``release`` exactly as verl's
-``ToolAgentLoop._call_tool`` does (the full agent loop needs an LLM server and a
-tokenizer in every process, and importing verl's agent loop takes most of a minute per
-process on this machine); OpenRLHF's own ``MultiTurnAgentExecutor.execute`` drives the
-adapter's ``AgentInstance``; sandboxes are tangram's local backend; the judge is a real
-torch module. Stand-ins: the LLM engine behind OpenRLHF's executor (vLLM needs a GPU),
-which returns fixed turns through a real tokenizer, and the judge's device, a
-``cpu:0`` Device (no GPU here). The OpenRLHF config scores with the docs' own
-``reward = "tests"``: the sealed code grader, on a sandbox of the node's agent.
+What runs is real: verl's tool loader builds the tools from the docs' YAML, and the four
+agent-loop workers run verl's own ``ToolAgentLoop`` over them (the other verl tests call
+the tool's ``create``/``execute``/``release`` as ``ToolAgentLoop._call_tool`` does);
+OpenRLHF's own ``MultiTurnAgentExecutor.execute`` drives the adapter's
+``AgentInstance``; sandboxes are tangram's local backend; the judge is a real torch
+module. Stand-ins: the LLM server behind verl's agent loop and the engine behind
+OpenRLHF's executor (vLLM needs a GPU), which return fixed turns through a real
+tokenizer, and the judge's device, a ``cpu:0`` Device (no GPU here). The OpenRLHF config
+scores with the docs' own ``reward = "tests"``: the sealed code grader, on a sandbox of
+the node's agent.
 """
 
 from __future__ import annotations
@@ -124,6 +124,68 @@ class VerlWorker:
         # What AgentLoopWorker does at start: a bad tangram setup raises here.
         self.tools = initialize_tools_from_config(str(DOCS / "verl_tools.yaml"))
 
+    async def rollout(self, code: str, trajectories: int, tokenizer_dir: str) -> list[str]:
+        """``trajectories`` runs of verl's own ``ToolAgentLoop`` at once, each asking the
+        sandbox tool to run ``code`` once; the tool's outputs, as the model saw them.
+
+        The LLM server is the one stand-in (vLLM needs a GPU): it answers the first turn
+        with the tool call and the second with a final message, as real token ids.
+        """
+        import json
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from _tiny import tiny_tokenizer
+            from omegaconf import OmegaConf
+            from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap
+            from verl.experimental.agent_loop.tool_agent_loop import ToolAgentLoop
+            from verl.workers.rollout.replica import TokenOutput
+
+        tokenizer = tiny_tokenizer(Path(tokenizer_dir) / uuid.uuid4().hex)
+        call = json.dumps({"name": "run_python", "arguments": {"code": code}})
+        seen: list[str] = []
+
+        class Server:
+            def __init__(self) -> None:
+                self.turns = [f"<tool_call>{call}</tool_call><|im_end|>", "done<|im_end|>"]
+
+            async def generate(self, request_id: str, prompt_ids: list[int], **_: Any) -> Any:
+                if len(self.turns) == 1:  # the second turn: the tool's output is in it
+                    seen.append(tokenizer.decode(prompt_ids))
+                text = self.turns.pop(0)
+                return TokenOutput(token_ids=tokenizer.encode(text, add_special_tokens=False))
+
+        rollout = {
+            "prompt_length": 2048,
+            "response_length": 2048,
+            "full_determinism": False,
+            "multi_turn": {
+                "max_user_turns": 4,
+                "max_assistant_turns": 4,
+                "max_parallel_calls": 1,
+                "max_tool_response_length": 1024,
+                "tool_response_truncate_side": "middle",
+                "format": "hermes",
+            },
+        }
+        config = OmegaConf.create({"actor_rollout_ref": {"rollout": rollout}, "data": {}})
+
+        async def one() -> None:
+            loop = ToolAgentLoop(
+                trainer_config=DictConfigWrap(config),
+                server_manager=Server(),
+                tokenizer=tokenizer,
+                processor=None,
+                dataset_cls=None,
+                data_config=DictConfigWrap(config.data),
+                tools=ToolListWrap(self.tools),
+            )
+            await loop.run({"temperature": 1.0}, raw_prompt=[{"role": "user", "content": "go"}])
+
+        await asyncio.gather(*(one() for _ in range(trajectories)))
+        return seen
+
     async def call(self, code: str) -> str:
         """``ToolAgentLoop._call_tool``'s sequence for one call of the sandbox tool."""
 
@@ -134,9 +196,6 @@ class VerlWorker:
         finally:
             await tool.release(instance_id)
         return str(response.text)
-
-    async def calls(self, code: str, n: int) -> list[str]:
-        return list(await asyncio.gather(*(self.call(code) for _ in range(n))))
 
 
 class SessionWorker:
@@ -291,8 +350,12 @@ def verl_workers(cluster: dict[str, Any]) -> list[Any]:
 def test_four_verl_workers_share_the_hosts_cores(
     cluster: dict[str, Any], verl_workers: list[Any]
 ) -> None:
+    """Four agent-loop worker processes, each running verl's ``ToolAgentLoop`` on two
+    trajectories at once, with the docs' own tool YAML and config."""
     workers = verl_workers
-    outputs = ray.get([w.calls.remote(PROBE.format(seconds=0.4), 2) for w in workers], timeout=300)
+    code = PROBE.format(seconds=0.4)
+    tok = str(cluster["tmp"] / "tok")
+    outputs = ray.get([w.rollout.remote(code, 2, tok) for w in workers], timeout=300)
     probes = _probes([text for per_worker in outputs for text in per_worker])
     assert len(probes) == 8
     _assert_never_shared(probes, cores=os.cpu_count() or 1)
