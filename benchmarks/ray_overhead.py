@@ -380,7 +380,8 @@ async def _adapter_latency(
                 )
                 for i, w in enumerate(workers)
             ]
-            spans[mode].extend(x for ref in refs for x in await ref)
+            for ref in refs:
+                spans[mode].extend(await ref)
     found: dict[str, dict[str, float]] = {}
     for mode, taken in spans.items():
         taken.sort()
