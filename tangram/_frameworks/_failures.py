@@ -14,7 +14,7 @@ import collections
 import logging
 import threading
 
-from ..errors import TangramError
+from ..errors import InvalidDemandError, InvalidSettingError, TangramError
 
 __all__ = ["counts", "is_infrastructure", "record", "reset"]
 
@@ -30,7 +30,14 @@ def is_infrastructure(exc: BaseException) -> bool:
     Everything tangram raises on purpose is a :class:`~tangram.errors.TangramError`; an
     ``OSError`` reaching an adapter from a sandbox operation is the host failing (a full
     disk, a vanished daemon socket), since the model's code runs in a process of its own.
+    A bad argument is not (:class:`~tangram.errors.InvalidDemandError`,
+    :class:`~tangram.errors.InvalidSettingError`): it is the call's, and the arguments of
+    a tool call are the model's (a NUL byte in its code, code that is not a string). As an
+    infrastructure failure it would stop the training step, a stop the model could
+    trigger at will; as the tool's error it is an answer the model sees, as any tool's.
     """
+    if isinstance(exc, (InvalidDemandError, InvalidSettingError)):
+        return False
     return isinstance(exc, (TangramError, OSError))
 
 

@@ -227,6 +227,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         except RequestError as exc:
             self._send(422, {"detail": str(exc)})
         except Exception as exc:
+            if not is_infrastructure(exc) and isinstance(exc, ValueError):
+                # A bad argument in the request (a NUL byte in the code): the caller's.
+                self._send(422, {"detail": str(exc)})
+                return
             # SandboxFusion answers its own failures as status SandboxError; the 503 with it
             # makes verl's client log the call as failed at ERROR, not as the code's verdict.
             if not is_infrastructure(exc):

@@ -214,13 +214,66 @@ def check(path: str | os.PathLike[str] | None = None, *, needs: tuple[str, ...] 
     if config.sandbox is not None:
         _sandbox_pool(config.sandbox)  # a bad backend option fails here, not at a call
     check_shared(config)
-    if config.mode == "shared" and in_ray() and config.source not in _reached:
+    if config.source in _reached:
+        return config  # a worker builds several tools from one file
+    if config.mode == "shared" and in_ray():
         _reach_job(config)
-        _reached.add(config.source)  # a worker builds several tools from one file
+    elif config.sandbox is not None:
+        _start_backend(config)
+    _reached.add(config.source)
     return config
 
 
 _reached: set[str | None] = set()
+
+
+def _in_thread(reach: Callable[[], Any]) -> BaseException | None:
+    """Run the coroutine function ``reach`` on a loop of its own in a thread of its own
+    (a constructor may be called on a thread whose loop is running); what it raised."""
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(reach())
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name="tangram-reach", daemon=True)
+    thread.start()
+    thread.join()
+    return failure[0] if failure else None
+
+
+def _start_backend(config: Config) -> None:
+    """Start the ``[sandbox]`` backend once and close it again (a per-process scheduler).
+
+    The pools of a per-process scheduler start with its first call; a backend that
+    cannot start on this machine (no Docker daemon, bubblewrap asked for and missing)
+    would fail every call. Starting it here fails the worker where the framework builds
+    it instead. Nothing is created: a backend's start reaches its daemon or surveys the
+    host's isolation, and leaves no sandbox.
+
+    :raises ConfigError: the backend cannot start here.
+    """
+    assert config.sandbox is not None
+    sandbox = config.sandbox
+
+    async def reach() -> None:
+        backend = _backend(sandbox)
+        try:
+            await backend.start()
+        finally:
+            await backend.aclose()
+
+    exc = _in_thread(reach)
+    if exc is not None:
+        if isinstance(exc, ConfigError):
+            raise exc
+        where = config.source or "the tangram config"
+        raise ConfigError(
+            f"{where}: the [sandbox] backend {sandbox.backend!r} cannot start here: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def _reach_job(config: Config) -> None:
@@ -234,23 +287,13 @@ def _reach_job(config: Config) -> None:
 
     :raises ConfigError: the job's scheduler or this node's agent refused or failed.
     """
-    failure: list[BaseException] = []
 
-    def run() -> None:
-        async def reach() -> None:
-            async with contextlib.AsyncExitStack() as stack:
-                await _open(config, stack)
+    async def reach() -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            await _open(config, stack)
 
-        try:
-            asyncio.run(reach())
-        except BaseException as exc:
-            failure.append(exc)
-
-    thread = threading.Thread(target=run, name="tangram-reach", daemon=True)
-    thread.start()
-    thread.join()
-    if failure:
-        exc = failure[0]
+    exc = _in_thread(reach)
+    if exc is not None:
         if isinstance(exc, ConfigError):
             raise exc
         where = config.source or "the tangram config"

@@ -250,6 +250,15 @@ class SandboxPool:
         state.sandboxes += 1
         try:
             handle = await self.backend.create(state.host)
+        except (OSError, RuntimeError) as exc:
+            state.sandboxes -= 1
+            if isinstance(exc, SandboxError):
+                raise
+            # The host's failure (a full disk, no uid left), not the caller's: typed as
+            # the pool's, so an adapter never hands it to the model as a tool's output.
+            raise SandboxError(
+                f"could not create a sandbox on {state.host.name}: {type(exc).__name__}: {exc}"
+            ) from exc
         except BaseException:
             state.sandboxes -= 1
             raise

@@ -110,6 +110,30 @@ def test_a_config_without_the_pool_a_tool_needs_fails_at_start(
         initialize_tools_from_config(str(TOOLS_YAML))
 
 
+@pytest.mark.parametrize("piece", ["verl tool", "verl reward", "openrlhf reward"])
+def test_a_sandbox_backend_that_cannot_start_fails_at_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, piece: str
+) -> None:
+    """Per-process mode starts its pools at the first call; the backend is started (and
+    closed) where the framework builds the piece, so no daemon fails the worker there."""
+    path = tmp_path / "tangram.toml"
+    path.write_text(
+        'mode = "local"\n[sandbox]\nbackend = "docker"\n[adapters.verl.reward]\ntests = true\n'
+    )
+    monkeypatch.setenv("TANGRAM_CONFIG", str(path))
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-daemon.sock")
+    with pytest.raises(ConfigError, match=r"'docker' cannot start here.*no-daemon"):
+        if piece == "verl tool":
+            initialize_tools_from_config(str(TOOLS_YAML))
+        elif piece == "verl reward":
+            config, _ = _reward_config(tmp_path, tmp_path / "tok", "reward_manager")
+            config.reward.tangram.tangram_config = str(path)
+            tiny_tokenizer(tmp_path / "tok")
+            RewardLoopWorker(config)
+        else:
+            reward_module.check()
+
+
 def test_a_missing_config_fails_openrlhfs_executors_at_start(no_config: str) -> None:
     # OpenRLHF's _load_agent_executor, in effect: load the file, build AgentExecutor().
     spec = importlib.util.spec_from_file_location("agent_module", agent_module.__file__)
@@ -261,4 +285,105 @@ async def test_a_failure_under_a_function_tool_is_no_observation_and_no_score(
         )
     finally:
         await _session.aclose()
-    assert _failures.counts() == {"compute": 1, "reward": 3}
+    # Counted once, where it happened: refusing the sample is no failure of its own.
+    assert _failures.counts() == {"compute": 1}
+
+
+@pytest.mark.anyio
+async def test_a_bad_argument_from_the_model_is_the_tools_answer_not_a_failure(
+    docs_config: Path, tmp_path: Path
+) -> None:
+    """A NUL byte in the model's code is refused by tangram as a bad argument: the model
+    gets the tool's error as its answer, as from any tool, and the step goes on. Taken
+    for an infrastructure failure it stopped the step: a stop the policy could call."""
+    tokenizer = tiny_tokenizer(tmp_path / "tok")
+
+    @function_tool("tangram_nul")
+    @with_tangram(kind="compute")
+    async def compute(code: str) -> str:
+        """Run Python in a sandbox.
+
+        Args:
+            code: the program.
+        """
+        return (await run_code(code)).stdout.decode()
+
+    tools = [*initialize_tools_from_config(str(TOOLS_YAML)), get_function_tool("tangram_nul")]
+    for name in ("run_python", "tangram_nul"):
+        call = json.dumps({"name": name, "arguments": {"code": "print('a\u0000b')"}})
+        server = _Server(tokenizer, [f"<tool_call>{call}</tool_call><|im_end|>", "done<|im_end|>"])
+        loop = _agent_loop(tokenizer, server, tools)
+        output = await loop.run(
+            {"temperature": 1.0}, raw_prompt=[{"role": "user", "content": "go"}]
+        )
+        assert "NUL byte" in server.prompts[1], name
+        assert FAILED_CALL not in server.prompts[1]
+        assert not any(math.isnan(r) for r in output.extra_fields["tool_rewards"])
+    assert _failures.counts() == {}
+
+
+@pytest.mark.anyio
+async def test_a_host_failure_creating_a_sandbox_is_tangrams(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The host's disk full when a sandbox is made (no warm one left): typed as the pool's
+    ``SandboxError``, so a function tool marks it rather than hand ``[Errno 28]`` to the
+    model as its tool's output."""
+    import errno
+
+    import tangram._sandbox._local as local
+
+    toml = tmp_path / "t.toml"
+    toml.write_text('mode = "local"\n[sandbox]\nbackend = "local"\nwarm = 0\n')
+    monkeypatch.setenv("TANGRAM_CONFIG", str(toml))
+    _failures.reset()
+
+    def full(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.ENOSPC, "No space left on device", "/var/tmp/tangram/box")
+
+    monkeypatch.setattr(local, "make_box", full)
+
+    @function_tool("tangram_enospc")
+    @with_tangram(kind="compute")
+    async def compute(code: str) -> str:
+        """Run Python in a sandbox.
+
+        Args:
+            code: the program.
+        """
+        return (await run_code(code)).stdout.decode()
+
+    tokenizer = tiny_tokenizer(tmp_path / "tok")
+    call = json.dumps({"name": "tangram_enospc", "arguments": {"code": "print(1)"}})
+    server = _Server(tokenizer, [f"<tool_call>{call}</tool_call><|im_end|>", "done<|im_end|>"])
+    loop = _agent_loop(tokenizer, server, [get_function_tool("tangram_enospc")])
+    try:
+        output = await loop.run(
+            {"temperature": 1.0}, raw_prompt=[{"role": "user", "content": "go"}]
+        )
+    finally:
+        await _session.aclose()
+    assert FAILED_CALL in server.prompts[1]
+    assert "No space left" not in server.prompts[1]
+    assert math.isnan(output.extra_fields["tool_rewards"][0])
+    assert _failures.counts() == {"compute": 1}
+
+
+@pytest.mark.parametrize(
+    ("rewards", "failed"),
+    [
+        ([0.0, math.nan], 1),
+        ([np.float64("nan")], 1),
+        ([np.float32("nan"), np.float16("nan")], 2),
+        (np.array([np.nan, 1.0], dtype=np.float32), 1),
+        ([np.array(np.nan)], 1),
+        ((1.0, 0.5), 0),
+        ([[math.nan]], 0),  # not a reward of a call
+        ("nan", 0),
+        (None, 0),
+    ],
+)
+def test_every_kind_of_nan_marks_a_call(rewards: Any, failed: int) -> None:
+    from tangram_verl.reward import failed_calls
+
+    assert failed_calls({"tool_rewards": rewards}) == failed

@@ -75,11 +75,11 @@ async def test_a_groups_samples_reach_the_scheduler_together(tmp_path: Path, gro
         assert [o["reward_score"] for o in outputs] == expected
         manager = worker.reward_manager
         if group:
-            assert manager.gate is not None
-            stats = manager.gate.stats
+            (gate,) = manager.gates.values()
+            stats = gate.stats
             assert (stats.groups, stats.samples, stats.timed_out) == (GROUPS, GROUPS * N, 0)
         else:
-            assert manager.gate is None
+            assert manager.group_wait is None and not manager.gates
         # Each grading's sandbox is a trajectory of its own, named after its prompt.
         prompts = [name.split("-")[2] for name in admitted.order]
         assert sorted(prompts) == sorted(str(n // N) for n in range(GROUPS * N))

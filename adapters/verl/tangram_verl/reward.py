@@ -36,11 +36,13 @@ together, so GRPO's groups complete one after another (``docs/verl.md``).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import inspect
 import math
 import uuid
+import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -120,9 +122,20 @@ def failed_calls(extra_fields: Any) -> int:
     if rewards is None or isinstance(rewards, (str, bytes)):
         return 0
     try:
-        return sum(1 for r in rewards if isinstance(r, float) and math.isnan(r))
+        values = list(rewards)
     except TypeError:  # not a sequence: no call of ours marked it
         return 0
+    return sum(1 for r in values if _is_nan(r))
+
+
+def _is_nan(value: Any) -> bool:
+    """NaN as any real number type says it (a float, numpy's float16/32/64, a 0-d array)."""
+    if getattr(value, "ndim", 0) != 0:
+        return False  # an array of several: no reward of a call
+    try:
+        return math.isnan(float(value))
+    except (TypeError, ValueError):
+        return False
 
 
 def refuse_failed(extra_fields: Any) -> None:
@@ -130,16 +143,16 @@ def refuse_failed(extra_fields: Any) -> None:
 
     verl's function tools need an observation whatever happens, so a tangram failure
     under one went to the model as a fixed text; the sample is not scored, and the step
-    fails as it does when a :class:`~tangram_verl.SandboxTool` raises.
+    fails as it does when a :class:`~tangram_verl.SandboxTool` raises. (The failure was
+    counted where it happened, in the agent-loop worker.)
     """
     failed = failed_calls(extra_fields)
     if failed:
-        error = UnscoredSampleError(
-            f"{failed} tool call(s) of this sample failed in tangram (see the agent-loop "
-            "worker's ERROR log): the sample is not scored"
+        raise UnscoredSampleError(
+            f"{failed} tool reward(s) of this sample are NaN, which is how with_tangram "
+            "marks a call that tangram failed under (the agent-loop worker logged it at "
+            "ERROR): the sample is not scored"
         )
-        record("reward", error)
-        raise error
 
 
 def tool_metrics(extra_fields: Any) -> dict[str, float]:
@@ -293,15 +306,30 @@ class TangramRewardManager(RewardManagerBase):
         # before verl's base class makes an event loop that a failed start would leak.
         _session.check(self.settings.get("tangram_config"), needs=_needs(self.settings))
         self.cpu = cpu_demand(self.settings.get("cpu", 1), "[adapters.verl.reward]")
-        self.gate: Gate | None = None
+        self.group_wait: float | None = None
         if self.settings.get("group"):
-            self.gate = Gate(self.settings.get("group_wait", DEFAULT_GROUP_WAIT))
+            self.group_wait = self.settings.get("group_wait", DEFAULT_GROUP_WAIT)
+            Gate(self.group_wait)  # a bad group_wait fails here
+        # One gate per event loop: an anyio event set from another loop's thread would
+        # not wake its waiter.
+        self.gates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Gate] = (
+            weakref.WeakKeyDictionary()
+        )
         super().__init__(config, tokenizer, compute_score)
         # Without a custom function verl hands over its rule-based default: tangram's
         # scoring replaces it, since a tangram manager was asked for.
         custom = None if compute_score is default_compute_score else compute_score
         self.custom = custom
         self.custom_is_async = custom is not None and inspect.iscoroutinefunction(custom)
+
+    def gate(self) -> Gate:
+        """This event loop's group gate (``group = true``)."""
+        assert self.group_wait is not None
+        loop = asyncio.get_running_loop()
+        gate = self.gates.get(loop)
+        if gate is None:
+            gate = self.gates[loop] = Gate(self.group_wait)
+        return gate
 
     async def _score(
         self, item: Any, arrive: Callable[[], Awaitable[None]], group: str | None
@@ -351,10 +379,11 @@ class TangramRewardManager(RewardManagerBase):
         uid = item.non_tensor_batch.get("uid", None)
         async with contextlib.AsyncExitStack() as stack:
             arrive: Callable[[], Awaitable[None]] = _alone
-            if self.gate is not None and uid is not None:
+            if self.group_wait is not None and uid is not None:
                 # In the gate from the start: verl hands a batch's samples over at once,
                 # and each counts as on its way while it decodes.
-                arrive = await stack.enter_async_context(self.gate.sample(str(uid)))
+                gate = self.gate()
+                arrive = await stack.enter_async_context(gate.sample(str(uid)))
             result, tool_fields = await self._score(item, arrive, None if uid is None else str(uid))
         tools = tool_metrics(tool_fields)
         if self.settings.get("metrics"):

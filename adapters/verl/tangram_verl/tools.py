@@ -445,9 +445,10 @@ def with_tangram(
                 failure = exc
             else:
                 # The function's own error reaches verl, unless tangram raised it in there
-                # (a :func:`run_code` whose sandbox died); an ``OSError`` there is the tool's.
+                # as its own failure (a :func:`run_code` whose sandbox died; not a bad
+                # argument, which is the call's); an ``OSError`` there is the tool's.
                 failure = own[0]
-                if not isinstance(failure, TangramError):
+                if not (isinstance(failure, TangramError) and is_infrastructure(failure)):
                     raise failure
             record(action, failure)
             return ToolResponse(text=FAILED_CALL), math.nan, {}
