@@ -1138,12 +1138,16 @@ def test_a_waiting_service_drains_only_the_least_loaded_replica_past_its_tenure(
     """CPU devices stand in for one GPU of 2 MiB; time is virtual (trio's MockClock).
 
     ``a`` (three actions) and ``c`` (one) are granted cpu:0 at t=0 and restored by t=2
-    (1 s each, one after the other). ``b`` asks for cpu:0 at t=1.5. A ``c`` newcomer at
-    t=1.5 still joins: ``c`` has held its grant less than two restores. At t=3 both have
-    held it long enough; ``c``, the less loaded (2 actions against 3), stops taking
-    newcomers and hands its memory to ``b`` once its actions end, while ``a`` keeps
-    serving its newcomer. Without the drain ``c``, joined continuously, would hold
-    cpu:0 and ``b`` would wait behind every ``c`` action.
+    (1 s each, one after the other). ``b`` asks for cpu:0 at t=1.5: nothing waits in
+    ``c``'s line, so ``b``'s line has the share of ``c``'s replica, but ``c`` has held
+    its grant less than two restores, so it keeps it for now (an ``a`` newcomer at t=1.6
+    looks); a ``c`` newcomer at t=1.7 joins it. At t=3 both have held it long enough;
+    ``b``'s line has waited longer than ``c``'s (and its restore, assumed from its 1 MiB
+    until one is measured, costs next to nothing), so ``c``, above its share and the
+    less loaded, stops taking newcomers and hands its memory to ``b`` once its actions
+    end, while ``a``, whose line waited longest, keeps serving its newcomer. Without
+    the drain ``c``, joined continuously, would hold cpu:0 and ``b`` would wait behind
+    every ``c`` action.
     """
 
     async def main() -> None:
@@ -1166,18 +1170,22 @@ def test_a_waiting_service_drains_only_the_least_loaded_replica_past_its_tenure(
                 await anyio.sleep(1.5)
                 tg.start_soon(action, "b", 0)
                 await wait_until(lambda: pool.service_stats()["b"]["replicas_live"] == 1)
-                tg.start_soon(action, "c", 1)  # before c's tenure: joins c's replica
-                await anyio.sleep(1.5)
-                tg.start_soon(action, "a", 3)  # a keeps serving newcomers
+                await anyio.sleep(0.1)
+                tg.start_soon(action, "a", 3)  # before c's tenure: nothing drains
+                await anyio.sleep(0.1)
+                assert pool.service_stats()["c"]["replicas_live"] == 1
+                tg.start_soon(action, "c", 1)  # joins c's replica
+                await anyio.sleep(1.3)
+                tg.start_soon(action, "a", 4)  # a keeps serving newcomers
                 tg.start_soon(action, "c", 2)  # c drains: this one waits for b
-                await wait_until(lambda: "a:3" in entered)
+                await wait_until(lambda: "a:4" in entered)
                 assert "c:2" not in entered
                 c.gate.set()
                 await anyio.sleep(10)  # b is restored and served, then c again
                 assert "c:2" in log and not any(e.startswith("a:") for e in log)
                 a.gate.set()
             assert log.index("c:1") < log.index("b:0") < log.index("c:2")
-            assert log.index("b:0") < log.index("a:3")
+            assert log.index("b:0") < log.index("a:4")
             stats = pool.service_stats()
             assert (stats["a"]["restores"], stats["c"]["restores"]) == (1, 2)
 

@@ -17,7 +17,16 @@ from hypothesis import strategies as st
 
 import tangram
 from tangram._core import _placement as rules
-from tangram._core._placement import MOVE, TENURE, Backlog, Holding, Idle, Waiting, Wanted
+from tangram._core._placement import (
+    HORIZON,
+    MOVE,
+    TENURE,
+    Backlog,
+    Holding,
+    Idle,
+    Waiting,
+    Wanted,
+)
 
 loads = st.lists(st.integers(0, 8), max_size=6)
 
@@ -72,17 +81,39 @@ def test_a_full_line_grows_where_there_is_room_once_it_is_a_restore_long() -> No
     assert rules.targets([backlog("a", 1, restore=0.0)], 3.0) == {"a": 3}
 
 
-def test_a_service_with_work_and_no_replica_gets_one_first() -> None:
-    lines = [backlog("busy", 50, oldest=90.0, replicas=2), backlog("cold", 1, replicas=0)]
-    assert rules.targets(lines, 2.0) == {"busy": 1, "cold": 1}
+def test_a_service_with_no_replica_takes_free_room_or_waits_to_be_the_oldest_line() -> None:
+    # Free room: it takes it, before another replica of a service that has one.
+    assert rules.targets([backlog("a", 1, replicas=1), backlog("b", 1, replicas=0)], 2.0) == {
+        "a": 1,
+        "b": 1,
+    }
+    # No room: a line that came after the busy one's waits (no replica of right) ...
+    busy = backlog("busy", 50, oldest=90.0, replicas=2)
+    assert rules.targets([busy, backlog("cold", 1, replicas=0)], 2.0) == {"busy": 2, "cold": 0}
+    # ... until it has waited MOVE restores longer than what a device serves there.
+    cold = backlog("cold", 1, oldest=90.0 + MOVE + 1.0, replicas=0)
+    assert rules.targets([busy, cold], 2.0) == {"busy": 1, "cold": 1}
     # Nothing queued and no replica: none.
     assert rules.targets([backlog("idle", replicas=0)], 2.0) == {"idle": 0}
 
 
+def test_a_service_s_share_follows_its_work_among_the_longest_waiting() -> None:
+    # Lines that waited alike, neither with a replica: each replica ahead serves HORIZON
+    # restores of its line first, so the line with three times the work gets three times
+    # the devices, as one first-come-first-served queue over all of them would give it.
+    turns = HORIZON  # 1 s runs, 1 s restores
+    lines = [
+        backlog("popular", int(9 * turns), oldest=30.0, replicas=0),
+        backlog("rare", int(3 * turns), oldest=30.0, replicas=0),
+    ]
+    assert rules.targets(lines, 4.0) == {"popular": 3, "rare": 1}
+    assert rules.targets(lines, 8.0) == {"popular": 6, "rare": 2}
+
+
 def test_a_device_moves_only_to_a_line_that_waited_far_longer() -> None:
-    # b's line has waited MOVE + 4 restores (of 1 s) more than a's: one of a's two devices
-    # goes to b; MOVE - 6 more is not enough.
-    for more, share in ((MOVE + 4.0, {"a": 1, "b": 2}), (MOVE - 6.0, {"a": 2, "b": 1})):
+    # b's line has waited MOVE + 2 restores (of 1 s) more than a's: one of a's two devices
+    # goes to b; MOVE - 2 more is not enough.
+    for more, share in ((MOVE + 2.0, {"a": 1, "b": 2}), (MOVE - 2.0, {"a": 2, "b": 1})):
         lines = [
             backlog("a", 100, oldest=10.0, replicas=2),
             backlog("b", 100, oldest=10.0 + more, replicas=1),
@@ -123,8 +154,10 @@ def test_shares_fit_need_work_and_the_quick_look_agrees_with_the_walk(
     for line in lines:
         if line.count == 0:
             assert share[line.key] <= line.replicas  # nothing waits: nothing new
-    if capacity >= len(lines):
-        assert all(share[line.key] >= 1 for line in lines if line.count > 0)
+    for line in lines:
+        if line.count > 0 and share[line.key] == 0:
+            # A line with no replica waits only for room: the share fills the capacity.
+            assert sum(share.values()) + 1 > capacity
     # The full walk, without the look at each service first, gives the same share.
     original = rules._settled
     try:

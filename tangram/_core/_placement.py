@@ -38,6 +38,7 @@ import attrs
 from ._policy import AGING
 
 __all__ = [
+    "HORIZON",
     "MOVE",
     "TENURE",
     "Holding",
@@ -70,16 +71,23 @@ TENURE = 2.0
 
 #: Restore times by which the line a device would serve must have waited longer than the
 #: one it serves before it changes service (:func:`targets`). A restore is device time no
-#: line gets: measured in the simulator on the contended MOPD trace (2,048 trajectories,
-#: nine Zipf teachers on 10 GPUs, ``max_batch`` 1), seeds 0-2, p95 ACT over ``pooled``'s
-#: was 1.28-1.41x with 4 (71-79 restores), 1.29-1.40x with 8 (47-62) and 1.29-1.46x with
-#: 16 (29-52, the lines of the less popular teachers waiting longer).
+#: line gets. Measured in the simulator on the contended MOPD trace (2,048 trajectories,
+#: nine Zipf teachers on 10 GPUs, ``max_batch`` 1), seeds 0-5, with :data:`HORIZON` 8:
+#: p95 ACT over ``pooled``'s 1.11-1.13x with 4 (57-77 restores), 1.11-1.16x with 8
+#: (43-54), up to 1.22x with 16; over the full run's sizes and Zipf exponents too, worst
+#: seed per variant: 1.11-1.21x with 4, 1.14-1.20x with 8, 1.18-1.41x with 16.
 MOVE = 8.0
 
-# A service's first replica outranks every other (more seconds than any line waits,
-# few enough that a float still tells microseconds apart above it);
-# first replicas rank among themselves by how long their lines have waited.
-_FIRST = 1e9
+#: Restore times of a line each replica ahead of a service's next one serves in the
+#: share (:func:`targets`): the next replica's score is the wait of the action that many
+#: turns back. A device that moves keeps serving its new line for a while (a drain waits
+#: out the tenure), so the share weighs what each replica serves over a stretch, not in
+#: the next turn alone: one turn made every device follow whichever line's head was
+#: oldest, and the share swung whole services at a time. Measured as :data:`MOVE`, seeds
+#: 0-5 and the full run's sizes and Zipf exponents, worst p95 over ``pooled``'s per
+#: variant: 1.18-1.32x with 1, 1.16-1.27x with 4, 1.14-1.20x with 8, 1.17-1.29x with 16,
+#: and 1.25-1.69x with 0 (one turn of the seats, twice the restores).
+HORIZON = 8.0
 
 # Memory shares are GiB floats in the simulator: a replica that fits up to rounding fits.
 _SLACK = 1e-9
@@ -260,23 +268,30 @@ def targets(lines: Sequence[Backlog[K]], capacity: float) -> dict[K, int]:
 
     Replicas are handed out one at a time, highest score first, while they fit; the
     score of a service's ``k+1``-th replica is the wait so far of the action it would
-    serve now (the line's oldest waited ``oldest``, the others came since, so the
-    ``j``-th has waited about ``oldest x (1 - j / count)``). The greediest order of these
-    is one first-come-first-served queue on every device, the simulator's ``pooled``
-    reference, which is what the share follows, with three changes for what a move
-    costs:
+    serve, once the ``k`` ahead of it have each served :data:`HORIZON` restores of the
+    line (at least a turn of their seats): the line's oldest waited ``oldest``, the
+    others came since, so the ``j``-th has waited about ``oldest x (1 - j / count)``.
+    Served that way, the devices go where one first-come-first-served queue on every
+    device would put them over the horizon, the simulator's ``pooled`` reference: a
+    line's share grows with its work among the longest waiting, so a popular service
+    with a long line gets several devices and a rare one with a short line a device for
+    a stretch now and then. Two changes for what a move costs:
 
     - a replica the service has keeps its score, except that one nothing waits for
       scores below any that something waits for;
     - a new one scores that wait less :data:`MOVE` restores, so a device changes service
       only when the line it would serve has waited that much longer than the one it
       serves; but it scores at least 0 (it takes free room, or a replica nothing waits
-      for) when the line each replica has is at least a restore long,
-      ``queued / (k x seats) >= restore`` (the test a newcomer used to make alone);
-    - every service with work gets one replica first, the longest waiting first (one
-      with none counts a restore longer, since it serves nobody now): it must be served
-      somewhere (a drain it causes waits out the tenure, :func:`drains`), and
-      one that lost its last would take one back at the next event.
+      for) when the service has none, or when the line each replica has is at least a
+      restore long, ``queued / (k x seats) >= restore`` (the test a newcomer used to make
+      alone).
+
+    A service with work has no replica of right (an earlier rule gave each one first):
+    under contention that held a device for each rare service's short line while the
+    popular ones' long lines waited, a p95 1.3-1.4x ``pooled``'s on the MOPD trace. Its
+    line waits until it is the one that has waited longest by :data:`MOVE` restores (the
+    others' heads move on as they are served, so it gets there), and a pool must then
+    start a replica for it even when no newcomer comes.
 
     Scores only fall as a service gains replicas, so the greedy walk is the best share of
     whole replicas for these scores; it runs at every arrival and completion, so a look at
@@ -286,37 +301,37 @@ def targets(lines: Sequence[Backlog[K]], capacity: float) -> dict[K, int]:
     left = capacity
 
     def wait(line: Backlog[K], k: int) -> float:
-        # The wait so far of the action a k+1-th replica would serve now: the oldest
-        # waited ``oldest``, the rest came since.
+        # The wait so far of the action a k+1-th replica would serve once the k ahead
+        # served the horizon each: the oldest waited ``oldest``, the rest came since.
         if line.count == 0:
             return 0.0
-        return line.oldest * max(0.0, 1 - k * line.seats / line.count)
+        run = line.queued_seconds / line.count
+        turns = max(1.0, HORIZON * line.restore_seconds / run) if run > 0 else 1.0
+        return line.oldest * max(0.0, 1 - k * line.seats * turns / line.count)
 
     def moving(line: Backlog[K], k: int) -> float:
-        if k == 0 and line.count:
-            # One with no replica serves nobody now: a restore ahead of one that has.
-            return _FIRST + line.oldest + (line.restore_seconds if line.replicas == 0 else 0)
         if k < line.replicas:
             return wait(line, k) if line.count else -1.0
         if line.count == 0:
             return -math.inf
-        grows = line.queued_seconds / (k * line.seats) >= line.restore_seconds
+        grows = k == 0 or line.queued_seconds / (k * line.seats) >= line.restore_seconds
         return max(wait(line, k) - MOVE * line.restore_seconds, 0.0 if grows else -1.0)
 
     if _settled(lines, capacity, moving):
         return {line.key: line.replicas for line in lines}
-    # Ties go to a replica the service has: moving one for no gain costs a restore.
-    heap = [(-moving(line, 0), line.replicas == 0, i) for i, line in enumerate(lines)]
+    # Ties go to a replica the service has (moving one for no gain costs a restore),
+    # then to the service with fewer so far.
+    heap = [(-moving(line, 0), line.replicas == 0, 0, i) for i, line in enumerate(lines)]
     heapq.heapify(heap)
     while heap:
-        negative, _, i = heapq.heappop(heap)
+        negative, _, _, i = heapq.heappop(heap)
         line = lines[i]
         kept = counts[line.key] < line.replicas
         if (-negative < 0 and not kept) or not fits(left, line.size):
             continue  # scores only fall: this service gets no more
         left -= line.size
         k = counts[line.key] = counts[line.key] + 1
-        heapq.heappush(heap, (-moving(line, k), k >= line.replicas, i))
+        heapq.heappush(heap, (-moving(line, k), k >= line.replicas, k, i))
     return counts
 
 

@@ -334,6 +334,9 @@ class GpuPool:
                 handle._ended = True
             replica.users -= 1
             replica.last_used = self._placer.tick()
+            # As at an arrival: a replica waiting for its grant may be due a drain now
+            # (its line has aged into its share), though no newcomer comes to look.
+            self._placer.drain(anyio.current_time())
             if replica.users == 0:
                 if not replica.leased and replica.scope is not None:
                     replica.scope.cancel()  # nobody waits for it any more: withdraw

@@ -456,8 +456,17 @@ class _Pool:
             return None
         # Below its share of the GPUs by queued work, or no replica at all: another one,
         # which may wait for a drain.
+        entry = self._start(service, waiter, now)
+        self._yield(now, lines, wanted)
+        return entry
+
+    def _start(self, service: str, waiter: _Waiter, now: float) -> Entry:
+        """Start a replica of ``service`` for ``waiter``; its grant is asked from the
+        ledger with the restore (0 when resident) plus the action's run as its estimate."""
+        spec = self.residency.services[service]
+        action = waiter[0]
         restore = self.residency.restore_cost(service)
-        guess = Estimate(seconds + restore, action.estimate.efficiency)
+        guess = Estimate(action.estimate.seconds_at_1 + restore, action.estimate.efficiency)
         entry = self.ledger.submit(attrs.evolve(action, estimate=guess), now)
         hold = _Hold(service, entry, spec.gpus)
         self.live[service].append(hold)
@@ -466,7 +475,6 @@ class _Pool:
         self.asked += spec.gpus
         hold.users = 1
         hold.pending.append(waiter)
-        self._yield(now, lines, wanted)
         return entry
 
     def _seat(
@@ -594,6 +602,11 @@ class _Pool:
             self.draining.remove(hold)
         else:
             self.taking[hold.service] -= 1
+        if waiting and not self.live[hold.service]:
+            # Its last replica drained with actions still in line: as a newcomer with no
+            # replica would, the next in line starts one, which asks for its grant (no
+            # service has a replica of right, so nothing else would serve the line).
+            self._start(hold.service, waiting.pop(now), now)
         return True
 
 
