@@ -56,7 +56,7 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     from _hacks import RIGHT, TESTS, WRONG
     from _tiny import tiny_tokenizer
-    from omegaconf import OmegaConf
+    from test_verl import _reward_config
     from verl import DataProto
     from verl.experimental.reward_loop.reward_loop import RewardLoopWorker
 
@@ -74,30 +74,16 @@ class _Finished(tangram.Instrument):
             self.done[prompt] = max(self.done.get(prompt, 0.0), lease.finished_at)
 
 
-def _config(workdir: Path, group: bool, n: int) -> Any:
+def _config(workdir: Path, group: bool) -> Any:
+    """verl's config for a reward loop worker with ``TangramRewardManager``, grading code."""
     toml = workdir / "tangram.toml"
+    config, _ = _reward_config(workdir, workdir / "tok", "reward_manager")
     toml.write_text(
         'mode = "local"\n[sandbox]\nbackend = "local"\nwarm = 4\n'
         "[adapters.verl.reward]\ntests = true\ntimeout = 30\ncase_timeout = 5\n"
     )
-    return OmegaConf.create(
-        {
-            "actor_rollout_ref": {
-                "model": {"path": str(workdir / "tok"), "tokenizer_path": None},
-                "rollout": {"n": n},
-            },
-            "reward": {
-                "reward_model": {"enable": False},
-                "custom_reward_function": {"path": None, "name": None, "reward_kwargs": {}},
-                "reward_manager": {
-                    "source": "importlib",
-                    "name": "TangramRewardManager",
-                    "module": {"path": "pkg://tangram_verl.reward"},
-                },
-                "tangram": {"tangram_config": str(toml), "group": group},
-            },
-        }
-    )
+    config.reward.tangram = {"tangram_config": str(toml), "group": group}
+    return config
 
 
 def _batch(tokenizer: Any, groups: int, n: int, seed: int) -> DataProto:
@@ -125,8 +111,8 @@ def _batch(tokenizer: Any, groups: int, n: int, seed: int) -> DataProto:
     )
 
 
-async def _arm(workdir: Path, group: bool, data: DataProto, n: int) -> dict[str, float]:
-    worker = RewardLoopWorker(_config(workdir, group, n))
+async def _arm(workdir: Path, group: bool, data: DataProto) -> dict[str, float]:
+    worker = RewardLoopWorker(_config(workdir, group))
     finished = _Finished()
     try:
         async with _session.session(workdir / "tangram.toml") as resources:
@@ -151,7 +137,7 @@ async def main(quick: bool) -> dict[str, Any]:
             data = _batch(tokenizer, groups, n, seed=r)
             arms = ("per_sample", "group") if r % 2 == 0 else ("group", "per_sample")
             for arm in arms:
-                runs[arm].append(await _arm(workdir, arm == "group", data, n))
+                runs[arm].append(await _arm(workdir, arm == "group", data))
     figures: dict[str, Any] = {"groups": groups, "n": n, "rounds": rounds}
     for arm, measured in runs.items():
         for key in ("group_done_s", "batch_s"):

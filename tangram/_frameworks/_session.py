@@ -227,9 +227,12 @@ def check(path: str | os.PathLike[str] | None = None, *, needs: tuple[str, ...] 
 _reached: set[str | None] = set()
 
 
-def _in_thread(reach: Callable[[], Any]) -> BaseException | None:
+def _in_thread(config: Config, reach: Callable[[], Any], why: str) -> None:
     """Run the coroutine function ``reach`` on a loop of its own in a thread of its own
-    (a constructor may be called on a thread whose loop is running); what it raised."""
+    (a constructor may be called on a thread whose loop is running).
+
+    :raises ConfigError: what ``reach`` raised, as one, or saying ``why`` it failed.
+    """
     failure: list[BaseException] = []
 
     def run() -> None:
@@ -241,7 +244,13 @@ def _in_thread(reach: Callable[[], Any]) -> BaseException | None:
     thread = threading.Thread(target=run, name="tangram-reach", daemon=True)
     thread.start()
     thread.join()
-    return failure[0] if failure else None
+    if not failure:
+        return
+    exc = failure[0]
+    if isinstance(exc, ConfigError):
+        raise exc
+    where = config.source or "the tangram config"
+    raise ConfigError(f"{where}: {why}: {type(exc).__name__}: {exc}") from exc
 
 
 def _start_backend(config: Config) -> None:
@@ -265,15 +274,7 @@ def _start_backend(config: Config) -> None:
         finally:
             await backend.aclose()
 
-    exc = _in_thread(reach)
-    if exc is not None:
-        if isinstance(exc, ConfigError):
-            raise exc
-        where = config.source or "the tangram config"
-        raise ConfigError(
-            f"{where}: the [sandbox] backend {sandbox.backend!r} cannot start here: "
-            f"{type(exc).__name__}: {exc}"
-        ) from exc
+    _in_thread(config, reach, f"the [sandbox] backend {sandbox.backend!r} cannot start here")
 
 
 def _reach_job(config: Config) -> None:
@@ -292,15 +293,7 @@ def _reach_job(config: Config) -> None:
         async with contextlib.AsyncExitStack() as stack:
             await _open(config, stack)
 
-    exc = _in_thread(reach)
-    if exc is not None:
-        if isinstance(exc, ConfigError):
-            raise exc
-        where = config.source or "the tangram config"
-        raise ConfigError(
-            f"{where}: the job's shared scheduler cannot serve this worker: "
-            f"{type(exc).__name__}: {exc}"
-        ) from exc
+    _in_thread(config, reach, "the job's shared scheduler cannot serve this worker")
 
 
 def load_object(spec: str) -> Any:

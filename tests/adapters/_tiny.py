@@ -67,3 +67,20 @@ async def ask_judge(client: Any, solution_str: str, ground_truth: Any, **info: A
     response = await client.post("/judge", json={"answer": solution_str})
     response.raise_for_status()
     return float(str(ground_truth) in solution_str)
+
+
+#: ``actor_rollout_ref.rollout`` for verl's ``ToolAgentLoop`` in the tests: hermes tool
+#: calls, a few turns.
+ROLLOUT = {
+    "prompt_length": 2048,
+    "response_length": 2048,
+    "full_determinism": False,
+    "multi_turn": {
+        "max_user_turns": 4,
+        "max_assistant_turns": 4,
+        "max_parallel_calls": 2,
+        "max_tool_response_length": 1024,
+        "tool_response_truncate_side": "middle",
+        "format": "hermes",
+    },
+}

@@ -147,6 +147,20 @@ def test_a_missing_config_fails_openrlhfs_executors_at_start(no_config: str) -> 
         SingleTurnAgentExecutor(remote_rm_url=reward_module.__file__)
 
 
+def _compute_tool(name: str) -> None:
+    """Register a verl function tool ``name`` that runs code through tangram."""
+
+    @function_tool(name)
+    @with_tangram(kind="compute")
+    async def compute(code: str) -> str:
+        """Run Python in a sandbox.
+
+        Args:
+            code: the program.
+        """
+        return (await run_code(code)).stdout.decode()
+
+
 @pytest.fixture
 async def docs_config(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Path]:
     path = ROOT / "docs" / "examples" / "tangram.toml"
@@ -226,16 +240,7 @@ async def test_a_failure_under_a_function_tool_is_no_observation_and_no_score(
     refuse the sample, in the agent loop's streamed layout and the trainer's batch one."""
     from _hacks import RIGHT, TESTS
 
-    @function_tool("tangram_failing")
-    @with_tangram(kind="compute")
-    async def compute(code: str) -> str:
-        """Run Python in a sandbox.
-
-        Args:
-            code: the program.
-        """
-        return (await run_code(code)).stdout.decode()
-
+    _compute_tool("tangram_failing")
     healthy = tangram.Sandbox.run
 
     async def broken(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -298,16 +303,7 @@ async def test_a_bad_argument_from_the_model_is_the_tools_answer_not_a_failure(
     for an infrastructure failure it stopped the step: a stop the policy could call."""
     tokenizer = tiny_tokenizer(tmp_path / "tok")
 
-    @function_tool("tangram_nul")
-    @with_tangram(kind="compute")
-    async def compute(code: str) -> str:
-        """Run Python in a sandbox.
-
-        Args:
-            code: the program.
-        """
-        return (await run_code(code)).stdout.decode()
-
+    _compute_tool("tangram_nul")
     tools = [*initialize_tools_from_config(str(TOOLS_YAML)), get_function_tool("tangram_nul")]
     for name in ("run_python", "tangram_nul"):
         call = json.dumps({"name": name, "arguments": {"code": "print('a\u0000b')"}})
@@ -343,16 +339,7 @@ async def test_a_host_failure_creating_a_sandbox_is_tangrams(
 
     monkeypatch.setattr(local, "make_box", full)
 
-    @function_tool("tangram_enospc")
-    @with_tangram(kind="compute")
-    async def compute(code: str) -> str:
-        """Run Python in a sandbox.
-
-        Args:
-            code: the program.
-        """
-        return (await run_code(code)).stdout.decode()
-
+    _compute_tool("tangram_enospc")
     tokenizer = tiny_tokenizer(tmp_path / "tok")
     call = json.dumps({"name": "tangram_enospc", "arguments": {"code": "print(1)"}})
     server = _Server(tokenizer, [f"<tool_call>{call}</tool_call><|im_end|>", "done<|im_end|>"])

@@ -136,7 +136,7 @@ class VerlWorker:
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
-            from _tiny import tiny_tokenizer
+            from _tiny import ROLLOUT, tiny_tokenizer
             from omegaconf import OmegaConf
             from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap
             from verl.experimental.agent_loop.tool_agent_loop import ToolAgentLoop
@@ -156,19 +156,7 @@ class VerlWorker:
                 text = self.turns.pop(0)
                 return TokenOutput(token_ids=tokenizer.encode(text, add_special_tokens=False))
 
-        rollout = {
-            "prompt_length": 2048,
-            "response_length": 2048,
-            "full_determinism": False,
-            "multi_turn": {
-                "max_user_turns": 4,
-                "max_assistant_turns": 4,
-                "max_parallel_calls": 1,
-                "max_tool_response_length": 1024,
-                "tool_response_truncate_side": "middle",
-                "format": "hermes",
-            },
-        }
+        rollout = {**ROLLOUT, "multi_turn": {**ROLLOUT["multi_turn"], "max_parallel_calls": 1}}
         config = OmegaConf.create({"actor_rollout_ref": {"rollout": rollout}, "data": {}})
 
         async def one() -> None:

@@ -35,7 +35,7 @@ ray = pytest.importorskip("ray") if not os.environ.get("CI") else __import__("ra
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     import torch
-    from _tiny import tiny_tokenizer
+    from _tiny import ROLLOUT, tiny_tokenizer
     from omegaconf import OmegaConf
     from verl import DataProto
     from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap
@@ -99,26 +99,7 @@ class _Server:
 
 
 def _agent_loop(tokenizer: Any, server: _Server, tools: list[Any]) -> ToolAgentLoop:
-    config = OmegaConf.create(
-        {
-            "actor_rollout_ref": {
-                "rollout": {
-                    "prompt_length": 2048,
-                    "response_length": 2048,
-                    "full_determinism": False,
-                    "multi_turn": {
-                        "max_user_turns": 4,
-                        "max_assistant_turns": 4,
-                        "max_parallel_calls": 2,
-                        "max_tool_response_length": 1024,
-                        "tool_response_truncate_side": "middle",
-                        "format": "hermes",
-                    },
-                }
-            },
-            "data": {},
-        }
-    )
+    config = OmegaConf.create({"actor_rollout_ref": {"rollout": ROLLOUT}, "data": {}})
     return ToolAgentLoop(
         trainer_config=DictConfigWrap(config),
         server_manager=server,
