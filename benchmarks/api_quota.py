@@ -246,10 +246,15 @@ async def main(quick: bool) -> dict[str, object]:
         targets[f"{setting}_settled_429s"] = target(
             ours["settled_429"], "== 0", ours["settled_429"] == 0
         )
+        # Found from a wrong rate, against verl told the right one: where verl's right rate
+        # takes the server's limit, level within 2% (the plateau's 1% and a request of the
+        # quick window), as below.
+        versus = ours["share_of_limit"] / right["share_of_limit"]
+        at_limit = right["share_of_limit"] >= 0.99
         targets[f"{setting}_vs_verl_right"] = target(
-            ours["share_of_limit"] / right["share_of_limit"],
-            ">= 1",
-            ours["share_of_limit"] >= right["share_of_limit"],
+            versus,
+            ">= 0.98 (verl at the limit)" if at_limit else ">= 1",
+            versus >= 0.98 if at_limit else versus >= 1,
         )
         # Ahead of verl set the same wrong way. Where that rate is too high, verl's limiter
         # limits nothing and takes the server's whole limit by sending many times more
