@@ -116,6 +116,18 @@ class DockerBackend(SandboxBackend):
                 raise SandboxError(
                     f"cannot reach the Docker daemon at {url or 'default'}: {exc!r}"
                 ) from exc
+            try:
+                with anyio.fail_after(self.config.api_timeout):
+                    await client.images.inspect(self.config.image)
+            except Exception as exc:
+                # Checked here, where the pool (or an adapter, at worker start) starts the
+                # backend: every sandbox would fail to be created from it later.
+                await client.close()
+                raise SandboxError(
+                    f"the Docker daemon at {url or 'default'} has no image "
+                    f"{self.config.image!r} (tangram never pulls: build or pull it there "
+                    f"first): {exc!r}"
+                ) from exc
             if reaped:
                 logger.info(
                     "removed %d sandbox containers left by owners that are gone", len(reaped)

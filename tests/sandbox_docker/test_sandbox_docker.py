@@ -21,7 +21,7 @@ from tangram._sandbox._backend import RunResult
 from tangram._sandbox._cgroupfs import CgroupFiles
 from tangram._sandbox._docker import PARKED_QUOTA_US, PERIOD_US, DockerBackend, DockerConfig
 from tangram._sandbox._pool import Sandbox, SandboxPool
-from tangram.errors import SandboxBrokenError
+from tangram.errors import SandboxBrokenError, SandboxError
 
 from .docker_support import (
     CPUSET_FILES,
@@ -422,3 +422,12 @@ async def test_cancelling_an_action_stops_it_and_keeps_the_sandbox_usable(setup:
         )
         assert result.stdout == b"[]\n", result
         assert setup.pool.replaced == 0
+
+
+async def test_an_image_the_daemon_lacks_fails_the_start_not_each_sandbox(docker: None) -> None:
+    """tangram never pulls: a missing image is named where the pool starts (and so where
+    an adapter starts it, at worker start), not at every sandbox made from it."""
+    backend = DockerBackend(config=DockerConfig(image="tangram-no-such-image:0"))
+    with anyio.fail_after(60), pytest.raises(SandboxError, match="has no image 'tangram-no-such"):
+        async with SandboxPool(backend):
+            pass
