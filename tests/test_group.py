@@ -14,7 +14,7 @@ import anyio.lowlevel
 import pytest
 
 import tangram
-from tangram._frameworks._group import Gate
+from tangram._runtime._group import Gate
 from tangram.errors import InvalidSettingError, SettingTypeError
 
 pytestmark = pytest.mark.anyio

@@ -33,12 +33,13 @@ import importlib
 import os
 import threading
 import weakref
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, cast
 
 import attrs
 
+from .._runtime._group import Gate
 from .._runtime._run import _enter_current, _exit_current
 from .._sandbox._backend import SandboxBackend
 from .._sandbox._docker import DockerBackend, DockerConfig
@@ -122,6 +123,24 @@ class Resources:
     sandboxes: SandboxPool | JobSandboxes | None = None
     gpu: Any = None  # tangram.gpu.GpuPool; typed loosely so torch stays an optional import
     quotas: Mapping[str, Any] = attrs.field(factory=dict)
+    job: bool = False  # the scheduler is the job's (shared mode on Ray)
+    gates: dict[float, Gate] = attrs.field(factory=dict)  # this loop's, per wait
+
+    def group(
+        self, key: str, wait: float
+    ) -> contextlib.AbstractAsyncContextManager[Callable[[], Awaitable[None]]]:
+        """One sample of group ``key`` (:mod:`tangram._runtime._group`): in shared mode the
+        job's gate, so a group's samples wait for each other whichever worker holds
+        them; else this loop's."""
+        if self.job:
+            block: contextlib.AbstractAsyncContextManager[Callable[[], Awaitable[None]]] = (
+                self.scheduler.group(key, wait)
+            )
+            return block
+        gate = self.gates.get(wait)
+        if gate is None:
+            gate = self.gates[wait] = Gate(wait)
+        return gate.sample(key)
 
     def sandbox_pool(self) -> SandboxPool:
         if self.sandboxes is None:
@@ -421,6 +440,7 @@ async def _open_on_job(
         JobSandboxes(remote) if config.sandbox is not None else None,
         JobGpu(remote) if config.gpu is not None else None,
         quotas,
+        job=True,
     )
 
 

@@ -19,7 +19,7 @@ import contextlib
 import itertools
 import math
 import uuid
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from types import MappingProxyType, TracebackType
 from typing import Any
 
@@ -435,6 +435,38 @@ class RemoteRuntime(RunMixin):
         return open_service(self._actor, self._id, name)
 
     # -- remote introspection ---------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def group(self, key: str, wait: float) -> AsyncIterator[Callable[[], Awaitable[None]]]:
+        """One sample of group ``key`` in the job's gate (see :mod:`tangram._runtime._group`):
+        the samples of one key that any worker of the job holds at once wait for each
+        other, none longer than ``wait`` seconds. The block calls the yielded ``arrive()``
+        right before it asks for its grant.
+
+        :raises SchedulerUnavailableError: the scheduler actor failed.
+        """
+        try:
+            member = await self._actor.group_enter.remote(self._id, key, wait)
+        except ray.exceptions.RayError as exc:
+            raise SchedulerUnavailableError(f"the scheduler actor failed: {exc}") from exc
+        arrived = False
+
+        async def arrive() -> None:
+            nonlocal arrived
+            if arrived:
+                return
+            arrived = True
+            try:
+                await self._actor.group_arrive.remote(self._id, member)
+            except ray.exceptions.RayError as exc:
+                raise SchedulerUnavailableError(f"the scheduler actor failed: {exc}") from exc
+
+        try:
+            yield arrive
+        finally:
+            if not arrived:
+                with anyio.CancelScope(shield=True), contextlib.suppress(ray.exceptions.RayError):
+                    await self._actor.group_leave.remote(self._id, member)
 
     async def _refresh(self) -> None:
         """Fetch the actor's capacity again (a host agent added its cores)."""

@@ -24,6 +24,7 @@ import ray
 
 from .._core._policy import Policy
 from .._core._resources import Capacity
+from .._runtime._group import Gate
 from .._runtime._run import Runtime
 from ..errors import LeaseReleasedError
 from ._protocol import CANCELLED, FAILED, logger
@@ -74,6 +75,20 @@ class _Held:
         self.follower: asyncio.Task[None] | None = None
 
 
+class _Member:
+    """One sample of a group in the job's gate, for a proxy that cannot hold the gate's
+    ``async with`` open across calls: a task holds it, the proxy's calls steer it."""
+
+    __slots__ = ("arrived", "cid", "decided", "entered", "released")
+
+    def __init__(self, cid: str) -> None:
+        self.cid = cid
+        self.arrived = False
+        self.entered = asyncio.Event()
+        self.decided = asyncio.Event()  # set when it arrives, or leaves without
+        self.released = asyncio.Event()
+
+
 class SchedulerActor:
     """The body of the Ray actor: a :class:`tangram.Runtime` and the proxies' books.
 
@@ -105,6 +120,8 @@ class SchedulerActor:
         self._main: asyncio.Task[None] | None = None
         self.reclaimed = 0
         self.ignored = 0
+        self._gates: dict[float, Gate] = {}
+        self._members: dict[int, _Member] = {}
 
     async def _ready(self) -> Runtime:
         """Start the runtime on first use: the actor's loop exists only inside a method."""
@@ -283,11 +300,57 @@ class SchedulerActor:
         if lease_id is not None:
             self._release(lease_id, CANCELLED)
 
+    # -- groups: the group reward's gate, shared by the job ---------------------------
+
+    async def group_enter(self, cid: str, key: str, wait: float) -> int:
+        """A sample of group ``key`` enters the job's gate (:mod:`tangram._runtime._group`);
+        answers its member id once it counts there."""
+        await self._ready()
+        self._client(cid)
+        gate = self._gates.get(wait)
+        if gate is None:
+            gate = self._gates[wait] = Gate(wait)
+        member_id = next(self._ids)
+        member = self._members[member_id] = _Member(cid)
+        asyncio.get_running_loop().create_task(self._hold(gate, key, member_id, member))
+        await member.entered.wait()
+        return member_id
+
+    async def _hold(self, gate: Gate, key: str, member_id: int, member: _Member) -> None:
+        try:
+            async with gate.sample(key) as arrive:
+                member.entered.set()
+                await member.decided.wait()
+                if member.arrived:
+                    await arrive()
+        finally:
+            member.released.set()
+            self._members.pop(member_id, None)
+
+    async def group_arrive(self, cid: str, member_id: int) -> None:
+        """The sample is about to ask for its grant: answers when its group goes."""
+        self._client(cid)
+        member = self._members.get(member_id)
+        if member is None:
+            return  # its proxy was dropped meanwhile: nothing holds it
+        member.arrived = True
+        member.decided.set()
+        await member.released.wait()
+
+    async def group_leave(self, cid: str, member_id: int) -> None:
+        """The sample ended without arriving: its group no longer waits for it."""
+        member = self._members.get(member_id)
+        if member is not None:
+            member.decided.set()
+
     def _drop_client(self, cid: str, *, expired: bool = False) -> bool:
         """Forget a proxy: what it waits for is withdrawn, what it holds released.
 
         :returns: whether ``cid`` was a known proxy (a second drop finds nothing).
         """
+        for member in self._members.values():
+            if member.cid == cid:
+                member.decided.set()  # a dead worker's samples are waited for no more
         client = self._clients.pop(cid, None)
         if client is None:
             return False

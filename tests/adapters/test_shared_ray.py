@@ -202,6 +202,17 @@ class SessionWorker:
 
         return list(await asyncio.gather(*(one() for _ in range(n))))
 
+    async def group_sample(self, key: str, arrive_at: float, wait: float) -> tuple[float, float]:
+        """One sample of group ``key`` in the job's gate, arriving at wall time
+        ``arrive_at``: when it arrived and when its group let it go."""
+        from tangram._frameworks import _session
+
+        async with _session.session() as resources, resources.group(key, wait) as arrive:
+            await asyncio.sleep(max(0.0, arrive_at - time.time()))
+            arrived = time.time()
+            await arrive()
+            return arrived, time.time()
+
     async def judge(self, n: int) -> list[list[float]]:
         from tangram._frameworks import _session
 
@@ -457,6 +468,43 @@ def test_a_killed_worker_gives_its_cores_back(
         time.sleep(0.2)
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(pending, timeout=30)
+
+
+def test_a_groups_samples_in_two_workers_wait_for_each_other(cluster: dict[str, Any]) -> None:
+    """The group reward's gate is the job's in shared mode: samples of one prompt that
+    verl sent to two reward workers go together; a sample alone goes at once."""
+    workers = [ray.remote(SessionWorker).options(**_on(cluster["head"])).remote() for _ in range(2)]
+    # Both workers' sessions up first, so that both samples are in the gate in time.
+    ray.get([w.group_sample.remote(f"warm-{i}", 0.0, 5.0) for i, w in enumerate(workers)])
+    start = time.time()
+    early, late = ray.get(
+        [
+            workers[0].group_sample.remote("prompt-1", start + 1.0, 30.0),
+            workers[1].group_sample.remote("prompt-1", start + 2.5, 30.0),
+        ],
+        timeout=120,
+    )
+    # The early one waited for the late one's arrival, and went with it.
+    assert early[1] >= late[0] - 0.05, (early, late)
+    assert early[1] - late[0] < 1.5 and late[1] - late[0] < 1.5
+    alone = ray.get(workers[0].group_sample.remote("prompt-2", time.time(), 30.0), timeout=60)
+    assert alone[1] - alone[0] < 1.5
+
+
+def test_a_killed_workers_sample_holds_its_group_no_longer(cluster: dict[str, Any]) -> None:
+    """A reward worker killed with a sample in the job's gate: once the scheduler drops
+    its proxy (a lease timeout), the group goes without it, long before ``group_wait``."""
+    waiting, doomed = (
+        ray.remote(SessionWorker).options(**_on(cluster["head"])).remote() for _ in range(2)
+    )
+    ray.get([w.group_sample.remote("warm", 0.0, 5.0) for w in (waiting, doomed)])
+    start = time.time()
+    pending = waiting.group_sample.remote("prompt-3", start + 1.0, 120.0)
+    doomed.group_sample.remote("prompt-3", start + 3600.0, 120.0)
+    time.sleep(2.0)
+    ray.kill(doomed, no_restart=True)
+    arrived, released = ray.get(pending, timeout=90)
+    assert released - arrived < 4 * LEASE_TIMEOUT, (arrived, released)
 
 
 def test_no_tangram_actor_outlives_the_job(cluster: dict[str, Any]) -> None:

@@ -74,12 +74,14 @@ async def test_a_groups_samples_reach_the_scheduler_together(tmp_path: Path, gro
         outputs = await worker.compute_score_batch(data)
         assert [o["reward_score"] for o in outputs] == expected
         manager = worker.reward_manager
+        async with _session.session(_tests_toml(tmp_path)) as resources:
+            gates = dict(resources.gates)
         if group:
-            (gate,) = manager.gates.values()
+            (gate,) = gates.values()
             stats = gate.stats
             assert (stats.groups, stats.samples, stats.timed_out) == (GROUPS, GROUPS * N, 0)
         else:
-            assert manager.group_wait is None and not manager.gates
+            assert manager.group_wait is None and not gates
         # Each grading's sandbox is a trajectory of its own, named after its prompt.
         prompts = [name.split("-")[2] for name in admitted.order]
         assert sorted(prompts) == sorted(str(n // N) for n in range(GROUPS * N))

@@ -36,13 +36,11 @@ together, so GRPO's groups complete one after another (``docs/verl.md``).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import inspect
 import math
 import uuid
-import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -56,8 +54,8 @@ from tangram._frameworks import _session
 from tangram._frameworks._convert import cpu_demand, extract_code
 from tangram._frameworks._failures import is_infrastructure, record
 from tangram._frameworks._grade import grade, parse_tests
-from tangram._frameworks._group import DEFAULT_GROUP_WAIT, Gate
 from tangram._frameworks._metrics import step_logs
+from tangram._runtime._group import DEFAULT_GROUP_WAIT, Gate
 from tangram.config import ConfigError
 from tangram.errors import UnscoredSampleError
 from tangram_verl.tools import TOOL_METRICS
@@ -186,7 +184,7 @@ async def score(
     """One sample's score through the tests, the service or the judge the settings name.
 
     ``arrive`` is awaited right before the sample asks for its grant: a group's gate
-    (:class:`tangram._frameworks._group.Gate`) holds it there for the rest of its group,
+    (:class:`tangram._runtime._group.Gate`) holds it there for the rest of its group,
     ``group`` (its prompt) which also names its sandbox, for the scheduler's books.
 
     :raises ValueError: with ``tests``, a ground truth that holds no test to run.
@@ -286,8 +284,9 @@ class TangramRewardManager(RewardManagerBase):
 
     With ``group = true`` a prompt's samples (verl's ``uid``) handed over together are
     scored together: each waits, just before it asks for its grant, for the others of its
-    group in this worker, and the group's demands reach the scheduler in one decision
-    (:mod:`tangram._frameworks._group`). A sample alone goes at once; none waits longer
+    group being scored at once (in this worker, or in shared mode in any worker of the
+    job), and the group's demands reach the scheduler together
+    (:mod:`tangram._runtime._group`). A sample alone goes at once; none waits longer
     than ``group_wait`` seconds (2).
     """
 
@@ -310,26 +309,12 @@ class TangramRewardManager(RewardManagerBase):
         if self.settings.get("group"):
             self.group_wait = self.settings.get("group_wait", DEFAULT_GROUP_WAIT)
             Gate(self.group_wait)  # a bad group_wait fails here
-        # One gate per event loop: an anyio event set from another loop's thread would
-        # not wake its waiter.
-        self.gates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Gate] = (
-            weakref.WeakKeyDictionary()
-        )
         super().__init__(config, tokenizer, compute_score)
         # Without a custom function verl hands over its rule-based default: tangram's
         # scoring replaces it, since a tangram manager was asked for.
         custom = None if compute_score is default_compute_score else compute_score
         self.custom = custom
         self.custom_is_async = custom is not None and inspect.iscoroutinefunction(custom)
-
-    def gate(self) -> Gate:
-        """This event loop's group gate (``group = true``)."""
-        assert self.group_wait is not None
-        loop = asyncio.get_running_loop()
-        gate = self.gates.get(loop)
-        if gate is None:
-            gate = self.gates[loop] = Gate(self.group_wait)
-        return gate
 
     async def _score(
         self, item: Any, arrive: Callable[[], Awaitable[None]], group: str | None
@@ -381,9 +366,13 @@ class TangramRewardManager(RewardManagerBase):
             arrive: Callable[[], Awaitable[None]] = _alone
             if self.group_wait is not None and uid is not None:
                 # In the gate from the start: verl hands a batch's samples over at once,
-                # and each counts as on its way while it decodes.
-                gate = self.gate()
-                arrive = await stack.enter_async_context(gate.sample(str(uid)))
+                # and each counts as on its way while it decodes. The gate is this loop's,
+                # or in shared mode the job's, where a group's samples meet whichever
+                # reward worker verl sent them to.
+                path = self.settings.get("tangram_config")
+                resources = await stack.enter_async_context(_session.session(path))
+                block = resources.group(str(uid), self.group_wait)
+                arrive = await stack.enter_async_context(block)
             result, tool_fields = await self._score(item, arrive, None if uid is None else str(uid))
         tools = tool_metrics(tool_fields)
         if self.settings.get("metrics"):
