@@ -79,10 +79,11 @@ class _Member:
     """One sample of a group in the job's gate, for a proxy that cannot hold the gate's
     ``async with`` open across calls: a task holds it, the proxy's calls steer it."""
 
-    __slots__ = ("arrived", "cid", "decided", "entered", "released")
+    __slots__ = ("arrived", "cid", "decided", "entered", "released", "task")
 
     def __init__(self, cid: str) -> None:
         self.cid = cid
+        self.task: asyncio.Task[None] | None = None  # kept: the loop holds tasks weakly
         self.arrived = False
         self.entered = asyncio.Event()
         self.decided = asyncio.Event()  # set when it arrives, or leaves without
@@ -312,7 +313,9 @@ class SchedulerActor:
             gate = self._gates[wait] = Gate(wait)
         member_id = next(self._ids)
         member = self._members[member_id] = _Member(cid)
-        asyncio.get_running_loop().create_task(self._hold(gate, key, member_id, member))
+        member.task = asyncio.get_running_loop().create_task(
+            self._hold(gate, key, member_id, member)
+        )
         await member.entered.wait()
         return member_id
 
