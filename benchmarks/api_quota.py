@@ -198,6 +198,12 @@ async def _run_all(
     return {name: _figures(log, name, run, settle, window) for name, run in runs.items()}
 
 
+def _sustainable(share: float) -> float:
+    """A share of the limit as far as it can last: above 1 in a window is the server's
+    burst spent in it (the quick run's two seconds count its 10 tokens as 10%)."""
+    return min(share, 1.0)
+
+
 def _table(figures: dict[str, dict[str, float]], settle: float) -> str:
     rows = [
         f"server limit {LIMIT:g}/s, burst {BURST:g}, latency {LATENCY * 1000:g} ms; "
@@ -249,7 +255,7 @@ async def main(quick: bool) -> dict[str, object]:
         # Found from a wrong rate, against verl told the right one: where verl's right rate
         # takes the server's limit, level within 2% (the plateau's 1% and a request of the
         # quick window), as below.
-        versus = ours["share_of_limit"] / right["share_of_limit"]
+        versus = ours["share_of_limit"] / _sustainable(right["share_of_limit"])
         at_limit = right["share_of_limit"] >= 0.99
         targets[f"{setting}_vs_verl_right"] = target(
             versus,
@@ -262,7 +268,7 @@ async def main(quick: bool) -> dict[str, object]:
         # means as much within 2% (the plateau's 1% and a request of the quick window)
         # with fewer 429s, the target below.
         ceiling = verl["share_of_limit"] >= 0.99
-        ratio = ours["share_of_limit"] / verl["share_of_limit"]
+        ratio = ours["share_of_limit"] / _sustainable(verl["share_of_limit"])
         targets[f"{setting}_vs_verl_same"] = target(
             ratio,
             ">= 0.98 (verl at the limit)" if ceiling else "> 1",
