@@ -26,7 +26,6 @@ from __future__ import annotations
 from ._core._exports import publish as _publish
 from ._ray._agent import HostAgent as HostAgent
 from ._ray._agent import start_agent as start_agent
-from ._ray._connect import attach as attach
 from ._ray._connect import connect as connect
 from ._ray._hosts import RemoteSandbox as RemoteSandbox
 from ._ray._hosts import RemoteService as RemoteService
@@ -35,6 +34,7 @@ from ._ray._protocol import DEFAULT_TIMEOUT as DEFAULT_TIMEOUT
 from ._ray._proxy import RemoteAcquireContext as RemoteAcquireContext
 from ._ray._proxy import RemoteLease as RemoteLease
 from ._ray._proxy import RemoteRuntime as RemoteRuntime
+from ._ray._proxy import attach as attach
 from .errors import SchedulerUnavailableError as SchedulerUnavailableError
 
 __all__ = [

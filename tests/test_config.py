@@ -155,7 +155,9 @@ def test_unreadable_files_fail_with_the_path(tmp_path: Path) -> None:
 
 @pytest.mark.anyio
 async def test_local_mode_opens_a_runtime_with_the_policy(tmp_path: Path) -> None:
-    config = tc.load(write(tmp_path, "[capacity]\ncpu = 4\n[policy]\nname = 'fcfs'\ndop = 1\n"))
+    config = tc.load(
+        write(tmp_path, "mode = 'local'\n[capacity]\ncpu = 4\n[policy]\nname = 'fcfs'\ndop = 1\n")
+    )
     async with tc.open_scheduler(config, capacity={"cpu": 99, "gpu_mem:cpu:0": 1024}) as rt:
         assert isinstance(rt, tangram.Runtime)
         assert tangram.current_runtime() is rt
@@ -171,7 +173,9 @@ async def test_local_mode_opens_a_runtime_with_the_policy(tmp_path: Path) -> Non
 @pytest.mark.anyio
 async def test_local_mode_records_what_it_served_as_a_trace(tmp_path: Path) -> None:
     folder = tmp_path / "traces"
-    config = tc.load(write(tmp_path, f"record = {str(folder)!r}\n[capacity]\ncpu = 2\n"))
+    config = tc.load(
+        write(tmp_path, f"mode = 'local'\nrecord = {str(folder)!r}\n[capacity]\ncpu = 2\n")
+    )
     for _ in range(2):  # two schedulers (processes or loops) never share a file
         async with tc.open_scheduler(config):
             for _ in range(3):
@@ -234,21 +238,41 @@ def test_a_file_without_mode_shares_one_scheduler_per_job(tmp_path: Path) -> Non
     assert (config.ray.heartbeat, config.ray.lease_timeout) == (1.0, 4.0)
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
 @pytest.mark.anyio
-async def test_shared_mode_outside_ray_falls_back_with_a_warning(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+async def test_shared_mode_outside_ray_shares_the_jobs_scheduler_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """No Ray job here: the process gets its own runtime and is told its limits are its own."""
-    config = tc.load(write(tmp_path, "[capacity]\ncpu = 2\n", "fallback.toml"))
-    with caplog.at_level("WARNING", logger="tangram"):
-        async with tc.open_scheduler(config) as runtime:
-            assert isinstance(runtime, tangram.Runtime)
-            assert runtime.capacity["cpu"].total == 2
+    """No Ray job here: shared mode reaches the job's scheduler process on this node, the
+    same one for every scheduler the file opens (tests/test_node.py covers processes)."""
+    monkeypatch.setenv("TANGRAM_RUN_DIR", str(tmp_path / "run"))
+    config = tc.load(write(tmp_path, "[capacity]\ncpu = 2\n", "shared.toml"))
+    async with tc.open_scheduler(config) as first, tc.open_scheduler(config) as second:
+        assert not isinstance(first, tangram.Runtime)
+        assert first.capacity["cpu"].total == 2
+        async with first.acquire(cpu=2):
+            with anyio.move_on_after(0.3) as waited:
+                async with second.acquire(cpu=1):
+                    pass
+            assert waited.cancelled_caught  # one limit for both: the second waited
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+@pytest.mark.anyio
+async def test_shared_mode_on_trio_says_to_use_local_mode(tmp_path: Path) -> None:
+    config = tc.load(write(tmp_path, "[capacity]\ncpu = 2\n"))
+    with pytest.raises(tangram.errors.AsyncioRequiredError, match="mode = 'local'"):
         async with tc.open_scheduler(config):
             pass
-    warnings = [r for r in caplog.records if "per process" in r.getMessage()]
-    assert len(warnings) == 1  # once per config and process, not per scheduler
-    assert "fallback.toml" in warnings[0].getMessage()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.anyio
+async def test_record_in_shared_mode_is_refused(tmp_path: Path) -> None:
+    config = tc.load(write(tmp_path, f"record = {str(tmp_path)!r}\n[capacity]\ncpu = 2\n"))
+    with pytest.raises(tc.ConfigError, match="mode = 'local'"):
+        async with tc.open_scheduler(config):
+            pass
 
 
 def test_local_mode_never_imports_ray(tmp_path: Path) -> None:

@@ -83,7 +83,6 @@ __all__ = [
     "load",
     "open_scheduler",
     "open_shared",
-    "warn_per_process",
     "parse",
 ]
 
@@ -480,34 +479,15 @@ def in_ray() -> bool:
     return ray is not None and bool(ray.is_initialized())
 
 
-_warned: set[str] = set()
-
-
-def warn_per_process(config: Config) -> None:
-    """Say, once per config and process, that shared mode fell back to per-process limits."""
-    source = config.source or "the tangram config"
-    if source in _warned:
-        return
-    _warned.add(source)
-    logger.warning(
-        "tangram: %s asks for one scheduler shared by the job (mode = 'shared'), but this "
-        "process (pid %d) is not in a Ray job: it gets a scheduler of its own, so every "
-        "limit in the file holds per process and per event loop. Run it under Ray, or set "
-        "mode = 'local' to say per-process limits are meant.",
-        source,
-        os.getpid(),
-    )
-
-
 def check_shared(config: Config) -> None:
-    """What shared mode refuses on Ray that a per-process scheduler allows.
+    """What shared mode refuses that a per-process scheduler allows.
 
-    :raises ConfigError: ``record`` in shared mode inside a Ray job.
+    :raises ConfigError: ``record`` in shared mode (the scheduler is not this process's).
     """
-    if config.mode == "shared" and config.record is not None and in_ray():
+    if config.mode == "shared" and config.record is not None:
         raise ConfigError(
             f"{config.source or 'tangram config'}: `record` needs a scheduler of this "
-            "process's own (mode = 'local'); in a Ray job mode = 'shared' shares one"
+            "process's own (mode = 'local'); mode = 'shared' shares the job's"
         )
 
 
@@ -521,7 +501,8 @@ async def open_scheduler(
     proxy to the named scheduler actor (:func:`tangram.ray.connect`, imported only then, so
     a local config never imports Ray). ``mode = "shared"``: inside a Ray job, a proxy on
     the job's own scheduler actor (created by the first process that asks); outside Ray,
-    a runtime of this process, with a WARNING that its limits are per process.
+    a proxy on the job's scheduler process on this node (started by the first process
+    that asks, :mod:`tangram._ray._node`).
     ``capacity`` adds resources known only at run time (a sandbox pool's cores, GPU
     memory, quota keys); the file's values win where both name a resource. With
     ``record``, the runtime is recorded (:func:`tangram.record_trace`) into a file of its
@@ -552,12 +533,10 @@ async def open_scheduler(
             yield remote
         return
     if config.mode == "shared":
-        if in_ray():
-            check_shared(config)
-            async with open_shared(config, capacity=merged) as remote:
-                yield remote
-            return
-        warn_per_process(config)
+        check_shared(config)
+        async with open_shared(config, capacity=merged) as remote:
+            yield remote
+        return
     try:
         runtime = Runtime(
             merged, policy=config.policy.build() if config.policy is not None else None
@@ -587,20 +566,29 @@ def _trace_path(directory: str) -> Path:
 async def open_shared(
     config: Config, *, capacity: Mapping[str, object], **agent: Any
 ) -> AsyncIterator[Any]:
-    """A proxy on this Ray job's scheduler, current while the block runs.
+    """A proxy on this job's scheduler, current while the block runs: the job's actor
+    inside a Ray job (:func:`tangram._ray._shared.open_shared`), else the job's scheduler
+    process on this node (:func:`tangram._ray._node.open_node`), which never imports Ray.
 
     ``agent`` (``backend``, ``warm``, ``timeout``, ``services``, ``devices``) starts this
-    node's host agent too (see :func:`tangram._ray._shared.open_shared`).
+    node's host agent too.
 
     :raises ConfigError: the capacity is invalid, or not the one the job's scheduler has.
     """
-    from .._ray._shared import open_shared as open_job_scheduler
-
     where = config.source or "tangram config"
+    if in_ray():
+        from .._ray._shared import open_shared as open_job_scheduler
+
+        on: dict[str, Any] = {}
+    else:
+        from .._ray._node import open_node as open_job_scheduler
+
+        on = {"config": config.source}
     async with contextlib.AsyncExitStack() as stack:
         try:
             remote = await stack.enter_async_context(
                 open_job_scheduler(
+                    **on,
                     capacity=capacity,
                     policy=config.policy.build() if config.policy is not None else None,
                     agent=bool(agent),

@@ -292,8 +292,10 @@ async def step_logs(scheduler: Any, pools: Any, kinds: Iterable[str]) -> dict[st
             named,
             StepMetrics(
                 scheduler,
-                sandboxes=pools.sandboxes,
-                gpu=pools.gpu,
+                # The job's pools (shared mode) live in its node agents, whose figures
+                # are not this process's: the scheduler's stats carry their actions.
+                sandboxes=None if pools.job else pools.sandboxes,
+                gpu=None if pools.job else pools.gpu,
                 quotas=tuple(pools.quotas.values()),
                 keys=adapter_keys(stats.resources, named),
             ),

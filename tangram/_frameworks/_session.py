@@ -15,11 +15,12 @@ before the process does. It stops when its loop's ``asyncio.run`` cancels leftov
 tasks, at interpreter exit for loops still running in other threads, or at :func:`aclose`.
 
 Where limits hold: with ``mode = "shared"`` (the default) every loop of every process of
-a Ray job reaches the job's one scheduler, and sandboxes and GPU services come from the
-host agent of the node the scheduler places them on (see :mod:`._config`); this loop keeps
-only a proxy. Outside Ray, and with ``mode = "local"``, each process (and each loop in
-it) has its own scheduler, so ``cpu = 8`` means 8 per process. ``mode = "ray"`` shares
-the named actor the driver created.
+a job reaches the job's one scheduler, and sandboxes and GPU services come from the host
+agent of the node the scheduler places them on (see :mod:`._config`); this loop keeps
+only a proxy. In a Ray job that scheduler is a Ray actor; outside Ray it is a process of
+the job on this node, reached on a Unix socket. With ``mode = "local"`` each process (and
+each loop in it) has its own scheduler, so ``cpu = 8`` means 8 per process. ``mode =
+"ray"`` shares the named actor the driver created.
 """
 
 from __future__ import annotations
@@ -53,11 +54,9 @@ from ._config import (
     GpuServiceConfig,
     SandboxConfig,
     check_shared,
-    in_ray,
     load,
     open_scheduler,
     open_shared,
-    warn_per_process,
 )
 
 __all__ = [
@@ -113,7 +112,7 @@ class JobGpu:
 class Resources:
     """What one loop's scheduler serves: the scheduler and the pools the config declared.
 
-    In shared mode on Ray, ``sandboxes`` and ``gpu`` are :class:`JobSandboxes` and
+    In shared mode, ``sandboxes`` and ``gpu`` are :class:`JobSandboxes` and
     :class:`JobGpu`: the same calls (``sandbox(name)``, ``use(name)``) reach the job's
     host agents instead of pools of this process.
     """
@@ -123,7 +122,7 @@ class Resources:
     sandboxes: SandboxPool | JobSandboxes | None = None
     gpu: Any = None  # tangram.gpu.GpuPool; typed loosely so torch stays an optional import
     quotas: Mapping[str, Any] = attrs.field(factory=dict)
-    job: bool = False  # the scheduler is the job's (shared mode on Ray)
+    job: bool = False  # the scheduler is the job's (shared mode)
     gates: dict[float, Gate] = attrs.field(factory=dict)  # this loop's, per wait
 
     def group(
@@ -213,7 +212,7 @@ def check(path: str | os.PathLike[str] | None = None, *, needs: tuple[str, ...] 
     this node or a missing table fails the worker at start, not every call after it.
     ``needs`` names tables: ``"sandbox"``, ``"gpu"``, ``"quota.NAME"``. The pools
     themselves are built and checked too (a bad ``[sandbox]`` option), without starting.
-    In shared mode inside a Ray job the job's scheduler and this node's agent are
+    In shared mode the job's scheduler and this node's agent are
     reached too (found or started), so a worker they refuse fails here.
 
     :raises ConfigError: no config, an unreadable or invalid one, a table missing, or a
@@ -235,7 +234,7 @@ def check(path: str | os.PathLike[str] | None = None, *, needs: tuple[str, ...] 
     check_shared(config)
     if config.source in _reached:
         return config  # a worker builds several tools from one file
-    if config.mode == "shared" and in_ray():
+    if config.mode == "shared":
         _reach_job(config)
     elif config.sandbox is not None:
         _start_backend(config)
@@ -365,9 +364,7 @@ async def _host(config: Config, hosted: _Hosted) -> None:
 
 
 async def _open(config: Config, stack: contextlib.AsyncExitStack) -> Resources:
-    shared = config.mode == "shared" and in_ray()
-    if config.mode == "shared" and not shared:
-        warn_per_process(config)
+    shared = config.mode == "shared"
     capacity: dict[str, object] = {}
     quotas = _quotas(config, capacity)
     if shared:
@@ -415,7 +412,7 @@ async def _open_on_job(
     capacity: dict[str, object],
     quotas: dict[str, Any],
 ) -> Resources:
-    """Shared mode in a Ray job: a proxy on the job's scheduler, pools on the node agents.
+    """Shared mode: a proxy on the job's scheduler, pools on the node agents.
 
     The pools are described, not built, here: this node's agent builds them on first
     use (whichever worker of the node asks first), so sandboxes and services exist once

@@ -32,9 +32,6 @@ from typing import TYPE_CHECKING, Any, cast
 
 import anyio
 import attrs
-import ray
-import ray.exceptions
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .._runtime._run import Runtime
 from .._sandbox._backend import (
@@ -52,9 +49,8 @@ from ..errors import (
     SettingTypeError,
     UnknownResourceError,
 )
-from ._connect import attach
-from ._protocol import logger
-from ._proxy import RemoteRuntime
+from ._protocol import logger, lost, task_failed
+from ._proxy import RemoteRuntime, attach
 
 if TYPE_CHECKING:
     from .._gpu._devices import Device
@@ -203,9 +199,8 @@ class HostAgentActor:
                 if self._services:
                     gpu = await self._open_gpu(remote, stack)
                 host = pool.hosts[0]
-                me = ray.get_runtime_context().current_actor
                 await self._scheduler.add_host.remote(
-                    self._name, host.resource, len(host.cores), me, remote._id, gpu
+                    self._name, host.resource, len(host.cores), self._me(), remote._id, gpu
                 )
                 await remote._refresh()
                 self._started.set_result(
@@ -214,7 +209,7 @@ class HostAgentActor:
                         "resource": host.resource,
                         "units": len(host.cores),
                         "cores": host.cores,
-                        "node_id": ray.get_runtime_context().get_node_id(),
+                        "node_id": self._node_id(),
                         "pid": os.getpid(),
                         "backend": repr(inner),
                         "gpu": gpu,
@@ -248,8 +243,29 @@ class HostAgentActor:
                 await asyncio.wait_for(self._stop.wait(), 1.0)
         if not self._stop.is_set():
             logger.warning("host agent %r: its scheduler is gone; it ends", self._name)
-            me = ray.get_runtime_context().current_actor
-            asyncio.get_running_loop().call_later(1.0, ray.kill, me)
+            self._end()
+
+    # What the transport decides: the node's scheduler process (:mod:`._node`) hosts its
+    # agent itself and replaces these three.
+
+    def _me(self) -> Any:
+        """The handle the scheduler and workers reach this agent by."""
+        import ray
+
+        return ray.get_runtime_context().current_actor
+
+    def _node_id(self) -> str:
+        import ray
+
+        node: str = ray.get_runtime_context().get_node_id()
+        return node
+
+    def _end(self) -> None:
+        """End the agent's process once it has let go of what it holds."""
+        import ray
+
+        me = ray.get_runtime_context().current_actor
+        asyncio.get_running_loop().call_later(1.0, ray.kill, me)
 
     async def _open_gpu(
         self, remote: RemoteRuntime, stack: contextlib.AsyncExitStack
@@ -401,7 +417,9 @@ class HostAgent:
         return stats
 
     async def aclose(self) -> None:
-        with contextlib.suppress(ray.exceptions.RayError):
+        import ray
+
+        with contextlib.suppress(*lost()):
             await self.actor.stop.remote()
         ray.kill(self.actor)
 
@@ -453,6 +471,9 @@ async def start_agent(
         raise InvalidSettingError(
             f"`name`: a host agent named {name!r} is already registered (have {sorted(hosts)})"
         )
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
     node = node_id if node_id is not None else ray.get_runtime_context().get_node_id()
     actor_class: Any = ray.remote(HostAgentActor)
     actor = actor_class.options(
@@ -462,7 +483,7 @@ async def start_agent(
     ).remote(name, remote.actor, backend, warm, services, devices)
     try:
         info = await actor.start.remote()
-    except ray.exceptions.RayTaskError as exc:
+    except task_failed() as exc:
         ray.kill(actor)
         raise exc.cause from exc
     await remote._refresh()

@@ -14,11 +14,9 @@ import contextlib
 from collections.abc import Mapping
 from typing import Any
 
-import ray
-import ray.exceptions
-
 from .._core._policy import Policy
 from ._placement import HostBook
+from ._protocol import lost
 from ._scheduler import SchedulerActor
 
 __all__ = ["ClusterSchedulerActor"]
@@ -53,17 +51,22 @@ class ClusterSchedulerActor(SchedulerActor):
     def _own_clients(self) -> set[str]:
         return {cid for cid, _ in self._book.agents()}
 
-    async def _retire(self) -> None:
+    async def _retire(self) -> bool:
         """Stop the agents (their sandboxes and services) before this actor ends."""
         agents = [agent for _, agent in self._book.agents()]
-        with contextlib.suppress(ray.exceptions.RayError, asyncio.TimeoutError):
+        with contextlib.suppress(*lost(), asyncio.TimeoutError):
             await asyncio.wait_for(
                 asyncio.gather(*(agent.stop.remote() for agent in agents)), self._timeout
             )
         for agent in agents:
-            with contextlib.suppress(ray.exceptions.RayError):
-                ray.kill(agent, no_restart=True)
-        await super()._retire()
+            with contextlib.suppress(*lost()):
+                self._kill(agent)
+        return await super()._retire()
+
+    def _kill(self, agent: Any) -> None:
+        import ray
+
+        ray.kill(agent, no_restart=True)
 
     async def add_host(
         self,

@@ -30,10 +30,10 @@ from ..errors import (
     SettingTypeError,
 )
 from ._cluster import ClusterSchedulerActor
-from ._protocol import DEFAULT_HEARTBEAT, DEFAULT_TIMEOUT
-from ._proxy import RemoteRuntime
+from ._protocol import DEFAULT_HEARTBEAT, DEFAULT_TIMEOUT, lost
+from ._proxy import RemoteRuntime, attach
 
-__all__ = ["LOOKUP_SECONDS", "attach", "connect"]
+__all__ = ["LOOKUP_SECONDS", "connect"]
 
 LOOKUP_SECONDS = 30.0
 """How long ``connect`` without a capacity waits for the actor to be created."""
@@ -150,7 +150,7 @@ async def connect(
         actor = await _lookup(name, namespace, lookup_timeout)
     try:
         info = await actor.info.remote()
-    except ray.exceptions.RayError as exc:
+    except lost() as exc:
         raise SchedulerUnavailableError(f"the scheduler actor {name!r} failed: {exc}") from exc
     owner = info["token"] == token
     if wanted is not None and not owner and _totals(info["capacity"]) != _totals(wanted):
@@ -166,28 +166,9 @@ async def connect(
         finally:
             _exit_current(token_var)
     if owner and not detached:
-        with anyio.CancelScope(shield=True), contextlib.suppress(ray.exceptions.RayError):
+        with anyio.CancelScope(shield=True), contextlib.suppress(*lost()):
             await actor.close.remote()
             ray.kill(actor)
-
-
-@contextlib.asynccontextmanager
-async def attach(
-    actor: Any, *, heartbeat: float | None = None, info: Mapping[str, Any] | None = None
-) -> AsyncIterator[RemoteRuntime]:
-    """A proxy on a scheduler actor handle (a host agent's), not made current."""
-    if info is None:
-        try:
-            info = await actor.info.remote()
-        except ray.exceptions.RayError as exc:
-            raise SchedulerUnavailableError(f"the scheduler actor failed: {exc}") from exc
-    beat = info["heartbeat"] if heartbeat is None else min(heartbeat, info["heartbeat"])
-    remote = RemoteRuntime(actor, heartbeat=beat, capacity=info["capacity"])
-    await remote._start()
-    try:
-        yield remote
-    finally:
-        await remote._stop()
 
 
 def _totals(capacity: Capacity) -> dict[str, float]:

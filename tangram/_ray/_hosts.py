@@ -13,8 +13,6 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
-import ray
-import ray.exceptions
 
 from ..errors import (
     GpuPoolClosedError,
@@ -22,6 +20,7 @@ from ..errors import (
     SandboxBrokenError,
     SchedulerUnavailableError,
 )
+from ._protocol import lost, task_failed
 
 if TYPE_CHECKING:
     from .._core._demand import Elastic
@@ -49,9 +48,9 @@ class RemoteSandbox:
     async def _call(self, method: str, *args: Any) -> Any:
         try:
             return await getattr(self._agent, method).remote(self.trajectory_id, *args)
-        except ray.exceptions.RayTaskError as exc:
+        except task_failed() as exc:
             raise exc.cause from exc
-        except ray.exceptions.RayError as exc:
+        except lost() as exc:
             raise SandboxBrokenError(f"the host agent {self.host!r} is gone: {exc}") from exc
 
     async def run(
@@ -97,16 +96,16 @@ async def open_sandbox(
     """
     try:
         host, agent = await scheduler.place.remote(trajectory_id, cid)
-    except ray.exceptions.RayTaskError as exc:
+    except task_failed() as exc:
         raise exc.cause from exc
-    except ray.exceptions.RayError as exc:
+    except lost() as exc:
         raise SchedulerUnavailableError(f"the scheduler actor is unreachable: {exc}") from exc
     sandbox = RemoteSandbox(agent, trajectory_id, host)
     try:
         sandbox.python = await sandbox._call("open")
         yield sandbox
     finally:
-        with anyio.CancelScope(shield=True), contextlib.suppress(ray.exceptions.RayError):
+        with anyio.CancelScope(shield=True), contextlib.suppress(*lost()):
             await agent.close.remote(trajectory_id)
             await scheduler.unplace.remote(trajectory_id)
 
@@ -142,9 +141,9 @@ class RemoteService:
             raise GpuPoolClosedError("the block ended: use the handle inside its `async with`")
         try:
             result, seq, resident = await self._agent.call_service.remote(self.name, batch)
-        except ray.exceptions.RayTaskError as exc:
+        except task_failed() as exc:
             raise exc.cause from exc
-        except ray.exceptions.RayError as exc:
+        except lost() as exc:
             raise GpuServiceError(
                 f"the host agent {self.host!r} serving {self.name!r} is gone: {exc}"
             ) from exc
@@ -158,14 +157,14 @@ async def open_service(scheduler: Any, cid: str, name: str) -> AsyncIterator[Rem
     """Place one block on service ``name`` for the proxy ``cid``; ends its ticket after."""
     try:
         ticket, host, agent = await scheduler.place_service.remote(cid, name)
-    except ray.exceptions.RayTaskError as exc:
+    except task_failed() as exc:
         raise exc.cause from exc
-    except ray.exceptions.RayError as exc:
+    except lost() as exc:
         raise SchedulerUnavailableError(f"the scheduler actor is unreachable: {exc}") from exc
     service = RemoteService(agent, name, host)
     try:
         yield service
     finally:
         service._open = False
-        with anyio.CancelScope(shield=True), contextlib.suppress(ray.exceptions.RayError):
+        with anyio.CancelScope(shield=True), contextlib.suppress(*lost()):
             await scheduler.unplace_service.remote(ticket, service._seq, service._resident)

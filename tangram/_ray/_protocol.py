@@ -11,13 +11,32 @@ Events are tuples tagged by their first item: ``("grant", request, lease, grant,
 ``("error", request, exception)``, ``("resize", lease, grant, units)``,
 ``("reclaimed", lease)`` and ``("expired", requests, leases)``. This module is the one
 both ends import, so the actor side never imports the worker side, nor the other way.
+
+The same actors run on Ray or, outside Ray, in one process per node that workers reach
+over a Unix socket (:mod:`._socket`). The code that calls them catches :func:`lost` and
+:func:`task_failed` instead of Ray's exceptions, so it runs on either transport and Ray
+is imported only where Ray is the transport.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
+from typing import Any
 
-__all__ = ["CANCELLED", "COMPLETED", "DEFAULT_HEARTBEAT", "DEFAULT_TIMEOUT", "FAILED", "logger"]
+__all__ = [
+    "CANCELLED",
+    "COMPLETED",
+    "DEFAULT_HEARTBEAT",
+    "DEFAULT_TIMEOUT",
+    "FAILED",
+    "IDLE",
+    "ActorLostError",
+    "ActorTaskError",
+    "logger",
+    "lost",
+    "task_failed",
+]
 
 logger = logging.getLogger("tangram.ray")
 
@@ -26,6 +45,45 @@ DEFAULT_HEARTBEAT = 1.0
 DEFAULT_TIMEOUT = 10.0
 """Seconds without a heartbeat after which the actor reclaims a lease."""
 
+IDLE = 2
+"""A job's scheduler ends after this many lease timeouts with no worker's proxy.
+
+Not one: on a starved machine every worker's proxy can miss its heartbeats at once and
+be dropped, and comes back with its next poll; the job is over only when none does.
+"""
+
 # How a lease's block ended, as a release carries it: the actor's runtime records each
 # outcome as it would for a block of its own (only a completed one teaches the estimator).
 COMPLETED, FAILED, CANCELLED = 0, 1, 2
+
+
+class ActorLostError(Exception):
+    """The socket transport lost its actor: the node's scheduler process is gone."""
+
+
+class ActorTaskError(ActorLostError):
+    """An actor's method raised: ``cause`` is what it raised, as Ray's ``RayTaskError``."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.cause = cause
+
+
+def lost() -> tuple[type[Exception], ...]:
+    """What a call raises when its actor is gone or its method raised, on either transport.
+
+    Ray's errors are named only where Ray is loaded: a process that never imported it
+    cannot be handed one, and the socket transport must not pay for importing it.
+    """
+    ray_exceptions = sys.modules.get("ray.exceptions")
+    if ray_exceptions is None:
+        return (ActorLostError,)
+    return (ray_exceptions.RayError, ActorLostError)
+
+
+def task_failed() -> tuple[type[Any], ...]:
+    """What a call raises when its actor's method raised: each carries ``cause``."""
+    ray_exceptions = sys.modules.get("ray.exceptions")
+    if ray_exceptions is None:
+        return (ActorTaskError,)
+    return (ray_exceptions.RayTaskError, ActorTaskError)

@@ -26,8 +26,6 @@ from typing import Any
 import anyio
 import anyio.abc
 import anyio.lowlevel
-import ray
-import ray.exceptions
 
 from .._core._action import Action
 from .._core._resources import Capacity
@@ -41,9 +39,9 @@ from ..errors import (
     SettingTypeError,
 )
 from ._hosts import RemoteSandbox, RemoteService, open_sandbox, open_service
-from ._protocol import CANCELLED, COMPLETED, FAILED, logger
+from ._protocol import CANCELLED, COMPLETED, FAILED, logger, lost
 
-__all__ = ["RemoteAcquireContext", "RemoteLease", "RemoteRuntime"]
+__all__ = ["RemoteAcquireContext", "RemoteLease", "RemoteRuntime", "attach", "check_capacity"]
 
 
 class RemoteLease(LeaseBase):
@@ -232,7 +230,7 @@ class RemoteRuntime(RunMixin):
         self._pending.clear()
         if self._error is None:
             releases, self._releases = self._releases, []
-            with anyio.CancelScope(shield=True), contextlib.suppress(ray.exceptions.RayError):
+            with anyio.CancelScope(shield=True), contextlib.suppress(*lost()):
                 if self._sending is not None:
                     # An async actor does not run one caller's calls in order: the last
                     # releases must land before the disconnect, or it would record them
@@ -324,7 +322,7 @@ class RemoteRuntime(RunMixin):
             self._sending = self._actor.send.remote(self._id, submits, releases, withdraws)
             try:
                 events = await self._sending
-            except ray.exceptions.RayError as exc:
+            except lost() as exc:
                 self._sending = None
                 self._fail(exc)
                 return
@@ -339,7 +337,7 @@ class RemoteRuntime(RunMixin):
                 events = await self._actor.poll.remote(
                     self._id, list(self._leases), self._heartbeat
                 )
-            except ray.exceptions.RayError as exc:
+            except lost() as exc:
                 self._fail(exc)
                 return
             self._dispatch(events)
@@ -447,7 +445,7 @@ class RemoteRuntime(RunMixin):
         """
         try:
             member = await self._actor.group_enter.remote(self._id, key, wait)
-        except ray.exceptions.RayError as exc:
+        except lost() as exc:
             raise SchedulerUnavailableError(f"the scheduler actor failed: {exc}") from exc
         arrived = False
 
@@ -458,14 +456,14 @@ class RemoteRuntime(RunMixin):
             arrived = True
             try:
                 await self._actor.group_arrive.remote(self._id, member)
-            except ray.exceptions.RayError as exc:
+            except lost() as exc:
                 raise SchedulerUnavailableError(f"the scheduler actor failed: {exc}") from exc
 
         try:
             yield arrive
         finally:
             if not arrived:
-                with anyio.CancelScope(shield=True), contextlib.suppress(ray.exceptions.RayError):
+                with anyio.CancelScope(shield=True), contextlib.suppress(*lost()):
                     await self._actor.group_leave.remote(self._id, member)
 
     async def _refresh(self) -> None:
@@ -489,3 +487,36 @@ class RemoteRuntime(RunMixin):
         self._shadow.capacity.with_updates(updates)  # the same errors, raised here
         new = await self._actor.set_capacity.remote(updates)
         self._shadow = Runtime(new)
+
+
+@contextlib.asynccontextmanager
+async def attach(
+    actor: Any, *, heartbeat: float | None = None, info: Mapping[str, Any] | None = None
+) -> AsyncIterator[RemoteRuntime]:
+    """A proxy on a scheduler actor handle (a host agent's), not made current."""
+    if info is None:
+        try:
+            info = await actor.info.remote()
+        except lost() as exc:
+            raise SchedulerUnavailableError(f"the scheduler actor failed: {exc}") from exc
+    beat = info["heartbeat"] if heartbeat is None else min(heartbeat, info["heartbeat"])
+    remote = RemoteRuntime(actor, heartbeat=beat, capacity=info["capacity"])
+    await remote._start()
+    try:
+        yield remote
+    finally:
+        await remote._stop()
+
+
+def check_capacity(found: Capacity, wanted: Capacity) -> None:
+    """Refuse a worker whose config states another capacity than the job's scheduler has.
+
+    :raises InvalidCapacityError: a kind ``wanted`` names has another total in ``found``.
+    """
+    got = {k: r.total for k, r in found.items() if k in wanted}
+    stated = {k: r.total for k, r in wanted.items()}
+    if got != stated:
+        raise InvalidCapacityError(
+            f"this job's scheduler has capacity {got!r}, this worker's config states "
+            f"{stated!r}: every worker must read the same config"
+        )

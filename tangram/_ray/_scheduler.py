@@ -15,12 +15,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import os
 import time
 from collections.abc import Mapping
 from typing import Any
 
 import anyio
-import ray
 
 from .._core._policy import Policy
 from .._core._resources import Capacity
@@ -149,13 +149,13 @@ class SchedulerActor:
 
     async def info(self) -> dict[str, Any]:
         runtime = await self._ready()
-        context = ray.get_runtime_context()
         return {
             "token": self._token,
             "capacity": runtime.capacity,
             "heartbeat": self._heartbeat,
             "timeout": self._timeout,
-            "node_id": context.get_node_id(),
+            "node_id": self._node_id(),
+            "pid": os.getpid(),
         }
 
     async def close(self) -> None:
@@ -396,16 +396,34 @@ class SchedulerActor:
                 self._last_user = now
             elif self._idle is not None and now - self._last_user > self._idle:
                 logger.info("no client for %.1f s: the scheduler actor ends", now - self._last_user)
-                await self._retire()
-                return
+                if await self._retire():
+                    return
+                self._last_user = now
 
     def _own_clients(self) -> set[str]:
         """Proxies that serve the scheduler (host agents'), not users: they keep no one alive."""
         return set()
 
-    async def _retire(self) -> None:
-        """End this actor: what it started goes first (see :mod:`._cluster`)."""
+    async def _retire(self) -> bool:
+        """End this actor: what it started goes first (see :mod:`._cluster`).
+
+        :returns: whether it ended; the node's scheduler declines while a worker is
+            connecting (:mod:`._node`).
+        """
+        self._end()
+        return True
+
+    def _end(self) -> None:
+        import ray
+
         ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+
+    def _node_id(self) -> str:
+        """The node this actor runs on, as Ray names it."""
+        import ray
+
+        node: str = ray.get_runtime_context().get_node_id()
+        return node
 
     # -- introspection and capacity ------------------------------------------------------
 

@@ -31,25 +31,16 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .._core._policy import Policy
 from .._runtime._run import Runtime
-from ..errors import InvalidCapacityError, SchedulerUnavailableError
+from ..errors import SchedulerUnavailableError
 from ._agent import BackendSpec, HostAgentActor
 from ._cluster import ClusterSchedulerActor
-from ._connect import attach
-from ._protocol import DEFAULT_HEARTBEAT, DEFAULT_TIMEOUT
-from ._proxy import RemoteRuntime
+from ._protocol import DEFAULT_HEARTBEAT, DEFAULT_TIMEOUT, IDLE
+from ._proxy import RemoteRuntime, attach, check_capacity
 
 __all__ = ["IDLE", "NAMESPACE", "agent_name", "host_name", "open_shared", "scheduler_name"]
 
 NAMESPACE = "tangram"
 """The Ray namespace of every job's shared actors (their names carry the job id)."""
-
-
-IDLE = 2
-"""The scheduler ends after this many lease timeouts with no worker's proxy.
-
-Not one: on a starved machine every worker's proxy can miss its heartbeats at once and
-be dropped, and comes back with its next poll; the job is over only when none does.
-"""
 
 
 def scheduler_name(job_id: str) -> str:
@@ -112,13 +103,7 @@ async def open_shared(
     except ray.exceptions.RayError as exc:
         raise SchedulerUnavailableError(f"the job's scheduler actor failed: {exc}") from exc
     if capacity:
-        found = {k: r.total for k, r in info["capacity"].items() if k in wanted}
-        if found != {k: r.total for k, r in wanted.items()}:
-            raise InvalidCapacityError(
-                f"this job's scheduler has capacity {found!r}, this worker's config states "
-                f"{ {k: r.total for k, r in wanted.items()}!r}: every worker must read the "
-                "same config"
-            )
+        check_capacity(info["capacity"], wanted)
     async with attach(actor, heartbeat=heartbeat, info=info) as remote:
         if agent:
             await _start_agent(remote, job, node, host, backend, warm, timeout, services, devices)

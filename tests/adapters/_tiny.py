@@ -6,6 +6,8 @@ special tokens and a chat template in the Qwen style verl's hermes tool parser r
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -84,3 +86,20 @@ ROLLOUT = {
         "format": "hermes",
     },
 }
+
+
+DOCS_EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
+
+
+def per_process(name: str) -> Path:
+    """The docs' example config ``name`` with ``mode = "local"`` put first.
+
+    For tests that read this process's own runtime and pools (or break them) under the
+    frameworks' code: in the docs' default shared mode the job's scheduler is another
+    process (tests/test_node.py, and tests/adapters/test_shared_ray.py on Ray).
+    """
+    folder = Path(tempfile.gettempdir()) / f"tangram-local-{os.getpid()}"
+    folder.mkdir(exist_ok=True)
+    path = folder / name
+    path.write_text('mode = "local"\n' + (DOCS_EXAMPLES / name).read_text())
+    return path

@@ -23,7 +23,7 @@ from tangram.config import ConfigError
 @pytest.fixture
 def config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path = tmp_path / "tangram.toml"
-    path.write_text("[capacity]\ncpu = 3\n")
+    path.write_text('mode = "local"\n[capacity]\ncpu = 3\n')
     monkeypatch.setenv("TANGRAM_CONFIG", str(path))
     return path
 
@@ -88,7 +88,7 @@ def test_a_recording_config_writes_each_schedulers_trace_when_it_stops(
     # What a verl or OpenRLHF worker does with `record` in its file and no code change.
     folder = tmp_path / "traces"
     path = tmp_path / "tangram.toml"
-    path.write_text(f"record = {str(folder)!r}\n[capacity]\ncpu = 3\n")
+    path.write_text(f"mode = 'local'\nrecord = {str(folder)!r}\n[capacity]\ncpu = 3\n")
     monkeypatch.setenv("TANGRAM_CONFIG", str(path))
 
     async def main() -> None:

@@ -29,7 +29,7 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     import tangram_openrlhf.agent as agent_module
     import tangram_openrlhf.reward as reward_module
-    from _tiny import tiny_tokenizer
+    from _tiny import per_process, tiny_tokenizer
     from omegaconf import OmegaConf
     from openrlhf.utils.agent import SingleTurnAgentExecutor
     from tangram_verl import run_code, with_tangram
@@ -163,7 +163,7 @@ def _compute_tool(name: str) -> None:
 
 @pytest.fixture
 async def docs_config(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Path]:
-    path = ROOT / "docs" / "examples" / "tangram.toml"
+    path = per_process("tangram.toml")  # the sandboxes broken below are this process's
     monkeypatch.setenv("TANGRAM_CONFIG", str(path))
     _failures.reset()
     yield path
@@ -204,7 +204,7 @@ async def test_a_broken_sandbox_stops_verls_agent_loop_and_the_model_never_sees_
 async def test_a_broken_sandbox_stops_openrlhfs_episode(
     monkeypatch: pytest.MonkeyPatch, broken_sandboxes: None, tmp_path: Path
 ) -> None:
-    monkeypatch.setenv("TANGRAM_CONFIG", str(ROOT / "docs" / "examples" / "openrlhf.toml"))
+    monkeypatch.setenv("TANGRAM_CONFIG", str(per_process("openrlhf.toml")))
     _failures.reset()
     tokenizer = tiny_tokenizer(tmp_path / "tok")
     executor = agent_module.AgentExecutor()

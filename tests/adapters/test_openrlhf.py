@@ -33,7 +33,7 @@ with warnings.catch_warnings():
     import tangram_openrlhf.reward as reward_module
     from _hacks import HACKS, RIGHT, WRONG
     from _hacks import TESTS as TESTS_2
-    from _tiny import tiny_tokenizer
+    from _tiny import per_process, tiny_tokenizer
     from openrlhf.utils.agent import AgentExecutorBase, SingleTurnAgentExecutor
     from tangram_openrlhf.agent import parse_tool_calls
 
@@ -45,7 +45,7 @@ def anyio_backend() -> str:
     return "asyncio"  # vLLM's engine loop is asyncio
 
 
-DOCS_CONFIG = Path(__file__).resolve().parents[2] / "docs" / "examples" / "openrlhf.toml"
+DOCS_CONFIG = per_process("openrlhf.toml")
 
 
 @pytest.fixture

@@ -43,7 +43,7 @@ else:
 import ray.cluster_utils
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from tangram._ray._connect import attach
+from tangram._ray._proxy import attach
 from tangram._ray._shared import NAMESPACE, agent_name, host_name, scheduler_name
 
 # The actors below are defined here, in a module Ray's workers import by value.

@@ -35,7 +35,7 @@ ray = pytest.importorskip("ray") if not os.environ.get("CI") else __import__("ra
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     import torch
-    from _tiny import ROLLOUT, tiny_tokenizer
+    from _tiny import ROLLOUT, per_process, tiny_tokenizer
     from omegaconf import OmegaConf
     from verl import DataProto
     from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap
@@ -55,7 +55,7 @@ from tangram.testing import Limit, QuotaServer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOLS_YAML = ROOT / "docs" / "examples" / "verl_tools.yaml"
-TANGRAM_TOML = ROOT / "docs" / "examples" / "tangram.toml"
+TANGRAM_TOML = per_process("tangram.toml")
 
 
 @pytest.fixture
@@ -251,6 +251,7 @@ async def test_an_api_judge_reward_goes_through_the_quota(tmp_path: Path) -> Non
     """compute_score with ``quota``: every judge request is admitted by the key's limits."""
     toml = tmp_path / "judge.toml"
     toml.write_text(
+        'mode = "local"\n'
         "[quota.judge]\n"
         'keys = [{ name = "a", requests = "50/s", concurrency = 2, '
         'headers = { Authorization = "Bearer a" } }]\n'
@@ -288,7 +289,7 @@ async def test_an_api_judge_reward_goes_through_the_quota(tmp_path: Path) -> Non
 def _tests_toml(tmp_path: Path) -> Path:
     toml = tmp_path / "tests.toml"
     toml.write_text(
-        '[sandbox]\nbackend = "local"\nwarm = 2\n'
+        'mode = "local"\n[sandbox]\nbackend = "local"\nwarm = 2\n'
         "[adapters.verl.reward]\ntests = true\ntimeout = 6\ncase_timeout = 2\n"
     )
     return toml

@@ -33,7 +33,7 @@ verl = pytest.importorskip("verl") if not os.environ.get("CI") else __import__("
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     import torch
-    from _tiny import tiny_tokenizer
+    from _tiny import per_process, tiny_tokenizer
     from omegaconf import OmegaConf
     from test_verl import _agent_loop, _Server
     from verl import DataProto
@@ -48,7 +48,7 @@ from tangram._frameworks import _failures, _fusion, _session  # noqa: E402
 from tangram.errors import SandboxBrokenError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-TANGRAM_TOML = ROOT / "docs" / "examples" / "tangram.toml"
+TANGRAM_TOML = per_process("tangram.toml")
 
 # A SandboxFusionTool entry as verl's examples write it; only class_name changed.
 FUSION_YAML = """
