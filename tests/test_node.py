@@ -357,3 +357,55 @@ async def test_a_steps_figures_come_from_the_jobs_scheduler(job: dict[str, str])
     assert set(after) == set(before)  # fixed keys: the frameworks stack the dicts
     assert after["tangram/actions"] >= 1
     assert any(k.startswith("tangram/unit_s/cpu@") and v > 0 for k, v in after.items())
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_scheduler_process_that_does_not_answer_fails_the_worker_typed(
+    job: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stopped scheduler process (SIGSTOP: a debugger, a swap storm) still accepts
+    connections: a worker reaching it gets SchedulerUnavailableError after the start
+    deadline, never waits forever, and never starts a second scheduler beside it."""
+    from tangram._ray import _node
+
+    async with open_node(capacity={"conn": 1}, config="stuck", lease_timeout=2, heartbeat=0.5) as r:
+        pid = (await r.actor.info.remote())["pid"]
+    monkeypatch.setattr(_node, "START_SECONDS", 1.0)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with anyio.fail_after(20), pytest.raises(SchedulerUnavailableError, match="answer"):
+            async with open_node(capacity={"conn": 1}, config="stuck"):
+                pass
+        assert _scheduler_pids(job) == [pid]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        os.kill(pid, signal.SIGTERM)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_waiting_for_the_jobs_lock_can_be_cancelled(job: dict[str, str]) -> None:
+    """Another worker holds the job's lock (it is starting the scheduler): a caller with
+    a deadline gets it, not a thread stuck in flock until the holder lets go."""
+    import fcntl
+
+    key = job_key("held")
+    lock = socket_path(key).with_suffix(".lock")
+    with open(lock, "w") as held:  # noqa: ASYNC230 - a local file, not waited on
+        fcntl.flock(held, fcntl.LOCK_EX)
+        began = time.monotonic()
+        with anyio.move_on_after(0.5) as scope:
+            async with open_node(capacity={"conn": 1}, config="held"):
+                pass
+        assert scope.cancelled_caught
+        assert time.monotonic() - began < 3
+
+
+def test_one_config_file_is_one_job_however_its_path_is_spelled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.toml").write_text("")
+    assert job_key("t.toml") == job_key(str(tmp_path / "t.toml"))
+    assert job_key("./t.toml") == job_key(str(tmp_path / "sub" / ".." / "t.toml"))

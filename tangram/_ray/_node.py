@@ -83,7 +83,9 @@ def job_key(config: str | None) -> str:
             break
     else:
         job = f"session={os.getsid(0)}"
-    return hashlib.sha256(f"{job}\0{config or ''}".encode()).hexdigest()[:20]
+    # The file, not how it was spelled: ``t.toml`` and its absolute path are one job's.
+    where = os.path.realpath(config) if config else ""
+    return hashlib.sha256(f"{job}\0{where}".encode()).hexdigest()[:20]
 
 
 def _directory() -> Path:
@@ -138,8 +140,9 @@ class _NodeScheduler(ClusterSchedulerActor):
 
     async def _retire(self) -> bool:
         # Only while no worker is starting or connecting (they hold the lock) and none is
-        # connected: one that connects after this stops listening finds no socket and
-        # starts a new scheduler process.
+        # connected. The lock is held until the agent has stopped: a worker arriving
+        # meanwhile waits, then finds no socket and starts a new scheduler process, which
+        # never runs beside this one's sandboxes and services.
         with open(self.lock, "a") as held:  # noqa: ASYNC230 - a local file, not waited on
             try:
                 fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -148,14 +151,16 @@ class _NodeScheduler(ClusterSchedulerActor):
             if self.server.connections:
                 return False
             self.server.close()
-            for suffix in (".sock", ".lock"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.lock.with_suffix(suffix))
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.lock.with_suffix(".sock"))
+            ended = await super()._retire()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.lock)
             log = self.lock.with_suffix(".log")
             with contextlib.suppress(OSError):
                 if log.stat().st_size == 0:  # nothing went wrong: nothing to keep
                     log.unlink()
-        return await super()._retire()
+        return ended
 
     def _kill(self, agent: Any) -> None:
         """The agent lives in this process and was stopped; it ends with it."""
@@ -288,15 +293,27 @@ def main() -> None:
 # -- the worker's side --------------------------------------------------------------------
 
 
-def _lock(path: Path) -> int:
-    """Hold the job's lock file. The scheduler process removes it as it ends, holding it:
-    a lock taken on a file no longer at ``path`` is let go and taken again."""
+async def _lock(path: Path) -> int:
+    """Hold the job's lock file, waiting as long as the holder holds it (a start, at most
+    ``START_SECONDS``; a retiring scheduler's agent stopping). Tried, not blocked on,
+    so a cancelled caller stops waiting. The scheduler process removes the file as it
+    ends, holding it: a lock taken on a file no longer at ``path`` is let go and retaken.
+    """
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        with contextlib.suppress(FileNotFoundError):
-            if os.stat(path).st_ino == os.fstat(fd).st_ino:
-                return fd
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    await anyio.sleep(0.02)
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                    return fd
+        except BaseException:
+            os.close(fd)
+            raise
         os.close(fd)
 
 
@@ -334,23 +351,37 @@ def _start(spec: Mapping[str, Any]) -> None:
 
 
 async def _reach(path: Path, spec: Mapping[str, Any]) -> tuple[Connection, dict[str, Any]]:
-    """Connect to the job's scheduler on this node, starting it when nothing answers."""
-    lock = await anyio.to_thread.run_sync(_lock, path.with_suffix(".lock"))
+    """Connect to the job's scheduler on this node, starting it when nothing listens.
+
+    :raises SchedulerUnavailableError: it cannot start, or one listens and does not answer
+        within ``START_SECONDS`` (stopped, or wedged): never a second one beside it.
+    """
+    lock = await _lock(path.with_suffix(".lock"))
     try:
         for attempt in range(2):
-            connection = None
             try:
                 connection = await Connection.open(str(path))
-                info: dict[str, Any] = await connection.handle("scheduler").info.remote()
-                return connection, info
-            except (OSError, ActorLostError) as exc:
-                if connection is not None:
-                    await connection.aclose()
+            except OSError as exc:  # no socket, or nothing listens on it
                 if attempt:
                     raise SchedulerUnavailableError(
-                        f"the job's scheduler process at {path} does not answer: {exc}"
+                        f"the job's scheduler process at {path} does not listen: {exc}"
                     ) from exc
-            await anyio.to_thread.run_sync(_start, spec)
+                await anyio.to_thread.run_sync(_start, spec)
+                continue
+            try:
+                with anyio.fail_after(START_SECONDS):
+                    info: dict[str, Any] = await connection.handle("scheduler").info.remote()
+            except (TimeoutError, ActorLostError) as exc:
+                with anyio.CancelScope(shield=True):
+                    await connection.aclose()
+                raise SchedulerUnavailableError(
+                    f"the job's scheduler process at {path} does not answer: {exc!r}"
+                ) from exc
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await connection.aclose()
+                raise
+            return connection, info
         raise AssertionError("unreachable")
     finally:
         os.close(lock)

@@ -9,11 +9,16 @@ agent then run unchanged on either transport. Inside the server, objects reach e
 through a :class:`LocalHandle` of the same shape.
 
 A frame is a 4-byte length and a pickle of ``(call, target, method, args)`` one way and
-``(call, ok, value)`` the other. A handle inside arguments or answers travels as its
-object's name and arrives as a handle on the other side (the scheduler hands a worker its
-host agent this way). Only processes of the server's own user are answered: the socket's
-directory is theirs alone, and each peer's uid is checked, because the server runs what
-a pickle from the socket says.
+``(call, outcome, value)`` the other, where ``args`` and ``value`` are pickles of their
+own: one that cannot be loaded (a class the other process lacks) fails that call alone,
+never the connection. A handle inside arguments or answers travels as its object's name
+and arrives as a handle on the other side (the scheduler hands a worker its host agent
+this way). As with Ray, an awaiter cancelled while it waits does not cancel the call,
+and a call's awaitable may be awaited again.
+
+Only processes of the server's own user are answered: the socket's directory is theirs
+alone, and each peer's uid is checked, because the server runs what a pickle from the
+socket says.
 """
 
 from __future__ import annotations
@@ -30,12 +35,33 @@ from typing import Any
 
 from ._protocol import ActorLostError, ActorTaskError, logger
 
-__all__ = ["Connection", "LocalHandle", "Server", "SocketHandle"]
+__all__ = ["Call", "Connection", "LocalHandle", "Server", "SocketHandle"]
 
 _LENGTH = struct.Struct("!I")
 _CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 MAX_FRAME = 1 << 30
 """The largest frame either side accepts: a sandbox file read travels by value."""
+
+
+# An answer's outcome: the value, what the method raised, or the call cancelled in the
+# server (its sandbox closed under it), which the caller sees as a lost call.
+_OK, _RAISED, _CANCELLED = 0, 1, 2
+
+
+class Call:
+    """A call in flight, like Ray's ``ObjectRef``: awaited any number of times, and an
+    awaiter's cancellation leaves the call itself running."""
+
+    __slots__ = ("_future",)
+
+    def __init__(self, future: asyncio.Future[Any]) -> None:
+        self._future = future
+
+    def __await__(self) -> Any:
+        return asyncio.shield(self._future).__await__()
+
+    def done(self) -> bool:
+        return self._future.done()
 
 
 class _Method:
@@ -70,17 +96,21 @@ class LocalHandle:
             raise AttributeError(method)
         return _Method(self._start, method)
 
-    def _start(self, method: str, args: tuple[Any, ...]) -> asyncio.Task[Any]:
+    def _start(self, method: str, args: tuple[Any, ...]) -> Call:
         task = asyncio.get_running_loop().create_task(self._run(method, args))
         self._tasks.add(task)  # the loop holds tasks weakly
         task.add_done_callback(self._done)
-        return task
+        return Call(task)
 
     async def _run(self, method: str, args: tuple[Any, ...]) -> Any:
         try:
             return await getattr(self.target, method)(*args)
         except Exception as exc:
             raise ActorTaskError(exc) from exc
+        except asyncio.CancelledError:
+            # The method's own work was cancelled (its sandbox closed): its caller hears
+            # of a lost call, as Ray's TaskCancelledError, not a cancellation of its own.
+            raise ActorLostError(f"{self.name}.{method} was cancelled") from None
 
     def _done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
@@ -106,6 +136,8 @@ class SocketHandle:
 
 
 def _frame(payload: bytes) -> bytes:
+    if len(payload) > MAX_FRAME:
+        raise ValueError(f"a frame of {len(payload)} bytes is over the limit of {MAX_FRAME}")
     return _LENGTH.pack(len(payload)) + payload
 
 
@@ -139,35 +171,52 @@ class Connection:
     def handle(self, name: str) -> SocketHandle:
         return SocketHandle(self, name)
 
-    def call(self, target: str, method: str, args: tuple[Any, ...]) -> asyncio.Future[Any]:
+    def call(self, target: str, method: str, args: tuple[Any, ...]) -> Call:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         if self._error is not None:
             future.set_exception(self._error)
-            return future
+            return Call(future)
+        try:
+            frame = _frame(pickle.dumps((self._next + 1, target, method, self._dumps(args))))
+        except Exception as exc:  # arguments that cannot travel fail this call, here
+            future.set_exception(ActorTaskError(exc))
+            return Call(future)
         self._next += 1
         self._calls[self._next] = future
+        self._writer.write(frame)
+        return Call(future)
+
+    def _dumps(self, value: Any) -> bytes:
         buffer = io.BytesIO()
-        _Pickler(buffer, self).dump((self._next, target, method, args))
-        self._writer.write(_frame(buffer.getvalue()))
-        return future
+        _Pickler(buffer, self).dump(value)
+        return buffer.getvalue()
 
     async def _receive(self) -> None:
         try:
             while True:
                 frame = await _read_frame(self._reader)
-                call, ok, value = _Unpickler(io.BytesIO(frame), self).load()
+                call, outcome, payload = pickle.loads(frame)
                 future = self._calls.pop(call, None)
                 if future is None or future.done():
                     continue
-                if ok:
+                try:
+                    value = _Unpickler(io.BytesIO(payload), self).load()
+                except Exception as exc:  # a class this process lacks: this call fails
+                    future.set_exception(
+                        ActorTaskError(RuntimeError(f"the answer could not be loaded: {exc!r}"))
+                    )
+                    continue
+                if outcome == _OK:
                     future.set_result(value)
-                else:
+                elif outcome == _RAISED:
                     future.set_exception(ActorTaskError(value))
-        except (OSError, EOFError, asyncio.IncompleteReadError, ActorLostError) as exc:
-            self._lose(ActorLostError(f"the node's scheduler process closed the connection: {exc}"))
+                else:
+                    future.set_exception(ActorLostError(value))
         except asyncio.CancelledError:
             self._lose(ActorLostError("the connection to the node's scheduler was closed"))
             raise
+        except Exception as exc:  # the connection or its framing is broken: every call fails
+            self._lose(ActorLostError(f"the node's scheduler process closed the connection: {exc}"))
 
     def _lose(self, error: ActorLostError) -> None:
         self._error = error
@@ -224,15 +273,18 @@ class _ServerUnpickler(pickle.Unpickler):
         return self._objects[str(pid)]
 
 
-def _dump_answer(call: int, ok: bool, value: Any) -> bytes:
-    buffer = io.BytesIO()
+def _dump_answer(call: int, outcome: int, value: Any) -> bytes:
     try:
-        _ServerPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump((call, ok, value))
-    except Exception as exc:  # an answer or an error that cannot travel: say so instead
         buffer = io.BytesIO()
-        error = RuntimeError(f"the answer could not be sent: {type(exc).__name__}: {exc}")
-        _ServerPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump((call, False, error))
-    return _frame(buffer.getvalue())
+        _ServerPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+        if outcome == _RAISED:
+            pickle.loads(buffer.getvalue())  # an error that cannot be loaded back fails too
+        return _frame(pickle.dumps((call, outcome, buffer.getvalue())))
+    except Exception as exc:  # an answer or an error that cannot travel: say so instead
+        error = RuntimeError(
+            f"the answer ({type(value).__name__}) could not be sent: {type(exc).__name__}: {exc}"
+        )
+        return _frame(pickle.dumps((call, _RAISED, pickle.dumps(error))))
 
 
 class Server:
@@ -285,13 +337,12 @@ class Server:
                     frame = await _read_frame(reader)
                 except (OSError, asyncio.IncompleteReadError, ActorLostError):
                     return
-                call, target, method, args = _ServerUnpickler(
-                    io.BytesIO(frame), self.objects
-                ).load()
-                if method in self._tracked and args and isinstance(args[0], str):
-                    speakers.add(args[0])
+                try:
+                    call, target, method, payload = pickle.loads(frame)
+                except Exception:
+                    return  # not this protocol's frame: the peer is broken
                 task = asyncio.get_running_loop().create_task(
-                    self._answer(writer, call, target, method, args)
+                    self._answer(writer, call, target, method, payload, speakers)
                 )
                 calls.add(task)
                 task.add_done_callback(calls.discard)
@@ -309,16 +360,25 @@ class Server:
         call: int,
         target: str,
         method: str,
-        args: tuple[Any, ...],
+        payload: bytes,
+        speakers: set[str],
     ) -> None:
         handle = self.objects.get(target)
         try:
-            if handle is None or method.startswith("_"):
+            if handle is None or not isinstance(method, str) or method.startswith("_"):
                 raise AttributeError(f"{target!r} has no method {method!r} to call")
+            args = _ServerUnpickler(io.BytesIO(payload), self.objects).load()
+            if method in self._tracked and args and isinstance(args[0], str):
+                speakers.add(args[0])
             value = await getattr(handle.target, method)(*args)
         except Exception as exc:
-            frame = _dump_answer(call, False, exc)
+            frame = _dump_answer(call, _RAISED, exc)
+        except asyncio.CancelledError:
+            if writer.is_closing():
+                raise  # the connection is going: this task was cancelled with it
+            # The method's own work was cancelled (its sandbox closed under it).
+            frame = _dump_answer(call, _CANCELLED, f"{target}.{method} was cancelled")
         else:
-            frame = _dump_answer(call, True, value)
+            frame = _dump_answer(call, _OK, value)
         if not writer.is_closing():
             writer.write(frame)
