@@ -19,6 +19,7 @@ import tempfile
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -409,3 +410,77 @@ def test_one_config_file_is_one_job_however_its_path_is_spelled(
     (tmp_path / "t.toml").write_text("")
     assert job_key("t.toml") == job_key(str(tmp_path / "t.toml"))
     assert job_key("./t.toml") == job_key(str(tmp_path / "sub" / ".." / "t.toml"))
+
+
+def build_judge() -> Any:
+    """The judge's factory (a real torch module); each load leaves its pid in a file."""
+    import torch
+
+    with open(os.environ["JUDGE_LOADS"], "a") as loads:
+        loads.write(f"{os.getpid()}\n")
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 2)
+
+
+JUDGE_WORKER = textwrap.dedent(
+    """
+    import asyncio, json
+    import torch
+    from tangram._frameworks._session import session
+
+    async def one(i):
+        async with session() as resources, resources.gpu_pool().use("judge") as judge:
+            return (await judge(torch.full((1, 4), float(i))))[0].tolist()
+
+    async def main():
+        async with session() as resources:
+            info = await resources.scheduler.actor.info.remote()
+        rows = await asyncio.gather(*(one(i) for i in range(3)))
+        print(json.dumps({"rows": rows, "pid": info["pid"]}), flush=True)
+
+    asyncio.run(main())
+    """
+)
+
+
+def test_worker_processes_share_one_judge_loaded_in_the_jobs_process(
+    job: dict[str, str], tmp_path: Path
+) -> None:
+    """GPU services once per node without Ray: three worker processes' nine calls run on
+    one copy of the judge, loaded by the job's scheduler process (its node agent). The
+    device is ``cpu:0`` (no GPU here); the module and its calls are torch's."""
+    if os.environ.get("CI"):  # CI has the torch extra: a skip there would hide a failure
+        import torch
+    else:
+        torch = pytest.importorskip("torch")
+    loads = tmp_path / "loads.txt"
+    Path(job["TANGRAM_CONFIG"]).write_text(
+        '[gpu]\ndevices = { "cpu:0" = "1MiB" }\n[[gpu.services]]\nname = "judge"\n'
+        'factory = "test_node:build_judge"\n[ray]\nlease_timeout = 2\nheartbeat = 0.5\n'
+    )
+    here = str(Path(__file__).parent)
+    env = dict(job, JUDGE_LOADS=str(loads), PYTHONPATH=os.pathsep.join([here, *sys.path]))
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-c", JUDGE_WORKER], env=env, stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(3)
+    ]
+    reports = []
+    try:
+        for worker in workers:
+            out, _ = worker.communicate(timeout=150)
+            assert worker.returncode == 0
+            reports.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for worker in workers:
+            worker.kill()
+            worker.wait()
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(4, 2)
+    for report in reports:
+        for i, row in enumerate(report["rows"]):
+            assert row == pytest.approx(reference(torch.full((1, 4), float(i)))[0].tolist())
+    scheduler = {r["pid"] for r in reports}
+    assert len(scheduler) == 1
+    assert [int(pid) for pid in loads.read_text().split()] == list(scheduler)
