@@ -241,7 +241,14 @@ async def test_a_sandboxfusion_tool_yaml_runs_on_tangram_with_create_kwargs(
 
 
 def test_the_cli_serves_until_sigterm(tmp_path: Path) -> None:
-    env = {**os.environ, "TANGRAM_CONFIG": str(TANGRAM_TOML)}
+    """The docs' own config, shared mode outside Ray: the server's sandboxes come from the
+    job's scheduler process on this node, which the server starts."""
+    env = {
+        **os.environ,
+        "TANGRAM_CONFIG": str(ROOT / "docs" / "examples" / "tangram.toml"),
+        "TANGRAM_RUN_DIR": str(tmp_path / "run"),
+        "TANGRAM_JOB": f"fusion-{tmp_path.name}",
+    }
     process = subprocess.Popen(
         [sys.executable, "-m", "tangram._tools._cli", "serve-sandbox-fusion", "--port", "0"],
         stdout=subprocess.PIPE,
