@@ -53,6 +53,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _cores import PROBE as PROBE_TEMPLATE
+from _cores import core_targets, occupancy, probes
+
 MODES = ("shared", "local")
 WORKERS = 16
 THINK = 0.5
@@ -63,16 +66,7 @@ ROLLOUT_THINK = 0.1
 ROLLOUT_RUNS = {True: 2, False: 3}  # per mode, interleaved; quick, full
 WORK = 2_000_000  # loop iterations per call: about 0.1-0.2 s of one core here
 GOAL_MS = 5.0
-PROBE = (
-    "import time\n"
-    "t0 = time.time()\n"
-    "x = 0\n"
-    f"for i in range({WORK}):\n"
-    "    x += i\n"
-    "t1 = time.time()\n"
-    "line = [l for l in open('/proc/self/status') if l.startswith('Cpus_allowed_list')][0]\n"
-    "print('PROBE', t0, t1, line.split(':')[1].strip())\n"
-)
+PROBE = PROBE_TEMPLATE.format(work=WORK)
 
 # One worker process. argv: the plan as JSON. It warms each mode up, says READY, then
 # follows the plan's windows (latency) or runs (rollout), and prints its report as JSON.
@@ -204,28 +198,6 @@ def _run(
                     stream.close()
 
 
-def _probes(outputs: list[str]) -> list[tuple[float, float, set[int]]]:
-    probes = []
-    for output in outputs:
-        line = next(x for x in output.splitlines() if x.startswith("PROBE"))
-        _, start, end, listed = line.split()
-        cores: set[int] = set()
-        for part in listed.split(","):
-            low, _, high = part.partition("-")
-            cores.update(range(int(low), int(high or low) + 1))
-        probes.append((float(start), float(end), cores))
-    return probes
-
-
-def _occupancy(probes: list[tuple[float, float, set[int]]]) -> tuple[int, int]:
-    """Peak cores held at once (a core counted once per command on it) and core overlaps."""
-    peak = overlaps = 0
-    for i, (start, end, cores) in enumerate(probes):
-        peak = max(peak, sum(len(c) for s, e, c in probes if s <= start < e))
-        overlaps += sum(1 for s, e, c in probes[i + 1 :] if s < end and start < e and cores & c)
-    return peak, overlaps
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small version (under a minute)")
@@ -288,8 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         steps = _run(rollout_plans, env, len(runs_order), budget=120 + 60 * len(runs_order))
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
     for mode, step in zip(runs_order, steps, strict=True):
-        probes = _probes([o for report in step for o in report["outputs"]])
-        held, shared_cores = _occupancy(probes)
+        found, _ = probes([o for report in step for o in report["outputs"]])
+        held, shared_cores = occupancy(found)
         wall = max(r["end"] for r in step) - step[0]["start"]
         runs[mode].append({"wall_s": wall, "peak_cores": held, "core_overlaps": shared_cores})
         print(
@@ -344,17 +316,8 @@ def main(argv: list[str] | None = None) -> int:
             "goal": "<= 1",
             "met": wall_ratio <= 1.0,
         },
-        "shared_peak_cores": {
-            "value": peak_cores["shared"],
-            "goal": f"<= {cores}",
-            "met": peak_cores["shared"] <= cores,
-        },
-        "shared_core_overlaps": {
-            "value": overlaps["shared"],
-            "goal": "== 0",
-            "met": overlaps["shared"] == 0,
-        },
     }
+    targets.update(core_targets(peak_cores["shared"], overlaps["shared"], cores))
     print(json.dumps({"bench": "node_overhead", "figures": figures, "targets": targets}))
     return 0
 

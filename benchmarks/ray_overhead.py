@@ -111,6 +111,7 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
+from _cores import PROBE, core_targets, occupancy, probes
 
 import tangram
 
@@ -146,17 +147,6 @@ ROLLOUT_RUNS = 2  # per mode, interleaved
 WORK = 2_000_000  # loop iterations per tool call: about 0.1-0.2 s of one core here
 CALL_SPLIT = ("call_s", "queue_s", "exec_s")  # a tool call's wall, queued and running time
 TOOLS_YAML = Path(__file__).resolve().parents[1] / "docs" / "examples" / "verl_tools.yaml"
-# The command a tool call runs: fixed work, then when it ran and on which cores.
-PROBE = (
-    "import time\n"
-    "t0 = time.time()\n"
-    "x = 0\n"
-    "for i in range({work}):\n"
-    "    x += i\n"
-    "t1 = time.time()\n"
-    "line = [l for l in open('/proc/self/status') if l.startswith('Cpus_allowed_list')][0]\n"
-    "print('PROBE', t0, t1, line.split(':')[1].strip())\n"
-)
 
 
 async def _cycle(deadline: float, counts: list[int]) -> None:
@@ -393,32 +383,6 @@ async def _adapter_latency(
     return found
 
 
-def _probes(outputs: list[str]) -> tuple[list[tuple[float, float, set[int]]], int]:
-    """Each call's (start, end, allowed cores) from its own output; how many had none."""
-    probes, failed = [], 0
-    for output in outputs:
-        line = next((x for x in output.splitlines() if x.startswith("PROBE")), None)
-        if line is None:
-            failed += 1
-            continue
-        _, start, end, listed = line.split()
-        cores: set[int] = set()
-        for part in listed.split(","):
-            low, _, high = part.partition("-")
-            cores.update(range(int(low), int(high or low) + 1))
-        probes.append((float(start), float(end), cores))
-    return probes, failed
-
-
-def _occupancy(probes: list[tuple[float, float, set[int]]]) -> tuple[int, int]:
-    """Peak cores held at once (a core counted once per command on it) and core overlaps."""
-    peak = overlaps = 0
-    for i, (start, end, cores) in enumerate(probes):
-        peak = max(peak, sum(len(c) for s, e, c in probes if s <= start < e))
-        overlaps += sum(1 for s, e, c in probes[i + 1 :] if s < end and start < e and cores & c)
-    return peak, overlaps
-
-
 async def _rollouts(workers: list[Any], trajectories: int, turns: int) -> dict[str, Any]:
     """Each mode's warm-up, then ``ROLLOUT_RUNS`` timed runs per mode, interleaved."""
     for mode in MODES:  # start each mode's scheduler, agent or pools (excluded)
@@ -433,8 +397,8 @@ async def _rollouts(workers: list[Any], trajectories: int, turns: int) -> dict[s
             ]
             reports = [await ref for ref in refs]
             calls = [o for r in reports for o in r["outputs"]]
-            probes, failed = _probes([c["text"] for c in calls])
-            peak, overlaps = _occupancy(probes)
+            found, failed = probes([c["text"] for c in calls])
+            peak, overlaps = occupancy(found)
             wall = max(r["end"] for r in reports) - start
             runs[mode].append(
                 {
@@ -629,16 +593,7 @@ def main(argv: list[str] | None = None) -> int:
         "goal": "<= 1",
         "met": wall_ratio <= 1.0,
     }
-    targets["shared_peak_cores"] = {
-        "value": peak["shared"],
-        "goal": f"<= {cores}",
-        "met": peak["shared"] <= cores,
-    }
-    targets["shared_core_overlaps"] = {
-        "value": overlaps["shared"],
-        "goal": "== 0",
-        "met": overlaps["shared"] == 0,
-    }
+    targets.update(core_targets(peak["shared"], overlaps["shared"], cores))
     print(json.dumps({"bench": "ray_overhead", "figures": figures, "targets": targets}))
     return 0
 
