@@ -23,6 +23,8 @@ from typing import Any
 
 import anyio
 import pytest
+from _probes import PROBE as PROBE_TEMPLATE
+from _probes import assert_never_shared, probes
 
 import tangram
 from tangram._ray._node import job_key, open_node, socket_path
@@ -31,14 +33,7 @@ from tangram.errors import InvalidCapacityError, SchedulerUnavailableError
 pytestmark = pytest.mark.timeout(180)
 
 CORES = len(os.sched_getaffinity(0))
-PROBE = (
-    "import time\n"
-    "t0 = time.time()\n"
-    "while time.time() < t0 + 0.6:\n"
-    "    pass\n"
-    "line = [l for l in open('/proc/self/status') if l.startswith('Cpus_allowed_list')][0]\n"
-    "print('PROBE', t0, time.time(), line.split(':')[1].strip())\n"
-)
+PROBE = PROBE_TEMPLATE.format(seconds=0.6)
 
 # One worker of the job: ``calls`` sandbox calls of one core each through the adapters'
 # session, then a JSON line with what each call saw and the scheduler process's pid.
@@ -66,14 +61,6 @@ WORKER = textwrap.dedent(
     asyncio.run(main())
     """
 )
-
-
-def _cores(text: str) -> set[int]:
-    found: set[int] = set()
-    for part in text.split(","):
-        low, _, high = part.partition("-")
-        found.update(range(int(low), int(high or low) + 1))
-    return found
 
 
 @pytest.fixture
@@ -136,20 +123,10 @@ def test_four_workers_share_the_nodes_cores_through_one_scheduler_process(
             worker.kill()
             worker.wait()
     assert len({r["pid"] for r in results}) == 1  # racing starts ended with one process
-    probes = []
-    for result in results:
-        for output in result["outputs"]:
-            _, start, end, cores = next(
-                x for x in output.splitlines() if x.startswith("PROBE")
-            ).split()
-            probes.append((float(start), float(end), _cores(cores)))
-    assert len(probes) == 12
-    for i, (start, end, mine) in enumerate(probes):
-        assert len(mine) == 1
-        for j, other in enumerate(probes):
-            if j != i and other[0] < end and start < other[1]:
-                assert not mine & other[2], (probes[i], other)
-        assert sum(1 for p in probes if p[0] <= start < p[1]) <= CORES
+    found = probes([output for result in results for output in result["outputs"]])
+    assert len(found) == 12
+    assert all(len(cores) == 1 for _, _, cores in found)
+    assert_never_shared(found, cores=CORES)
     # Once the workers are gone it ends (IDLE x 2 s), its socket and lock file with it.
     deadline = time.monotonic() + 30
     while _scheduler_pids(job) and time.monotonic() < deadline:

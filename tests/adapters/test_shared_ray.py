@@ -41,6 +41,7 @@ else:
     torch = pytest.importorskip("torch")
 
 import ray.cluster_utils
+from _probes import PROBE, assert_never_shared, probes
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from tangram._ray._proxy import attach
@@ -52,42 +53,6 @@ importlib.import_module("ray.cloudpickle").register_pickle_by_value(sys.modules[
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs" / "examples"
 LEASE_TIMEOUT = 5.0
-# Sandboxed code: busy for a while, then the wall-clock span and the cores it was allowed.
-PROBE = (
-    "import time\n"
-    "t0 = time.time()\n"
-    "while time.time() < t0 + {seconds}:\n"
-    "    pass\n"
-    "line = [l for l in open('/proc/self/status') if l.startswith('Cpus_allowed_list')][0]\n"
-    "print('PROBE', t0, time.time(), line.split(':')[1].strip())\n"
-)
-
-
-def _cores(text: str) -> set[int]:
-    found: set[int] = set()
-    for part in text.split(","):
-        low, _, high = part.partition("-")
-        found.update(range(int(low), int(high or low) + 1))
-    return found
-
-
-def _probes(outputs: list[str]) -> list[tuple[float, float, set[int]]]:
-    probes = []
-    for output in outputs:
-        line = next(x for x in output.splitlines() if x.startswith("PROBE"))
-        _, start, end, cores = line.split()
-        probes.append((float(start), float(end), _cores(cores)))
-    return probes
-
-
-def _assert_never_shared(probes: list[tuple[float, float, set[int]]], cores: int) -> None:
-    """No two overlapping calls held one core, and at no moment more than ``cores`` were held."""
-    for i, (start, end, mine) in enumerate(probes):
-        overlapping = [p for j, p in enumerate(probes) if j != i and p[0] < end and start < p[1]]
-        for other in overlapping:
-            assert not mine & other[2], (probes[i], other)
-        at_start = [p for p in probes if p[0] <= start < p[1]]
-        assert sum(len(p[2]) for p in at_start) <= cores, at_start
 
 
 def _config(tmp_path: Path, name: str, replace: dict[str, str] | None = None) -> Path:
@@ -355,10 +320,10 @@ def test_four_verl_workers_share_the_hosts_cores(
     code = PROBE.format(seconds=0.4)
     tok = str(cluster["tmp"] / "tok")
     outputs = ray.get([w.rollout.remote(code, 2, tok) for w in workers], timeout=300)
-    probes = _probes([text for per_worker in outputs for text in per_worker])
-    assert len(probes) == 8
-    _assert_never_shared(probes, cores=os.cpu_count() or 1)
-    assert all(len(cores) == 1 for _, _, cores in probes)  # the docs' cpu: 1
+    found = probes([text for per_worker in outputs for text in per_worker])
+    assert len(found) == 8
+    assert_never_shared(found, cores=os.cpu_count() or 1)
+    assert all(len(cores) == 1 for _, _, cores in found)  # the docs' cpu: 1
     stats, hosts = _scheduler_stats()
     # One agent on the workers' node, its cores counted there and back to idle.
     (name,) = hosts
@@ -412,8 +377,8 @@ def test_two_openrlhf_engine_actors_share_the_hosts_cores(cluster: dict[str, Any
     results = ray.get([w.episodes.remote(turns, 3) for w in workers], timeout=300)
     episodes = [episode for per_worker in results for episode in per_worker]
     assert [reward for reward, _ in episodes] == [1.0] * 6
-    probes = _probes([feedback[0] for _, feedback in episodes])
-    _assert_never_shared(probes, cores=os.cpu_count() or 1)
+    found = probes([feedback[0] for _, feedback in episodes])
+    assert_never_shared(found, cores=os.cpu_count() or 1)
     for worker in workers:
         ray.kill(worker)
 
@@ -435,8 +400,8 @@ def test_two_nodes_each_count_their_own_cores(cluster: dict[str, Any]) -> None:
     used = {host for host, _ in calls}
     assert used == names  # eight sandboxes open at once spread over both hosts
     for name in names:
-        probes = _probes([text for host, text in calls if host == name])
-        _assert_never_shared(probes, cores=int(per_node[name]))
+        found = probes([text for host, text in calls if host == name])
+        assert_never_shared(found, cores=int(per_node[name]))
     for worker in workers:
         ray.kill(worker)
 

@@ -19,6 +19,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from _probes import assert_never_shared, probes
 
 if not os.environ.get("CI"):
     pytest.importorskip("verl")
@@ -30,8 +31,9 @@ DOCS = HERE.parents[1] / "docs" / "examples"
 WORKER = textwrap.dedent(
     """
     import asyncio, json, sys
-    sys.path.insert(0, {here!r})
-    from test_shared_ray import PROBE, VerlWorker
+    sys.path[:0] = [{here!r}, {tests!r}]
+    from _probes import PROBE
+    from test_shared_ray import VerlWorker
 
     worker = VerlWorker()  # verl's tool loader on the docs' YAML, as the worker starts
     seen = asyncio.run(worker.rollout(PROBE.format(seconds=0.4), 2, {tok!r}))
@@ -42,18 +44,13 @@ WORKER = textwrap.dedent(
 
 @pytest.mark.timeout(300)
 def test_four_verl_workers_without_ray_share_the_hosts_cores(tmp_path: Path) -> None:
-    sys.path.insert(0, str(HERE))
-    try:
-        from test_shared_ray import _assert_never_shared, _probes
-    finally:
-        sys.path.remove(str(HERE))
     env = dict(
         os.environ,
         TANGRAM_CONFIG=str(DOCS / "tangram.toml"),  # the docs' own: no mode, so shared
         TANGRAM_RUN_DIR=str(tmp_path / "run"),
         TANGRAM_JOB=f"verl-{tmp_path.name}",
     )
-    code = WORKER.format(here=str(HERE), tok=str(tmp_path / "tok"))
+    code = WORKER.format(here=str(HERE), tests=str(HERE.parent), tok=str(tmp_path / "tok"))
     workers = [
         subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
         for _ in range(4)
@@ -68,7 +65,7 @@ def test_four_verl_workers_without_ray_share_the_hosts_cores(tmp_path: Path) -> 
         for worker in workers:
             worker.kill()
             worker.wait()
-    probes = _probes(outputs)
-    assert len(probes) == 8
-    _assert_never_shared(probes, cores=len(os.sched_getaffinity(0)))
-    assert all(len(cores) == 1 for _, _, cores in probes)  # the docs' cpu: 1
+    found = probes(outputs)
+    assert len(found) == 8
+    assert_never_shared(found, cores=len(os.sched_getaffinity(0)))
+    assert all(len(cores) == 1 for _, _, cores in found)  # the docs' cpu: 1
