@@ -134,6 +134,21 @@ def test_a_sandbox_backend_that_cannot_start_fails_at_start(
             reward_module.check()
 
 
+def test_a_sandbox_backend_the_jobs_scheduler_process_cannot_start_fails_at_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Shared mode without Ray: verl's tool loader reaches the job's scheduler process,
+    whose node agent cannot start the Docker backend, and the worker fails there."""
+    path = tmp_path / "tangram.toml"
+    path.write_text('[sandbox]\nbackend = "docker"\n[ray]\nlease_timeout = 2\n')
+    monkeypatch.setenv("TANGRAM_CONFIG", str(path))
+    monkeypatch.setenv("TANGRAM_RUN_DIR", str(tmp_path / "run"))
+    monkeypatch.setenv("TANGRAM_JOB", f"fail-{tmp_path.name}")
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-daemon.sock")
+    with pytest.raises(ConfigError, match=r"shared scheduler cannot serve.*no-daemon"):
+        initialize_tools_from_config(str(TOOLS_YAML))
+
+
 def test_a_missing_config_fails_openrlhfs_executors_at_start(no_config: str) -> None:
     # OpenRLHF's _load_agent_executor, in effect: load the file, build AgentExecutor().
     spec = importlib.util.spec_from_file_location("agent_module", agent_module.__file__)
