@@ -258,7 +258,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         config = _config(tmp, "tangram.toml")
         env = {
             "TANGRAM_CONFIG": str(config),
-            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), str(ROOT)]),
+            # The tests and their helpers (tests/_probes.py), for factories the agents load.
+            "PYTHONPATH": os.pathsep.join(
+                [str(Path(__file__).parent), str(Path(__file__).parents[1]), str(ROOT)]
+            ),
         }
         ray.init(address=nodes.address, log_to_driver=False, runtime_env={"env_vars": env})
         nodes.wait_for_nodes()
