@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -154,6 +155,54 @@ async def test_a_named_interpreter_is_used_without_a_warning(
             result = await sbx.run(code="import sys; print(sys.executable)")
     assert result.stdout.decode().strip() == system
     assert not [r for r in caplog.records if FALLBACK in r.getMessage()]
+
+
+@pytest.fixture
+def trainer_env() -> Any:
+    """A virtualenv where a training container keeps one (outside the system dirs), with
+    a package of its own: what a user names with ``[sandbox] python``. Built by hand (a
+    venv is a ``pyvenv.cfg`` and a link), so no ``venv`` module is needed."""
+    system = shutil.which("python3", path="/usr/bin:/bin")
+    assert system is not None
+    version = subprocess.run(
+        [system, "-c", "import sys; print(f'{sys.version_info[0]}.{sys.version_info[1]}')"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    root = Path(tempfile.mkdtemp(prefix="trainer-env-", dir="/tmp"))
+    root.chmod(0o755)
+    (root / "bin").mkdir()
+    (root / "bin" / "python").symlink_to(system)
+    (root / "pyvenv.cfg").write_text(f"home = {Path(system).parent}\n")
+    packages = root / "lib" / f"python{version}" / "site-packages"
+    packages.mkdir(parents=True)
+    (packages / "trainer_only.py").write_text("VALUE = 42\n")
+    for path in [root, *root.rglob("*")]:
+        if not path.is_symlink():
+            path.chmod(0o755)
+    yield root
+    shutil.rmtree(root)
+
+
+async def test_a_named_virtualenv_is_seen_with_its_packages(trainer_env: Path) -> None:
+    """The interpreter the user names is a virtualenv's link to a base interpreter: the
+    sandbox sees the venv itself (read-only) and imports its packages. Only the link's
+    target used to be lent, and the command found no interpreter (exit 127)."""
+    python = str(trainer_env / "bin" / "python")
+    async with (
+        SandboxPool(LocalBackend(python=python)) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+        pool.sandbox("t") as sbx,
+    ):
+        result = await sbx.run(
+            code="import sys, trainer_only; print(sys.prefix, trainer_only.VALUE)"
+        )
+        written = await sbx.run(code=f"open({str(trainer_env / 'pyvenv.cfg')!r}, 'a').write('x')")
+    assert result.ok, result
+    assert result.stdout.decode().split() == [str(trainer_env), "42"]
+    assert not written.ok  # lent read-only: the model's code cannot change the trainer's env
+    assert (trainer_env / "pyvenv.cfg").read_text().endswith("\n")
 
 
 async def test_an_elastic_demand_that_is_not_resizable_runs_on_its_grant() -> None:

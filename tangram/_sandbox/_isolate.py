@@ -129,15 +129,35 @@ def _public_copy(bundled: str) -> str:
     return str(copied)
 
 
+_PREFIXES = "import sys; print(sys.prefix, sys.base_prefix, sys.exec_prefix, sep='\\n')"
+
+
 def python_dirs(python: str) -> list[str]:
-    """Directories the interpreter ``python`` needs that the system dirs do not cover."""
+    """Directories the interpreter ``python`` needs that the system dirs do not cover.
+
+    Its own directory and the binary's, and its prefixes: a virtualenv's ``bin/python``
+    is a link to a base interpreter elsewhere, and the venv itself (its ``pyvenv.cfg``,
+    its packages) is the directory above the link. Another interpreter than this one
+    (``[sandbox] python``) is asked for its prefixes; it is the user's own, not the
+    model's code, and runs isolated from the environment (``-I``).
+    """
     found: list[str] = []
-    candidates = [os.path.dirname(os.path.realpath(python))]
+    candidates = [
+        os.path.dirname(os.path.abspath(python)),
+        os.path.dirname(os.path.realpath(python)),
+    ]
     if os.path.realpath(python) == os.path.realpath(sys.executable):
         candidates += [sys.prefix, sys.base_prefix, sys.exec_prefix]
+    else:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            done = subprocess.run(
+                [python, "-I", "-c", _PREFIXES], capture_output=True, timeout=30, check=True
+            )
+            candidates += [line for line in done.stdout.decode().splitlines() if line]
+    system = (*_SYSTEM_DIRS, *_MERGED)
     for directory in candidates:
         real = os.path.realpath(directory)
-        if real.startswith(tuple(d + "/" for d in (*_SYSTEM_DIRS, *_MERGED))):
+        if real in system or real.startswith(tuple(d + "/" for d in system)):
             continue
         if any(real == kept or real.startswith(kept + "/") for kept in found):
             continue
@@ -198,13 +218,14 @@ def bwrap_command(
             argv += ["--symlink", os.readlink(directory), directory]
         elif os.path.isdir(directory):
             argv += ["--ro-bind", directory, directory]
-    for directory in extra_ro:
-        argv += ["--ro-bind", directory, directory]
     if os.path.isdir("/sys/devices/system/cpu"):  # core counts for nproc and BLAS
         argv += ["--ro-bind", "/sys/devices/system/cpu", "/sys/devices/system/cpu"]
     argv += ["--proc", "/proc", "--dev", "/dev"]
     argv += ["--size", str(tmp_size), "--tmpfs", "/tmp"]
     argv += ["--size", str(tmp_size), "--tmpfs", "/dev/shm"]
+    # After the tmpfs mounts, which would hide an interpreter that lives under /tmp.
+    for directory in extra_ro:
+        argv += ["--ro-bind", directory, directory]
     argv += ["--bind", workdir, SANDBOX_WORK, "--chdir", SANDBOX_WORK]
     return argv
 
