@@ -461,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     folder = tempfile.TemporaryDirectory(prefix="tangram-ray-overhead-")
     configs = _configs(Path(folder.name))
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         # Created last first: the last workers are the rollout's, so verl loads there
         # while the others start, and the first ones (the 1- and 4-worker rows) never load it.

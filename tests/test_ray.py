@@ -60,6 +60,7 @@ def anyio_backend() -> str:
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[None]:
     ray.init(
+        address="local",  # a cluster of its own, never one left running
         num_cpus=4,
         include_dashboard=False,
         log_to_driver=False,

@@ -25,7 +25,8 @@ from tangram._frameworks import _session  # noqa: E402
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[None]:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # A cluster of its own (address="local"), never one another run left running.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         yield
     finally:

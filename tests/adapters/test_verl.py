@@ -479,6 +479,7 @@ async def test_rewards_score_on_the_gpu_pool_under_verls_reward_loop(
 def cluster() -> Iterator[None]:
     """A small local Ray cluster whose worker processes can import the ``_tiny`` helpers."""
     ray.init(
+        address="local",  # a cluster of its own, never one left running
         num_cpus=2,
         include_dashboard=False,
         log_to_driver=False,
