@@ -74,9 +74,8 @@ from ._isolate import (
     bwrap_command,
     claim_uid,
     probe_bwrap,
-    python_dirs,
-    reachable_by_others,
 )
+from ._lend import Lend, default_python, interpreter
 from ._proctree import MARKER, Tree, kill_tree, pin_tree
 from ._quota_fs import Box, make_box, mount_problem, reap_boxes, remove_box
 
@@ -218,13 +217,14 @@ class LocalBackend(SandboxBackend):
             self._uids = uids
         self._ns_uid = uids.start
         others = self._uids is not None or self._fixed is not None
-        self.python = python or _default_python(others)
+        self.python = python or default_python(others)
         # Said once at start: code run with ``run(code=...)`` misses the trainer's packages.
         self._python_fallback = python is None and self.python != sys.executable
         self._host = Host("local", self._cores, numa_nodes(self._cores), "cpu")
         self._protections: Protections | None = None
         self._bwrap: str | None = None
         self._bwrap_dirs: list[str] = []
+        self._lend: Lend | None = None
         self._cgroups: CgroupTree | None = None
         self._mount = False
         self._started = False
@@ -361,13 +361,13 @@ class LocalBackend(SandboxBackend):
             reason = probe_bwrap(bwrap, probe_uid)
             if reason is None:
                 self._bwrap = bwrap
-                self._bwrap_dirs = [
-                    d
-                    for d in python_dirs(self.python)
-                    if probe_uid is None or reachable_by_others(d)
-                ]
+                self.python, self._lend, self._bwrap_dirs = interpreter(
+                    self.python, self._python_fallback, bwrap, probe_uid, str(self._root)
+                )
+                self._python_fallback = self._python_fallback and self._lend is None
                 network = "shared network" if self.network else "no network"
-                return f"bubblewrap at {bwrap}: mount, pid, ipc, user namespaces, {network}"
+                lent = f"; {self.python} lent read-only" if self._lend is not None else ""
+                return f"bubblewrap at {bwrap}: mount, pid, ipc, user namespaces, {network}{lent}"
             reasons.append(reason)
         return "off: " + "; ".join(reasons)
 
@@ -404,16 +404,6 @@ def _account(user: object) -> pwd.struct_passwd:
         return pwd.getpwuid(user) if isinstance(user, int) else pwd.getpwnam(user)
     except (KeyError, OverflowError):
         raise InvalidSettingError(f"`user` must be {allowed} (got {user!r})") from None
-
-
-def _default_python(other_user: bool) -> str:
-    # Another user often cannot reach this interpreter (a virtualenv under /root), so it
-    # then gets the system one.
-    system = shutil.which("python3", path=_SYSTEM_PATH)
-    if not other_user or system is None:
-        return sys.executable
-    mine = (sys.executable, sys.prefix, sys.base_prefix)
-    return sys.executable if all(reachable_by_others(p) for p in mine) else system
 
 
 class _LocalHandle(SandboxHandle):
@@ -648,6 +638,7 @@ def _setup(
         limits.append((resource.RLIMIT_NPROC, backend.processes))
     procs = leaf.procs_files() if leaf is not None else []
     owner_pid = os.getpid()
+    lend = backend._lend if backend._bwrap is not None and owner is not None else None
 
     def setup() -> None:
         for path in procs:  # join the sandbox's cgroup before anything can fork
@@ -656,6 +647,8 @@ def _setup(
         # A host out of memory kills a sandbox's process before the trainer's.
         with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as handle:
             handle.write("1000")
+        if lend is not None:  # while still root: see _lend
+            lend.apply()
         if owner is not None:
             os.setgroups([])
             os.setresgid(owner[1], owner[1], owner[1])

@@ -1,0 +1,178 @@
+"""The trainer's interpreter, lent read-only to sandboxes whose uid cannot reach it.
+
+A training container running as root keeps its environment where no other user can
+(a virtualenv, a pyenv under a 0700 ``/root``). Each sandbox runs as a uid of its own,
+and bubblewrap, which runs as that uid, cannot open the path to bind it. So a command's
+child, while it is still root, lays a mount namespace of its own over the host's: an
+empty root-owned tmpfs (mode 0755) on each directory that blocks the way (``/root``),
+and the interpreter's own directories bound back in place from descriptors the pool
+opened there. The blocking directory's other contents stay out of sight; bubblewrap
+then binds the interpreter's directories read-only as for any other. It takes
+``CAP_SYS_ADMIN`` (a new mount namespace), which a root trainer on a VM or bare metal
+has and one in an unprivileged container lacks: the pool tries it once at start and
+falls back to the system's ``python3``, with its warning, where it fails.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+
+import attrs
+
+from ._isolate import bwrap_command, python_dirs, reachable_by_others
+
+__all__ = ["Lend", "default_python", "interpreter", "open_lend", "probe_lend"]
+
+_SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
+_CLONE_NEWNS = 0x00020000
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_REMOUNT, _MS_BIND = 1, 2, 4, 32, 4096
+_MS_REC, _MS_SLAVE = 16384, 1 << 19
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+
+
+def default_python(other_user: bool) -> str:
+    """This interpreter, unless another user cannot reach it: then the system's (which
+    :func:`open_lend` may replace by this one again, once the pool has started)."""
+    system = shutil.which("python3", path=_SYSTEM_PATH)
+    if not other_user or system is None:
+        return sys.executable
+    mine = (sys.executable, sys.prefix, sys.base_prefix)
+    return sys.executable if all(reachable_by_others(p) for p in mine) else system
+
+
+@attrs.frozen
+class Lend:
+    """The tmpfs ``tops`` that hide what blocks the way, and the ``dirs`` bound back."""
+
+    tops: tuple[str, ...]
+    dirs: tuple[str, ...]
+
+    def apply(self) -> None:
+        """In a command's child, as root, before it becomes the sandbox's uid.
+
+        The directories are opened inside the new namespace (a bind's source must be a
+        mount of the caller's own namespace), before the tmpfs hides their path; the
+        descriptors are closed after, so nothing of the host's tree reaches the command.
+        """
+        assert _LIBC is not None
+        _call(_LIBC.unshare(_CLONE_NEWNS), "unshare")
+        _call(_LIBC.mount(b"none", b"/", None, _MS_REC | _MS_SLAVE, None), "/")
+        fds = [os.open(d, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) for d in self.dirs]
+        for top in self.tops:
+            flags = _MS_NOSUID | _MS_NODEV
+            _call(_LIBC.mount(b"tmpfs", top.encode(), b"tmpfs", flags, b"mode=0755"), top)
+        for directory, fd in zip(self.dirs, fds, strict=True):
+            os.makedirs(directory, mode=0o755, exist_ok=True)
+            source = f"/proc/self/fd/{fd}".encode()
+            _call(_LIBC.mount(source, directory.encode(), None, _MS_BIND | _MS_REC, None), fd)
+            remount = _MS_BIND | _MS_REMOUNT | _MS_RDONLY
+            _call(_LIBC.mount(None, directory.encode(), None, remount, None), directory)
+        for fd in fds:
+            os.close(fd)
+
+
+def _call(result: int, what: object) -> None:
+    if result != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"{os.strerror(errno)} ({what})")
+
+
+def _blocking_top(directory: str) -> str | None:
+    """The highest strict ancestor of ``directory`` that others cannot search, if any."""
+    top = None
+    current = os.path.dirname(directory)
+    while current != "/":
+        if not os.stat(current).st_mode & stat.S_IXOTH:
+            top = current
+        current = os.path.dirname(current)
+    return top
+
+
+def open_lend(python: str) -> Lend | None:
+    """What to lay over the host for ``python``; ``None`` when nothing blocks it, or
+    when its own directories deny others (lending the way would not open them)."""
+    if _LIBC is None or os.geteuid() != 0:
+        return None
+    tops: list[str] = []
+    dirs: list[str] = []
+    try:
+        for directory in python_dirs(python):
+            top = _blocking_top(directory)
+            if top is None:
+                continue
+            if not os.stat(directory).st_mode & stat.S_IXOTH:
+                return None
+            tops.append(top)
+            dirs.append(directory)
+    except OSError:
+        return None
+    if not dirs:
+        return None
+    kept = sorted(set(tops))
+    outer = tuple(t for t in kept if not any(t.startswith(o + "/") for o in kept if o != t))
+    return Lend(outer, tuple(dirs))
+
+
+def probe_lend(bwrap: str, uid: int, lend: Lend, python: str) -> str | None:
+    """Run ``python`` in a sandbox as ``uid`` with ``lend`` laid over the host; None if it
+    works, else why not (a root without ``CAP_SYS_ADMIN``: an unprivileged container)."""
+    with tempfile.TemporaryDirectory(prefix="tangram-probe-") as work:
+        os.chown(work, uid, uid)
+        dirs = python_dirs(python)
+        argv = bwrap_command(
+            bwrap, workdir=work, uid=uid, network=False, extra_ro=dirs, tmp_size=1 << 20
+        )
+        try:
+            done = subprocess.run(
+                [*argv, "--", python, "-c", "import sys; sys.exit(7)"],
+                capture_output=True,
+                timeout=60,
+                preexec_fn=with_lend(lend, uid),
+                env={"PATH": _SYSTEM_PATH},
+            )
+        except (OSError, subprocess.SubprocessError) as exc:
+            return f"it could not be lent: {exc}"
+    if done.returncode != 7:
+        detail = done.stderr.decode(errors="replace").strip() or f"exit {done.returncode}"
+        return f"it could not be lent: {detail}"
+    return None
+
+
+def with_lend(lend: Lend, uid: int) -> Callable[[], None]:
+    """A probe's child set-up: the lend, then the sandbox's uid."""
+
+    def setup() -> None:
+        lend.apply()
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+
+    return setup
+
+
+def interpreter(
+    python: str, fell_back: bool, bwrap: str, uid: int | None, keep: str
+) -> tuple[str, Lend | None, list[str]]:
+    """The interpreter sandboxes run, what is lent for it, and the directories bubblewrap
+    binds for it, once bubblewrap works for ``uid`` (``None``: the caller's own).
+
+    ``fell_back``: ``python`` is the system's because this one was out of reach; this
+    one is lent instead where that works. ``keep`` (the sandboxes' root) must stay in
+    sight, so nothing above it is hidden.
+    """
+    if uid is None:
+        return python, None, python_dirs(python)
+    wanted = sys.executable if fell_back else python
+    lend = open_lend(wanted)
+    if lend is not None and any(keep == t or keep.startswith(t + "/") for t in lend.tops):
+        lend = None
+    if lend is not None and probe_lend(bwrap, uid, lend, wanted) is None:
+        return wanted, lend, python_dirs(wanted)
+    return python, None, [d for d in python_dirs(python) if reachable_by_others(d)]

@@ -1,0 +1,133 @@
+"""A trainer's interpreter that sandbox uids cannot reach, lent read-only (``_lend``).
+
+The setting of issue #18: a root trainer keeps its environment under a directory no
+other user may enter (a 0700 ``/root``), and each sandbox runs as a uid of its own. Here
+a virtualenv with a package of its own sits in a 0700 directory beside a secret file;
+the sandbox must run the venv's interpreter with its package, and see nothing else of
+that directory, nor be able to change the venv. Real bubblewrap, real uids: root only.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import tangram
+from tangram._sandbox._lend import open_lend
+from tangram._sandbox._local import LocalBackend
+from tangram._sandbox._pool import SandboxPool
+
+pytestmark = [
+    pytest.mark.anyio,
+    pytest.mark.skipif(
+        os.geteuid() != 0 and not os.environ.get("CI"), reason="a uid per sandbox needs root"
+    ),
+]
+
+
+@pytest.fixture
+def hidden_env() -> Iterator[Path]:
+    """``<top>/env``: a venv (a ``pyvenv.cfg`` and a link, so no ``venv`` module is
+    needed) whose ``<top>`` is 0700, beside ``<top>/secret.txt``."""
+    system = shutil.which("python3", path="/usr/bin:/bin")
+    assert system is not None
+    version = subprocess.run(
+        [system, "-c", "import sys; print(f'{sys.version_info[0]}.{sys.version_info[1]}')"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    top = Path(tempfile.mkdtemp(prefix="trainer-home-", dir="/tmp"))  # 0700, as /root
+    env = top / "env"
+    (env / "bin").mkdir(parents=True)
+    (env / "bin" / "python").symlink_to(system)
+    (env / "pyvenv.cfg").write_text(f"home = {Path(system).parent}\n")
+    packages = env / "lib" / f"python{version}" / "site-packages"
+    packages.mkdir(parents=True)
+    (packages / "trainer_only.py").write_text("VALUE = 42\n")
+    for path in [env, *env.rglob("*")]:
+        if not path.is_symlink():
+            path.chmod(0o755)
+    (top / "secret.txt").write_text("the trainer's\n")
+    yield top
+    shutil.rmtree(top)
+
+
+async def test_an_environment_no_sandbox_uid_can_reach_is_lent_read_only(
+    hidden_env: Path,
+) -> None:
+    python = str(hidden_env / "env" / "bin" / "python")
+    backend = LocalBackend(python=python)
+    async with (
+        SandboxPool(backend) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+        pool.sandbox("t") as sbx,
+    ):
+        ran = await sbx.run(code="import sys, trainer_only; print(sys.prefix, trainer_only.VALUE)")
+        looked = await sbx.run(code=f"import os; print(os.listdir({str(hidden_env)!r}))")
+        stole = await sbx.run(code=f"print(open({str(hidden_env / 'secret.txt')!r}).read())")
+        wrote = await sbx.run(code=f"open({str(hidden_env / 'env' / 'x')!r}, 'w')")
+    assert "lent read-only" in backend.protections.namespaces
+    assert ran.ok, ran
+    assert ran.stdout.decode().split() == [str(hidden_env / "env"), "42"]
+    assert looked.stdout.decode().strip() == "['env']"  # the rest of the home: not there
+    assert not stole.ok and b"No such file" in stole.stderr
+    assert not wrote.ok and b"Read-only" in wrote.stderr
+    assert not (hidden_env / "env" / "x").exists()
+
+
+def _mounts() -> str:
+    return Path("/proc/self/mountinfo").read_text()
+
+
+def _names(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+async def test_lending_leaves_the_hosts_mounts_as_they_were(hidden_env: Path) -> None:
+    """The tmpfs and the binds live in each command's own mount namespace."""
+    before = _mounts()
+    backend = LocalBackend(python=str(hidden_env / "env" / "bin" / "python"))
+    async with (
+        SandboxPool(backend) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+        pool.sandbox("t") as sbx,
+    ):
+        assert (await sbx.run(code="print(1)")).ok
+    assert _mounts() == before
+    assert _names(hidden_env) == ["env", "secret.txt"]
+
+
+def test_nothing_is_lent_where_nothing_blocks_the_way(tmp_path: Path) -> None:
+    assert open_lend(shutil.which("python3", path="/usr/bin:/bin") or "") is None
+    if os.access(sys.executable, os.X_OK) and all(os.stat(p).st_mode & 0o001 for p in ("/tmp",)):
+        reachable = Path(tempfile.mkdtemp(dir="/tmp"))
+        reachable.chmod(0o755)
+        try:
+            (reachable / "python").symlink_to("/usr/bin/python3")
+            assert open_lend(str(reachable / "python")) is None
+        finally:
+            shutil.rmtree(reachable)
+
+
+async def test_this_processs_own_interpreter_is_lent_when_out_of_reach() -> None:
+    """The default: this process's interpreter where sandboxes can run it, lent where
+    only a directory above it is out of their reach; the system's only where neither."""
+    backend = LocalBackend()
+    async with (
+        SandboxPool(backend) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+        pool.sandbox("t") as sbx,
+    ):
+        result = await sbx.run(code="import sys; print(sys.executable)")
+    assert result.ok, result
+    assert result.stdout.decode().strip() == backend.python
+    if backend._lend is not None:
+        assert backend.python == sys.executable
