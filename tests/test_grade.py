@@ -72,8 +72,10 @@ async def test_modules_planted_by_earlier_code_are_not_imported_by_the_judge(
         home = (await sandbox.run("pwd")).stdout.decode().strip()
         assert user_site.startswith(home + "/")  # HOME is the work dir
         await sandbox.put(user_site[len(home) + 1 :] + "/usercustomize.py", forge)
-        # The control: without -I the interpreter would run the planted user site.
-        planted = await sandbox.run(code="pass", stdin="s\n")
+        # The control: without -I the interpreter imports the planted module (the work
+        # dir comes first on ``python -c``'s path; a planted user site runs too, where
+        # the interpreter is not a virtualenv's, which turns user sites off).
+        planted = await sandbox.run(code="import json", stdin="s\n")
         assert b"s {" in planted.stdout
         verdict = await grade(sandbox, WRONG, TESTS, **LIMITS)
     assert verdict == Verdict(0, 2)
