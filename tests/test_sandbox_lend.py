@@ -23,6 +23,7 @@ import tangram
 from tangram._sandbox._lend import open_lend
 from tangram._sandbox._local import LocalBackend
 from tangram._sandbox._pool import SandboxPool
+from tangram.errors import SandboxBrokenError
 
 pytestmark = [
     pytest.mark.anyio,
@@ -83,8 +84,10 @@ async def test_an_environment_no_sandbox_uid_can_reach_is_lent_read_only(
     assert not (hidden_env / "env" / "x").exists()
 
 
-def _mounts() -> str:
-    return Path("/proc/self/mountinfo").read_text()
+def _mounts(under: Path) -> list[str]:
+    """The host's mounts at or under ``under`` (other tests' sandboxes mount work dirs)."""
+    lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    return [line for line in lines if f" {under}" in line]
 
 
 def _names(folder: Path) -> list[str]:
@@ -93,7 +96,7 @@ def _names(folder: Path) -> list[str]:
 
 async def test_lending_leaves_the_hosts_mounts_as_they_were(hidden_env: Path) -> None:
     """The tmpfs and the binds live in each command's own mount namespace."""
-    before = _mounts()
+    before = _mounts(hidden_env)
     backend = LocalBackend(python=str(hidden_env / "env" / "bin" / "python"))
     async with (
         SandboxPool(backend) as pool,
@@ -101,7 +104,7 @@ async def test_lending_leaves_the_hosts_mounts_as_they_were(hidden_env: Path) ->
         pool.sandbox("t") as sbx,
     ):
         assert (await sbx.run(code="print(1)")).ok
-    assert _mounts() == before
+    assert _mounts(hidden_env) == before == []
     assert _names(hidden_env) == ["env", "secret.txt"]
 
 
@@ -131,3 +134,43 @@ async def test_this_processs_own_interpreter_is_lent_when_out_of_reach() -> None
     assert result.stdout.decode().strip() == backend.python
     if backend._lend is not None:
         assert backend.python == sys.executable
+
+
+async def test_an_interpreters_neighbours_are_not_lent(hidden_env: Path) -> None:
+    """Attack from a review: ``python`` named as a link in a directory beside other files
+    (``~/.local/bin/python3.x``, a ``/root/bin``); lending its directory showed the
+    sandbox a deploy token next to it. The path itself is lent, as a file, alone."""
+    (hidden_env / "bin").mkdir(mode=0o755)
+    (hidden_env / "bin" / "python3").symlink_to("/usr/bin/python3")
+    token = hidden_env / "bin" / "deploy-token.sh"
+    token.write_text("export HF_TOKEN=hf_secret\n")
+    token.chmod(0o755)
+    backend = LocalBackend(python=str(hidden_env / "bin" / "python3"))
+    async with (
+        SandboxPool(backend) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+        pool.sandbox("t") as sbx,
+    ):
+        ran = await sbx.run(code="print('ran')")
+        stole = await sbx.run(code=f"print(open({str(token)!r}).read())")
+        looked = await sbx.run(code=f"import os; print(os.listdir({str(hidden_env / 'bin')!r}))")
+    assert ran.stdout == b"ran\n", ran
+    assert not stole.ok and b"hf_secret" not in stole.stdout
+    assert looked.stdout.decode().strip() == "['python3']"
+
+
+async def test_a_lend_that_fails_at_a_call_is_the_sandboxs_failure(hidden_env: Path) -> None:
+    """The environment gone after the pool started (moved, unmounted): the call raises
+    SandboxBrokenError, which the adapters keep from the model, not a bare
+    SubprocessError nor a result the model would read as its code's."""
+    backend = LocalBackend(python=str(hidden_env / "env" / "bin" / "python"))
+    async with (
+        SandboxPool(backend) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+        pool.sandbox("t") as sbx,
+    ):
+        assert (await sbx.run(code="print(1)")).ok
+        (hidden_env / "env").rename(hidden_env / "moved")
+        with pytest.raises(SandboxBrokenError, match="could not start"):
+            await sbx.run(code="print(1)")
+        (hidden_env / "moved").rename(hidden_env / "env")

@@ -135,17 +135,15 @@ _PREFIXES = "import sys; print(sys.prefix, sys.base_prefix, sys.exec_prefix, sep
 def python_dirs(python: str) -> list[str]:
     """Directories the interpreter ``python`` needs that the system dirs do not cover.
 
-    Its own directory and the binary's, and its prefixes: a virtualenv's ``bin/python``
-    is a link to a base interpreter elsewhere, and the venv itself (its ``pyvenv.cfg``,
-    its packages) is the directory above the link. Another interpreter than this one
+    The binary's directory and the interpreter's prefixes: a virtualenv's
+    ``bin/python`` is a link to a base interpreter elsewhere, and the venv itself (its
+    ``pyvenv.cfg``, its packages) is its prefix. The path ``python`` itself, a file, where
+    none of those covers it. Another interpreter than this one
     (``[sandbox] python``) is asked for its prefixes; it is the user's own, not the
     model's code, and runs isolated from the environment (``-I``).
     """
     found: list[str] = []
-    candidates = [
-        os.path.dirname(os.path.abspath(python)),
-        os.path.dirname(os.path.realpath(python)),
-    ]
+    candidates = [os.path.dirname(os.path.realpath(python))]
     if os.path.realpath(python) == os.path.realpath(sys.executable):
         candidates += [sys.prefix, sys.base_prefix, sys.exec_prefix]
     else:
@@ -163,6 +161,11 @@ def python_dirs(python: str) -> list[str]:
             continue
         found = [kept for kept in found if not kept.startswith(real + "/")]
         found.append(real)
+    # The path it is run by (a link in a venv's ``bin``, in a prefix above, or not): the
+    # file alone where no directory above covers it, never its neighbours.
+    path = os.path.abspath(python)
+    if not any(path.startswith(d + "/") for d in (*found, *system)):
+        found.append(path)
     return found
 
 

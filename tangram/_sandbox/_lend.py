@@ -64,12 +64,16 @@ class Lend:
         assert _LIBC is not None
         _call(_LIBC.unshare(_CLONE_NEWNS), "unshare")
         _call(_LIBC.mount(b"none", b"/", None, _MS_REC | _MS_SLAVE, None), "/")
-        fds = [os.open(d, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) for d in self.dirs]
+        fds = [os.open(d, os.O_PATH | os.O_CLOEXEC) for d in self.dirs]
         for top in self.tops:
             flags = _MS_NOSUID | _MS_NODEV
             _call(_LIBC.mount(b"tmpfs", top.encode(), b"tmpfs", flags, b"mode=0755"), top)
         for directory, fd in zip(self.dirs, fds, strict=True):
-            os.makedirs(directory, mode=0o755, exist_ok=True)
+            if stat.S_ISDIR(os.fstat(fd).st_mode):
+                os.makedirs(directory, mode=0o755, exist_ok=True)
+            else:  # the interpreter's own path, a file: a file to mount it on
+                os.makedirs(os.path.dirname(directory), mode=0o755, exist_ok=True)
+                os.close(os.open(directory, os.O_CREAT | os.O_WRONLY, 0o755))
             source = f"/proc/self/fd/{fd}".encode()
             _call(_LIBC.mount(source, directory.encode(), None, _MS_BIND | _MS_REC, None), fd)
             remount = _MS_BIND | _MS_REMOUNT | _MS_RDONLY
@@ -107,7 +111,7 @@ def open_lend(python: str) -> Lend | None:
             top = _blocking_top(directory)
             if top is None:
                 continue
-            if not os.stat(directory).st_mode & stat.S_IXOTH:
+            if not os.stat(directory).st_mode & stat.S_IXOTH:  # searched, or run
                 return None
             tops.append(top)
             dirs.append(directory)
@@ -149,7 +153,11 @@ def with_lend(lend: Lend, uid: int) -> Callable[[], None]:
     """A probe's child set-up: the lend, then the sandbox's uid."""
 
     def setup() -> None:
-        lend.apply()
+        try:
+            lend.apply()
+        except OSError as exc:  # said on stderr: the parent only hears "preexec_fn"
+            os.write(2, f"lend: {exc}\n".encode())
+            os._exit(126)
         os.setgroups([])
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)
@@ -159,20 +167,25 @@ def with_lend(lend: Lend, uid: int) -> Callable[[], None]:
 
 def interpreter(
     python: str, fell_back: bool, bwrap: str, uid: int | None, keep: str
-) -> tuple[str, Lend | None, list[str]]:
-    """The interpreter sandboxes run, what is lent for it, and the directories bubblewrap
-    binds for it, once bubblewrap works for ``uid`` (``None``: the caller's own).
+) -> tuple[str, Lend | None, list[str], str | None]:
+    """The interpreter sandboxes run, what is lent for it, the directories bubblewrap
+    binds for it, once bubblewrap works for ``uid`` (``None``: the caller's own), and why
+    an interpreter out of reach could not be lent.
 
     ``fell_back``: ``python`` is the system's because this one was out of reach; this
     one is lent instead where that works. ``keep`` (the sandboxes' root) must stay in
     sight, so nothing above it is hidden.
     """
     if uid is None:
-        return python, None, python_dirs(python)
+        return python, None, python_dirs(python), None
     wanted = sys.executable if fell_back else python
     lend = open_lend(wanted)
+    why = None
     if lend is not None and any(keep == t or keep.startswith(t + "/") for t in lend.tops):
-        lend = None
-    if lend is not None and probe_lend(bwrap, uid, lend, wanted) is None:
-        return wanted, lend, python_dirs(wanted)
-    return python, None, [d for d in python_dirs(python) if reachable_by_others(d)]
+        lend, why = None, f"{wanted} could not be lent: the sandboxes' root {keep} is under it"
+    if lend is not None:
+        why = probe_lend(bwrap, uid, lend, wanted)
+        if why is None:
+            return wanted, lend, python_dirs(wanted), None
+        why = f"{wanted}: {why}"
+    return python, None, [d for d in python_dirs(python) if reachable_by_others(d)], why

@@ -251,12 +251,13 @@ class LocalBackend(SandboxBackend):
             _WARNED.add(self.python)
             logger.warning(
                 "local sandboxes run code with %s, not this process's interpreter %s, which "
-                "their users cannot reach (a directory on its path lacks o+x), so this "
-                "environment's packages are missing there: name an interpreter they can "
-                "reach with `python` ([sandbox] python in a tangram config), or make this "
-                "one reachable",
+                "their users cannot reach (a directory on its path lacks o+x) and which "
+                "could not be lent (%s), so this environment's packages are missing there: "
+                "name an interpreter they can reach with `python` ([sandbox] python in a "
+                "tangram config), or make this one reachable",
                 self.python,
                 sys.executable,
+                protections.namespaces.rpartition("; ")[2],
             )
         if self._mount:
             await anyio.to_thread.run_sync(reap_boxes, self._root)
@@ -361,12 +362,13 @@ class LocalBackend(SandboxBackend):
             reason = probe_bwrap(bwrap, probe_uid)
             if reason is None:
                 self._bwrap = bwrap
-                self.python, self._lend, self._bwrap_dirs = interpreter(
+                self.python, self._lend, self._bwrap_dirs, why = interpreter(
                     self.python, self._python_fallback, bwrap, probe_uid, str(self._root)
                 )
                 self._python_fallback = self._python_fallback and self._lend is None
                 network = "shared network" if self.network else "no network"
                 lent = f"; {self.python} lent read-only" if self._lend is not None else ""
+                lent += f"; {why}" if why is not None else ""
                 return f"bubblewrap at {bwrap}: mount, pid, ipc, user namespaces, {network}{lent}"
             reasons.append(reason)
         return "off: " + "; ".join(reasons)
@@ -555,6 +557,10 @@ class _LocalHandle(SandboxHandle):
             # A command that does not exist is the command's failure, like a shell's 127.
             code = 127 if exc.errno == errno.ENOENT else 126
             return ExecResult(code, b"", f"{exc}\n".encode())
+        except subprocess.SubprocessError as exc:  # the child's set-up failed: ours, not its
+            if status_read >= 0:
+                os.close(status_read)
+            raise SandboxBrokenError(f"the sandbox could not start a command: {exc}") from exc
         uid = self._claim.uid if self._claim is not None else None
         tree = Tree(process.pid, marker, uid, self._leaf, bwrap is not None)
         self._tree = tree
