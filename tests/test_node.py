@@ -461,3 +461,17 @@ def test_worker_processes_share_one_judge_loaded_in_the_jobs_process(
     scheduler = {r["pid"] for r in reports}
     assert len(scheduler) == 1
     assert [int(pid) for pid in loads.read_text().split()] == list(scheduler)
+
+
+def test_a_scheduler_process_whose_directory_is_removed_still_ends(job: dict[str, str]) -> None:
+    """Its run directory removed under it (a /tmp cleaner; a benchmark's temporary one):
+    no worker can reach it any more, and it ends as it would have, not never."""
+    worker = _worker(job, 0)
+    worker.communicate(timeout=120)
+    assert worker.returncode == 0
+    (pid,) = _scheduler_pids(job)
+    shutil.rmtree(job["TANGRAM_RUN_DIR"])
+    deadline = time.monotonic() + 30
+    while _scheduler_pids(job) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _scheduler_pids(job), f"scheduler process {pid} outlived its job"

@@ -143,7 +143,13 @@ class _NodeScheduler(ClusterSchedulerActor):
         # connected. The lock is held until the agent has stopped: a worker arriving
         # meanwhile waits, then finds no socket and starts a new scheduler process, which
         # never runs beside this one's sandboxes and services.
-        with open(self.lock, "a") as held:  # noqa: ASYNC230 - a local file, not waited on
+        try:
+            held = open(self.lock, "a")  # noqa: ASYNC230, SIM115 - a local file, closed below
+        except FileNotFoundError:
+            # The run directory is gone (a /tmp cleaner, a benchmark's temporary one): no
+            # worker can find this process any more, so none can be connecting.
+            held = open(os.devnull, "a")  # noqa: ASYNC230, SIM115
+        with held:
             try:
                 fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -240,6 +246,9 @@ async def _serve(listener: socket.socket, spec: Mapping[str, Any]) -> None:
     loop.add_signal_handler(signal.SIGTERM, scheduler.done.set)
     loop.add_signal_handler(signal.SIGINT, scheduler.done.set)
     await scheduler.info()  # the runtime and its watchdog start now, not at a first call
+    assert scheduler._main is not None
+    # The scheduler's own task ending for any reason ends the process too.
+    scheduler._main.add_done_callback(lambda _: scheduler.done.set())
     await server.listen(listener)
     await scheduler.done.wait()
     server.close()

@@ -396,7 +396,13 @@ class SchedulerActor:
                 self._last_user = now
             elif self._idle is not None and now - self._last_user > self._idle:
                 logger.info("no client for %.1f s: the scheduler actor ends", now - self._last_user)
-                if await self._retire():
+                try:
+                    ended = await self._retire()
+                except Exception:  # an actor left running after its job is the worse failure
+                    logger.exception("the scheduler actor failed to retire; it ends anyway")
+                    self._end()
+                    return
+                if ended:
                     return
                 self._last_user = now
 
