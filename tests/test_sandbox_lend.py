@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _venvs import make_venv
 
 import tangram
 from tangram._sandbox._lend import open_lend
@@ -35,27 +35,10 @@ pytestmark = [
 
 @pytest.fixture
 def hidden_env() -> Iterator[Path]:
-    """``<top>/env``: a venv (a ``pyvenv.cfg`` and a link, so no ``venv`` module is
-    needed) whose ``<top>`` is 0700, beside ``<top>/secret.txt``."""
-    system = shutil.which("python3", path="/usr/bin:/bin")
-    assert system is not None
-    version = subprocess.run(
-        [system, "-c", "import sys; print(f'{sys.version_info[0]}.{sys.version_info[1]}')"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
+    """``<top>/env``: a venv (``tests/_venvs.py``) whose ``<top>`` is 0700, beside
+    ``<top>/secret.txt``."""
     top = Path(tempfile.mkdtemp(prefix="trainer-home-", dir="/tmp"))  # 0700, as /root
-    env = top / "env"
-    (env / "bin").mkdir(parents=True)
-    (env / "bin" / "python").symlink_to(system)
-    (env / "pyvenv.cfg").write_text(f"home = {Path(system).parent}\n")
-    packages = env / "lib" / f"python{version}" / "site-packages"
-    packages.mkdir(parents=True)
-    (packages / "trainer_only.py").write_text("VALUE = 42\n")
-    for path in [env, *env.rglob("*")]:
-        if not path.is_symlink():
-            path.chmod(0o755)
+    make_venv(top / "env")
     (top / "secret.txt").write_text("the trainer's\n")
     yield top
     shutil.rmtree(top)

@@ -20,6 +20,7 @@ from typing import Any
 
 import anyio
 import pytest
+from _venvs import make_venv
 
 import tangram
 from tangram._sandbox._backend import RunResult
@@ -162,27 +163,10 @@ async def test_a_named_interpreter_is_used_without_a_warning(
 @pytest.fixture
 def trainer_env() -> Any:
     """A virtualenv where a training container keeps one (outside the system dirs), with
-    a package of its own: what a user names with ``[sandbox] python``. Built by hand (a
-    venv is a ``pyvenv.cfg`` and a link), so no ``venv`` module is needed."""
-    system = shutil.which("python3", path="/usr/bin:/bin")
-    assert system is not None
-    version = subprocess.run(
-        [system, "-c", "import sys; print(f'{sys.version_info[0]}.{sys.version_info[1]}')"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
+    a package of its own: what a user names with ``[sandbox] python``."""
     root = Path(tempfile.mkdtemp(prefix="trainer-env-", dir="/tmp"))
-    root.chmod(0o755)
-    (root / "bin").mkdir()
-    (root / "bin" / "python").symlink_to(system)
-    (root / "pyvenv.cfg").write_text(f"home = {Path(system).parent}\n")
-    packages = root / "lib" / f"python{version}" / "site-packages"
-    packages.mkdir(parents=True)
-    (packages / "trainer_only.py").write_text("VALUE = 42\n")
-    for path in [root, *root.rglob("*")]:
-        if not path.is_symlink():
-            path.chmod(0o755)
+    shutil.rmtree(root)
+    make_venv(root)
     yield root
     shutil.rmtree(root)
 
