@@ -9,11 +9,12 @@ that directory, nor be able to change the venv. Real bubblewrap, real uids: root
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from _venvs import make_venv
 import tangram
 from tangram._sandbox._lend import open_lend
 from tangram._sandbox._local import LocalBackend
-from tangram._sandbox._pool import SandboxPool
+from tangram._sandbox._pool import Sandbox, SandboxPool
 from tangram.errors import SandboxBrokenError
 
 pytestmark = [
@@ -31,6 +32,17 @@ pytestmark = [
         os.geteuid() != 0 and not os.environ.get("CI"), reason="a uid per sandbox needs root"
     ),
 ]
+
+
+@contextlib.asynccontextmanager
+async def _sandbox(backend: LocalBackend) -> AsyncIterator[Sandbox]:
+    """One sandbox of a pool on ``backend``, with a runtime lending its cores."""
+    async with (
+        SandboxPool(backend) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+        pool.sandbox("t") as sbx,
+    ):
+        yield sbx
 
 
 @pytest.fixture
@@ -49,11 +61,7 @@ async def test_an_environment_no_sandbox_uid_can_reach_is_lent_read_only(
 ) -> None:
     python = str(hidden_env / "env" / "bin" / "python")
     backend = LocalBackend(python=python)
-    async with (
-        SandboxPool(backend) as pool,
-        tangram.Runtime(capacity=pool.capacity()),
-        pool.sandbox("t") as sbx,
-    ):
+    async with _sandbox(backend) as sbx:
         ran = await sbx.run(code="import sys, trainer_only; print(sys.prefix, trainer_only.VALUE)")
         looked = await sbx.run(code=f"import os; print(os.listdir({str(hidden_env)!r}))")
         stole = await sbx.run(code=f"print(open({str(hidden_env / 'secret.txt')!r}).read())")
@@ -81,11 +89,7 @@ async def test_lending_leaves_the_hosts_mounts_as_they_were(hidden_env: Path) ->
     """The tmpfs and the binds live in each command's own mount namespace."""
     before = _mounts(hidden_env)
     backend = LocalBackend(python=str(hidden_env / "env" / "bin" / "python"))
-    async with (
-        SandboxPool(backend) as pool,
-        tangram.Runtime(capacity=pool.capacity()),
-        pool.sandbox("t") as sbx,
-    ):
+    async with _sandbox(backend) as sbx:
         assert (await sbx.run(code="print(1)")).ok
     assert _mounts(hidden_env) == before == []
     assert _names(hidden_env) == ["env", "secret.txt"]
@@ -107,11 +111,7 @@ async def test_this_processs_own_interpreter_is_lent_when_out_of_reach() -> None
     """The default: this process's interpreter where sandboxes can run it, lent where
     only a directory above it is out of their reach; the system's only where neither."""
     backend = LocalBackend()
-    async with (
-        SandboxPool(backend) as pool,
-        tangram.Runtime(capacity=pool.capacity()),
-        pool.sandbox("t") as sbx,
-    ):
+    async with _sandbox(backend) as sbx:
         result = await sbx.run(code="import sys; print(sys.executable)")
     assert result.ok, result
     assert result.stdout.decode().strip() == backend.python
@@ -129,11 +129,7 @@ async def test_an_interpreters_neighbours_are_not_lent(hidden_env: Path) -> None
     token.write_text("export HF_TOKEN=hf_secret\n")
     token.chmod(0o755)
     backend = LocalBackend(python=str(hidden_env / "bin" / "python3"))
-    async with (
-        SandboxPool(backend) as pool,
-        tangram.Runtime(capacity=pool.capacity()),
-        pool.sandbox("t") as sbx,
-    ):
+    async with _sandbox(backend) as sbx:
         ran = await sbx.run(code="print('ran')")
         stole = await sbx.run(code=f"print(open({str(token)!r}).read())")
         looked = await sbx.run(code=f"import os; print(os.listdir({str(hidden_env / 'bin')!r}))")
@@ -147,11 +143,7 @@ async def test_a_lend_that_fails_at_a_call_is_the_sandboxs_failure(hidden_env: P
     SandboxBrokenError, which the adapters keep from the model, not a bare
     SubprocessError nor a result the model would read as its code's."""
     backend = LocalBackend(python=str(hidden_env / "env" / "bin" / "python"))
-    async with (
-        SandboxPool(backend) as pool,
-        tangram.Runtime(capacity=pool.capacity()),
-        pool.sandbox("t") as sbx,
-    ):
+    async with _sandbox(backend) as sbx:
         assert (await sbx.run(code="print(1)")).ok
         (hidden_env / "env").rename(hidden_env / "moved")
         with pytest.raises(SandboxBrokenError, match="could not start"):
