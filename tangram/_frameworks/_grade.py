@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import secrets
 from collections.abc import Mapping
 from pathlib import Path
@@ -49,6 +50,8 @@ DEFAULT_TIMEOUT = 60.0
 """Seconds one answer's whole grading may take (interpreter start, every test)."""
 DEFAULT_CASE_TIMEOUT = 10.0
 """Seconds one call into the answer (or one input/output case) may take."""
+
+_log = logging.getLogger("tangram.reward")
 
 # The harness needs a moment of the budget for itself: start-up before the first test
 # and the verdict after the last.
@@ -317,4 +320,8 @@ async def grade(
     passed, total = final.get("passed"), final.get("total")
     if type(passed) is not int or total != suite.total or not 0 <= passed <= suite.total:
         raise SandboxBrokenError(f"the grading harness gave a bad verdict: {final!r:.200}")
+    if "fault" in final:
+        # The answer may lower the harness's limits, so a failure after it ran is scored
+        # as the answer's; kept in the log in case it was tangram's own.
+        _log.info("the grading harness failed after the answer ran: %.100s", final["fault"])
     return Verdict(passed, suite.total)

@@ -176,11 +176,19 @@ def _memfd(name: str, data: bytes) -> int:
     return fd
 
 
+_ANSWER_RAN = False
+"""Whether an answer's process was ever started: from then on, every failure of this
+process may be the answer's doing (see :func:`_harness`)."""
+
+
 def _spawn(harness: str, mode: str, fds: Sequence[int], **options: Any) -> subprocess.Popen[bytes]:
     """The answer's process: this source run as ``answer``, in a session of its own, given
     only ``fds`` and the standard streams ``options`` name."""
+    global _ANSWER_RAN
     argv = [sys.executable, "-I", "-c", harness, "answer", mode, *map(str, fds)]
-    return subprocess.Popen(argv, pass_fds=tuple(fds), start_new_session=True, **options)
+    process = subprocess.Popen(argv, pass_fds=tuple(fds), start_new_session=True, **options)
+    _ANSWER_RAN = True
+    return process
 
 
 def _kill(process: subprocess.Popen[bytes]) -> None:
@@ -358,7 +366,11 @@ class Answer:
             if reply.get("ok") is True:
                 value = decode(reply.get("value"), self._remote)
                 after = reply.get("args")
-                if type(after) is dict:
+                # Only a call that returns None changes its arguments here, as Python's
+                # own in-place functions do (``list.sort``): an answer that returned a
+                # value and emptied its argument rewrote what ``f(xs) == sum(xs)``
+                # compared it with, in one statement or the next.
+                if value is None and type(after) is dict:
                     _update(args, after, self._remote)
                 return value
         except (AnswerError, ValueError, TypeError, KeyError, RecursionError, MemoryError) as exc:
@@ -426,7 +438,8 @@ class Remote:
 
 
 def _top_level_names(source: bytes) -> set[str]:
-    """Names the answer binds at its top level (``def sum``, ``max = ...``, imports).
+    """Names the answer binds at its top level (``def sum``, ``max = ...``, imports),
+    dunders left out (``__name__ = "x"`` skipped every ``__main__`` block of the tests).
 
     Read as text, never run; an answer that does not parse binds nothing here (it fails
     its tests when it runs).
@@ -449,15 +462,19 @@ def _top_level_names(source: bytes) -> set[str]:
                     for node in ast.walk(target)
                     if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store)
                 )
-    return names
+    return {name for name in names if not _dunder(name)}
+
+
+def _dunder(name: str) -> bool:
+    return name.startswith("__") and name.endswith("__")
 
 
 def _free_names(tree: ast.Module, shadowed: frozenset[str] | set[str] = frozenset()) -> set[str]:
     """Names the tests read that nothing at their top level binds: the answer's names.
 
-    A builtin's name is the answer's too where the answer binds it (``def sum``): tests
-    and answer read as one module would call the answer's, and calling the real builtin
-    scored a wrong ``sum`` 1.0.
+    Builtins are the tests' own, except those in ``shadowed``: the readings
+    (:func:`_readings`) decide which builtins the answer binds for the tests. Dunder
+    names (``__name__``) are never the answer's.
     """
     bound: set[str] = set()
     for stmt in tree.body:
@@ -472,16 +489,37 @@ def _free_names(tree: ast.Module, shadowed: frozenset[str] | set[str] = frozense
     loaded = {
         node.id
         for node in ast.walk(tree)
-        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and not _dunder(node.id)
     }
     return loaded - bound - (set(dir(builtins)) - shadowed)
+
+
+def _readings(tree: ast.Module, answer: bytes, entry_point: str | None) -> list[frozenset[str]]:
+    """The builtins the answer's names replace, in each way the tests may be read.
+
+    Read as one module (the classic recipe), the tests call whatever the answer binds at
+    its top level, builtins included: right where the task's own function is named
+    ``sum``, but an answer adding ``def abs(x): return 0`` then decided what HumanEval's
+    ``abs(candidate(x) - y) < 1e-6`` computed, and ``range = lambda *a: []`` emptied the
+    loop that held every assert. Read with the real builtins, the first case scores any
+    ``sum`` 1.0. Neither reading is safe alone, and nothing tells them apart (the tests
+    may use ``sum`` both to call the answer and to compute what it should return), so a
+    contested name gives two readings and a test passes only where it passes in both:
+    never more than either alone. The entry point is the answer's in both.
+    """
+    loaded = {
+        node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and not _dunder(node.id)
+    }
+    contested = (_top_level_names(answer) & set(dir(builtins)) & loaded) - {entry_point or ""}
+    return [frozenset(), frozenset(contested)] if contested else [frozenset()]
 
 
 _Plan = tuple[list[tuple[ast.Module, bool]], bool, dict[str, Any]]
 
 
-def _assert_plan(suite: Mapping[str, Any], answer: Answer) -> _Plan:
-    """The test steps and their namespace, made before the answer runs.
+def _assert_plans(suite: Mapping[str, Any], answer: Answer) -> list[_Plan]:
+    """The test steps and a namespace per reading (:func:`_readings`), made before the
+    answer runs.
 
     Once it runs, the answer can lower this process's limits (``prlimit`` needs only the
     same uid): an import that then failed to open its file made a wrong answer's 0 an
@@ -489,46 +527,68 @@ def _assert_plan(suite: Mapping[str, Any], answer: Answer) -> _Plan:
     """
     entry_point = suite.get("entry_point")
     tree, steps, check = test_plan(suite["source"], entry_point)
-    # ``__main__``: tests often end in ``if __name__ == "__main__": check(...)``, which
-    # under any other name was counted as a test and never ran (a wrong answer scored 1).
-    namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
-    stdlib = sys.stdlib_module_names
-    for name in _free_names(tree, _top_level_names(answer.source)):
-        # Tests often lean on the answer's ``import math``; they get the real module here.
-        if name in stdlib:
-            try:
-                namespace[name] = __import__(name)
-                continue
-            except ImportError:
-                pass
-        namespace[name] = Function(answer, name)
-    if entry_point:
-        namespace[entry_point] = Function(answer, entry_point)
-    return list(steps), bool(check), namespace
+    plans = []
+    for shadowed in _readings(tree, answer.source, entry_point):
+        # ``__main__``: tests often end in ``if __name__ == "__main__": check(...)``,
+        # which under any other name was counted as a test and never ran.
+        namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
+        for name in _free_names(tree, shadowed):
+            # Tests often lean on the answer's ``import math``; they get the real module.
+            if name in sys.stdlib_module_names:
+                try:
+                    namespace[name] = __import__(name)
+                    continue
+                except ImportError:
+                    pass
+            namespace[name] = Function(answer, name)
+        if entry_point:
+            namespace[entry_point] = Function(answer, entry_point)
+        plans.append((list(steps), bool(check), namespace))
+    return plans
 
 
-def _run_asserts(suite: Mapping[str, Any], plan: _Plan) -> int:
+def _run_asserts(suite: Mapping[str, Any], plan: _Plan) -> list[bool]:
+    """Whether each test passed, in order (``check(entry_point)`` last)."""
     entry_point = suite.get("entry_point")
     steps, check, namespace = plan
-    passed = 0
+    results: list[bool] = []
     broken = False
     for step, is_test in steps:
         if broken and is_test:
+            results.append(False)
             continue
         try:
             exec(compile(step, "<tests>", "exec"), namespace)
         except Exception:
             broken = broken or not is_test
-            continue
-        passed += is_test
-    if check and entry_point and not broken:
-        try:
-            namespace["check"](namespace[entry_point])
-        except Exception:
-            pass
+            ok = False
         else:
-            passed += 1
-    return passed
+            ok = True
+        if is_test:
+            results.append(ok)
+    if check and entry_point:
+        ok = not broken
+        if ok:
+            try:
+                namespace["check"](namespace[entry_point])
+            except Exception:
+                ok = False
+        results.append(ok)
+    return results
+
+
+def _run_readings(suite: Mapping[str, Any], plans: Sequence[_Plan], answer: Answer) -> int:
+    """Tests passed in every reading; each reading starts a new answer process, so no
+    state one reading left in it decides the next."""
+    passed: list[bool] | None = None
+    for number, plan in enumerate(plans):
+        if number:
+            answer.close()
+        results = _run_asserts(suite, plan)
+        passed = (
+            results if passed is None else [a and b for a, b in zip(passed, results, strict=True)]
+        )
+    return sum(passed or [])
 
 
 def _run_calls(suite: Mapping[str, Any], answer: Answer) -> int:
@@ -604,19 +664,21 @@ def _collect(
 
 
 def _run_stdio(suite: Mapping[str, Any], harness: str, source: str, deadline: _Deadline) -> int:
+    # Every buffer made before the answer first runs: it may cap this process's memory.
+    program = source.encode()
+    cases = [(case["stdin"].encode(), case["stdout"]) for case in suite["cases"]]
     passed = 0
-    for number, case in enumerate(suite["cases"]):
+    for stdin, want in cases:
         if time.monotonic() >= deadline.end:
             break
         try:
-            code, out = _run_main(harness, source.encode(), case["stdin"].encode(), deadline.case())
-        except OSError:
-            if number == 0:
-                raise  # before the answer ever ran: the sandbox's failure
-            continue  # no process for this case (the answer's forks may have used them up)
-        try:  # the output is the answer's: what it does to the comparison fails this case
-            passed += code == 0 and same_output(out.decode(errors="replace"), case["stdout"])
+            code, out = _run_main(harness, program, stdin, deadline.case())
+            # The output is the answer's: what it does to the comparison fails this case.
+            passed += code == 0 and same_output(out.decode(errors="replace"), want)
         except Exception:
+            if not _ANSWER_RAN:
+                raise  # before the answer ever ran: the sandbox's failure
+            # The answer may have lowered this process's limits (see ``_harness``).
             continue
     return passed
 
@@ -666,12 +728,12 @@ def _judge(payload: Mapping[str, Any]) -> int:
     if suite["kind"] == "stdio":
         return _run_stdio(suite, payload["harness"], payload["answer"], deadline)
     answer = Answer(payload["harness"], payload["answer"], deadline)
-    plan = None if suite["kind"] == "call" else _assert_plan(suite, answer)
+    plans = [] if suite["kind"] == "call" else _assert_plans(suite, answer)
     try:
         answer.start()
-        if plan is None:
+        if not plans:
             return _run_calls(suite, answer)
-        return _run_asserts(suite, plan)
+        return _run_readings(suite, plans, answer)
     finally:
         answer.close()
 
@@ -695,9 +757,16 @@ def _harness() -> None:
     _emit(secret, {"started": True})
     try:
         passed = _judge(payload)
-    except Exception:
-        # Everything the answer influences is caught per test: this is tangram's own bug.
-        _emit(secret, {"error": traceback.format_exc(limit=5)})
+    except Exception as exc:
+        if not _ANSWER_RAN:
+            # Before any of the answer ran, nothing but tangram or the sandbox failed.
+            _emit(secret, {"error": traceback.format_exc(limit=5)})
+            return
+        # The answer shares this process's uid: it may have lowered any of its limits
+        # (``prlimit``: memory, files, processes, file size, stack), so from its first
+        # run on, a failure here is its doing and costs it the tests, never the step.
+        # ``fault`` keeps what happened for the host's log.
+        _emit(secret, {"passed": 0, "total": total, "fault": type(exc).__name__})
         return
     _emit(secret, {"passed": passed, "total": total})
 

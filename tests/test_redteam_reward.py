@@ -1,0 +1,152 @@
+"""Red team, round 3, on the code reward: the answer's names, arguments and limits.
+
+The hacks themselves are in ``tests/_hacks.py`` (``ROUND_3``, run by ``test_grade.py``'s
+``test_a_hack_scores_zero`` and by the adapters' reward tests). Here: the controls that
+show the fixes did not cost right answers their score, the sweeps over every builtin an
+answer can bind, and every limit an answer can lower in its judge at every stage.
+"""
+
+from __future__ import annotations
+
+import builtins
+import keyword
+
+import pytest
+from _grading import anyio_backend, judge, pool  # noqa: F401 (fixtures)
+from _hacks import HUMANEVAL_4, MBPP_2, ROUND_3, WRONG
+from _reward_attacks import LIMITS, STAGES, limit_attack
+
+from tangram._sandbox._pool import SandboxPool
+from tangram.errors import SandboxBrokenError
+
+pytestmark = pytest.mark.anyio
+
+RIGHT_ADD = "def add(a, b):\n    return a + b\n"
+
+# A right answer for each round-3 hack's tests, several binding the same builtin the hack
+# rebinds (correctly): a contested name must not cost a right answer its score.
+RIGHT: dict[str, str] = {
+    "rebind abs, which HumanEval/4's check uses for the distance": (
+        "def abs(x):\n    return x if x >= 0 else -x\n"
+        "def mean_absolute_deviation(numbers):\n"
+        "    mean = sum(numbers) / len(numbers)\n"
+        "    return sum(abs(x - mean) for x in numbers) / len(numbers)\n"
+    ),
+    "rebind set, which builds both sides of MBPP task 2": (
+        "def similar_elements(a, b):\n    return tuple(set(a) & set(b))\n"
+    ),
+    "rebind sorted on both sides": "def add(a, b):\n    return [a + b]\n",
+    "rebind len so the loop of asserts never runs": RIGHT_ADD,
+    "rebind all to say yes": RIGHT_ADD + "from builtins import all\n",
+    "rebind any to say no": RIGHT_ADD,
+    "rebind range so the loop of asserts never runs": (
+        RIGHT_ADD + "import builtins\ndef range(*a):\n    return list(builtins.range(*a))\n"
+    ),
+    "bind __name__ so every __main__ block is skipped": RIGHT_ADD + "__name__ = 'x'\n",
+    "empty the argument the expected side is computed from": "def total(xs):\n    return sum(xs)\n",
+    "empty the argument, compared in the next statement": "def total(xs):\n    return sum(xs)\n",
+    "empty a dict argument the expected side reads": "def size(d):\n    return len(d)\n",
+}
+
+
+def test_every_round_3_hack_has_a_right_answer() -> None:
+    assert set(RIGHT) == set(ROUND_3)
+
+
+@pytest.mark.parametrize("name", sorted(ROUND_3))
+async def test_a_right_answer_to_the_round_3_tests_scores_one(pool: SandboxPool, name: str) -> None:
+    verdict = await judge(pool, RIGHT[name], ROUND_3[name].tests)
+    assert verdict.score() == 1.0, verdict
+
+
+async def test_the_verbatim_dataset_tests_score_their_reference_answers(pool: SandboxPool) -> None:
+    mad = RIGHT["rebind abs, which HumanEval/4's check uses for the distance"].split("def mean")[1]
+    assert (await judge(pool, "def mean" + mad, HUMANEVAL_4)).score() == 1.0
+    similar = RIGHT["rebind set, which builds both sides of MBPP task 2"]
+    assert (await judge(pool, similar, MBPP_2)).score() == 1.0
+
+
+@pytest.mark.parametrize(
+    ("answer", "tests"),
+    [
+        pytest.param(
+            "def sum(xs):\n    total = 0\n    for x in xs:\n        total += x\n    return total\n",
+            "assert sum([1, 2, 3]) == 6\nassert sum([]) == 0\n",
+            id="a task whose function is named sum",
+        ),
+        pytest.param(
+            "def max(xs):\n    best = xs[0]\n    for x in xs:\n"
+            "        best = x if x > best else best\n    return best\n",
+            "assert max([1, 5, 2]) == 5\nassert max([3]) == 3\n",
+            id="a task whose function is named max",
+        ),
+    ],
+)
+async def test_a_right_function_named_like_a_builtin_still_scores_one(
+    pool: SandboxPool, answer: str, tests: str
+) -> None:
+    assert (await judge(pool, answer, tests)).score() == 1.0
+
+
+# -- every builtin name an answer can bind -----------------------------------------------
+
+# Every name of the builtins module an answer can assign (keywords and ``__debug__`` are
+# not assignable), dunders included.
+BINDABLE = sorted(
+    name for name in dir(builtins) if not keyword.iskeyword(name) and name != "__debug__"
+)
+
+
+async def test_no_builtin_the_answer_binds_decides_what_the_tests_expect(
+    pool: SandboxPool,
+) -> None:
+    """Each test expects ``(NAME and 4)``: 4 for the real builtin, 0 where the answer's
+    ``NAME = 0`` is read instead, which the wrong ``add`` returns. One grading holds a test
+    per name, so ``passed`` counts the names through which a wrong answer scored."""
+    answer = WRONG + "".join(f"{name} = 0\n" for name in BINDABLE)
+    tests = "".join(f"assert add(2, 2) == ({name} and 4)\n" for name in BINDABLE)
+    verdict = await judge(pool, answer, tests, timeout=30.0)
+    assert verdict.total == len(BINDABLE)
+    assert verdict.passed == 0, verdict
+
+
+async def test_in_place_functions_the_tests_check_still_pass(pool: SandboxPool) -> None:
+    """An argument changes here only after a call that returns None, as Python's own
+    in-place functions do; what they change is what the tests check."""
+    answer = (
+        "def sort_in_place(xs):\n    xs.sort()\n"
+        "def fill(d):\n    d['k'] = 1\n"
+        "def grow(s):\n    s.add(3)\n"
+        "def upper(b):\n    b[:] = b.upper()\n"
+    )
+    tests = (
+        "xs = [3, 1]\nsort_in_place(xs); assert xs == [1, 3]\n"
+        "d = {}\nassert fill(d) is None and d == {'k': 1}\n"
+        "s = {1}\ngrow(s)\nassert s == {1, 3}\n"
+        "b = bytearray(b'ab')\nupper(b)\nassert b == b'AB'\n"
+    )
+    assert (await judge(pool, answer, tests)).score() == 1.0
+    lazy = "def sort_in_place(xs):\n    pass\n" + answer.split("\n", 2)[2]
+    assert (await judge(pool, lazy, tests)).passed == 3
+
+
+# -- every limit an answer can lower in its judge, at every stage --------------------------
+
+
+@pytest.mark.parametrize("kind", ["assert", "call", "stdio"])
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("limit", LIMITS)
+async def test_a_judge_limit_the_answer_lowers_never_stops_the_step(
+    pool: SandboxPool, limit: str, stage: str, kind: str
+) -> None:
+    """The answer runs under its judge's uid, so it may lower any of the judge's limits
+    (``prlimit``): here before its first case, between cases, and in the last one, with a
+    later input of 256 KiB that the judge must still prepare. Whatever the judge then fails
+    at is the answer's doing and costs the answer its tests; it never becomes the
+    infrastructure failure (SandboxBrokenError) that stops the training step."""
+    answer, tests = limit_attack(limit, stage, kind)
+    try:
+        verdict = await judge(pool, answer, tests)
+    except SandboxBrokenError as exc:
+        pytest.fail(f"a wrong answer turned its 0 into an infrastructure failure: {exc}")
+    assert verdict.score() == 0.0, verdict
