@@ -16,7 +16,7 @@ from _grading import LIMITS, anyio_backend, judge, pool  # noqa: F401 (fixtures)
 from _hacks import HACKS, RIGHT, RIGHT_MAIN, STDIO, TESTS, WRONG
 
 import tangram
-from tangram._frameworks import _checks, _grade, _harness
+from tangram._frameworks import _checks, _grade, _wire
 from tangram._frameworks._grade import Verdict, grade, parse_tests
 from tangram._sandbox._local import LocalBackend
 from tangram._sandbox._pool import SandboxPool
@@ -428,8 +428,8 @@ def test_the_wire_carries_plain_values_unchanged(value: object) -> None:
     def no_handles(obj: object) -> int:
         raise AssertionError(f"{obj!r} should not need a handle")
 
-    sent = json.loads(json.dumps(_harness.encode(value, no_handles)))
-    back = _harness.decode(sent, lambda n: pytest.fail("no handles"))
+    sent = json.loads(json.dumps(_wire.encode(value, no_handles)))
+    back = _wire.decode(sent, lambda n: pytest.fail("no handles"))
     assert back == value
     assert type(back) is type(value)
 
@@ -440,4 +440,4 @@ def test_the_wire_carries_plain_values_unchanged(value: object) -> None:
 )
 def test_the_wire_rejects_what_the_encoder_never_writes(data: object) -> None:
     with pytest.raises(ValueError):
-        _harness.decode(data, lambda n: n)
+        _wire.decode(data, lambda n: n)

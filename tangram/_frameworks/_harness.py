@@ -1,7 +1,7 @@
 """The trusted half of the code reward: the program that judges an answer inside the sandbox.
 
-:mod:`._grade` sends this file's *source*, joined with that of :mod:`._checks` (the
-comparisons) and a call of :func:`main`, into the sandbox and runs it as ``python -I -c
+:mod:`._grade` sends this file's *source*, joined with those of :mod:`._checks` (the
+comparisons) and :mod:`._wire` (the values sent), and a call of :func:`main`, into the sandbox and runs it as ``python -I -c
 PROGRAM`` with the payload on stdin; tangram itself never runs :func:`main` in its own
 process. The verdict must not be the exit status of a process the answer controls, so:
 
@@ -13,7 +13,7 @@ process. The verdict must not be the exit status of a process the answer control
   ``environ``: the per-call secret and the tests it read from stdin stay out of reach;
 - assertion tests run *here*, against proxies: a call of the answer's function sends the
   arguments to the answer's process and decodes what comes back into plain Python data
-  (:func:`decode` builds only literals), so an object with a forged ``__eq__``, a patched
+  (:func:`._wire.decode` builds only literals), so an object with a forged ``__eq__``, a patched
   builtin or a trace function in the answer's process changes nothing here;
 - its only output is two lines carrying the secret: ``<secret> {"started": true}`` when
   the payload is read, ``<secret> {"passed": n, "total": m}`` at the end. Whatever ends
@@ -42,98 +42,15 @@ from typing import Any
 
 if __name__ != "__main__":  # imported by tangram; in the sandbox the program holds them
     from ._checks import call_passed, count_tests, same_output, test_plan
+    from ._wire import decode, encode
 
-__all__ = ["decode", "encode", "main"]
+__all__ = ["main"]
 
 _PR_SET_DUMPABLE = 4
 _PR_GET_DUMPABLE = 3
-_MAX_DEPTH = 200
 _REPLY_LIMIT = 16 << 20
 _OUTPUT_LIMIT = 8 << 20
 _MESSAGE_LIMIT = 1000
-# Ints past this many bits travel as hex: CPython refuses to parse decimal strings over
-# 4300 digits, and hex is linear both ways.
-_BIG_INT_BITS = 10_000
-
-# -- the wire format between the harness and the answer's process -------------------------
-#
-# JSON, with lists as arrays and everything else that is not a JSON scalar as a one-key
-# object naming its type; a JSON object is therefore always such a tag. Handles stand for
-# objects of the answer's own classes, which stay in its process.
-
-_SEQUENCES: dict[type, str] = {tuple: "t", set: "s", frozenset: "fs"}
-_BUILD: dict[str, Callable[[Any], Any]] = {"t": tuple, "s": set, "fs": frozenset}
-_HEX: dict[type, str] = {bytes: "b", bytearray: "ba"}
-_FROM_HEX: dict[str, Callable[[str], Any]] = {"b": bytes.fromhex, "ba": bytearray.fromhex}
-
-
-def encode(value: Any, handle: Callable[[Any], int], depth: int = 0) -> Any:
-    """``value`` as JSON-able data; ``handle`` names an object that cannot be sent.
-
-    :raises ValueError: nested deeper than the wire allows.
-    """
-    if depth > _MAX_DEPTH:
-        raise ValueError("value nested too deeply to send")
-    kind = type(value)
-    if value is None or kind is bool or kind is str:
-        return value
-    if kind is int:
-        return {"i": format(value, "x")} if value.bit_length() > _BIG_INT_BITS else value
-    if kind is float:
-        return value if value - value == 0 else {"f": repr(value)}
-
-    def inner(item: Any) -> Any:
-        return encode(item, handle, depth + 1)
-
-    if kind is list:
-        return [inner(item) for item in value]
-    if kind in _SEQUENCES:
-        return {_SEQUENCES[kind]: [inner(item) for item in value]}
-    if kind in _HEX:
-        return {_HEX[kind]: value.hex()}
-    if kind is dict:
-        return {"d": [[inner(k), inner(v)] for k, v in value.items()]}
-    if kind is complex:
-        return {"c": [inner(value.real), inner(value.imag)]}
-    return {"h": handle(value)}
-
-
-def decode(data: Any, handle: Callable[[int], Any], depth: int = 0) -> Any:
-    """Plain Python data from :func:`encode`'s output; ``handle`` resolves a handle.
-
-    Builds only literals (and what ``handle`` returns), whatever the sender was.
-
-    :raises ValueError: anything :func:`encode` does not write.
-    """
-    if depth > _MAX_DEPTH:
-        raise ValueError("value nested too deeply")
-    if data is None or type(data) in (bool, str, int, float):
-        return data
-    if type(data) is list:
-        return [decode(item, handle, depth + 1) for item in data]
-    if type(data) is not dict or len(data) != 1:
-        raise ValueError("malformed value")
-    ((tag, body),) = data.items()
-    if tag in _BUILD and type(body) is list:
-        return _BUILD[tag](decode(item, handle, depth + 1) for item in body)
-    if tag in _FROM_HEX and type(body) is str:
-        return _FROM_HEX[tag](body)
-    if tag == "d" and type(body) is list:
-        pairs = [decode(pair, handle, depth + 1) for pair in body]
-        if all(type(pair) is list and len(pair) == 2 for pair in pairs):
-            return {k: v for k, v in pairs}
-    if tag == "c" and type(body) is list and len(body) == 2:
-        real, imag = (decode(part, handle, depth + 1) for part in body)
-        if type(real) is float and type(imag) is float:
-            return complex(real, imag)
-    if tag == "f" and body in ("inf", "-inf", "nan"):
-        return float(body)
-    if tag == "i" and type(body) is str:
-        return int(body, 16)
-    if tag == "h" and type(body) is int:
-        return handle(body)
-    raise ValueError(f"malformed value (tag {str(tag)[:20]!r})")
-
 
 # -- the harness -----------------------------------------------------------------------------
 

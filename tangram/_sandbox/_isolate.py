@@ -193,6 +193,7 @@ def bwrap_command(
     network: bool,
     extra_ro: Sequence[str] = (),
     tmp_size: int,
+    seccomp: int | None = None,
 ) -> list[str]:
     """The bubblewrap argv that runs a command (appended after it) in a sandbox.
 
@@ -200,7 +201,16 @@ def bwrap_command(
     pid namespace) when the process that started bwrap dies, so a killed trainer leaves
     nothing running; ``--new-session`` keeps a command from pushing input into a
     terminal it inherited; ``--disable-userns`` stops a command nesting namespaces of its
-    own to regain capabilities inside.
+    own to regain capabilities inside. ``seccomp``: a descriptor bubblewrap reads the
+    system-call filter from (:mod:`._seccomp`).
+
+    bubblewrap's init, the sandbox's pid 1, runs dumpable under the sandbox's uid and
+    holds the command's stdout: a command traced it and forged the exit status it
+    reports, or wrote into the stream a grading's verdict travels on (issue #27). The
+    filter refuses ``ptrace`` and its kin, and an empty read-only ``/proc/1`` hides the
+    init's ``mem``, ``fd`` and ``environ``. (``--as-pid-1``, with no init at all, would
+    make the command pid 1, which the kernel spares every signal without a handler sent
+    from inside: ``kill -TERM $$`` would do nothing.)
     """
     argv = [
         bwrap,
@@ -210,6 +220,8 @@ def bwrap_command(
         "--die-with-parent",
         "--new-session",
     ]
+    if seccomp is not None:
+        argv += ["--seccomp", str(seccomp)]
     if network:
         argv.append("--share-net")
     argv += ["--uid", str(uid), "--gid", str(uid)]
@@ -223,7 +235,8 @@ def bwrap_command(
             argv += ["--ro-bind", directory, directory]
     if os.path.isdir("/sys/devices/system/cpu"):  # core counts for nproc and BLAS
         argv += ["--ro-bind", "/sys/devices/system/cpu", "/sys/devices/system/cpu"]
-    argv += ["--proc", "/proc", "--dev", "/dev"]
+    argv += ["--proc", "/proc", "--tmpfs", "/proc/1", "--remount-ro", "/proc/1"]
+    argv += ["--dev", "/dev"]
     argv += ["--size", str(tmp_size), "--tmpfs", "/tmp"]
     argv += ["--size", str(tmp_size), "--tmpfs", "/dev/shm"]
     # After the tmpfs mounts, which would hide an interpreter that lives under /tmp.

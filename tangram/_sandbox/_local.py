@@ -39,7 +39,6 @@ import concurrent.futures
 import contextlib
 import ctypes
 import errno
-import fcntl
 import logging
 import math
 import os
@@ -78,15 +77,13 @@ from ._isolate import (
 from ._lend import Lend, default_python, interpreter
 from ._proctree import MARKER, Tree, kill_tree, pin_tree
 from ._quota_fs import Box, make_box, mount_problem, reap_boxes, remove_box
+from ._seccomp import SyscallFilter, syscall_filter
+from ._streams import communicate
 
 __all__ = ["LocalBackend", "Protections"]
 
 logger = logging.getLogger("tangram.sandbox")
 
-_READ_CHUNK = 1 << 16
-_DISCARD_CHUNK = 1 << 20
-_DISCARD_PACE = 0.02
-_F_SETPIPE_SZ = 1031
 _SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
 # ``exec "$@"`` in the sandbox's shell turns a missing or unrunnable program into the
 # shell's 127 or 126, as without bubblewrap, instead of bubblewrap's own exit 1.
@@ -122,6 +119,8 @@ class Protections:
     disk_per_sandbox: bool
     cores_per_sandbox: bool
     files_bounded: bool
+    syscalls: str = "not filtered"
+    syscalls_filtered: bool = False
 
     @property
     def missing(self) -> tuple[str, ...]:
@@ -138,6 +137,8 @@ class Protections:
             off.append(f"cores: {self.cores}")
         if not self.files_bounded:
             off.append(f"files: {self.files}")
+        if self.namespaced and not self.syscalls_filtered:
+            off.append(f"syscalls: {self.syscalls}")
         return tuple(off)
 
 
@@ -223,6 +224,7 @@ class LocalBackend(SandboxBackend):
         self._host = Host("local", self._cores, numa_nodes(self._cores), "cpu")
         self._protections: Protections | None = None
         self._bwrap: str | None = None
+        self._seccomp: SyscallFilter | None = None
         self._bwrap_dirs: list[str] = []
         self._lend: Lend | None = None
         self._cgroups: CgroupTree | None = None
@@ -307,6 +309,7 @@ class LocalBackend(SandboxBackend):
             cores = f"affinity only, which a command may widen to every core: {why}"
         disk, self._mount = self._survey_disk()
         files, bounded = self._survey_files()
+        syscalls = self._survey_syscalls()
         return Protections(
             identity=identity,
             namespaces=namespaces,
@@ -321,6 +324,24 @@ class LocalBackend(SandboxBackend):
             disk_per_sandbox=self._mount or self.disk is None,
             cores_per_sandbox=cores.startswith("a cpuset"),
             files_bounded=bounded,
+            syscalls=syscalls,
+            syscalls_filtered=self._seccomp is not None,
+        )
+
+    def _survey_syscalls(self) -> str:
+        if self._bwrap is None:
+            return "not filtered: no bubblewrap to load the filter"
+        try:
+            self._seccomp = syscall_filter()
+        except OSError as exc:
+            return (
+                f"not filtered ({exc.strerror}): a command may trace its sandbox's processes, "
+                "reach the trainer's session keyring and watch files other sandboxes open; "
+                "apt-get install libseccomp2"
+            )
+        return (
+            f"seccomp: {len(self._seccomp.numbers)} calls refused (ptrace, the keyring, "
+            "inotify, mounts, namespaces, bpf, perf, io_uring, ...)"
         )
 
     def _survey_disk(self) -> tuple[str, bool]:
@@ -497,6 +518,7 @@ class _LocalHandle(SandboxHandle):
         cores = self._cores or request.cores
         marker = None if bwrap else secrets.token_hex(8)
         env = {"PATH": _SYSTEM_PATH, "LANG": "C.UTF-8"}
+        rules = backend._seccomp.pipe() if bwrap and backend._seccomp else -1
         if bwrap is not None:
             env["HOME"] = SANDBOX_WORK
             argv = [
@@ -507,6 +529,7 @@ class _LocalHandle(SandboxHandle):
                     network=backend.network,
                     extra_ro=backend._bwrap_dirs,
                     tmp_size=backend.file_size,
+                    seccomp=rules if rules >= 0 else None,
                 )
             ]
         else:
@@ -541,7 +564,7 @@ class _LocalHandle(SandboxHandle):
                 cwd=self.workdir if bwrap is None else "/",
                 env=env,
                 start_new_session=True,
-                pass_fds=(status_write,) if bwrap else (),
+                pass_fds=tuple(fd for fd in (status_write, rules) if fd >= 0),
                 preexec_fn=_setup(backend, self._owner, self._leaf, cores, request),
             )
 
@@ -549,8 +572,9 @@ class _LocalHandle(SandboxHandle):
             try:
                 process = await anyio.to_thread.run_sync(_SPAWNER.submit(spawn).result)
             finally:
-                if status_write >= 0:
-                    os.close(status_write)
+                for fd in (status_write, rules):
+                    if fd >= 0:
+                        os.close(fd)
         except OSError as exc:
             if status_read >= 0:
                 os.close(status_read)
@@ -567,7 +591,7 @@ class _LocalHandle(SandboxHandle):
         try:
             if self._cores and self._cores != cores:  # resized while it was starting
                 await anyio.to_thread.run_sync(self._pin, tree, self._cores)
-            result = await _communicate(process, request, tree)
+            result = await communicate(process, request, tree)
             return self._finish(result, status_read, usage_before, oom_before)
         finally:
             self._tree = None
@@ -669,128 +693,3 @@ def _setup(
             resource.setrlimit(which, (value, value))
 
     return setup
-
-
-async def _discard(fd: int) -> None:
-    """Drop what is left on a pipe past the output limit, paced, until its end.
-
-    Read and dropped as fast as a command writes it, a flood held most of a core of the
-    trainer's event-loop thread (3.7 s of CPU in a 5 s action). Here the kernel moves a
-    full pipe to ``/dev/null`` (``splice``) every ``_DISCARD_PACE`` seconds: the command
-    is slowed to about 50 MiB/s of discarded output, never stopped, and the trainer pays
-    some fifty calls a second.
-    """
-    with contextlib.suppress(OSError):
-        fcntl.fcntl(fd, _F_SETPIPE_SZ, _DISCARD_CHUNK)
-    null = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
-    try:
-        while True:
-            await anyio.wait_readable(fd)
-            try:
-                moved = _splice(fd, null)
-            except BlockingIOError:
-                continue
-            if not moved:
-                return
-            await anyio.sleep(_DISCARD_PACE)
-    finally:
-        os.close(null)
-
-
-def _splice(fd: int, null: int) -> int:
-    splice = getattr(os, "splice", None)
-    if splice is None:  # not Linux: read and drop
-        return len(os.read(fd, _DISCARD_CHUNK))
-    moved: int = splice(fd, null, _DISCARD_CHUNK)
-    return moved
-
-
-async def _communicate(
-    process: subprocess.Popen[bytes], request: ExecRequest, tree: Tree
-) -> ExecResult:
-    assert process.stdin is not None and process.stdout is not None and process.stderr is not None
-    outputs: dict[int, bytearray] = {1: bytearray(), 2: bytearray()}
-    dropped = {1: False, 2: False}
-    timed_out = False
-    open_pipes = [2]
-    done = anyio.Event()
-
-    async def feed() -> None:
-        assert process.stdin is not None
-        fd = process.stdin.fileno()
-        os.set_blocking(fd, False)
-        view = memoryview(request.stdin)
-        try:
-            while view:
-                await anyio.wait_writable(fd)
-                try:
-                    written = os.write(fd, view[:_READ_CHUNK])
-                except BlockingIOError:
-                    continue
-                view = view[written:]
-        except (BrokenPipeError, OSError):
-            pass  # the command did not read its input: its business
-        finally:
-            process.stdin.close()
-
-    async def drain(stream: int) -> None:
-        pipe = process.stdout if stream == 1 else process.stderr
-        assert pipe is not None
-        fd = pipe.fileno()
-        os.set_blocking(fd, False)
-        buffer = outputs[stream]
-        while True:
-            await anyio.wait_readable(fd)
-            try:
-                chunk = os.read(fd, _READ_CHUNK)
-            except BlockingIOError:
-                continue
-            if not chunk:
-                open_pipes[0] -= 1
-                if not open_pipes[0]:
-                    done.set()
-                return
-            room = request.output_limit - len(buffer)
-            if room > 0:
-                buffer.extend(chunk[:room])
-            if len(chunk) > room:
-                dropped[stream] = True
-                await _discard(fd)
-
-    async def wait_exit() -> None:
-        try:
-            pidfd = os.pidfd_open(process.pid)
-        except (AttributeError, OSError):
-            await anyio.to_thread.run_sync(process.wait, abandon_on_cancel=True)
-            return
-        try:
-            await anyio.wait_readable(pidfd)
-        finally:
-            os.close(pidfd)
-
-    async with anyio.create_task_group() as io:
-        io.start_soon(feed)
-        io.start_soon(drain, 1)
-        io.start_soon(drain, 2)
-        with anyio.move_on_after(request.timeout) as scope:
-            await wait_exit()
-        timed_out = scope.cancelled_caught
-        # The command is done (or out of time): whatever it left running goes now, which
-        # also closes the pipes those leftovers held, so the readers reach end of file.
-        leftovers = await anyio.to_thread.run_sync(kill_tree, tree)
-        with anyio.move_on_after(5.0):
-            await done.wait()
-        io.cancel_scope.cancel()
-    for pipe in (process.stdout, process.stderr):
-        pipe.close()
-    status = await anyio.to_thread.run_sync(process.wait)
-    return ExecResult(
-        exit_code=None if timed_out or status < 0 else status,
-        stdout=bytes(outputs[1]),
-        stderr=bytes(outputs[2]),
-        stdout_truncated=dropped[1],
-        stderr_truncated=dropped[2],
-        timed_out=timed_out,
-        signal=-status if status < 0 else None,
-        leftovers_killed=leftovers,
-    )

@@ -135,6 +135,7 @@ def _local_isolation() -> dict[str, Any]:
         "disk": protections.disk,
         "cores": protections.cores,
         "files": protections.files,
+        "syscalls": protections.syscalls,
         "off": list(protections.missing),
     }
 

@@ -1,0 +1,94 @@
+"""The wire format between the code reward's harness and the answer's process.
+
+Part of the harness (:mod:`._harness`), joined into the one program the sandbox runs, so
+it imports nothing but the standard library and has no ``from __future__`` import (see
+:mod:`._checks`). The answer's side is not trusted: :func:`decode` builds only plain
+values, whatever was sent.
+
+JSON, with lists as arrays and everything else that is not a JSON scalar as a one-key
+object naming its type; a JSON object is therefore always such a tag. Handles stand for
+objects of the answer's own classes, which stay in its process.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["decode", "encode"]
+
+_MAX_DEPTH = 200
+# Ints past this many bits travel as hex: CPython refuses to parse decimal strings over
+# 4300 digits, and hex is linear both ways.
+_BIG_INT_BITS = 10_000
+
+_SEQUENCES: dict[type, str] = {tuple: "t", set: "s", frozenset: "fs"}
+_BUILD: dict[str, Callable[[Any], Any]] = {"t": tuple, "s": set, "fs": frozenset}
+_HEX: dict[type, str] = {bytes: "b", bytearray: "ba"}
+_FROM_HEX: dict[str, Callable[[str], Any]] = {"b": bytes.fromhex, "ba": bytearray.fromhex}
+
+
+def encode(value: Any, handle: Callable[[Any], int], depth: int = 0) -> Any:
+    """``value`` as JSON-able data; ``handle`` names an object that cannot be sent.
+
+    :raises ValueError: nested deeper than the wire allows.
+    """
+    if depth > _MAX_DEPTH:
+        raise ValueError("value nested too deeply to send")
+    kind = type(value)
+    if value is None or kind is bool or kind is str:
+        return value
+    if kind is int:
+        return {"i": format(value, "x")} if value.bit_length() > _BIG_INT_BITS else value
+    if kind is float:
+        return value if value - value == 0 else {"f": repr(value)}
+
+    def inner(item: Any) -> Any:
+        return encode(item, handle, depth + 1)
+
+    if kind is list:
+        return [inner(item) for item in value]
+    if kind in _SEQUENCES:
+        return {_SEQUENCES[kind]: [inner(item) for item in value]}
+    if kind in _HEX:
+        return {_HEX[kind]: value.hex()}
+    if kind is dict:
+        return {"d": [[inner(k), inner(v)] for k, v in value.items()]}
+    if kind is complex:
+        return {"c": [inner(value.real), inner(value.imag)]}
+    return {"h": handle(value)}
+
+
+def decode(data: Any, handle: Callable[[int], Any], depth: int = 0) -> Any:
+    """Plain Python data from :func:`encode`'s output; ``handle`` resolves a handle.
+
+    Builds only literals (and what ``handle`` returns), whatever the sender was.
+
+    :raises ValueError: anything :func:`encode` does not write.
+    """
+    if depth > _MAX_DEPTH:
+        raise ValueError("value nested too deeply")
+    if data is None or type(data) in (bool, str, int, float):
+        return data
+    if type(data) is list:
+        return [decode(item, handle, depth + 1) for item in data]
+    if type(data) is not dict or len(data) != 1:
+        raise ValueError("malformed value")
+    ((tag, body),) = data.items()
+    if tag in _BUILD and type(body) is list:
+        return _BUILD[tag](decode(item, handle, depth + 1) for item in body)
+    if tag in _FROM_HEX and type(body) is str:
+        return _FROM_HEX[tag](body)
+    if tag == "d" and type(body) is list:
+        pairs = [decode(pair, handle, depth + 1) for pair in body]
+        if all(type(pair) is list and len(pair) == 2 for pair in pairs):
+            return {k: v for k, v in pairs}
+    if tag == "c" and type(body) is list and len(body) == 2:
+        real, imag = (decode(part, handle, depth + 1) for part in body)
+        if type(real) is float and type(imag) is float:
+            return complex(real, imag)
+    if tag == "f" and body in ("inf", "-inf", "nan"):
+        return float(body)
+    if tag == "i" and type(body) is str:
+        return int(body, 16)
+    if tag == "h" and type(body) is int:
+        return handle(body)
+    raise ValueError(f"malformed value (tag {str(tag)[:20]!r})")
