@@ -35,7 +35,7 @@ from .._core._demand import Elastic
 from .._core._validate import seconds
 from .._sandbox._pool import Sandbox
 from ..errors import InvalidSettingError, SandboxBrokenError, SettingTypeError
-from . import _checks, _harness, _wire
+from . import _checks, _fork, _harness, _wire
 
 __all__ = [
     "DEFAULT_CASE_TIMEOUT",
@@ -62,7 +62,7 @@ _HARNESS_MARGIN = 2.0
 def _harness_source() -> str:
     """The program the sandbox runs: the harness, then the comparisons it imports (which
     it does not import there: it is no package), then the call of its ``main``."""
-    paths = (_harness.__file__, _checks.__file__, _wire.__file__)
+    paths = (_harness.__file__, _checks.__file__, _wire.__file__, _fork.__file__)
     parts = [Path(path).read_text(encoding="utf-8") for path in paths]
     return "\n".join([*parts, "main()\n"])
 
@@ -292,7 +292,6 @@ async def grade(
     secret = secrets.token_hex(16)
     source = _harness_source()
     payload = {
-        "harness": source,
         "answer": answer,
         "tests": dict(suite.spec),
         "budget": budget,

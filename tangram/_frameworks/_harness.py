@@ -1,20 +1,21 @@
 """The trusted half of the code reward: the program that judges an answer inside the sandbox.
 
 :mod:`._grade` sends this file's *source*, joined with those of :mod:`._checks` (the
-comparisons) and :mod:`._wire` (the values sent), and a call of :func:`main`, into the sandbox and runs it as ``python -I -c
-PROGRAM`` with the payload on stdin; tangram itself never runs :func:`main` in its own
-process. The verdict must not be the exit status of a process the answer controls, so:
+comparisons), :mod:`._wire` (the values sent) and :mod:`._fork` (the answer's processes),
+and a call of :func:`main`, into the sandbox and runs it as ``python -I -c PROGRAM`` with
+the payload on stdin; tangram itself never runs :func:`main` in its own process. The
+verdict must not be the exit status of a process the answer controls, so:
 
 - the harness never imports or execs the answer: the answer runs in a child process of its
-  own (this same source, run as ``answer``), which inherits none of the harness's file
-  descriptors and whose stdout is not the harness's;
+  own (forked by :class:`._fork.Forker`, made before the payload was read), which holds
+  none of the harness's file descriptors and whose stdout is not the harness's;
 - before it reads its stdin the harness makes itself non-dumpable, so a process of the same
   user (the answer) can neither trace it nor open its ``/proc/<pid>/mem``, ``fd/`` or
   ``environ``: the per-call secret and the tests it read from stdin stay out of reach;
 - assertion tests run *here*, against proxies: a call of the answer's function sends the
   arguments to the answer's process and decodes what comes back into plain Python data
-  (:func:`._wire.decode` builds only literals), so an object with a forged ``__eq__``, a patched
-  builtin or a trace function in the answer's process changes nothing here;
+  (:func:`._wire.decode` builds only literals), so an object with a forged ``__eq__``, a
+  patched builtin or a trace function in the answer's process changes nothing here;
 - its only output is two lines carrying the secret: ``<secret> {"started": true}`` when
   the payload is read, ``<secret> {"passed": n, "total": m}`` at the end. Whatever ends
   the harness early (the answer killing or stopping it) leaves no verdict, which scores 0.
@@ -27,21 +28,19 @@ from __future__ import annotations
 
 import ast
 import builtins
-import contextlib
 import ctypes
 import json
 import os
 import select
-import subprocess
 import sys
 import time
-import traceback
-import types
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
 if __name__ != "__main__":  # imported by tangram; in the sandbox the program holds them
+    from typing import Any
+
     from ._checks import call_passed, count_tests, same_output, test_plan
+    from ._fork import Child, Forker
     from ._wire import decode, encode
 
 __all__ = ["main"]
@@ -93,27 +92,24 @@ def _memfd(name: str, data: bytes) -> int:
     return fd
 
 
-_ANSWER_RAN = False
-"""Whether an answer's process was ever started: from then on, every failure of this
-process may be the answer's doing (see :func:`_harness`)."""
+_FORKER: Forker | None = None
+"""Makes the answer's processes (:mod:`._fork`); started before the payload is read."""
 
 
-def _spawn(harness: str, mode: str, fds: Sequence[int], **options: Any) -> subprocess.Popen[bytes]:
-    """The answer's process: this source run as ``answer``, in a session of its own, given
-    only ``fds`` and the standard streams ``options`` name."""
-    global _ANSWER_RAN
-    argv = [sys.executable, "-I", "-c", harness, "answer", mode, *map(str, fds)]
-    process = subprocess.Popen(argv, pass_fds=tuple(fds), start_new_session=True, **options)
-    _ANSWER_RAN = True
-    return process
+def _spawn(mode: str, fds: Sequence[int], until: float) -> Child:
+    """An answer process in ``mode`` given ``fds``.
+
+    :raises OSError: none could be made (the forker is gone, stopped or out of processes).
+    """
+    if _FORKER is None:
+        raise OSError("no forker")
+    return _FORKER.spawn(mode, fds, until)
 
 
-def _kill(process: subprocess.Popen[bytes]) -> None:
-    # The answer runs in a session of its own: its group holds it and what it forked.
-    with contextlib.suppress(OSError):
-        os.killpg(process.pid, 9)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(timeout=5)
+def _answer_ran() -> bool:
+    """Whether an answer process was ever made: from then on, every failure of this
+    process may be the answer's doing (see :func:`_harness`)."""
+    return _FORKER is not None and _FORKER.spawned
 
 
 class _Deadline:
@@ -133,11 +129,10 @@ class Answer:
     call without a restart: the same source would fail the same way.
     """
 
-    def __init__(self, harness: str, source: str, deadline: _Deadline) -> None:
-        self.harness = harness
+    def __init__(self, source: str, deadline: _Deadline) -> None:
         self.source = source.encode()
         self.deadline = deadline
-        self.process: subprocess.Popen[bytes] | None = None
+        self.process: Child | None = None
         self.generation = 0
         self.failed: str | None = None
         self._buffer = bytearray()
@@ -146,7 +141,7 @@ class Answer:
 
     def close(self) -> None:
         if self.process is not None:
-            _kill(self.process)
+            self.process.kill()
             self.process = None
         for fd in (self._requests, self._replies):
             if fd >= 0:
@@ -176,9 +171,7 @@ class Answer:
         request_r, request_w = os.pipe()
         reply_r, reply_w = os.pipe()
         try:
-            null = subprocess.DEVNULL
-            fds = (source_fd, request_r, reply_w)
-            self.process = _spawn(self.harness, "call", fds, stdin=null, stdout=null, stderr=null)
+            self.process = _spawn("call", (source_fd, request_r, reply_w), self.deadline.case())
         except BaseException:
             os.close(request_w)
             os.close(reply_r)
@@ -431,7 +424,7 @@ def _readings(tree: ast.Module, answer: bytes, entry_point: str | None) -> list[
     return [frozenset(), frozenset(contested)] if contested else [frozenset()]
 
 
-_Plan = tuple[list[tuple[ast.Module, bool]], bool, dict[str, Any]]
+_Plan = tuple[list[tuple[ast.Module, bool]], bool, "dict[str, Any]"]
 
 
 def _assert_plans(suite: Mapping[str, Any], answer: Answer) -> list[_Plan]:
@@ -522,14 +515,12 @@ def _run_calls(suite: Mapping[str, Any], answer: Answer) -> int:
     return passed
 
 
-def _run_main(harness: str, source: bytes, stdin: bytes, until: float) -> tuple[int | None, bytes]:
+def _run_main(source: bytes, stdin: bytes, until: float) -> tuple[int | None, bytes]:
     """Run the answer as a program on ``stdin``: its exit status and stdout (or None)."""
     source_fd, stdin_fd = _memfd("answer", source), _memfd("stdin", stdin)
     out, into = os.pipe()
     try:
-        process = _spawn(
-            harness, "main", (source_fd,), stdin=stdin_fd, stdout=into, stderr=subprocess.DEVNULL
-        )
+        process = _spawn("main", (source_fd, stdin_fd, into), until)
     except BaseException:
         os.close(out)
         raise
@@ -544,13 +535,11 @@ def _run_main(harness: str, source: bytes, stdin: bytes, until: float) -> tuple[
         # The answer ran: it capped this process's memory and then printed past it.
         return None, b""
     finally:
-        _kill(process)
+        process.kill()
         os.close(out)
 
 
-def _collect(
-    process: subprocess.Popen[bytes], out: int, output: bytearray, until: float
-) -> tuple[int | None, bytes]:
+def _collect(process: Child, out: int, output: bytearray, until: float) -> tuple[int | None, bytes]:
     """The answer program's exit status and stdout, read from ``out`` until ``until``."""
     while True:
         left = until - time.monotonic()
@@ -570,17 +559,15 @@ def _collect(
         elif process.poll() is not None:
             # Exited: what it forked into its group goes too, closing their copies of
             # the pipe; one that left the group keeps it open until the deadline.
-            with contextlib.suppress(OSError):
+            try:  # noqa: SIM105 (contextlib is a tenth of the harness's start)
                 os.killpg(process.pid, 9)
-    deadline_left = max(0.0, until - time.monotonic())
-    try:
-        code = process.wait(timeout=deadline_left)
-    except subprocess.TimeoutExpired:
-        return None, b""
-    return code, bytes(output)
+            except OSError:
+                pass
+    code = process.wait(max(0.0, until - time.monotonic()))
+    return (None, b"") if code is None else (code, bytes(output))
 
 
-def _run_stdio(suite: Mapping[str, Any], harness: str, source: str, deadline: _Deadline) -> int:
+def _run_stdio(suite: Mapping[str, Any], source: str, deadline: _Deadline) -> int:
     # Every buffer made before the answer first runs: it may cap this process's memory.
     program = source.encode()
     cases = [(case["stdin"].encode(), case["stdout"]) for case in suite["cases"]]
@@ -589,11 +576,11 @@ def _run_stdio(suite: Mapping[str, Any], harness: str, source: str, deadline: _D
         if time.monotonic() >= deadline.end:
             break
         try:
-            code, out = _run_main(harness, program, stdin, deadline.case())
+            code, out = _run_main(program, stdin, deadline.case())
             # The output is the answer's: what it does to the comparison fails this case.
             passed += code == 0 and same_output(out.decode(errors="replace"), want)
         except Exception:
-            if not _ANSWER_RAN:
+            if not _answer_ran():
                 raise  # before the answer ever ran: the sandbox's failure
             # The answer may have lowered this process's limits (see ``_harness``).
             continue
@@ -643,8 +630,8 @@ def _judge(payload: Mapping[str, Any]) -> int:
     suite = payload["tests"]
     deadline = _Deadline(float(payload["budget"]), float(payload["case_timeout"]))
     if suite["kind"] == "stdio":
-        return _run_stdio(suite, payload["harness"], payload["answer"], deadline)
-    answer = Answer(payload["harness"], payload["answer"], deadline)
+        return _run_stdio(suite, payload["answer"], deadline)
+    answer = Answer(payload["answer"], deadline)
     plans = [] if suite["kind"] == "call" else _assert_plans(suite, answer)
     try:
         answer.start()
@@ -655,13 +642,27 @@ def _judge(payload: Mapping[str, Any]) -> int:
         answer.close()
 
 
+def _error() -> str:
+    import traceback  # only here: its import is a tenth of the harness's start
+
+    return traceback.format_exc(limit=5)
+
+
 def _harness() -> None:
+    global _FORKER
     # Sealed first: until then another process of this user could open our stdin.
     sealed = _seal()
+    # Before a byte of the payload is read: the forker must hold neither it nor stdout.
+    try:
+        _FORKER = Forker()
+    except OSError:
+        _FORKER = None  # reported below, once the secret is known
     _keep_stdout_for_verdicts()
     raw = sys.stdin.buffer.read()
     head, _, body = raw.partition(b"\n")
     secret = head.decode("ascii", "replace")
+    if sealed is None and _FORKER is None:
+        sealed = "the harness could not fork its answer processes' forker"
     if sealed is not None:
         _emit(secret, {"error": sealed})
         return
@@ -669,15 +670,15 @@ def _harness() -> None:
         payload = json.loads(body)
         total = count_tests(payload["tests"])
     except Exception:
-        _emit(secret, {"error": traceback.format_exc(limit=5)})
+        _emit(secret, {"error": _error()})
         return
     _emit(secret, {"started": True})
     try:
         passed = _judge(payload)
     except Exception as exc:
-        if not _ANSWER_RAN:
+        if not _answer_ran():
             # Before any of the answer ran, nothing but tangram or the sandbox failed.
-            _emit(secret, {"error": traceback.format_exc(limit=5)})
+            _emit(secret, {"error": _error()})
             return
         # The answer shares this process's uid: it may have lowered any of its limits
         # (``prlimit``: memory, files, processes, file size, stack), so from its first
@@ -688,96 +689,8 @@ def _harness() -> None:
     _emit(secret, {"passed": passed, "total": total})
 
 
-# -- the answer's side -------------------------------------------------------------------
-
-
-def _answer(argv: Sequence[str]) -> None:
-    """Run in the answer's process: the answer as ``python -c`` would, then serve calls.
-
-    Nothing here is trusted: the answer can replace any of it. It only has to work for an
-    answer that does not try.
-    """
-    mode, source_fd = argv[0], int(argv[1])
-    chunks = []
-    while True:
-        chunk = os.read(source_fd, 1 << 16)
-        if not chunk:
-            break
-        chunks.append(chunk)
-    os.close(source_fd)
-    source = b"".join(chunks).decode()
-    sys.argv = ["-c"]
-    sys.path.insert(0, "")
-    module = types.ModuleType("__main__")
-    module.__dict__["__builtins__"] = builtins
-    sys.modules["__main__"] = module
-    if mode == "main":
-        exec(compile(source, "<string>", "exec"), module.__dict__)
-        return
-    requests = os.fdopen(int(argv[2]), "rb")
-    replies = int(argv[3])
-
-    def send(message: Mapping[str, Any]) -> None:
-        view = memoryview(json.dumps(message).encode() + b"\n")
-        while view:
-            view = view[os.write(replies, view) :]
-
-    try:
-        exec(compile(source, "<string>", "exec"), module.__dict__)
-    except BaseException as exc:
-        send({"ready": False, "error": f"{type(exc).__name__}: {exc}"[:_MESSAGE_LIMIT]})
-        return
-    send({"ready": True})
-    objects: dict[int, Any] = {}
-
-    def keep(value: Any) -> int:
-        objects[id(value)] = value
-        return id(value)
-
-    def find(number: int) -> Any:
-        return objects[number]
-
-    namespace = module.__dict__
-    for line in requests:
-        try:
-            request = json.loads(line)
-            target = request["target"]
-            if type(target) is int:
-                function = getattr(find(target), request["method"])
-            elif target in namespace:
-                function = namespace[target]
-            elif request.get("solution") and "Solution" in namespace:
-                # SandboxFusion's call tests find a method of ``Solution`` the same way.
-                function = getattr(namespace["Solution"](), target)
-            else:
-                raise NameError(f"name {target!r} is not defined")
-            args = decode(request["args"], find)
-            result = function(*args, **decode(request["kwargs"], find))
-            after = {
-                str(i): encode(arg, keep)
-                for i, arg in enumerate(args)
-                if type(arg) in (list, dict, set, bytearray)
-            }
-            reply = {"ok": True, "value": encode(_plain(result), keep), "args": after}
-        except BaseException as exc:
-            reply = {"ok": False, "error": type(exc).__name__, "message": str(exc)}
-        send(reply)
-
-
-def _plain(value: Any) -> Any:
-    """Numpy scalars and arrays, and subclasses of the builtins, as the builtin values."""
-    if type(value) in (int, float, str, bool, list, tuple, dict, set, bytes) or value is None:
-        return value
-    if hasattr(value, "tolist") and callable(value.tolist):
-        return value.tolist()
-    for base in (bool, int, float, str, bytes):
-        if isinstance(value, base):
-            return base(value)  # type: ignore[arg-type]
-    return value
-
-
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "answer":
-        _answer(sys.argv[2:])
-    else:
-        _harness()
+    _harness()
+    # Verdicts went out with ``os.write``: nothing to flush, and an interpreter's
+    # shutdown (a third of a millisecond per module) is not the step's to wait for.
+    os._exit(0)
