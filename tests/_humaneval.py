@@ -211,6 +211,14 @@ async def tangram(pool: SandboxPool, answer: Answer, number: int = 0) -> Verdict
         )
 
 
+async def sandboxed(pool: SandboxPool, answer: Answer, number: int = 0) -> bool:
+    """The classic recipe in a fresh sandbox of ``pool``: what isolating each answer costs
+    before any grading logic (still unsafe: the answer decides its own exit status)."""
+    async with pool.sandbox(f"humaneval-classic-{number}") as sandbox:
+        result = await sandbox.run([sandbox.python, "-c", answer.program], timeout=TIMEOUT)
+    return result.exit_code == 0
+
+
 async def limited(calls: Sequence[Callable[[], Awaitable[T]]], width: int = WIDTH) -> list[T]:
     """Each call's result, in order, at most ``width`` running at once."""
     gate = asyncio.Semaphore(width)
@@ -236,4 +244,12 @@ async def tangram_all(
 ) -> list[Verdict]:
     """Tangram's verdict of every answer, ``width`` gradings at a time."""
     calls = [functools.partial(tangram, pool, a, i) for i, a in enumerate(chosen)]
+    return await limited(calls, width)
+
+
+async def sandboxed_all(
+    pool: SandboxPool, chosen: Sequence[Answer], width: int = WIDTH
+) -> list[bool]:
+    """The classic verdict of every answer, each in a fresh sandbox, ``width`` at a time."""
+    calls = [functools.partial(sandboxed, pool, a, i) for i, a in enumerate(chosen)]
     return await limited(calls, width)
