@@ -26,8 +26,8 @@ What it measures
 Why
     The harness buys verdicts an answer cannot forge (``docs/rewards.md``) with a sandbox,
     an interpreter, a forked answer process and pipes per answer, where the classic
-    recipe starts one interpreter. A reward that costs several times the classic one slows every RL step
-    that waits for it.
+    recipe starts one interpreter. A reward that costs several times the classic one
+    slows every RL step that waits for it.
 
 Target
     ``grade_vs_classic``: tangram's wall time over the classic recipe's, <= 1.5 (issue
