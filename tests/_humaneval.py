@@ -143,12 +143,14 @@ class Answer:
     source: str
     test: str
     entry_point: str
+    prompt: str
     change: str = ""  # what the mutator changed
 
     @property
     def label(self) -> dict[str, str]:
-        """The tests as tangram's ``grade`` takes HumanEval's."""
-        return {"test": self.test, "entry_point": self.entry_point}
+        """The tests as tangram's ``grade`` takes HumanEval's: the prompt's helpers (``poly``,
+        ``encode_cyclic``) are the tests', not the answer's."""
+        return {"test": self.test, "entry_point": self.entry_point, "prompt": self.prompt}
 
     @property
     def program(self) -> str:
@@ -161,7 +163,12 @@ def answers(chosen: Iterable[dict[str, Any]], seed: int = 0) -> list[Answer]:
     found = []
     for problem in chosen:
         task, prompt = problem["task_id"], problem["prompt"]
-        common = {"task_id": task, "test": problem["test"], "entry_point": problem["entry_point"]}
+        common = {
+            "task_id": task,
+            "test": problem["test"],
+            "entry_point": problem["entry_point"],
+            "prompt": prompt,
+        }
         mutant, change = mutate(prompt, problem["canonical_solution"], (seed, task))
         found += [
             Answer(kind="canonical", source=prompt + problem["canonical_solution"], **common),

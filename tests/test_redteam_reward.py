@@ -13,11 +13,11 @@ import keyword
 
 import pytest
 from _grading import anyio_backend, judge, pool  # noqa: F401 (fixtures)
-from _hacks import HUMANEVAL_4, MBPP_2, ROUND_3, WRONG
+from _hacks import HUMANEVAL_4, HUMANEVAL_38, HUMANEVAL_38_PROMPT, MBPP_2, ROUND_3, WRONG
 from _reward_attacks import LIMITS, STAGES, limit_attack
 
 from tangram._sandbox._pool import SandboxPool
-from tangram.errors import SandboxBrokenError
+from tangram.errors import InvalidSettingError, SandboxBrokenError
 
 pytestmark = pytest.mark.anyio
 
@@ -150,3 +150,49 @@ async def test_a_judge_limit_the_answer_lowers_never_stops_the_step(
     except SandboxBrokenError as exc:
         pytest.fail(f"a wrong answer turned its 0 into an infrastructure failure: {exc}")
     assert verdict.score() == 0.0, verdict
+
+
+# -- round 3, second review -----------------------------------------------------------------
+
+
+async def test_an_object_the_tests_built_keeps_every_method(pool: SandboxPool) -> None:
+    """Methods named like a builtin value's are refused only on objects the answer
+    returned, not on one the tests built from the answer's class (``Stack().pop()``)."""
+    answer = (
+        "class Stack:\n"
+        "    def __init__(self):\n        self.items = []\n"
+        "    def append(self, x):\n        self.items.append(x)\n"
+        "    def pop(self):\n        return self.items.pop()\n"
+    )
+    tests = "s = Stack()\ns.append(1)\ns.append(2)\nassert s.pop() == 2\nassert s.pop() == 1\n"
+    assert (await judge(pool, answer, tests)).score() == 1.0
+
+
+async def test_an_answer_that_is_not_utf8_scores_zero_and_a_label_is_refused(
+    pool: SandboxPool,
+) -> None:
+    """A lone surrogate (text decoded with ``surrogateescape``) in the answer made the
+    harness fail to encode it, before the answer ran: ``SandboxBrokenError``."""
+    verdict = await judge(pool, RIGHT_ADD + "# \udce9\n", "assert add(2, 3) == 5\n")
+    assert verdict.score() == 0.0 and verdict.total == 1
+    with pytest.raises(InvalidSettingError, match="not UTF-8"):
+        await judge(pool, RIGHT_ADD, {"inputs": ["2 3\udce9\n"], "outputs": ["5\n"]})
+
+
+async def test_the_prompts_helpers_are_the_tests_and_its_stub_is_the_answers(
+    pool: SandboxPool,
+) -> None:
+    """HumanEval/38 with its prompt: a right ``decode_cyclic`` scores 1.0 against the
+    prompt's own ``encode_cyclic``, whatever the answer defines under that name."""
+    decode = (
+        "def decode_cyclic(s):\n"
+        "    groups = [s[(3 * i):min((3 * i + 3), len(s))] for i in range((len(s) + 2) // 3)]\n"
+        "    groups = [(g[-1] + g[:-1]) if len(g) == 3 else g for g in groups]\n"
+        "    return ''.join(groups)\n"
+    )
+    label = {**HUMANEVAL_38, "prompt": HUMANEVAL_38_PROMPT}
+    assert (await judge(pool, HUMANEVAL_38_PROMPT + decode, label)).score() == 1.0
+    lying = decode + "def encode_cyclic(s):\n    return s\n"
+    assert (await judge(pool, lying, label)).score() == 1.0  # the prompt's is used
+    with pytest.raises(InvalidSettingError, match="prompt"):
+        await judge(pool, decode, {**HUMANEVAL_38, "prompt": "def ("})

@@ -346,3 +346,24 @@ async def test_a_lock_on_a_shared_file_still_carries_bits_between_sandboxes(
     wrong = sum(a != b for a, b in zip(bits, results["receive"], strict=True))
     print(f"lock channel: {len(bits) / (len(bits) * slot):.0f} bit/s, {wrong} of {len(bits)} wrong")
     assert wrong < len(bits) // 10, (bits, results)
+
+
+async def test_a_sandbox_cannot_ask_which_pages_of_a_shared_file_are_cached(
+    pool: SandboxPool,
+) -> None:
+    """``preadv2(RWF_NOWAIT)`` answers only from the page cache: one sandbox read chosen
+    pages of a cold file under ``/usr`` and a later sandbox decoded them, a channel that
+    needs no overlap in time. Refused with that flag; plain reads work."""
+    code = (
+        "import os\n"
+        "fd = os.open('/etc/passwd', os.O_RDONLY)\n"
+        "print(os.preadv(fd, [bytearray(1)], 0))\n"
+        "try:\n"
+        "    os.preadv(fd, [bytearray(1)], 0, os.RWF_NOWAIT)\n"
+        "    print('answered')\n"
+        "except PermissionError:\n"
+        "    print('refused')\n"
+    )
+    async with pool.sandbox("cache") as sandbox:
+        result = await sandbox.run([PYTHON, "-c", code], timeout=20)
+    assert result.stdout.decode().split() == ["1", "refused"], result

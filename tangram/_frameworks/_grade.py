@@ -21,6 +21,7 @@ Two kinds of tests, the two that code-RL datasets carry:
 
 from __future__ import annotations
 
+import ast
 import functools
 import json
 import logging
@@ -194,11 +195,30 @@ def _from_mapping(label: Mapping[str, Any]) -> TestSuite:
             not isinstance(entry_point, str) or not entry_point.isidentifier()
         ):
             raise InvalidSettingError(f"`entry_point` must be a Python name (got {entry_point!r})")
-        return _asserts(_text(label["test"], "`test`"), entry_point)
+        suite = _asserts(_text(label["test"], "`test`"), entry_point)
+        prompt = _plain(label.get("prompt"))
+        if prompt is None:
+            return suite
+        if not isinstance(prompt, str):
+            raise InvalidSettingError(f"`prompt` must be Python source (got {prompt!r:.80})")
+        try:
+            ast.parse(prompt)
+        except SyntaxError as exc:
+            raise InvalidSettingError(f"the prompt does not parse: {exc}") from None
+        return TestSuite({**suite.spec, "helpers": prompt}, suite.total)
     raise InvalidSettingError(
         "a test mapping needs `inputs` and `outputs` (with `fn_name` for calls), "
         f"`assert_case`, `test_list` or `test` (got keys {sorted(label)})"
     )
+
+
+def _checked(suite: TestSuite) -> TestSuite:
+    """``suite``, once it is known to travel: text the harness can read (UTF-8)."""
+    try:
+        json.dumps(dict(suite.spec), ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidSettingError(f"the tests hold text that is not UTF-8 ({exc})") from None
+    return suite
 
 
 def parse_tests(label: object) -> TestSuite:
@@ -208,13 +228,18 @@ def parse_tests(label: object) -> TestSuite:
     - a list of strings: assertion lines (MBPP's ``test_list``);
     - a mapping: ``inputs``/``outputs`` (+ ``fn_name``) as input/output or call tests;
       ``assert_case`` or ``test_list`` (+ ``test_imports``, ``test_setup_code``); or
-      ``test`` (+ ``entry_point``, HumanEval's form).
+      ``test`` (+ ``entry_point``, and ``prompt`` whose definitions but the entry
+      point's are the tests', HumanEval's form).
 
     :raises InvalidSettingError: the label holds no test that can be run (a ValueError).
     :raises SettingTypeError: the label is none of these (a TypeError).
     """
     if isinstance(label, TestSuite):
         return label
+    return _checked(_parse(label))
+
+
+def _parse(label: object) -> TestSuite:
     label = _plain(label)
     if isinstance(label, str):
         stripped = label.strip()
@@ -236,6 +261,14 @@ def parse_tests(label: object) -> TestSuite:
 
 
 # -- grading -----------------------------------------------------------------------------
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _interpreter(sandbox: Sandbox) -> str:
@@ -286,6 +319,10 @@ async def grade(
     if not isinstance(answer, str):
         raise SettingTypeError(f"`answer` must be Python source (got {answer!r:.80})")
     suite = parse_tests(tests)
+    if not _utf8(answer):
+        # A lone surrogate (text decoded with ``surrogateescape``) cannot reach the
+        # harness as source: the answer's text, so its 0, never the step's failure.
+        return Verdict(0, suite.total)
     whole_run = _seconds("timeout", timeout, DEFAULT_TIMEOUT)
     budget = whole_run - min(_HARNESS_MARGIN, whole_run / 5)
     per_case = min(_seconds("case_timeout", case_timeout, DEFAULT_CASE_TIMEOUT), budget)

@@ -135,6 +135,7 @@ class Answer:
         self.process: Child | None = None
         self.generation = 0
         self.failed: str | None = None
+        self.classes = _top_level_classes(self.source)
         self._buffer = bytearray()
         self._requests = -1
         self._replies = -1
@@ -326,20 +327,43 @@ class Function:
         self.__name__ = name
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._answer.call(self._name, None, args, kwargs, solution=self._solution)
+        result = self._answer.call(self._name, None, args, kwargs, solution=self._solution)
+        if isinstance(result, Remote) and self._name in self._answer.classes:
+            result._constructed = True
+        return result
+
+
+# What the tests may call on a builtin value: on one of the answer's objects they are the
+# answer's to answer, so ``f(x).startswith("Hello")`` passed for any object whose
+# ``startswith`` said yes (issue #27's second review).
+_VALUE_METHODS = frozenset(
+    name
+    for kind in (str, bytes, bytearray, list, tuple, dict, set, frozenset, int, float, complex)
+    for name in dir(kind)
+    if not name.startswith("_")
+)
 
 
 class Remote:
-    """One of the answer's objects, which stays in its process: its methods can be called."""
+    """One of the answer's objects, which stays in its process: its methods can be called.
+
+    A method named like one of a builtin value's (``startswith``, ``issubset``, ``pop``)
+    only on an object the tests built by calling one of the answer's classes
+    (``Stack().pop()``): elsewhere the tests expected a value, and a value would have
+    come as data.
+    """
 
     def __init__(self, answer: Answer, number: int, generation: int) -> None:
         self._answer = answer
         self._number = number
         self._generation = generation
+        self._constructed = False
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         if name.startswith("__"):
             raise AttributeError(name)
+        if name in _VALUE_METHODS and not self._constructed:
+            raise AttributeError(f"{name}: the answer returned an object, not a value")
 
         def method(*args: Any, **kwargs: Any) -> Any:
             return self._answer.call(self._number, name, args, kwargs, generation=self._generation)
@@ -358,8 +382,22 @@ def _top_level_names(source: bytes) -> set[str]:
         tree = ast.parse(source)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return set()
+    return {name for name in _bound(tree.body) if not _dunder(name)}
+
+
+def _top_level_classes(source: bytes) -> frozenset[str]:
+    """The classes the answer defines at its top level, read as text, never run."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return frozenset()
+    return frozenset(stmt.name for stmt in tree.body if isinstance(stmt, ast.ClassDef))
+
+
+def _bound(body: Sequence[ast.stmt]) -> set[str]:
+    """Names these top-level statements bind: definitions, imports, assignments."""
     names: set[str] = set()
-    for stmt in tree.body:
+    for stmt in body:
         if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(stmt.name)
         elif isinstance(stmt, (ast.Import, ast.ImportFrom)):
@@ -372,7 +410,26 @@ def _top_level_names(source: bytes) -> set[str]:
                     for node in ast.walk(target)
                     if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store)
                 )
-    return {name for name in names if not _dunder(name)}
+    return names
+
+
+def _helpers(suite: Mapping[str, Any], entry_point: str | None) -> ast.Module:
+    """The dataset's own definitions the tests lean on: the prompt's, but the entry point.
+
+    HumanEval's tests compute what they expect with the prompt's helpers
+    (``encode_cyclic(s)``, then ``candidate(encoded) == s``): read as the answer's, an
+    answer defining both as the identity scored 1.0 (issue #27's second review).
+    """
+    source = suite.get("helpers")
+    body = ast.parse(source, "<prompt>").body if source else []
+    kept = [
+        stmt
+        for stmt in body
+        if not (
+            isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) and stmt.name == entry_point
+        )
+    ]
+    return ast.Module(body=kept, type_ignores=[])
 
 
 def _dunder(name: str) -> bool:
@@ -437,12 +494,15 @@ def _assert_plans(suite: Mapping[str, Any], answer: Answer) -> list[_Plan]:
     """
     entry_point = suite.get("entry_point")
     tree, steps, check = test_plan(suite["source"], entry_point)
+    helpers = _helpers(suite, entry_point)
+    theirs = _bound(helpers.body)
     plans = []
     for shadowed in _readings(tree, answer.source, entry_point):
         # ``__main__``: tests often end in ``if __name__ == "__main__": check(...)``,
         # which under any other name was counted as a test and never ran.
         namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
-        for name in _free_names(tree, shadowed):
+        exec(compile(helpers, "<prompt>", "exec"), namespace)
+        for name in _free_names(tree, shadowed) - theirs:
             # Tests often lean on the answer's ``import math``; they get the real module.
             if name in sys.stdlib_module_names:
                 try:
@@ -450,7 +510,11 @@ def _assert_plans(suite: Mapping[str, Any], answer: Answer) -> list[_Plan]:
                     continue
                 except ImportError:
                     pass
-            namespace[name] = Function(answer, name)
+            # With an entry point, it alone is the answer's: any other name the tests
+            # use but neither they nor the prompt define is a helper the answer must not
+            # decide (``encode_cyclic``); without the prompt, such a test fails.
+            if not entry_point:
+                namespace[name] = Function(answer, name)
         if entry_point:
             namespace[entry_point] = Function(answer, entry_point)
         plans.append((list(steps), bool(check), namespace))

@@ -95,6 +95,9 @@ DENIED: tuple[str, ...] = (
 in the filter (``SyscallFilter.numbers`` names those that are)."""
 
 
+_RWF_NOWAIT = 0x8
+
+
 @attrs.frozen
 class SyscallFilter:
     """A compiled filter: the BPF program bubblewrap loads, and the calls it denies."""
@@ -139,6 +142,13 @@ def syscall_filter() -> SyscallFilter:
             continue
         rules.add_rule(seccomp.ERRNO(errno.EPERM), name)
         numbers[name] = number
+    # ``preadv2`` with RWF_NOWAIT reads only what is cached: one sandbox probed which
+    # pages of a shared ``/usr`` file another had read (a channel across time, issue
+    # #27's second review). Refused with that flag alone; plain reads keep their timing.
+    number = seccomp.resolve_syscall(arch, "preadv2")
+    if number >= 0:
+        nowait = seccomp.Arg(5, seccomp.MASKED_EQ, _RWF_NOWAIT, _RWF_NOWAIT)
+        rules.add_rule(seccomp.ERRNO(errno.EPERM), "preadv2", nowait)
     with tempfile.TemporaryFile() as out:
         rules.export_bpf(out)
         out.seek(0)
