@@ -28,7 +28,9 @@ Hardened by default (each loosened only by an explicit :class:`DockerConfig` fie
 network, memory and pids limits, read-only root with a tmpfs work dir, every capability
 dropped but the runner's three, ``no-new-privileges``, commands under an unprivileged user
 that is not the runner's, and no container log (nothing a command writes reaches the
-daemon's disk).
+daemon's disk). Always: a descriptor limit per process derived from the daemon's host's
+file table (:func:`tangram._sandbox._engine.open_files_for`, measured at start), and SysV
+shared memory that goes with the processes that hold it.
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ from ._backend import Host, SandboxBackend, SandboxHandle
 from ._cgroupfs import PERIOD_US
 from ._container import PARKED_QUOTA_US, DockerHandle
 from ._cores import format_cpu_list, numa_nodes
-from ._engine import DockerConfig, HostInfo, stream_client
-from ._reaper import reap
+from ._engine import DockerConfig, HostInfo, open_files_for, stream_client
+from ._reaper import LABEL, owner_labels, reap
 
 __all__ = ["PARKED_QUOTA_US", "PERIOD_US", "DockerBackend", "DockerConfig", "docker_usable"]
 
@@ -98,12 +100,24 @@ class DockerBackend(SandboxBackend):
         return await docker_usable()
 
     async def start(self) -> Sequence[Host]:
-        import aiodocker
-
         from ._runner import RUNNER_SOURCE
 
         self._runner = RUNNER_SOURCE
         hosts: list[Host] = []
+        daemons: dict[str, str] = {}
+        try:
+            await self._connect(hosts, daemons)
+            await self._limit_files(daemons)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self.aclose()
+            raise
+        return hosts
+
+    async def _connect(self, hosts: list[Host], daemons: dict[str, str]) -> None:
+        """Reach every daemon; ``daemons`` maps each host's name to its daemon's id."""
+        import aiodocker
+
         several = len(self._urls) > 1
         for index, url in enumerate(self._urls):
             client = aiodocker.Docker(url=url or None)
@@ -149,14 +163,93 @@ class DockerBackend(SandboxBackend):
                 url or "the default daemon",
                 slots,
             )
+            daemons[name] = str(info.get("ID") or url)
             hosts.append(host)
-        return hosts
+
+    async def _limit_files(self, daemons: dict[str, str]) -> None:
+        """Set each host's ``nofile`` limit from its daemon's file table.
+
+        Hosts on one daemon (the same socket twice, or a daemon reached two ways) share
+        its table, so their cores are counted together.
+        """
+        measured: dict[str, int] = {}
+        for name, info in self._hosts.items():
+            daemon = daemons[name]
+            running = sum(
+                len(other.host.cores)
+                for key, other in self._hosts.items()
+                if daemons[key] == daemon
+            )
+            if daemon not in measured:
+                here = file_max_here() if info.local else None
+                measured[daemon] = here if here is not None else await self._file_max_of(info)
+            info.file_max, info.running = measured[daemon], running
+            info.open_files, warning = open_files_for(self.config, info.file_max, running, info.url)
+            if warning is not None:
+                logger.warning("%s", warning)
+            logger.info(
+                "sandboxes on %s: %d open files per process (fs.file-max %d, %d cores)",
+                info.url,
+                info.open_files,
+                info.file_max,
+                running,
+            )
+
+    async def _file_max_of(self, info: HostInfo) -> int:
+        """The ``fs.file-max`` of a daemon's host, read by a container of its own.
+
+        The Engine API does not report it, and a remote host's table is not this one's.
+        """
+        name = f"tangram-probe-{secrets.token_hex(6)}"
+        spec = {
+            "Image": self.config.image,
+            "Cmd": [self.python, "-c", "print(open('/proc/sys/fs/file-max').read().strip())"],
+            "User": self.config.user,
+            "NetworkDisabled": True,
+            "Labels": {LABEL: name, **owner_labels()},
+            "HostConfig": {
+                "NetworkMode": "none",
+                "ReadonlyRootfs": True,
+                "CapDrop": ["ALL"],
+                "SecurityOpt": ["no-new-privileges"],
+                "LogConfig": {"Type": "json-file", "Config": {}},
+            },
+        }
+        timeout = self.config.api_timeout
+        container = await info.call(
+            "to create a probe container",
+            lambda: info.client.containers.create(spec, name=name),
+            timeout,
+        )
+        try:
+            await info.call("to start a probe container", container.start, timeout)
+            await info.call("to run a probe container", container.wait, timeout)
+            lines = await info.call(
+                "to read a probe container's output",
+                lambda: container.log(stdout=True),
+                timeout,
+            )
+        finally:
+            with anyio.CancelScope(shield=True), contextlib.suppress(SandboxError):
+                await info.call(
+                    "to remove a probe container",
+                    lambda: container.delete(force=True, v=True),
+                    timeout,
+                )
+        text = "".join(lines).strip()
+        try:
+            return int(text)
+        except ValueError:
+            raise SandboxError(
+                f"could not read fs.file-max on {info.url} from {self.config.image!r} "
+                f"(got {text[:200]!r})"
+            ) from None
 
     async def create(self, host: Host) -> SandboxHandle:
         info = self._hosts[host.name]
         name = f"tangram-{secrets.token_hex(6)}"
         spec = self.config.container_spec(
-            name, format_cpu_list(host.cores), self.python, self._runner
+            name, format_cpu_list(host.cores), self.python, self._runner, info.open_files
         )
         async with info.boots:
             try:
@@ -208,6 +301,15 @@ async def docker_usable(config: DockerConfig | None = None) -> bool:
     finally:
         await client.close()
     return True
+
+
+def file_max_here() -> int | None:
+    """This machine's ``fs.file-max``, or None where it cannot be read (not Linux)."""
+    try:
+        with open("/proc/sys/fs/file-max") as handle:
+            return int(handle.read())
+    except (OSError, ValueError):
+        return None
 
 
 def _is_local(url: str) -> bool:

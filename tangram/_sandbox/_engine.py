@@ -21,7 +21,7 @@ from ._backend import Host
 from ._cgroupfs import PERIOD_US
 from ._reaper import LABEL, owner_labels
 
-__all__ = ["DockerConfig", "HostInfo", "stream_client"]
+__all__ = ["DockerConfig", "HostInfo", "open_files_for", "stream_client"]
 
 BOOTS = 8
 """Containers created and started at once per host: a burst of 512 warm sandboxes would
@@ -30,6 +30,16 @@ RUNNER_CAPS = ("SETUID", "SETGID", "KILL")
 """What the runner keeps: switching to the sandbox user, and killing its leftovers."""
 STREAM_HEADROOM = 16
 """Connections kept for API calls where attach streams must share the client's pool."""
+DEFAULT_OPEN_FILES = 1024
+"""Descriptors per process when the host's table allows it: the usual soft limit. Not
+more where more would fit: some programs size tables by the limit or close every possible
+descriptor before an exec, and are slow under a limit of a million."""
+MIN_OPEN_FILES = 256
+"""The least a derived limit may be before the pool refuses to start: macOS's default soft
+limit, under which common build, test and install tools work."""
+SHM_SEGMENTS = 4096
+"""SysV shared memory segments an IPC namespace may hold (the kernel's ``SHMMNI`` for a new
+one; a container cannot change it): each is a file of the host's table while it exists."""
 
 T = TypeVar("T")
 
@@ -70,6 +80,11 @@ def _pids(instance: object, attribute: Any, value: object) -> None:
         whole(attribute.name, value, minimum=1)
 
 
+def _open_files(instance: object, attribute: Any, value: object) -> None:
+    if value is not None:
+        whole(attribute.name, value, minimum=16)
+
+
 def _sandbox_user(instance: object, attribute: Any, value: object) -> None:
     if not isinstance(value, str):
         raise SettingTypeError(f"`user` must be a string 'UID' or 'UID:GID' (got {value!r})")
@@ -89,7 +104,12 @@ class DockerConfig:
 
     :param image: any image with ``python3`` (and its ``ctypes``) on its ``PATH``.
     :param memory: memory limit (swap included), ``None`` for none.
-    :param pids: most processes (threads count too) in the container, ``None`` for none.
+    :param pids: most processes (threads count too) in the container, ``None`` for none
+        (which leaves the files a sandbox may open unbounded too: warned at start).
+    :param open_files: descriptors each process may hold (``nofile``, soft = hard, which
+        no command can raise). Default: 1024, or less where the host's file table is
+        small (see :func:`open_files_for`); the pool refuses to start where that is under
+        256, or where a value given here would let sandboxes fill the table.
     :param network: ``"none"`` (default) or a Docker network name to allow network.
     :param read_only: read-only root file system (the work dir and ``/tmp`` are tmpfs).
     :param work_size: size of the tmpfs work dir (``/work``), also the most one ``get``
@@ -111,6 +131,7 @@ class DockerConfig:
     image: str = attrs.field(default="tangram-sandbox-test:latest", validator=_text)
     memory: str | int | None = attrs.field(default="1GiB", validator=_size_field)
     pids: int | None = attrs.field(default=256, validator=_pids)
+    open_files: int | None = attrs.field(default=None, validator=_open_files)
     network: str = attrs.field(default="none", validator=_text)
     read_only: bool = True
     work_size: str | int = attrs.field(default="512MiB", validator=_size_field)
@@ -137,7 +158,9 @@ class DockerConfig:
         uid, _, gid = self.user.partition(":")
         return int(uid), int(gid or uid)
 
-    def container_spec(self, name: str, cores: str, python: str, runner: str) -> dict[str, Any]:
+    def container_spec(
+        self, name: str, cores: str, python: str, runner: str, open_files: int
+    ) -> dict[str, Any]:
         uid, gid = self.ids
         tmpfs = {
             "/work": f"rw,exec,size={self.work_bytes},mode=0700,uid={uid},gid={gid}",
@@ -159,6 +182,15 @@ class DockerConfig:
             # The channel carries every reply; a log would copy each one to the daemon's
             # disk, without a bound. Attaching works without a log.
             "LogConfig": {"Type": "none", "Config": {}},
+            # Soft = hard: without CAP_SYS_RESOURCE no process here can raise it.
+            "Ulimits": [{"Name": "nofile", "Soft": open_files, "Hard": open_files}],
+            # A SysV segment lives in the IPC namespace, not in a process: without this a
+            # parked sandbox kept up to SHM_SEGMENTS files of the host's table, and about
+            # 600 parked sandboxes filled a 24 GiB host's with no command running. Forced,
+            # a segment goes with the last process that created or attached it, so with
+            # the action's leftovers; nothing between actions could have used it.
+            "IpcMode": "private",
+            "Sysctls": {"kernel.shm_rmid_forced": "1"},
         }
         if self.memory is not None:
             host["Memory"] = _size(self.memory)
@@ -181,6 +213,56 @@ class DockerConfig:
             "Labels": {LABEL: name, **owner_labels()},
             "HostConfig": host,
         }
+
+
+def open_files_for(
+    config: DockerConfig, file_max: int, running: int, where: str
+) -> tuple[int, str | None]:
+    """The ``nofile`` limit for sandboxes on a daemon, and a warning to log, if any.
+
+    Every open file is one entry of the host's table (``fs.file-max``); when it is full,
+    no process without ``CAP_SYS_ADMIN`` can open anything, another trajectory's action
+    and the trainer's own files included. The count that must stay under it is what the
+    sandboxes that may *run* at once can hold: at most one per core lent on the daemon
+    (``running``; an action holds at least one whole core, never shared), since the runner
+    kills every process an action left before it answers, and a parked sandbox holds only
+    the runner's few files. One running sandbox holds at most ``open_files`` in each of
+    its ``pids`` processes, and one file per SysV segment. Half the table is left to the
+    host (its daemons, the trainer, the daemon's own streams for every live sandbox).
+
+    This bounds descriptors, the way the issue's attack used. A file can also be held
+    without one (a mapping of it, an io_uring registered file where the daemon's seccomp
+    profile allows io_uring, as before Docker 25); those are bounded per sandbox by its
+    memory limit only, about 400 bytes of kernel memory each (see docs/threat-model.md).
+
+    :raises InvalidSettingError: the limit that keeps the table safe is under
+        ``MIN_OPEN_FILES`` (with the default), or under ``config.open_files`` (given).
+    """
+    asked = config.open_files
+    if config.pids is None:
+        return asked or DEFAULT_OPEN_FILES, (
+            f"pids=None on {where}: a sandbox may start any number of processes, so the "
+            f"files its running sandboxes may hold are unbounded (fs.file-max {file_max})"
+        )
+    share = file_max // 2 // max(1, running)
+    fits = max(0, (share - SHM_SEGMENTS) // config.pids)
+    said = (
+        f"half of fs.file-max ({file_max}) on {where} over the {running} sandboxes that "
+        f"may run there at once (one per core lent) leaves {share} files each: "
+        f"{fits} open files in each of pids={config.pids} processes"
+    )
+    if asked is not None and asked > fits:
+        raise InvalidSettingError(
+            f"`open_files={asked}` is over what the host's file table allows: {said}; "
+            "lower open_files or pids, lend fewer cores, or raise fs.file-max"
+        )
+    if asked is None and fits < MIN_OPEN_FILES:
+        raise InvalidSettingError(
+            f"the host's file table is too small for these settings: {said}, under the "
+            f"{MIN_OPEN_FILES} programs are given at least; lower pids, lend fewer cores, "
+            "raise fs.file-max, or set open_files to accept fewer"
+        )
+    return asked if asked is not None else min(DEFAULT_OPEN_FILES, fits), None
 
 
 def stream_client(client: Any) -> tuple[Any, int | None]:
@@ -216,6 +298,12 @@ class HostInfo:
     url: str
     stream_limit: int | None
     streams_open: int = 0
+    open_files: int = DEFAULT_OPEN_FILES
+    """The ``nofile`` limit of its sandboxes (:func:`open_files_for`), set at start."""
+    file_max: int = 0
+    """The daemon's host's ``fs.file-max``, measured at start."""
+    running: int = 0
+    """Cores lent on that daemon by every host of the backend: the most sandboxes running."""
     boots: anyio.CapacityLimiter = attrs.field(factory=lambda: anyio.CapacityLimiter(BOOTS))
 
     async def call(
