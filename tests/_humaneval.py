@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import attrs
 
 from tangram._frameworks._grade import Verdict, grade
+from tangram._sandbox._isolate import bwrap_command, find_bwrap
 from tangram._sandbox._pool import SandboxPool
 
 # One limit for the tests' run time in both recipes: the classic recipe's whole program,
@@ -181,10 +182,14 @@ def answers(chosen: Iterable[dict[str, Any]], seed: int = 0) -> list[Answer]:
 # -- the two recipes --------------------------------------------------------------------------
 
 
-async def classic(answer: Answer, workdir: str, python: str = PYTHON) -> bool:
+async def classic(
+    answer: Answer, workdir: str, python: str = PYTHON, prefix: Sequence[str] = ()
+) -> bool:
     """The classic recipe: the program in one ``python3``, exit status 0 within
-    :data:`TIMEOUT` as the pass (unsafe: the answer decides its own exit status)."""
+    :data:`TIMEOUT` as the pass (unsafe: the answer decides its own exit status).
+    ``prefix``: a command to run it under (bubblewrap's, for the bare floor)."""
     process = await asyncio.create_subprocess_exec(
+        *prefix,
         python,
         "-c",
         answer.program,
@@ -260,3 +265,24 @@ async def sandboxed_all(
     """The classic verdict of every answer, each in a fresh sandbox, ``width`` at a time."""
     calls = [functools.partial(sandboxed, pool, a, i) for i, a in enumerate(chosen)]
     return await limited(calls, width)
+
+
+def bare_prefix(workdir: str) -> list[str]:
+    """bubblewrap's command for a sandbox on ``workdir`` as tangram's local backend makes
+    it (namespaces, read-only system dirs, private ``/tmp``), without tangram around it:
+    no pool, cgroup, uid of its own, work-dir tmpfs or system-call filter."""
+    bwrap = find_bwrap()
+    if bwrap is None:
+        raise RuntimeError("bubblewrap is not installed")
+    argv = bwrap_command(bwrap, workdir=workdir, uid=os.getuid(), network=False, tmp_size=64 << 20)
+    return [*argv, "--"]
+
+
+async def bare_all(
+    chosen: Sequence[Answer], width: int = WIDTH, python: str = PYTHON
+) -> list[bool]:
+    """The classic verdict of every answer, each under a bare bubblewrap (one work dir)."""
+    with tempfile.TemporaryDirectory(prefix="humaneval-bare-") as workdir:
+        prefix = bare_prefix(workdir)
+        calls = [functools.partial(classic, a, workdir, python, prefix) for a in chosen]
+        return await limited(calls, width)
