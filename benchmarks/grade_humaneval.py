@@ -60,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import _humaneval as he
 
 import tangram
-from tangram._frameworks._grade import Verdict
+from tangram._reward._grade import Verdict
 from tangram._sandbox._local import LocalBackend
 from tangram._sandbox._pool import SandboxPool
 

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 import tangram
-from tangram._frameworks._grade import Verdict, grade
+from tangram._reward._grade import Verdict, grade
 from tangram._sandbox._local import LocalBackend
 from tangram._sandbox._pool import SandboxPool
 

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import attrs
 
-from tangram._frameworks._grade import Verdict, grade
+from tangram._reward._grade import Verdict, grade
 from tangram._sandbox._isolate import bwrap_command, find_bwrap
 from tangram._sandbox._pool import SandboxPool
 

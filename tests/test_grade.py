@@ -16,8 +16,9 @@ from _grading import LIMITS, anyio_backend, judge, pool  # noqa: F401 (fixtures)
 from _hacks import HACKS, RIGHT, RIGHT_MAIN, STDIO, TESTS, WRONG
 
 import tangram
-from tangram._frameworks import _checks, _grade, _wire
-from tangram._frameworks._grade import Verdict, grade, parse_tests
+from tangram._reward import _grade
+from tangram._reward._grade import Verdict, grade, parse_tests
+from tangram._reward._in_sandbox import _checks, _wire
 from tangram._sandbox._local import LocalBackend
 from tangram._sandbox._pool import SandboxPool
 from tangram.errors import SandboxBrokenError

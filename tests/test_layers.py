@@ -43,6 +43,8 @@ RANKS: dict[str, int] = {
     # in-memory executors for tests.
     "_ray": 6,
     "_testing": 6,
+    # The code reward: a judge run in a sandbox (the program inside it, and the host's side).
+    "_reward": 6,
     # The public face of each optional part sits right above it ...
     "gpu": 7,
     "quota": 7,

@@ -13,7 +13,7 @@ import anyio
 import pytest
 from _hacks import HIDE, SURVIVOR
 
-from tangram._frameworks._grade import grade
+from tangram._reward._grade import grade
 from tangram.errors import SandboxBrokenError
 
 from .docker_support import Setup, config, open_pool

@@ -9,7 +9,7 @@ import pytest
 from _hacks import ROUND_3
 from _reward_attacks import LIMITS, STAGES, limit_attack
 
-from tangram._frameworks._grade import Verdict, grade
+from tangram._reward._grade import Verdict, grade
 from tangram.errors import SandboxBrokenError
 
 from .docker_support import Setup

@@ -46,9 +46,9 @@ import tangram
 from tangram._frameworks import _session
 from tangram._frameworks._convert import cpu_demand, extract_code, format_result
 from tangram._frameworks._failures import is_infrastructure, record
-from tangram._frameworks._grade import grade, parse_tests
 from tangram._frameworks._metrics import is_level, step_logs
 from tangram._frameworks._session import release_later
+from tangram._reward._grade import grade, parse_tests
 from tangram.config import ConfigError
 
 __all__ = ["AgentExecutor", "AgentInstance", "parse_tool_calls"]

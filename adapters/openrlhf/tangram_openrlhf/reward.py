@@ -32,7 +32,7 @@ import torch
 from tangram._frameworks import _session
 from tangram._frameworks._convert import cpu_demand, extract_code
 from tangram._frameworks._failures import is_infrastructure, record
-from tangram._frameworks._grade import Verdict, grade, parse_tests
+from tangram._reward._grade import Verdict, grade, parse_tests
 from tangram.config import ConfigError
 
 __all__ = ["check", "reward_func", "score_code"]

@@ -53,8 +53,8 @@ import tangram
 from tangram._frameworks import _session
 from tangram._frameworks._convert import cpu_demand, extract_code
 from tangram._frameworks._failures import is_infrastructure, record
-from tangram._frameworks._grade import grade, parse_tests
 from tangram._frameworks._metrics import step_logs
+from tangram._reward._grade import grade, parse_tests
 from tangram._runtime._group import DEFAULT_GROUP_WAIT, Gate
 from tangram.config import ConfigError
 from tangram.errors import UnscoredSampleError

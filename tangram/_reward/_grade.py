@@ -36,7 +36,7 @@ from .._core._demand import Elastic
 from .._core._validate import seconds
 from .._sandbox._pool import Sandbox
 from ..errors import InvalidSettingError, SandboxBrokenError, SettingTypeError
-from . import _checks, _fork, _harness, _wire
+from ._in_sandbox import _checks, _fork, _harness, _wire
 
 __all__ = [
     "DEFAULT_CASE_TIMEOUT",
