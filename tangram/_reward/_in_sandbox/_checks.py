@@ -1,6 +1,6 @@
 """What the code reward's harness counts as a test and as a pass: its trusted comparisons.
 
-Part of the harness (:mod:`._harness`): :mod:`._grade` joins the two sources into the one
+Part of the harness (:mod:`._harness`): :mod:`.._grade` joins the two sources into the one
 program the sandbox runs, so this module imports nothing but the standard library, and
 has no ``from __future__`` import (in the joined program that would not be its first
 statement); its annotations are evaluated, which Python 3.10 (the harness's floor)

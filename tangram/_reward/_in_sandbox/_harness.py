@@ -1,6 +1,6 @@
 """The trusted half of the code reward: the program that judges an answer inside the sandbox.
 
-:mod:`._grade` sends this file's *source*, joined with those of :mod:`._checks` (the
+:mod:`.._grade` sends this file's *source*, joined with those of :mod:`._checks` (the
 comparisons), :mod:`._wire` (the values sent) and :mod:`._fork` (the answer's processes),
 and a call of :func:`main`, into the sandbox and runs it as ``python -I -c PROGRAM`` with
 the payload on stdin; tangram itself never runs :func:`main` in its own process. The
