@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 
 import pytest
@@ -20,12 +21,19 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@pytest.fixture
-async def pool() -> AsyncIterator[SandboxPool]:
+@contextlib.asynccontextmanager
+async def local_pool(warm: int = 2) -> AsyncIterator[SandboxPool]:
+    """A pool of ``warm`` local sandboxes under a runtime with its capacity."""
     async with (
-        SandboxPool(LocalBackend(), warm=2) as sandboxes,
+        SandboxPool(LocalBackend(), warm=warm) as sandboxes,
         tangram.Runtime(capacity=sandboxes.capacity()),
     ):
+        yield sandboxes
+
+
+@pytest.fixture
+async def pool() -> AsyncIterator[SandboxPool]:
+    async with local_pool() as sandboxes:
         yield sandboxes
 
 

@@ -23,10 +23,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import pytest
+from _grading import local_pool
 from _humaneval import KINDS, WIDTH, answers, classic_all, problems, tangram_all
 
-import tangram
-from tangram._sandbox._local import LocalBackend
 from tangram._sandbox._pool import SandboxPool
 
 pytestmark = pytest.mark.anyio
@@ -40,10 +39,7 @@ def anyio_backend() -> str:
 @pytest.fixture
 async def pool() -> AsyncIterator[SandboxPool]:
     # A fresh sandbox per grading, so the warm set covers every grading in flight.
-    async with (
-        SandboxPool(LocalBackend(), warm=2 * WIDTH) as sandboxes,
-        tangram.Runtime(capacity=sandboxes.capacity()),
-    ):
+    async with local_pool(2 * WIDTH) as sandboxes:
         yield sandboxes
 
 
