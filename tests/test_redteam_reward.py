@@ -13,7 +13,7 @@ import keyword
 
 import pytest
 from _grading import anyio_backend, judge, pool  # noqa: F401 (fixtures)
-from _hacks import HUMANEVAL_4, HUMANEVAL_38, HUMANEVAL_38_PROMPT, MBPP_2, ROUND_3, WRONG
+from _hacks import HUMANEVAL_4, HUMANEVAL_38, HUMANEVAL_38_PROMPT, MBPP_2, ROUND_3, WRONG, YES
 from _reward_attacks import LIMITS, STAGES, limit_attack
 
 from tangram._sandbox._pool import SandboxPool
@@ -196,3 +196,106 @@ async def test_the_prompts_helpers_are_the_tests_and_its_stub_is_the_answers(
     assert (await judge(pool, lying, label)).score() == 1.0  # the prompt's is used
     with pytest.raises(InvalidSettingError, match="prompt"):
         await judge(pool, decode, {**HUMANEVAL_38, "prompt": "def ("})
+
+
+# -- round 3, third review: right answers the classic recipe passes ----------------------------
+
+
+@pytest.mark.parametrize(
+    ("answer", "tests"),
+    [
+        pytest.param(
+            "from collections import Counter\ndef freq(xs):\n    return Counter(xs)\n",
+            "assert freq([1, 2, 2]) == {1: 1, 2: 2}\n",
+            id="a Counter",
+        ),
+        pytest.param(
+            "from collections import defaultdict\ndef group(xs):\n"
+            "    d = defaultdict(list)\n    for x in xs:\n        d[x % 2].append(x)\n"
+            "    return d\n",
+            "assert group([1, 2, 3]) == {1: [1, 3], 0: [2]}\n",
+            id="a defaultdict",
+        ),
+        pytest.param(
+            "from collections import namedtuple\nP = namedtuple('P', 'x y')\n"
+            "def point():\n    return [P(1, 2)]\n",
+            "assert point() == [(1, 2)]\n",
+            id="namedtuples in a list",
+        ),
+        pytest.param(
+            "def evens(n):\n    return (i for i in range(n) if i % 2 == 0)\n",
+            "assert list(evens(5)) == [0, 2, 4]\ng = evens(5)\nassert next(g) == 0\n",
+            id="a generator",
+        ),
+        pytest.param(
+            "def keys(d):\n    return d.keys()\ndef span(n):\n    return range(n)\n",
+            "assert sorted(keys({'b': 1, 'a': 2})) == ['a', 'b']\n"
+            "assert list(span(3)) == [0, 1, 2]\n",
+            id="a dict view and a range",
+        ),
+        pytest.param(
+            "def copy(xs):\n    return list(xs)\n",
+            "assert copy([1, 2]) == [1, 2]\n",
+            id="a task function named like a standard module",
+        ),
+        pytest.param(
+            RIGHT_ADD,
+            "assert add(2, 3) == 5\nimport sys\nsys.exit(0)\n",
+            id="tests that end the program with status 0",
+        ),
+    ],
+)
+async def test_right_answers_the_classic_recipe_passes_score_one(
+    pool: SandboxPool, answer: str, tests: str
+) -> None:
+    """Results that are subclasses of the builtins or iterators travel as the builtin
+    values (they were opaque handles that compared equal to nothing); a task's own
+    ``def copy`` is the answer's; tests that exit 0 end as one program would."""
+    assert (await judge(pool, answer, tests)).score() == 1.0
+
+
+@pytest.mark.parametrize(
+    "program",
+    [
+        pytest.param("import sys\nsys.__stdout__.write(OUT)\n", id="sys.__stdout__"),
+        pytest.param("open(1, 'w').write(OUT)\n", id="a file opened on descriptor 1"),
+        pytest.param(
+            "import atexit, sys\nout = sys.stdout\natexit.register(lambda: out.write(OUT))\n",
+            id="an atexit hook",
+        ),
+        pytest.param(
+            "import threading\nthreading.Thread(target=lambda: print(OUT, end='')).start()\n",
+            id="a thread that outlives the main one",
+        ),
+        pytest.param(
+            "import sys\nsys.stdout.write(OUT)\nsys.stdout.flush()\nsys.stdout.close()\n",
+            id="stdout closed at the end",
+        ),
+    ],
+)
+async def test_a_program_ends_as_python_c_would(pool: SandboxPool, program: str) -> None:
+    """Input/output answers run in a process forked from the harness's, which must end as
+    ``python -c`` ends: output written past ``sys.stdout`` was lost (a right program
+    scored 0), and the exit status must be the interpreter's own."""
+    tests = {"inputs": ["2 3\n"], "outputs": ["5\n"]}
+    right = "a, b = map(int, input().split())\nOUT = f'{a + b}\\n'\n" + program
+    assert (await judge(pool, right, tests)).score() == 1.0
+    wrong = right.replace("a + b", "a - b")
+    assert (await judge(pool, wrong, tests)).score() == 0.0
+    failing = right + "raise SystemExit(3)\n"
+    assert (await judge(pool, failing, tests)).score() == 0.0
+
+
+async def test_an_entry_point_declared_a_function_is_never_an_object_the_tests_built(
+    pool: SandboxPool,
+) -> None:
+    """An answer whose entry point is a class answering yes to every method: the
+    prompt declares it with ``def``, so what it returns is a result, not an object the
+    tests chose to build, and ``startswith`` on it is refused."""
+    answer = YES + "class title(Yes):\n    def __init__(self, s):\n        pass\n"
+    label = {
+        "test": "def check(candidate):\n    assert candidate('ab cd').startswith('Ab Cd')\n",
+        "entry_point": "title",
+        "prompt": "def title(s: str) -> str:\n    '''Title-case s.'''\n",
+    }
+    assert (await judge(pool, answer, label)).passed == 0

@@ -320,15 +320,18 @@ def _update(args: Sequence[Any], after: Mapping[str, Any], remote: Callable[[int
 class Function:
     """What a test sees for one of the answer's names: calling it calls the answer."""
 
-    def __init__(self, answer: Answer, name: str, *, solution: bool = False) -> None:
+    def __init__(
+        self, answer: Answer, name: str, *, solution: bool = False, builds: bool = True
+    ) -> None:
         self._answer = answer
         self._name = name
         self._solution = solution
+        self._builds = builds and name in answer.classes
         self.__name__ = name
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         result = self._answer.call(self._name, None, args, kwargs, solution=self._solution)
-        if isinstance(result, Remote) and self._name in self._answer.classes:
+        if isinstance(result, Remote) and self._builds:
             result._constructed = True
         return result
 
@@ -371,7 +374,7 @@ class Remote:
         return method
 
 
-def _top_level_names(source: bytes) -> set[str]:
+def _top_level_names(source: bytes, *, imports: bool = True) -> set[str]:
     """Names the answer binds at its top level (``def sum``, ``max = ...``, imports),
     dunders left out (``__name__ = "x"`` skipped every ``__main__`` block of the tests).
 
@@ -382,7 +385,8 @@ def _top_level_names(source: bytes) -> set[str]:
         tree = ast.parse(source)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return set()
-    return {name for name in _bound(tree.body) if not _dunder(name)}
+    body = [s for s in tree.body if imports or not isinstance(s, (ast.Import, ast.ImportFrom))]
+    return {name for name in _bound(body) if not _dunder(name)}
 
 
 def _top_level_classes(source: bytes) -> frozenset[str]:
@@ -496,6 +500,16 @@ def _assert_plans(suite: Mapping[str, Any], answer: Answer) -> list[_Plan]:
     tree, steps, check = test_plan(suite["source"], entry_point)
     helpers = _helpers(suite, entry_point)
     theirs = _bound(helpers.body)
+    # Names the answer defines itself (not imports): a task's ``def copy`` is the
+    # answer's, not the module ``copy`` the tests would otherwise be handed.
+    defined = _top_level_names(answer.source, imports=False)
+    # A name the prompt declares with ``def`` is a function, whatever the answer makes it:
+    # calling an answer's class of that name builds no object the tests chose to build.
+    functions = {
+        stmt.name
+        for stmt in ast.parse(suite.get("helpers") or "").body
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef))
+    }
     plans = []
     for shadowed in _readings(tree, answer.source, entry_point):
         # ``__main__``: tests often end in ``if __name__ == "__main__": check(...)``,
@@ -504,7 +518,7 @@ def _assert_plans(suite: Mapping[str, Any], answer: Answer) -> list[_Plan]:
         exec(compile(helpers, "<prompt>", "exec"), namespace)
         for name in _free_names(tree, shadowed) - theirs:
             # Tests often lean on the answer's ``import math``; they get the real module.
-            if name in sys.stdlib_module_names:
+            if name in sys.stdlib_module_names and name not in defined:
                 try:
                     namespace[name] = __import__(name)
                     continue
@@ -516,38 +530,60 @@ def _assert_plans(suite: Mapping[str, Any], answer: Answer) -> list[_Plan]:
             if not entry_point:
                 namespace[name] = Function(answer, name)
         if entry_point:
-            namespace[entry_point] = Function(answer, entry_point)
+            namespace[entry_point] = Function(
+                answer, entry_point, builds=entry_point not in functions
+            )
         plans.append((list(steps), bool(check), namespace))
     return plans
 
 
+class _Ended(Exception):
+    """The tests ended the program (``sys.exit``, ``exit()``): ``ok`` for a status of 0."""
+
+    def __init__(self, ok: bool) -> None:
+        self.ok = ok
+
+
+def _run(code: Callable[[], object]) -> bool:
+    """Whether one step of the tests ran without raising.
+
+    :raises _Ended: the tests called ``sys.exit``. Only the tests can: the answer's
+        exceptions are rebuilt here without ``SystemExit`` (see :func:`_exception`).
+    """
+    try:
+        code()
+    except SystemExit as exc:
+        raise _Ended(exc.code in (None, 0)) from None
+    except Exception:
+        return False
+    return True
+
+
 def _run_asserts(suite: Mapping[str, Any], plan: _Plan) -> list[bool]:
-    """Whether each test passed, in order (``check(entry_point)`` last)."""
+    """Whether each test passed, in order (``check(entry_point)`` last).
+
+    Tests that end the program (``check(f); exit(0)``) end here too: as in one program,
+    what comes after counts as the status says, all passed for 0, all failed otherwise.
+    """
     entry_point = suite.get("entry_point")
     steps, check, namespace = plan
+    total = sum(is_test for _, is_test in steps) + bool(check and entry_point)
     results: list[bool] = []
     broken = False
-    for step, is_test in steps:
-        if broken and is_test:
-            results.append(False)
-            continue
-        try:
-            exec(compile(step, "<tests>", "exec"), namespace)
-        except Exception:
-            broken = broken or not is_test
-            ok = False
-        else:
-            ok = True
-        if is_test:
-            results.append(ok)
-    if check and entry_point:
-        ok = not broken
-        if ok:
-            try:
-                namespace["check"](namespace[entry_point])
-            except Exception:
-                ok = False
-        results.append(ok)
+    try:
+        for step, is_test in steps:
+            if broken and is_test:
+                results.append(False)
+                continue
+            code = compile(step, "<tests>", "exec")
+            ok = _run(lambda code=code: exec(code, namespace))  # type: ignore[misc]
+            broken = broken or (not ok and not is_test)
+            if is_test:
+                results.append(ok)
+        if check and entry_point:
+            results.append(not broken and _run(lambda: namespace["check"](namespace[entry_point])))
+    except _Ended as end:
+        results += [end.ok] * (total - len(results))
     return results
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 if __name__ != "__main__":  # for the type checker: the sandbox's program needs none
     from typing import Any
 
-__all__ = ["decode", "encode"]
+__all__ = ["Iterated", "decode", "encode"]
 
 _MAX_DEPTH = 200
 # Ints past this many bits travel as hex: CPython refuses to parse decimal strings over
@@ -26,6 +26,13 @@ _SEQUENCES: dict[type, str] = {tuple: "t", set: "s", frozenset: "fs"}
 _BUILD: dict[str, Callable[[Any], Any]] = {"t": tuple, "s": set, "fs": frozenset}
 _HEX: dict[type, str] = {bytes: "b", bytearray: "ba"}
 _FROM_HEX: dict[str, Callable[[str], Any]] = {"b": bytes.fromhex, "ba": bytearray.fromhex}
+
+
+class Iterated:
+    """An iterator's items, sent as such: they arrive as an iterator over them."""
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items = items
 
 
 def encode(value: Any, handle: Callable[[Any], int], depth: int = 0) -> Any:
@@ -56,6 +63,10 @@ def encode(value: Any, handle: Callable[[Any], int], depth: int = 0) -> Any:
         return {"d": [[inner(k), inner(v)] for k, v in value.items()]}
     if kind is complex:
         return {"c": [inner(value.real), inner(value.imag)]}
+    if kind is range:
+        return {"r": [value.start, value.stop, value.step]}
+    if kind is Iterated:
+        return {"it": [inner(item) for item in value.items]}
     return {"h": handle(value)}
 
 
@@ -91,6 +102,10 @@ def decode(data: Any, handle: Callable[[int], Any], depth: int = 0) -> Any:
         return float(body)
     if tag == "i" and type(body) is str:
         return int(body, 16)
+    if tag == "r" and type(body) is list and [type(part) for part in body] == [int] * 3:
+        return range(*body)  # a step of 0 raises ValueError, as a malformed value
+    if tag == "it" and type(body) is list:
+        return iter([decode(item, handle, depth + 1) for item in body])
     if tag == "h" and type(body) is int:
         return handle(body)
     raise ValueError(f"malformed value (tag {str(tag)[:20]!r})")
