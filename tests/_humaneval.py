@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import attrs
 
 from tangram._reward._grade import Verdict, grade
-from tangram._sandbox._isolate import bwrap_command, find_bwrap
+from tangram._sandbox._isolate import bwrap_command, find_bwrap, python_dirs
 from tangram._sandbox._pool import SandboxPool
 
 # One limit for the tests' run time in both recipes: the classic recipe's whole program,
@@ -267,14 +267,23 @@ async def sandboxed_all(
     return await limited(calls, width)
 
 
-def bare_prefix(workdir: str) -> list[str]:
+def bare_prefix(workdir: str, python: str = PYTHON) -> list[str]:
     """bubblewrap's command for a sandbox on ``workdir`` as tangram's local backend makes
     it (namespaces, read-only system dirs, private ``/tmp``), without tangram around it:
     no pool, cgroup, uid of its own, work-dir tmpfs or system-call filter."""
     bwrap = find_bwrap()
     if bwrap is None:
         raise RuntimeError("bubblewrap is not installed")
-    argv = bwrap_command(bwrap, workdir=workdir, uid=os.getuid(), network=False, tmp_size=64 << 20)
+    # The interpreter's own directories too (a virtualenv under /tmp, say, which the
+    # sandbox's private /tmp would hide), as the local backend lends them.
+    argv = bwrap_command(
+        bwrap,
+        workdir=workdir,
+        uid=os.getuid(),
+        network=False,
+        extra_ro=python_dirs(python),
+        tmp_size=64 << 20,
+    )
     return [*argv, "--"]
 
 
@@ -283,6 +292,6 @@ async def bare_all(
 ) -> list[bool]:
     """The classic verdict of every answer, each under a bare bubblewrap (one work dir)."""
     with tempfile.TemporaryDirectory(prefix="humaneval-bare-") as workdir:
-        prefix = bare_prefix(workdir)
+        prefix = bare_prefix(workdir, python)
         calls = [functools.partial(classic, a, workdir, python, prefix) for a in chosen]
         return await limited(calls, width)
