@@ -135,7 +135,8 @@ class Answer:
         self.process: Child | None = None
         self.generation = 0
         self.failed: str | None = None
-        self.classes = _top_level_classes(self.source)
+        self.body = _parse(self.source)
+        self.classes = frozenset(s.name for s in self.body if isinstance(s, ast.ClassDef))
         self._buffer = bytearray()
         self._requests = -1
         self._replies = -1
@@ -374,28 +375,20 @@ class Remote:
         return method
 
 
-def _top_level_names(source: bytes, *, imports: bool = True) -> set[str]:
+def _parse(source: bytes) -> list[ast.stmt]:
+    """The answer's top-level statements, read as text, never run; none where it does not
+    parse (it then fails its tests when it runs)."""
+    try:
+        return ast.parse(source).body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return []
+
+
+def _top_level_names(body: Sequence[ast.stmt], *, imports: bool = True) -> set[str]:
     """Names the answer binds at its top level (``def sum``, ``max = ...``, imports),
-    dunders left out (``__name__ = "x"`` skipped every ``__main__`` block of the tests).
-
-    Read as text, never run; an answer that does not parse binds nothing here (it fails
-    its tests when it runs).
-    """
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return set()
-    body = [s for s in tree.body if imports or not isinstance(s, (ast.Import, ast.ImportFrom))]
-    return {name for name in _bound(body) if not _dunder(name)}
-
-
-def _top_level_classes(source: bytes) -> frozenset[str]:
-    """The classes the answer defines at its top level, read as text, never run."""
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return frozenset()
-    return frozenset(stmt.name for stmt in tree.body if isinstance(stmt, ast.ClassDef))
+    dunders left out (``__name__ = "x"`` skipped every ``__main__`` block of the tests)."""
+    kept = [s for s in body if imports or not isinstance(s, (ast.Import, ast.ImportFrom))]
+    return {name for name in _bound(kept) if not _dunder(name)}
 
 
 def _bound(body: Sequence[ast.stmt]) -> set[str]:
@@ -417,8 +410,9 @@ def _bound(body: Sequence[ast.stmt]) -> set[str]:
     return names
 
 
-def _helpers(suite: Mapping[str, Any], entry_point: str | None) -> ast.Module:
-    """The dataset's own definitions the tests lean on: the prompt's, but the entry point.
+def _helpers(suite: Mapping[str, Any], entry_point: str | None) -> tuple[ast.Module, bool]:
+    """The dataset's own definitions the tests lean on: the prompt's, but the entry point;
+    and whether the prompt declares the entry point a function (``def``).
 
     HumanEval's tests compute what they expect with the prompt's helpers
     (``encode_cyclic(s)``, then ``candidate(encoded) == s``): read as the answer's, an
@@ -426,14 +420,13 @@ def _helpers(suite: Mapping[str, Any], entry_point: str | None) -> ast.Module:
     """
     source = suite.get("helpers")
     body = ast.parse(source, "<prompt>").body if source else []
-    kept = [
+    stub = [
         stmt
         for stmt in body
-        if not (
-            isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) and stmt.name == entry_point
-        )
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) and stmt.name == entry_point
     ]
-    return ast.Module(body=kept, type_ignores=[])
+    kept = [stmt for stmt in body if stmt not in stub]
+    return ast.Module(body=kept, type_ignores=[]), bool(stub)
 
 
 def _dunder(name: str) -> bool:
@@ -465,7 +458,9 @@ def _free_names(tree: ast.Module, shadowed: frozenset[str] | set[str] = frozense
     return loaded - bound - (set(dir(builtins)) - shadowed)
 
 
-def _readings(tree: ast.Module, answer: bytes, entry_point: str | None) -> list[frozenset[str]]:
+def _readings(
+    tree: ast.Module, answer: Sequence[ast.stmt], entry_point: str | None
+) -> list[frozenset[str]]:
     """The builtins the answer's names replace, in each way the tests may be read.
 
     Read as one module (the classic recipe), the tests call whatever the answer binds at
@@ -498,20 +493,15 @@ def _assert_plans(suite: Mapping[str, Any], answer: Answer) -> list[_Plan]:
     """
     entry_point = suite.get("entry_point")
     tree, steps, check = test_plan(suite["source"], entry_point)
-    helpers = _helpers(suite, entry_point)
+    # An entry point the prompt declares with ``def`` is a function, whatever the answer
+    # makes it: calling an answer's class of that name builds no object the tests chose.
+    helpers, declared = _helpers(suite, entry_point)
     theirs = _bound(helpers.body)
     # Names the answer defines itself (not imports): a task's ``def copy`` is the
     # answer's, not the module ``copy`` the tests would otherwise be handed.
-    defined = _top_level_names(answer.source, imports=False)
-    # A name the prompt declares with ``def`` is a function, whatever the answer makes it:
-    # calling an answer's class of that name builds no object the tests chose to build.
-    functions = {
-        stmt.name
-        for stmt in ast.parse(suite.get("helpers") or "").body
-        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef))
-    }
+    defined = _top_level_names(answer.body, imports=False)
     plans = []
-    for shadowed in _readings(tree, answer.source, entry_point):
+    for shadowed in _readings(tree, answer.body, entry_point):
         # ``__main__``: tests often end in ``if __name__ == "__main__": check(...)``,
         # which under any other name was counted as a test and never ran.
         namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
@@ -530,9 +520,7 @@ def _assert_plans(suite: Mapping[str, Any], answer: Answer) -> list[_Plan]:
             if not entry_point:
                 namespace[name] = Function(answer, name)
         if entry_point:
-            namespace[entry_point] = Function(
-                answer, entry_point, builds=entry_point not in functions
-            )
+            namespace[entry_point] = Function(answer, entry_point, builds=not declared)
         plans.append((list(steps), bool(check), namespace))
     return plans
 
