@@ -40,7 +40,7 @@ import anyio
 
 import tangram
 from tangram._sandbox._backend import SandboxBackend
-from tangram._sandbox._local import LocalBackend
+from tangram._sandbox._local._backend import LocalBackend
 from tangram._sandbox._pool import SandboxPool
 
 # The test suite an action runs: CPU-bound "tests" split over $TANGRAM_CPUS forked workers.
@@ -95,7 +95,7 @@ async def resize_latency(rounds: int) -> dict[str, float]:
     import aiodocker
 
     from tangram._sandbox._cores import format_cpu_list
-    from tangram._sandbox._docker import PERIOD_US, DockerBackend, DockerConfig
+    from tangram._sandbox._docker._backend import PERIOD_US, DockerBackend, DockerConfig
 
     backend = DockerBackend(config=DockerConfig(image=image(), sync_docker_view=False))
     hosts = await backend.start()
@@ -143,7 +143,7 @@ async def resize_latency(rounds: int) -> dict[str, float]:
 async def action_start(rounds: int, fresh_rounds: int) -> dict[str, float]:
     import aiodocker
 
-    from tangram._sandbox._docker import DockerBackend, DockerConfig
+    from tangram._sandbox._docker._backend import DockerBackend, DockerConfig
 
     figures: dict[str, float] = {}
     backend = DockerBackend(config=DockerConfig(image=image()))
@@ -200,7 +200,7 @@ async def file_moves(sizes_mib: list[int], stdin_mib: list[int]) -> dict[str, fl
     Before file moves ran at one core's share they ran at the parked 1%: 16 MiB took 41 s
     in and 17 s out. Stdin is timed per MiB so a cost that grows faster than the size shows.
     """
-    from tangram._sandbox._docker import DockerBackend, DockerConfig
+    from tangram._sandbox._docker._backend import DockerBackend, DockerConfig
 
     figures: dict[str, float] = {}
     backend = DockerBackend(config=DockerConfig(image=image()))
@@ -233,7 +233,7 @@ async def start_at_scale(count: int, rounds: int) -> dict[str, float]:
     Before the attach streams had a pool of their own a process hung for good past ~100
     live sandboxes; this is the same start as :func:`action_start`, at that count.
     """
-    from tangram._sandbox._docker import DockerBackend, DockerConfig
+    from tangram._sandbox._docker._backend import DockerBackend, DockerConfig
 
     backend = DockerBackend(config=DockerConfig(image=image()))
     figures: dict[str, float] = {"scale_sandboxes": float(count)}
@@ -373,7 +373,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             figures["stdin_16mib_s"] / 16
         )
         figures.update(await start_at_scale(32 if args.quick else 512, 20 if args.quick else 50))
-        from tangram._sandbox._docker import DockerBackend, DockerConfig
+        from tangram._sandbox._docker._backend import DockerBackend, DockerConfig
 
         backend: SandboxBackend = DockerBackend(config=DockerConfig(image=image()))
     else:

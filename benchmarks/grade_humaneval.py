@@ -61,7 +61,7 @@ import _humaneval as he
 
 import tangram
 from tangram._reward._grade import Verdict
-from tangram._sandbox._local import LocalBackend
+from tangram._sandbox._local._backend import LocalBackend
 from tangram._sandbox._pool import SandboxPool
 
 GOAL = 1.5

@@ -7,7 +7,7 @@ What it measures
     ``$TANGRAM_JOB``. Each reaches its scheduler through
     ``tangram._frameworks._session.session(config)``, the call every verl tool and
     OpenRLHF executor makes; with ``mode = "shared"`` that is the job's scheduler process
-    on this node (``tangram/_ray/_node.py``), with ``mode = "local"`` a runtime of its own.
+    on this node (``tangram/_shared/_node.py``), with ``mode = "local"`` a runtime of its own.
 
     - *latency*: 16 workers each make one call per ``THINK`` (0.5 s), staggered: the
       ``session`` + ``tangram.acquire(cpu=1)`` block of a tool call, no sandbox, on a

@@ -73,7 +73,7 @@ from tangram._sim._generate import GenerateConfig, generate_lines
 
 Estimates = Literal["exact", "learned"]
 
-POLICIES: dict[str, tangram.Policy] = {
+POLICIES: dict[str, tangram.abc.Policy] = {
     "tangram": ElasticPolicy(),
     "fcfs_dop_min": FcfsPolicy(dop="min"),
     "fcfs_dop_4": FcfsPolicy(dop=4),
@@ -106,7 +106,7 @@ def workload(seed: int, trajectories: int, steps: int) -> dict[str, list[Step]]:
 
 
 def _run(
-    work: Mapping[str, Sequence[Step]], cores: int, policy: tangram.Policy, estimates: Estimates
+    work: Mapping[str, Sequence[Step]], cores: int, policy: tangram.abc.Policy, estimates: Estimates
 ) -> dict[str, float]:
     started = time.perf_counter()
     result = tangram.simulate(work, {"cpu": cores}, policy=policy, estimates=estimates)

@@ -6,6 +6,7 @@ for as long as it runs, grows and shrinks elastic actions, and keeps every traje
 moving.
 """
 
+from . import abc as abc
 from . import errors as errors
 from ._core._action import Action as Action
 from ._core._demand import Demand as Demand
@@ -18,11 +19,7 @@ from ._core._efficiency import SpeedupTable as SpeedupTable
 from ._core._estimator import Estimate as Estimate
 from ._core._estimator import Estimator as Estimator
 from ._core._policy import ElasticPolicy as ElasticPolicy
-from ._core._policy import Entry as Entry
 from ._core._policy import FcfsPolicy as FcfsPolicy
-from ._core._policy import Plan as Plan
-from ._core._policy import Policy as Policy
-from ._core._policy import State as State
 from ._core._resources import Capacity as Capacity
 from ._core._resources import Rate as Rate
 from ._core._stats import KindStats as KindStats
@@ -36,15 +33,10 @@ from ._runtime._run import AcquireContext as AcquireContext
 from ._runtime._run import Runtime as Runtime
 from ._runtime._run import acquire as acquire
 from ._runtime._run import current_runtime as current_runtime
-from ._sandbox._backend import ExecRequest as ExecRequest
-from ._sandbox._backend import ExecResult as ExecResult
-from ._sandbox._backend import Host as Host
 from ._sandbox._backend import RunResult as RunResult
-from ._sandbox._backend import SandboxBackend as SandboxBackend
-from ._sandbox._backend import SandboxHandle as SandboxHandle
-from ._sandbox._docker import DockerBackend as DockerBackend
-from ._sandbox._docker import DockerConfig as DockerConfig
-from ._sandbox._local import LocalBackend as LocalBackend
+from ._sandbox._docker._backend import DockerBackend as DockerBackend
+from ._sandbox._docker._backend import DockerConfig as DockerConfig
+from ._sandbox._local._backend import LocalBackend as LocalBackend
 from ._sandbox._pool import Sandbox as Sandbox
 from ._sandbox._pool import SandboxPool as SandboxPool
 from ._sim._record import TraceRecorder as TraceRecorder
@@ -74,33 +66,24 @@ __all__ = [
     "Efficiency",
     "Elastic",
     "ElasticPolicy",
-    "Entry",
     "Estimate",
     "Estimator",
-    "ExecRequest",
-    "ExecResult",
     "FcfsPolicy",
     "ServiceSpec",
-    "Host",
     "Instrument",
     "KindStats",
     "Lease",
     "Linear",
     "LocalBackend",
     "Outcome",
-    "Plan",
-    "Policy",
     "Power",
     "Rate",
     "ResourceStats",
     "RunResult",
     "Runtime",
     "Sandbox",
-    "SandboxBackend",
-    "SandboxHandle",
     "SandboxPool",
     "SimulationResult",
-    "State",
     "Stats",
     "Step",
     "Summary",
@@ -110,6 +93,7 @@ __all__ = [
     "TraceRecorder",
     "acquire",
     "current_runtime",
+    "abc",
     "errors",
     "read_trace",
     "record_trace",
@@ -117,3 +101,33 @@ __all__ = [
 ]
 
 _publish("tangram", globals())
+
+# Extension interfaces moved to tangram.abc; the old names work, with a warning, for
+# one more release.
+_MOVED = frozenset(
+    {
+        "Entry",
+        "ExecRequest",
+        "ExecResult",
+        "Host",
+        "Plan",
+        "Policy",
+        "SandboxBackend",
+        "SandboxHandle",
+        "State",
+    }
+)
+
+
+def __getattr__(name: str) -> object:
+    if name in _MOVED:
+        import warnings
+
+        warnings.warn(
+            f"tangram.{name} is now tangram.abc.{name}; "
+            "the old name will be removed in a future release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(abc, name)
+    raise AttributeError(f"module 'tangram' has no attribute {name!r}")

@@ -2,7 +2,9 @@
 
 ``import tangram`` does not import this module; it is what the verl and OpenRLHF adapters
 read in each worker process (from the path in a tool's YAML or ``$TANGRAM_CONFIG``). See
-:mod:`tangram._frameworks._config` for the file's structure.
+:mod:`tangram._frameworks._config` for the file's structure. What an adapter builds on
+beside the config (sessions, demands, the failure rule, the code reward) is
+:mod:`tangram.integrations`.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ from ._frameworks._config import QuotaConfig as QuotaConfig
 from ._frameworks._config import RayConfig as RayConfig
 from ._frameworks._config import SandboxConfig as SandboxConfig
 from ._frameworks._config import load as load
-from ._frameworks._config import open_scheduler as open_scheduler
 from ._frameworks._config import parse as parse
 from ._frameworks._failures import counts as _counts
+from ._frameworks._open import open_scheduler as open_scheduler
 
 
 def infrastructure_failures() -> dict[str, int]:

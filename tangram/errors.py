@@ -11,6 +11,7 @@ already catch, so ``except ValueError`` around a bad demand keeps working::
     ├── InvalidSettingError (ValueError)     a policy, estimator or runtime setting out of range
     │   ├── SettingTypeError (TypeError)     a setting or argument of the wrong type
     │   ├── UnknownBackendError (LookupError)  no sandbox backend of that name (or none usable)
+    │   ├── UnknownPolicyError (LookupError)  no policy of that name
     │   └── InvalidCapacityError             a capacity that makes no sense
     ├── ConfigError (ValueError)             a config file that cannot be read or is impossible
     ├── WaitTimeoutError (TimeoutError)      queued for longer than ``wait_timeout``
@@ -80,6 +81,7 @@ __all__ = [
     "TangramWarning",
     "TraceFormatError",
     "UnknownBackendError",
+    "UnknownPolicyError",
     "UnknownResourceError",
     "UnknownSandboxError",
     "UnscoredSampleError",
@@ -135,6 +137,13 @@ class UnknownBackendError(InvalidSettingError, LookupError):
     backend finds none usable here (no Docker, and no embedded backend on this platform):
     pass one as ``backend=``. Also a ``LookupError``, as the lookup raised one before it
     had a class of its own.
+    """
+
+
+class UnknownPolicyError(InvalidSettingError, LookupError):
+    """A policy name no policy is registered under, such as ``"lottery"``.
+
+    The message lists the names there are (``tangram.abc.POLICIES``).
     """
 
 

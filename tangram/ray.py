@@ -24,17 +24,17 @@ importing ``tangram`` does not, and neither imports torch.
 from __future__ import annotations
 
 from ._core._exports import publish as _publish
-from ._ray._agent import HostAgent as HostAgent
-from ._ray._agent import start_agent as start_agent
-from ._ray._connect import connect as connect
-from ._ray._hosts import RemoteSandbox as RemoteSandbox
-from ._ray._hosts import RemoteService as RemoteService
-from ._ray._protocol import DEFAULT_HEARTBEAT as DEFAULT_HEARTBEAT
-from ._ray._protocol import DEFAULT_TIMEOUT as DEFAULT_TIMEOUT
-from ._ray._proxy import RemoteAcquireContext as RemoteAcquireContext
-from ._ray._proxy import RemoteLease as RemoteLease
-from ._ray._proxy import RemoteRuntime as RemoteRuntime
-from ._ray._proxy import attach as attach
+from ._shared._agent import HostAgent as HostAgent
+from ._shared._agent import start_agent as start_agent
+from ._shared._connect import connect as connect
+from ._shared._hosts import RemoteSandbox as RemoteSandbox
+from ._shared._hosts import RemoteService as RemoteService
+from ._shared._protocol import DEFAULT_HEARTBEAT as DEFAULT_HEARTBEAT
+from ._shared._protocol import DEFAULT_TIMEOUT as DEFAULT_TIMEOUT
+from ._shared._proxy import RemoteAcquireContext as RemoteAcquireContext
+from ._shared._proxy import RemoteLease as RemoteLease
+from ._shared._proxy import RemoteRuntime as RemoteRuntime
+from ._shared._proxy import attach as attach
 from .errors import SchedulerUnavailableError as SchedulerUnavailableError
 
 __all__ = [

@@ -9,7 +9,7 @@ import pytest
 
 import tangram
 from tangram._reward._grade import Verdict, grade
-from tangram._sandbox._local import LocalBackend
+from tangram._sandbox._local._backend import LocalBackend
 from tangram._sandbox._pool import SandboxPool
 
 # Short limits: the hacks that hang cost their timeout, and there are several.

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import attrs
 
 from tangram._reward._grade import Verdict, grade
-from tangram._sandbox._isolate import bwrap_command, find_bwrap, python_dirs
+from tangram._sandbox._local._isolate import bwrap_command, find_bwrap, python_dirs
 from tangram._sandbox._pool import SandboxPool
 
 # One limit for the tests' run time in both recipes: the classic recipe's whole program,

@@ -68,7 +68,7 @@ def after_grant(runtime: tangram.Runtime, running: int, callback: Callable[[], o
     """
 
     class AfterGrant(tangram.Instrument):
-        def after_plan(self, plan: tangram.Plan, now: float) -> None:
+        def after_plan(self, plan: tangram.abc.Plan, now: float) -> None:
             if runtime.stats().running == running:
                 runtime.remove_instrument(self)
                 callback()

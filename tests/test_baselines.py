@@ -315,3 +315,25 @@ def test_k8s_is_a_policy_and_checks_its_lag() -> None:
     for bad in (-1.0, math.inf, math.nan):
         with pytest.raises(ValueError, match="`lag` must be >= 0"):
             simulate_k8s(trace, lag=bad)
+
+
+def test_the_simulators_policy_arms_are_built_through_the_policy_registry() -> None:
+    import math
+
+    import tangram
+    import tangram.abc
+    from tangram._sim._baselines import BASELINES, POLICIES, build_policy, parse_policy
+
+    for name in tangram.abc.POLICIES:  # every registered policy is an arm, with defaults
+        assert parse_policy(name) == name
+        assert build_policy(name) == tangram.abc.policy_class(name)()
+    assert build_policy("tangram") == tangram.ElasticPolicy()
+    assert build_policy("tangram-fcfs") == tangram.ElasticPolicy(order="arrival")
+    assert build_policy("srpt") == tangram.ElasticPolicy(aging=math.inf, starvation_bound=math.inf)
+    assert build_policy("fixed-dop-3") == tangram.FcfsPolicy(dop=3)
+    for name in BASELINES:
+        assert name in POLICIES
+        with pytest.raises(tangram.errors.InvalidSettingError, match="baseline"):
+            build_policy(name)
+    with pytest.raises(tangram.errors.InvalidSettingError, match="unknown policy"):
+        build_policy("lottery")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import json
 import subprocess
@@ -16,6 +17,8 @@ import pytest
 
 import tangram
 from tangram import config as tc
+from tangram._core._policies import DEFAULT_POLICY, POLICIES
+from tangram._sandbox._backend import BACKENDS, SandboxBackend
 from tangram._sim._baselines import run_policy
 
 FULL = """
@@ -287,3 +290,100 @@ def test_local_mode_never_imports_ray(tmp_path: Path) -> None:
         "assert 'tangram.ray' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# -- names come from the registries; reading a file opens nothing -------------------------
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_registered_policy_is_a_config_value(name: str) -> None:
+    config = tc.parse({"capacity": {"cpu": 1}, "policy": {"name": name}})
+    assert config.policy is not None
+    assert type(config.policy.build()) is POLICIES[name]
+    assert tc.PolicyConfig().name == DEFAULT_POLICY
+
+
+def test_a_policy_no_registry_has_is_a_config_error_when_built() -> None:
+    with pytest.raises(tc.ConfigError, match=r"\[policy\] lottery: no policy named 'lottery'"):
+        tc.PolicyConfig(name="lottery").build()
+
+
+class _Imaged(SandboxBackend):
+    """A backend read with the default ``from_options``: its keywords are its keys."""
+
+    def __init__(self, *, image: str | None = None, size: int = 1) -> None:
+        if size < 1:
+            raise ValueError(f"`size` must be at least 1 (got {size})")
+        self.image = image
+        self.size = size
+
+    async def start(self) -> Any:
+        return []
+
+    async def create(self, host: Any) -> Any:
+        raise NotImplementedError
+
+
+class _Plain(_Imaged):
+    def __init__(self, *, size: int = 1) -> None:
+        super().__init__(size=size)
+
+
+@pytest.fixture
+def registered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two more backends in the registry, from a module only it names."""
+    module = types.ModuleType("tangram_test_backends")
+    module.Imaged = _Imaged  # type: ignore[attr-defined]
+    module.Plain = _Plain  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setitem(BACKENDS, "imaged", "tangram_test_backends:Imaged")
+    monkeypatch.setitem(BACKENDS, "plain", "tangram_test_backends:Plain")
+
+
+def test_a_registered_backend_is_a_config_value_built_from_its_options(registered: None) -> None:
+    from tangram._frameworks._session import _backend
+
+    data = {"sandbox": {"backend": "imaged", "image": "py:3", "size": 3, "warm": 1}}
+    config = tc.parse(data)
+    assert config.sandbox == tc.SandboxConfig(
+        backend="imaged", image="py:3", warm=1, options={"size": 3}
+    )
+    built = _backend(config.sandbox)
+    assert isinstance(built, _Imaged)
+    assert (built.image, built.size) == ("py:3", 3)
+    for options, match in (({"bogus": 1}, "bogus"), ({"size": 0}, "at least 1")):
+        bad = tc.SandboxConfig(backend="plain", options=options)
+        with pytest.raises(tc.ConfigError, match=rf"\[sandbox\]: .*{match}"):
+            _backend(bad)
+
+
+def test_image_is_refused_where_the_backend_takes_none(registered: None) -> None:
+    with pytest.raises(tc.ConfigError, match=r"`image` is for the docker or imaged backend"):
+        tc.parse({"sandbox": {"backend": "plain", "image": "py:3"}})
+    with pytest.raises(tc.ConfigError, match=r"must be one of \['docker', 'imaged', 'local'"):
+        tc.parse({"sandbox": {"backend": "vm"}})
+
+
+def _internal_imports(module: str) -> set[str]:
+    """The tangram modules ``tangram/_frameworks/<module>.py`` imports, as ``_core._policy``."""
+    path = Path(tangram.__file__).parent / "_frameworks" / f"{module}.py"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = ["_frameworks"][: 2 - node.level]
+            found.add(".".join([*base, *(node.module or "").split(".")]).strip("."))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tangram"):
+            found.add(node.module.removeprefix("tangram").strip("."))  # type: ignore[union-attr]
+    return found
+
+
+def test_config_then_scheduler_then_session_in_one_direction() -> None:
+    # Reading a file needs the pure core, the errors and the backends' names: nothing
+    # that starts a runtime, a pool or a process.
+    read = _internal_imports("_config")
+    assert read, "the checker found no import"
+    assert all(name.startswith(("_core.", "_sandbox._backend", "errors")) for name in read), read
+    opened = _internal_imports("_open")
+    assert "_frameworks._config" in opened
+    assert not {"_frameworks._session"} & opened
+    assert {"_frameworks._config", "_frameworks._open"} <= _internal_imports("_session")

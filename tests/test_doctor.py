@@ -38,7 +38,7 @@ def test_cgroup_version(
 
 
 def test_missing_optional_pieces_are_reported_not_raised(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("pynvml", "ray", "matplotlib", "aiodocker", "tangram._sandbox._docker"):
+    for name in ("pynvml", "ray", "matplotlib", "aiodocker", "tangram._sandbox._docker._backend"):
         monkeypatch.setitem(sys.modules, name, None)
 
     def broken() -> str:
@@ -55,7 +55,7 @@ def test_missing_optional_pieces_are_reported_not_raised(monkeypatch: pytest.Mon
 
 
 def test_docker_reachable_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
-    import tangram._sandbox._docker as docker
+    import tangram._sandbox._docker._backend as docker
 
     async def usable() -> bool:
         return True
@@ -75,7 +75,7 @@ def test_local_isolation_is_reported(capsys: pytest.CaptureFixture[str]) -> None
 
 
 def test_missing_isolation_tools_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    import tangram._sandbox._local as local
+    import tangram._sandbox._local._backend as local
 
     monkeypatch.setattr(local, "bwrap_candidates", lambda **_: [])
     monkeypatch.setattr(local, "open_tree", lambda: "no cgroup memory controller is mounted")

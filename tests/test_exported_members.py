@@ -10,6 +10,7 @@ import __future__
 
 import importlib.metadata
 import inspect
+import re
 import types
 
 import pytest
@@ -35,7 +36,7 @@ def public_names(module: types.ModuleType) -> set[str]:
 def test_all_lists_every_public_name_once() -> None:
     assert len(tangram.__all__) == len(set(tangram.__all__))
     modules = {name for name in tangram.__all__ if inspect.ismodule(getattr(tangram, name))}
-    assert modules == {"errors"}
+    assert modules == {"abc", "errors"}
     assert set(tangram.__all__) - modules == public_names(tangram)
 
 
@@ -45,7 +46,7 @@ def test_errors_all_lists_every_error_once() -> None:
     assert set(names) == public_names(tangram.errors)
 
 
-@pytest.mark.parametrize("name", sorted(set(tangram.__all__) - {"errors"}))
+@pytest.mark.parametrize("name", sorted(set(tangram.__all__) - {"abc", "errors"}))
 def test_exported_objects_say_they_are_from_tangram(name: str) -> None:
     obj = getattr(tangram, name)
     assert obj.__module__ == "tangram"
@@ -105,3 +106,58 @@ def test_the_config_facade_counts_infrastructure_failures_under_its_own_name() -
     assert tangram.config.infrastructure_failures() == {"run_code": 1}
     assert tangram.config.infrastructure_failures.__module__ == "tangram.config"
     _failures.reset()
+
+
+def test_the_extension_interfaces_live_in_tangram_abc() -> None:
+    import tangram.abc
+
+    assert set(tangram.abc.__all__) == public_names(tangram.abc)
+    for name in tangram.abc.__all__:
+        obj = getattr(tangram.abc, name)
+        if inspect.isclass(obj) or inspect.isfunction(obj):
+            assert obj.__module__ == "tangram.abc", name
+    # Extension interfaces are not beside the API every rollout uses.
+    assert not set(tangram.abc.__all__) & set(tangram.__all__)
+
+
+MOVED = ["Entry", "ExecRequest", "ExecResult", "Host", "Plan", "Policy", "SandboxBackend"]
+MOVED += ["SandboxHandle", "State"]
+
+
+@pytest.mark.parametrize("name", MOVED)
+def test_a_moved_name_still_works_from_tangram_with_a_warning(name: str) -> None:
+    import tangram.abc
+
+    with pytest.warns(DeprecationWarning, match=f"tangram.abc.{name}"):
+        old = getattr(tangram, name)
+    assert old is getattr(tangram.abc, name)
+    with pytest.raises(AttributeError, match="no attribute 'Nonexistent'"):
+        tangram.Nonexistent  # noqa: B018
+
+
+def test_both_schedulers_satisfy_the_scheduler_protocol() -> None:
+    import tangram.abc
+    import tangram.ray
+
+    local = tangram.Runtime({"cpu": 2})
+    assert isinstance(local, tangram.abc.Scheduler)
+    # A proxy not yet attached to any actor: its checks need none.
+    remote = tangram.ray.RemoteRuntime(None, heartbeat=1.0, capacity=local.capacity)
+    assert isinstance(remote, tangram.abc.Scheduler)
+    assert not isinstance(object(), tangram.abc.Scheduler)
+
+
+def test_a_shared_schedulers_proxy_refuses_a_bad_demand_at_the_call_as_a_runtime_does() -> None:
+    """Without a runtime of its own to check with: the same errors from the same rule."""
+    import tangram.ray
+
+    local = tangram.Runtime({"cpu": 2})
+    remote = tangram.ray.RemoteRuntime(None, heartbeat=1.0, capacity=local.capacity)
+    for bad in ({"cpu": 5}, {"gpu": 1}, {"cpu": -1}, {"cpu": True}):
+        with pytest.raises(tangram.errors.InvalidDemandError) as here:
+            local.acquire(bad)
+        with pytest.raises(type(here.value), match=re.escape(str(here.value))):
+            remote.acquire(bad)
+    with pytest.raises(tangram.errors.InvalidDemandError, match="wait_timeout"):
+        remote.acquire(cpu=1, wait_timeout=-1)
+    assert remote.acquire(cpu=1).action.demand == local.acquire(cpu=1).action.demand

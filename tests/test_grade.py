@@ -19,7 +19,7 @@ import tangram
 from tangram._reward import _grade
 from tangram._reward._grade import Verdict, grade, parse_tests
 from tangram._reward._in_sandbox import _checks, _wire
-from tangram._sandbox._local import LocalBackend
+from tangram._sandbox._local._backend import LocalBackend
 from tangram._sandbox._pool import SandboxPool
 from tangram.errors import SandboxBrokenError
 

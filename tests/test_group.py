@@ -37,7 +37,7 @@ class _Plans(tangram.Instrument):
             await anyio.lowlevel.checkpoint()
             self.iteration += 1
 
-    def after_plan(self, plan: tangram.Plan, now: float) -> None:
+    def after_plan(self, plan: tangram.abc.Plan, now: float) -> None:
         for entry, _ in plan.admits:
             self.admitted.append((entry.action.trajectory or "", self.iteration))
 

@@ -41,7 +41,7 @@ RANKS: dict[str, int] = {
     "_quota": 5,
     # Edges: the shared scheduler on Ray (it places work on the executors of each host),
     # in-memory executors for tests.
-    "_ray": 6,
+    "_shared": 6,
     "_testing": 6,
     # The code reward: a judge run in a sandbox (the program inside it, and the host's side).
     "_reward": 6,
@@ -49,13 +49,20 @@ RANKS: dict[str, int] = {
     "gpu": 7,
     "quota": 7,
     "ray": 7,
+    # The extension interfaces (a policy, a backend, any scheduler), as anyio.abc.
+    "abc": 7,
     # ... so that what the framework adapters build on uses it as a user would.
     "_frameworks": 8,
-    # The package facade, the config file's, the test kit's and the metrics export's.
+    # The package facade, the config file's, the test kit's, the metrics export's and the
+    # kit framework adapters are built from.
     "__init__": 9,
     "config": 9,
     "testing": 9,
     "metrics": 9,
+    "integrations": 9,
+    # The SandboxFusion-compatible server: it opens the adapters' session, so it sits above
+    # ``_frameworks`` (a sibling could not import it), below the CLI that starts it.
+    "_fusion": 9,
     # The CLI, the bench and the reports: a user of the library, never imported by it.
     "_tools": 10,
 }
@@ -270,4 +277,38 @@ def test_the_checker_sees_imports() -> None:
     assert {"errors", "_runtime._run", "_core._policy"} <= package
     assert not allowed("_core._policy", "_runtime._run")
     assert not allowed("_gpu._pool", "_sandbox._pool")
-    assert allowed("_ray._agent", "_gpu._pool")
+    assert allowed("_shared._agent", "_gpu._pool")
+
+
+# Each sandbox backend is one folder of ``_sandbox``; the shared modules beside them (the
+# pool, the seam, the core sets) never import a backend, and no backend imports another.
+def _backend_folders() -> tuple[str, ...]:
+    from tangram._sandbox._backend import BACKENDS
+
+    return tuple("_sandbox." + where.partition(":")[0].lstrip(".") for where in BACKENDS.values())
+
+
+BACKEND_FOLDERS = _backend_folders()
+
+
+def _folder(name: str) -> str | None:
+    return next((f for f in BACKEND_FOLDERS if name == f or name.startswith(f + ".")), None)
+
+
+@pytest.mark.parametrize("name", [name for name, _ in modules() if top(name) == "_sandbox"])
+def test_sandbox_backends_stay_in_their_folders(name: str) -> None:
+    path = dict(modules())[name]
+    mine = _folder(name)
+    wrong = [
+        f"line {line}: {name} imports {target}"
+        for line, target, internal in imports(name, path)
+        if internal and (theirs := _folder(target)) is not None and theirs != mine
+    ]
+    assert not wrong
+
+
+def test_each_backend_has_its_folder() -> None:
+    assert len(BACKEND_FOLDERS) >= 2
+    for folder in BACKEND_FOLDERS:
+        assert "." not in folder.removeprefix("_sandbox."), folder
+        assert (PACKAGE / folder.replace(".", "/") / "__init__.py").is_file(), folder

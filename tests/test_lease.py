@@ -163,7 +163,7 @@ async def test_a_task_waiting_for_a_resize_hears_the_release() -> None:
 async def test_a_remote_lease_refuses_the_same_waits() -> None:
     """tangram.ray's lease shares the checks; built here without a cluster (it is a plain
     object; the Ray tests drive it through a real one)."""
-    from tangram._ray._proxy import RemoteLease
+    from tangram._shared._proxy import RemoteLease
 
     runtime = tangram.Runtime(capacity={"cpu": 8})
     fixed = runtime.acquire(cpu=tangram.Elastic(1, 4)).action

@@ -5,12 +5,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import make_action
 
-from tangram import Amdahl, Elastic, ElasticPolicy, Estimator, FcfsPolicy, Linear, Plan, Rate
+from tangram import Amdahl, Elastic, ElasticPolicy, Estimator, FcfsPolicy, Linear, Rate
 from tangram._core import _line as line_module
 from tangram._core._ledger import Ledger, held_matches_grants
 from tangram._core._line import Line
 from tangram._core._policy import DONE, RUNNING, WAITING, Policy
 from tangram._core._resources import parse_capacity
+from tangram.abc import Plan
 
 
 def ledger_for(capacity: dict[str, object], policy: Policy | None = None) -> Ledger:

@@ -150,7 +150,7 @@ async def work(lease: tangram.Lease, step: Step) -> None:
 
 
 async def run_live(
-    workload: Workload, capacity: Mapping[str, object], policy: tangram.Policy | None = None
+    workload: Workload, capacity: Mapping[str, object], policy: tangram.abc.Policy | None = None
 ) -> tuple[Times, tangram.Stats]:
     times: Times = {}
     async with tangram.Runtime(capacity=capacity, policy=policy) as runtime:

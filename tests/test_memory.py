@@ -7,7 +7,7 @@ import pytest
 from conftest import wait_until
 
 import tangram
-from tangram import ExecResult
+from tangram.abc import ExecResult
 from tangram.errors import GpuOutOfMemoryError, SandboxBrokenError
 from tangram.gpu import Device, GpuPool
 from tangram.testing import (
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.anyio
 
 
 async def test_grants_reach_the_sandbox_and_files_persist_per_trajectory() -> None:
-    def count_files(sandbox: MemorySandbox, request: tangram.ExecRequest) -> ExecResult:
+    def count_files(sandbox: MemorySandbox, request: tangram.abc.ExecRequest) -> ExecResult:
         names = ",".join(sorted(sandbox.files)).encode()
         return ExecResult(exit_code=0, stdout=names, stderr=b"")
 
@@ -56,7 +56,7 @@ async def test_a_broken_sandbox_fails_typed_and_returns_its_units() -> None:
 
 
 async def test_an_async_handler_models_a_duration() -> None:
-    async def slow(sandbox: MemorySandbox, request: tangram.ExecRequest) -> ExecResult:
+    async def slow(sandbox: MemorySandbox, request: tangram.abc.ExecRequest) -> ExecResult:
         await anyio.sleep(0.01)
         return ExecResult(exit_code=3, stdout=b"", stderr=b"failed")
 

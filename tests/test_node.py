@@ -27,7 +27,7 @@ from _probes import PROBE as PROBE_TEMPLATE
 from _probes import assert_never_shared, probes
 
 import tangram
-from tangram._ray._node import job_key, open_node, socket_path
+from tangram._shared._node import job_key, open_node, socket_path
 from tangram.errors import InvalidCapacityError, SchedulerUnavailableError
 
 pytestmark = pytest.mark.timeout(180)
@@ -100,7 +100,7 @@ def _scheduler_pids(env: dict[str, str]) -> list[int]:
             environ = (entry / "environ").read_bytes()
         except OSError:
             continue
-        if b"tangram._ray._node" in cmdline and env["TANGRAM_JOB"].encode() in environ:
+        if b"tangram._shared._node" in cmdline and env["TANGRAM_JOB"].encode() in environ:
             pids.append(int(entry.name))
     return pids
 
@@ -345,7 +345,7 @@ async def test_a_scheduler_process_that_does_not_answer_fails_the_worker_typed(
     """A stopped scheduler process (SIGSTOP: a debugger, a swap storm) still accepts
     connections: a worker reaching it gets SchedulerUnavailableError after the start
     deadline, never waits forever, and never starts a second scheduler beside it."""
-    from tangram._ray import _node
+    from tangram._shared import _node
 
     async with open_node(capacity={"conn": 1}, config="stuck", lease_timeout=2, heartbeat=0.5) as r:
         pid = (await r.actor.info.remote())["pid"]

@@ -12,6 +12,7 @@ import re
 from collections.abc import Collection, Mapping
 from pathlib import Path
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -168,7 +169,7 @@ def test_shares_fit_need_work_and_the_quick_look_agrees_with_the_walk(
 
 
 def test_the_line_is_shortest_first_until_an_action_is_due() -> None:
-    line: Waiting[str] = Waiting(aging=4.0)
+    line: Waiting[str] = Waiting(tangram.ElasticPolicy(aging=4.0).due)
     line.push("long", arrival=0.0, seconds=10.0)
     line.push("short", arrival=1.0, seconds=1.0)
     line.push("gone", arrival=1.5, seconds=0.5)
@@ -179,6 +180,25 @@ def test_the_line_is_shortest_first_until_an_action_is_due() -> None:
     assert line.pop(now=41.0) == "long"  # due: passed by nobody who came since
     assert line.pop(now=41.0) == "short2"
     assert (len(line), line.seconds, line.oldest()) == (0, 0.0, None)
+
+
+@pytest.mark.parametrize(
+    ("policy", "order"),
+    [
+        (tangram.ElasticPolicy(), ["short", "long"]),
+        (tangram.ElasticPolicy(order="arrival"), ["long", "short"]),
+        (tangram.FcfsPolicy(), ["long", "short"]),
+        (tangram.ElasticPolicy(max_wait=0.5), ["long", "short"]),
+    ],
+)
+def test_the_seat_line_follows_the_policy_the_cores_follow(
+    policy: tangram.ElasticPolicy | tangram.FcfsPolicy, order: list[str]
+) -> None:
+    # The same rule orders both: what the policy calls due at ``now`` goes first.
+    line: Waiting[str] = Waiting(policy.due)
+    line.push("long", arrival=0.0, seconds=10.0)
+    line.push("short", arrival=1.0, seconds=1.0)
+    assert [line.pop(now=2.0), line.pop(now=2.0)] == order
 
 
 @given(st.lists(st.tuples(st.floats(0, 100), st.floats(0.01, 20)), max_size=30))

@@ -12,10 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import CAPACITY, ledger_ops, make_action, workloads
 
-from tangram import Amdahl, Elastic, ElasticPolicy, Estimator, FcfsPolicy, Linear, Plan, simulate
+from tangram import Amdahl, Elastic, ElasticPolicy, Estimator, FcfsPolicy, Linear, simulate
 from tangram._core._ledger import Ledger, held_matches_grants
 from tangram._core._policy import RUNNING, WAITING, Entry, Policy
 from tangram._core._resources import parse_capacity
+from tangram.abc import Plan
 from tangram.errors import InvalidSettingError, SettingTypeError
 
 PROPERTY = settings(deadline=None, max_examples=100, derandomize=True)

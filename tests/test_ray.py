@@ -202,7 +202,7 @@ def test_importing_tangram_ray_does_not_import_torch() -> None:
 
 
 def test_a_replicas_share_of_devices_never_exceeds_what_its_memory_allows() -> None:
-    from tangram._ray._agent import _NodeGpuLedger
+    from tangram._shared._agent import _NodeGpuLedger
 
     ledger = _NodeGpuLedger(None, "gpu@h", {"gpu_mem:a": 3, "gpu_mem:b": 4})
     thirds = [ledger.share({"gpu_mem:a": 1}) for _ in range(3)]
@@ -224,7 +224,7 @@ def test_trio_is_refused_with_a_clear_error() -> None:
 
 
 def test_the_host_book_keeps_a_trajectory_on_the_least_loaded_host() -> None:
-    from tangram._ray._placement import HostBook
+    from tangram._shared._placement import HostBook
 
     book = HostBook()
     with pytest.raises(tray.SchedulerUnavailableError, match="no host agent"):
@@ -254,7 +254,7 @@ def test_the_host_book_keeps_a_trajectory_on_the_least_loaded_host() -> None:
 
 
 def test_the_host_book_hands_back_the_sandboxes_of_a_dropped_proxy() -> None:
-    from tangram._ray._placement import HostBook
+    from tangram._shared._placement import HostBook
 
     book = HostBook()
     book.add("a", "cpu@a", 2, "agent-a", "cid-a", None)
@@ -280,7 +280,7 @@ async def test_a_grant_made_as_a_silent_process_is_dropped_fails_its_request() -
     it comes back, or its ``acquire`` would wait forever (found as a hang of the test
     above on a loaded machine).
     """
-    from tangram._ray._scheduler import SchedulerActor
+    from tangram._shared._scheduler import SchedulerActor
 
     actor = SchedulerActor({"cpu": 2}, None, heartbeat=0.05, timeout=0.3, token="t")
     try:

@@ -164,7 +164,7 @@ async def test_a_judge_whose_memory_the_answer_capped_is_not_an_infrastructure_f
 
 _FILLING_TRAINER = """
 import sys, anyio, tangram
-from tangram._sandbox._local import LocalBackend
+from tangram._sandbox._local._backend import LocalBackend
 
 async def main():
     backend = LocalBackend(root=sys.argv[1], memory="512MiB", disk="256MiB")
@@ -232,7 +232,7 @@ def test_files_left_in_idle_sandboxes_cannot_get_the_trainer_oom_killed() -> Non
             f"{run.stdout!r}"
         )
     finally:
-        from tangram._sandbox._quota_fs import reap_boxes
+        from tangram._sandbox._local._quota_fs import reap_boxes
 
         reap_boxes(Path(root))  # the boxes of a killed trainer
         for leftover in sorted(group.rglob("*"), key=lambda p: -len(p.parts)):

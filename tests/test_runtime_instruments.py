@@ -49,7 +49,7 @@ class Log(tangram.Instrument):
         ran = not math.isnan(lease.admitted_at)
         self.events.append(("finished", lease.action.kind, lease.finished_at, outcome, ran))
 
-    def after_plan(self, plan: tangram.Plan, now: float) -> None:
+    def after_plan(self, plan: tangram.abc.Plan, now: float) -> None:
         self.events.append(("plan", now, len(plan.admits), len(plan.resizes)))
 
     def capacity_changed(self, capacity: tangram.Capacity) -> None:

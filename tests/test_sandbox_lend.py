@@ -21,8 +21,8 @@ import pytest
 from _venvs import make_venv
 
 import tangram
-from tangram._sandbox._lend import open_lend
-from tangram._sandbox._local import LocalBackend
+from tangram._sandbox._local._backend import LocalBackend
+from tangram._sandbox._local._lend import open_lend
 from tangram._sandbox._pool import Sandbox, SandboxPool
 from tangram.errors import SandboxBrokenError
 

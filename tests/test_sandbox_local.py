@@ -25,8 +25,8 @@ from _venvs import make_venv
 import tangram
 from tangram._sandbox._backend import RunResult
 from tangram._sandbox._cores import CoreSet, format_cpu_list, parse_cpu_list
-from tangram._sandbox._isolate import reachable_by_others
-from tangram._sandbox._local import LocalBackend
+from tangram._sandbox._local._backend import LocalBackend
+from tangram._sandbox._local._isolate import reachable_by_others
 from tangram._sandbox._pool import Sandbox, SandboxPool
 from tangram.errors import SandboxBrokenError, SandboxClosedError
 
@@ -119,7 +119,7 @@ async def test_an_interpreter_sandboxes_cannot_reach_is_lent_or_named_at_start(
     read-only (``tests/test_sandbox_lend.py``), or where lending fails the system
     ``python3``, without the trainer's packages, and the pool says so once at start
     instead of the model's ``import numpy`` failing unexplained (issue #18)."""
-    from tangram._sandbox import _local
+    from tangram._sandbox._local import _backend as _local
 
     backend = LocalBackend()
     mine = (sys.executable, sys.prefix, sys.base_prefix)
@@ -522,7 +522,7 @@ def test_signal_is_reported() -> None:
 
 _OWNER = """
 import sys, anyio, tangram
-from tangram._sandbox._local import LocalBackend
+from tangram._sandbox._local._backend import LocalBackend
 
 async def main():
     async with (

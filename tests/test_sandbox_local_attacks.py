@@ -29,8 +29,8 @@ import pytest
 from _hacks import SURVIVOR
 
 import tangram
-from tangram._sandbox._isolate import find_bwrap
-from tangram._sandbox._local import LocalBackend
+from tangram._sandbox._local._backend import LocalBackend
+from tangram._sandbox._local._isolate import find_bwrap
 from tangram._sandbox._pool import Sandbox, SandboxPool
 from tangram.errors import SandboxBrokenError
 
@@ -164,7 +164,7 @@ async def test_tmp_is_private_and_there_is_no_network() -> None:
 async def test_pool_start_says_once_what_is_not_isolated(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import tangram._sandbox._local as local
+    import tangram._sandbox._local._backend as local
 
     monkeypatch.setattr(local, "_WARNED", set())
     for _ in range(2):
@@ -362,7 +362,7 @@ async def test_impossible_arguments_fail_at_the_call_and_the_sandbox_lives() -> 
 
 _CALLER = """
 import os, sys, anyio, tangram
-from tangram._sandbox._local import LocalBackend
+from tangram._sandbox._local._backend import LocalBackend
 
 FORKS = '''
 import os, signal, time
@@ -403,9 +403,9 @@ _NONROOT_UID = 61234
 def _portable_copy(target: Path) -> Path:
     """tangram and what it imports, copied where another user can read them."""
     code = (
-        "import sys, anyio, tangram, tangram._sandbox._local, tangram._sandbox._pool\n"
+        "import sys, anyio, tangram, tangram._sandbox._local._backend, tangram._sandbox._pool\n"
         "anyio.run(anyio.sleep, 0)\n"
-        "tangram._sandbox._isolate.find_bwrap()\n"
+        "tangram._sandbox._local._isolate.find_bwrap()\n"
         "for m in list(sys.modules.values()):\n"
         "    f = getattr(m, '__file__', None) or ''\n"
         "    if 'site-packages' in f or '/tangram/' in f: print(m.__name__.split('.')[0], f)\n"
@@ -644,7 +644,7 @@ async def test_a_sandbox_out_of_memory_is_a_killed_command_not_a_broken_sandbox(
 async def test_without_a_disk_quota_the_pool_says_so(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import tangram._sandbox._local as local
+    import tangram._sandbox._local._backend as local
 
     monkeypatch.setattr(local, "_WARNED", set())
     monkeypatch.setattr(local, "mount_problem", lambda: "a tmpfs per work dir needs root")

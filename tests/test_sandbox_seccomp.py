@@ -3,7 +3,7 @@ what one sandbox can see of another's file accesses.
 
 Each test performs the attack as a policy rewarded for any hole would, and asserts the
 safe behaviour, so it fails while the hole is open. Closed by the system-call filter
-(``tangram/_sandbox/_seccomp.py``) and by running each command as its sandbox's pid 1.
+(``tangram/_sandbox/_local/_seccomp.py``) and by running each command as its sandbox's pid 1.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import anyio
 import pytest
 
 import tangram
-from tangram._sandbox._local import LocalBackend
+from tangram._sandbox._local._backend import LocalBackend
+from tangram._sandbox._local._seccomp import DENIED, syscall_filter
 from tangram._sandbox._pool import Sandbox, SandboxPool
-from tangram._sandbox._seccomp import DENIED, syscall_filter
 
 pytestmark = [
     pytest.mark.anyio,
@@ -162,7 +162,7 @@ print("added", "yes" if added >= 0 else "no")
 # a secret in it, then a sandbox that attacks it.
 _TRAINER = r"""
 import ctypes, sys, anyio, tangram
-from tangram._sandbox._local import LocalBackend
+from tangram._sandbox._local._backend import LocalBackend
 from tangram._sandbox._pool import Sandbox, SandboxPool
 ADD, REQUEST, KEYCTL = map(int, sys.argv[1:4])
 libc = ctypes.CDLL(None, use_errno=True)
@@ -274,7 +274,7 @@ def test_without_libseccomp_the_pool_says_the_filter_is_off(
 ) -> None:
     """A host without ``libseccomp.so.2``: sandboxes still run, and the start-up warning
     and ``tangram doctor`` name what is then open."""
-    from tangram._sandbox import _local
+    from tangram._sandbox._local import _backend as _local
 
     def unavailable() -> None:
         raise OSError(errno.ENOENT, "libseccomp is not usable here (removed by the test)")

@@ -20,7 +20,6 @@ from tangram import (
     Estimator,
     FcfsPolicy,
     Linear,
-    Policy,
     Rate,
     SimulationResult,
     Step,
@@ -28,6 +27,7 @@ from tangram import (
 )
 from tangram._core._policy import Plan, State
 from tangram._sim._residency import Residency, ServiceSpec
+from tangram.abc import Policy
 from tangram.errors import CapacityExceededError, UnknownResourceError
 
 PROPERTY = settings(deadline=None, max_examples=50, derandomize=True)

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from tangram._ray import _socket
-from tangram._ray._protocol import ActorLostError, ActorTaskError
-from tangram._ray._socket import Connection, LocalHandle, Server
+from tangram._shared import _socket
+from tangram._shared._protocol import ActorLostError, ActorTaskError
+from tangram._shared._socket import Connection, LocalHandle, Server
 
 pytestmark = [pytest.mark.anyio, pytest.mark.parametrize("anyio_backend", ["asyncio"])]
 

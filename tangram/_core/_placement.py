@@ -16,7 +16,7 @@ The rules, in the order an action meets them:
   from the work in its line against its restore: a service below its share starts
   another replica, even one that must wait for a drain, so devices move toward the
   services whose lines have waited longest; else the newcomer waits. :class:`Waiting` is
-  a service's line, size-aware with aging as the CPU admission is.
+  a service's line, ordered by the policy's aging rule as the CPU admission is.
 - :func:`replica_devices` (live, with :func:`place` for NVLink topology): the devices a new
   replica goes on.
 - :func:`drains`: while replicas wait for their grant, which running replicas stop taking
@@ -35,7 +35,7 @@ from typing import Generic, TypeVar
 
 import attrs
 
-from ._policy import AGING
+from ._policy import ElasticPolicy
 
 __all__ = [
     "HORIZON",
@@ -338,17 +338,19 @@ def targets(lines: Sequence[Backlog[K]], capacity: float) -> dict[K, int]:
 class Waiting(Generic[T]):
     """A service's line: its actions that wait for a seat on any of its replicas.
 
-    Size-aware with aging, as the CPU admission of :class:`tangram.ElasticPolicy`: an
-    action is *due* ``aging`` times its expected run seconds after it arrived; due ones go
-    first, earliest due first, then the shortest expected run (ties in arrival order).
+    Ordered by the policy's own rule, so that seats and cores follow one policy: an
+    action is *due* at ``due(arrival, seconds)`` (:meth:`tangram.ElasticPolicy.due`:
+    ``aging`` times its expected run seconds after it arrived; for a first-come
+    first-served policy, when it arrives). Due ones go first, earliest due first, then
+    the shortest expected run (ties in arrival order).
     One line per service rather than one per replica, so a seat that frees anywhere, or a
     replica that starts, serves the next in line: a replica that joins a busy service takes
     its backlog, not only its newcomers. Pure (``now`` comes in); removal is lazy, so a
     push, a pop and a removal cost a heap operation each.
     """
 
-    def __init__(self, aging: float = AGING) -> None:
-        self.aging = aging
+    def __init__(self, due: Callable[[float, float], float] | None = None) -> None:
+        self._due_at = due if due is not None else ElasticPolicy().due
         self._short: list[tuple[float, int, T]] = []
         self._due: list[tuple[float, int, T]] = []
         self._arrivals: list[tuple[float, int, T]] = []
@@ -368,7 +370,7 @@ class Waiting(Generic[T]):
         self._ids[id(item)] = seq
         self.seconds += seconds
         heapq.heappush(self._short, (seconds, seq, item))
-        heapq.heappush(self._due, (arrival + self.aging * seconds, seq, item))
+        heapq.heappush(self._due, (self._due_at(arrival, seconds), seq, item))
         heapq.heappush(self._arrivals, (arrival, seq, item))
 
     def remove(self, item: T) -> None:

@@ -367,8 +367,18 @@ class ElasticPolicy:
         if rates and any(kind in rates for kind, _ in entry.action.demand.minimum):
             return None
         service = entry.t1 / entry.speed(entry.emin)
-        allowance = min(self.aging * service if service > 0 else 0.0, self.max_wait)
-        return service, entry.arrival + allowance
+        return service, self.due(entry.arrival, service)
+
+    def due(self, arrival: float, seconds: float) -> float:
+        """When an action that came at ``arrival`` and runs ``seconds`` stops being passed.
+
+        The aging rule, in one place: the CPU admission above orders by it, and the
+        simulator's GPU seat lines (:class:`~tangram._core._placement.Waiting`) do too.
+        Under ``order="arrival"`` nothing is passed: an action is due when it comes.
+        """
+        if self.order == "arrival":
+            return arrival
+        return arrival + min(self.aging * seconds if seconds > 0 else 0.0, self.max_wait)
 
     def plan(self, state: State) -> Plan:
         now = state.now
@@ -724,6 +734,10 @@ class FcfsPolicy:
             raise error(f"`dop` must be 'min', 'max' or a whole number >= 1 (got {self.dop!r})")
 
     may_admit = staticmethod(may_admit)
+
+    def due(self, arrival: float, seconds: float) -> float:
+        """First come, first served: every action is due when it comes, none is passed."""
+        return arrival
 
     def units_for(self, entry: Entry, total: float) -> int:
         elastic = entry.action.demand.elastic

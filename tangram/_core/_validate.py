@@ -17,8 +17,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import InvalidSettingError, SettingTypeError
+from ._units import parse_size
 
-__all__ = ["non_negative", "number", "positive", "seconds", "validator", "whole"]
+__all__ = ["byte_size", "non_negative", "number", "positive", "seconds", "validator", "whole"]
 
 #: What a check raises: an exception class, or a function that builds one from the message
 #: (a config loader's, which says where in the file the value was found).
@@ -109,3 +110,18 @@ positive = validator(number, strict=True, finite=False)
 """attrs validator: a number ``> 0`` (infinity allowed: "no limit")."""
 non_negative = validator(number)
 """attrs validator: a finite number ``>= 0``."""
+
+
+def byte_size(name: str, value: object) -> int:
+    """``value`` (``"512MiB"`` or a whole number of bytes) in bytes, checked where it is
+    given: a bad size would otherwise fail at the first container or sandbox made."""
+    if isinstance(value, str):
+        try:
+            return int(parse_size(value))
+        except InvalidSettingError as exc:
+            raise InvalidSettingError(f"`{name}`: {exc}") from None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SettingTypeError(
+            f"`{name}` must be a size like '512MiB' or a whole number of bytes (got {value!r})"
+        )
+    return whole(name, value)

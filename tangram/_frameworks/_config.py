@@ -33,36 +33,39 @@ Beyond these, ``[gpu]`` declares torch model services (``[[gpu.services]]``) and
 OpenRLHF's workers all are Ray actors) one scheduler, created by whichever worker comes
 first, and each node one host agent that owns its sandboxes (``[sandbox]``, its cores
 as ``cpu@<node>``) and GPU services (``[gpu]``, loaded once per node); ``[capacity]``
-and quotas are the job's, not a node's (:mod:`tangram._ray._shared`). A process outside
+and quotas are the job's, not a node's (:mod:`tangram._shared._on_ray`). A process outside
 Ray falls back to a scheduler of its own, with a WARNING that its limits are per process.
 
 The file is read and checked whole when it is loaded, so a typo fails in the process that
 read it, naming the key, instead of as a scheduler that never admits anything.
+
+This module only reads and checks: nothing here starts a scheduler, a pool or a backend,
+so a process can load a config (a CLI, a driver that only passes the path on) without
+paying for what the config would open. :mod:`._open` opens the scheduler a config names,
+:mod:`._session` the pools beside it; both import this module, never the reverse. Policy
+and sandbox backend names are the registries' (:data:`tangram._core._policies.POLICIES`,
+:data:`tangram._sandbox._backend.BACKENDS`), so a policy or backend added there is a
+config value at once.
 """
 
 from __future__ import annotations
 
-import contextlib
-import itertools
+import inspect
 import json
-import logging
 import os
 import sys
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-import anyio
 import attrs
 
-from .._core._policy import ElasticPolicy, FcfsPolicy, Policy
+from .._core._policies import DEFAULT_POLICY, POLICIES, policy_class
+from .._core._policy import Policy
 from .._core._resources import parse_capacity
 from .._core._validate import seconds, whole
-from .._runtime._run import Runtime, _enter_current, _exit_current
-from .._sim._record import record_trace
+from .._sandbox._backend import BACKENDS, EMBEDDED_BACKEND, SandboxBackend, backend_class
 from ..errors import ConfigError, InvalidCapacityError
-
-logger = logging.getLogger("tangram")
 
 # The same numbers as tangram.ray's, repeated so that reading a config never imports Ray.
 DEFAULT_HEARTBEAT = 1.0
@@ -78,11 +81,7 @@ __all__ = [
     "QuotaConfig",
     "RayConfig",
     "SandboxConfig",
-    "check_shared",
-    "in_ray",
     "load",
-    "open_scheduler",
-    "open_shared",
     "parse",
 ]
 
@@ -90,7 +89,8 @@ __all__ = [
 ENV_VAR = "TANGRAM_CONFIG"
 
 MODES = ("shared", "local", "ray")
-BACKENDS = ("local", "docker")
+#: The backend a ``[sandbox]`` table without ``backend`` gets: one that needs no daemon.
+DEFAULT_BACKEND = EMBEDDED_BACKEND
 
 
 def _frozen_mapping(value: Mapping[str, Any]) -> dict[str, Any]:
@@ -101,15 +101,13 @@ def _frozen_mapping(value: Mapping[str, Any]) -> dict[str, Any]:
 class PolicyConfig:
     """``[policy]``: which policy, and the keyword arguments it is built with."""
 
-    name: str = "elastic"
+    name: str = DEFAULT_POLICY
     options: dict[str, Any] = attrs.field(factory=dict, converter=_frozen_mapping)
 
     def build(self) -> Policy:
-        """The policy object; a bad option is a :class:`ConfigError`."""
-        cls: type[ElasticPolicy] | type[FcfsPolicy]
-        cls = ElasticPolicy if self.name == "elastic" else FcfsPolicy
+        """The policy object; a bad option (or a name no policy has) is a :class:`ConfigError`."""
         try:
-            return cls(**self.options)
+            return policy_class(self.name)(**self.options)
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"[policy] {self.name}: {exc}") from exc
 
@@ -118,11 +116,11 @@ class PolicyConfig:
 class SandboxConfig:
     """``[sandbox]``: a :class:`tangram.SandboxPool` per process.
 
-    ``options`` go to the backend (``LocalBackend(**options)`` or, for Docker,
-    ``DockerConfig(image=image, **options)``).
+    ``options`` (with ``image``, when given) go to the backend registered as ``backend``,
+    through the backend class's ``from_options``.
     """
 
-    backend: str = "local"
+    backend: str = DEFAULT_BACKEND
     image: str | None = None
     warm: int = 0
     timeout: float | None = None
@@ -381,9 +379,11 @@ def _policy(data: Mapping[str, Any], where: str) -> PolicyConfig | None:
     if "policy" not in data:
         return None
     table = _table(data, "policy", where)
-    name = table.pop("name", "elastic")
-    if name not in ("elastic", "fcfs"):
-        raise ConfigError(f"{where}: [policy] `name` must be 'elastic' or 'fcfs' (got {name!r})")
+    name = table.pop("name", DEFAULT_POLICY)
+    if not isinstance(name, str) or name not in POLICIES:
+        raise ConfigError(
+            f"{where}: [policy] `name` must be {_one_of(sorted(POLICIES))} (got {name!r})"
+        )
     config = PolicyConfig(name=name, options=table)
     config.build()  # every option checked now, not in a worker later
     return config
@@ -394,15 +394,17 @@ def _sandbox(data: Mapping[str, Any], where: str) -> SandboxConfig | None:
         return None
     table = _table(data, "sandbox", where)
     here = f"{where}: [sandbox]"
-    backend = table.pop("backend", "local")
-    if backend not in BACKENDS:
-        raise ConfigError(f"{here} `backend` must be one of {list(BACKENDS)} (got {backend!r})")
+    backend = table.pop("backend", DEFAULT_BACKEND)
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ConfigError(f"{here} `backend` must be one of {sorted(BACKENDS)} (got {backend!r})")
     warm = _count(table, "warm", 0, here)
     table.pop("warm", None)
     image = _opt_str(table, "image", here)
     table.pop("image", None)
-    if image is not None and backend != "docker":
-        raise ConfigError(f"{here} `image` is for the docker backend (backend is {backend!r})")
+    if image is not None and not _takes(backend, "image"):
+        takers = [name for name in sorted(BACKENDS) if _takes(name, "image")]
+        whose = f"the {_one_of(takers, quote=False)} backend" if takers else "no registered backend"
+        raise ConfigError(f"{here} `image` is for {whose} (backend is {backend!r})")
     timeout = table.pop("timeout", None)
     if timeout is not None:
         error = _error_at(here)
@@ -414,6 +416,38 @@ def _sandbox(data: Mapping[str, Any], where: str) -> SandboxConfig | None:
         timeout=timeout,
         options=table,
     )
+
+
+def _takes(backend: str, key: str) -> bool:
+    """Whether the backend registered as ``backend`` may take the ``[sandbox]`` key ``key``.
+
+    Asked of the class without building a backend (building one is :func:`check`'s, in
+    the process that will use it): a backend that reads its options with the default
+    ``SandboxBackend.from_options`` takes its constructor's keywords; one
+    that reads them its own way is taken at its word until it is built. A backend whose
+    optional dependency is missing cannot be asked, and is not refused here either.
+    """
+    try:
+        cls = backend_class(backend)
+    except ImportError:
+        return True
+    below = cls.__mro__[: cls.__mro__.index(SandboxBackend)]
+    if any("from_options" in vars(c) for c in below):
+        return True
+    parameters = inspect.signature(cls).parameters.values()
+    return any(
+        p.kind is inspect.Parameter.VAR_KEYWORD
+        or (p.name == key and p.kind is not inspect.Parameter.POSITIONAL_ONLY)
+        for p in parameters
+    )
+
+
+def _one_of(names: Iterable[str], *, quote: bool = True) -> str:
+    """``'a', 'b' or 'c'``: the known names, as a message lists them."""
+    shown = [repr(name) if quote else name for name in names]
+    if len(shown) < 2:
+        return "".join(shown)
+    return f"{', '.join(shown[:-1])} or {shown[-1]}"
 
 
 def _gpu(data: Mapping[str, Any], where: str) -> GpuConfig | None:
@@ -464,143 +498,3 @@ def _quotas(data: Mapping[str, Any], where: str) -> tuple[QuotaConfig, ...]:
             raise ConfigError(f"{at} `keys` must be a non-empty list of tables")
         quotas.append(QuotaConfig(name=name, keys=tuple(dict(k) for k in keys), options=body))
     return tuple(quotas)
-
-
-# -- the scheduler -------------------------------------------------------------------------
-
-
-def in_ray() -> bool:
-    """Whether this process is part of a Ray job (every verl and OpenRLHF worker is).
-
-    Ray is looked at only if something imported it already: a process outside Ray never
-    pays for importing it.
-    """
-    ray = sys.modules.get("ray")
-    return ray is not None and bool(ray.is_initialized())
-
-
-def check_shared(config: Config) -> None:
-    """What shared mode refuses that a per-process scheduler allows.
-
-    :raises ConfigError: ``record`` in shared mode (the scheduler is not this process's).
-    """
-    if config.mode == "shared" and config.record is not None:
-        raise ConfigError(
-            f"{config.source or 'tangram config'}: `record` needs a scheduler of this "
-            "process's own (mode = 'local'); mode = 'shared' shares the job's"
-        )
-
-
-@contextlib.asynccontextmanager
-async def open_scheduler(
-    config: Config, *, capacity: Mapping[str, object] | None = None
-) -> AsyncIterator[Any]:
-    """The scheduler the config asks for, current while the block runs.
-
-    ``mode = "local"``: a :class:`tangram.Runtime` of this process. ``mode = "ray"``: a
-    proxy to the named scheduler actor (:func:`tangram.ray.connect`, imported only then, so
-    a local config never imports Ray). ``mode = "shared"``: inside a Ray job, a proxy on
-    the job's own scheduler actor (created by the first process that asks); outside Ray,
-    a proxy on the job's scheduler process on this node (started by the first process
-    that asks, :mod:`tangram._ray._node`).
-    ``capacity`` adds resources known only at run time (a sandbox pool's cores, GPU
-    memory, quota keys); the file's values win where both name a resource. With
-    ``record``, the runtime is recorded (:func:`tangram.record_trace`) into a file of its
-    own in that directory, written when the block ends, so a rollout run through the
-    adapters can be replayed under ``tangram simulate`` without a code change.
-
-    :raises ConfigError: the capacity is invalid once merged, or differs from the one the
-        job's shared scheduler was created with.
-    """
-    merged = {**(capacity or {}), **config.capacity}
-    if config.mode == "ray":
-        from .. import ray as tangram_ray
-
-        ray = config.ray
-        async with tangram_ray.connect(
-            name=ray.name,
-            namespace=ray.namespace,
-            address=ray.address,
-            # Only a creator states a capacity: a worker looking the actor up would have
-            # its own pools' sizes refused as a mismatch.
-            capacity=merged if ray.create and merged else None,
-            create=ray.create,
-            detached=ray.detached,
-            policy=config.policy.build() if config.policy is not None else None,
-            heartbeat=ray.heartbeat,
-            lease_timeout=ray.lease_timeout,
-        ) as remote:
-            yield remote
-        return
-    if config.mode == "shared":
-        check_shared(config)
-        async with open_shared(config, capacity=merged) as remote:
-            yield remote
-        return
-    try:
-        runtime = Runtime(
-            merged, policy=config.policy.build() if config.policy is not None else None
-        )
-    except (InvalidCapacityError, TypeError) as exc:
-        raise ConfigError(f"{config.source or 'tangram config'}: [capacity]: {exc}") from exc
-    async with runtime:
-        if config.record is None:
-            yield runtime
-            return
-        path = await anyio.to_thread.run_sync(_trace_path, config.record)
-        async with record_trace(runtime, path, name=path.stem):
-            yield runtime
-
-
-_traces = itertools.count(1)
-
-
-def _trace_path(directory: str) -> Path:
-    """A file of its own for each scheduler: several processes and loops share the directory."""
-    folder = Path(directory)
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder / f"tangram-{os.getpid()}-{next(_traces)}.jsonl"
-
-
-@contextlib.asynccontextmanager
-async def open_shared(
-    config: Config, *, capacity: Mapping[str, object], **agent: Any
-) -> AsyncIterator[Any]:
-    """A proxy on this job's scheduler, current while the block runs: the job's actor
-    inside a Ray job (:func:`tangram._ray._shared.open_shared`), else the job's scheduler
-    process on this node (:func:`tangram._ray._node.open_node`), which never imports Ray.
-
-    ``agent`` (``backend``, ``warm``, ``timeout``, ``services``, ``devices``) starts this
-    node's host agent too.
-
-    :raises ConfigError: the capacity is invalid, or not the one the job's scheduler has.
-    """
-    where = config.source or "tangram config"
-    if in_ray():
-        from .._ray._shared import open_shared as open_job_scheduler
-
-        on: dict[str, Any] = {}
-    else:
-        from .._ray._node import open_node as open_job_scheduler
-
-        on = {"config": config.source}
-    async with contextlib.AsyncExitStack() as stack:
-        try:
-            remote = await stack.enter_async_context(
-                open_job_scheduler(
-                    **on,
-                    capacity=capacity,
-                    policy=config.policy.build() if config.policy is not None else None,
-                    agent=bool(agent),
-                    heartbeat=config.ray.heartbeat,
-                    lease_timeout=config.ray.lease_timeout,
-                    **agent,
-                )
-            )
-        except (InvalidCapacityError, TypeError) as exc:
-            raise ConfigError(f"{where}: [capacity]: {exc}") from exc
-        token = _enter_current(remote)
-        try:
-            yield remote
-        finally:
-            _exit_current(token)

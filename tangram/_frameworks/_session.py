@@ -42,9 +42,7 @@ import attrs
 
 from .._runtime._group import Gate
 from .._runtime._run import _enter_current, _exit_current
-from .._sandbox._backend import SandboxBackend
-from .._sandbox._docker import DockerBackend, DockerConfig
-from .._sandbox._local import LocalBackend
+from .._sandbox._backend import SandboxBackend, backend_class
 from .._sandbox._pool import SandboxPool
 from ._config import (
     ENV_VAR,
@@ -53,11 +51,9 @@ from ._config import (
     GpuConfig,
     GpuServiceConfig,
     SandboxConfig,
-    check_shared,
     load,
-    open_scheduler,
-    open_shared,
 )
+from ._open import check_shared, open_scheduler, open_shared
 
 __all__ = [
     "Resources",
@@ -442,14 +438,16 @@ async def _open_on_job(
 
 
 def _backend(sandbox: SandboxConfig) -> SandboxBackend:
-    """The ``[sandbox]`` backend; a module-level function, so an agent can build it remotely."""
+    """The ``[sandbox]`` backend; a module-level function, so an agent can build it remotely.
+
+    The registry finds the class by name (importing its module only now), and the class
+    reads its own options: the config file's keys are each backend's, not this module's.
+    """
+    options = dict(sandbox.options)
+    if sandbox.image is not None:
+        options["image"] = sandbox.image
     try:
-        if sandbox.backend == "docker":
-            options = dict(sandbox.options)
-            if sandbox.image is not None:
-                options["image"] = sandbox.image
-            return DockerBackend(config=DockerConfig(**options))
-        return LocalBackend(**sandbox.options)
+        return backend_class(sandbox.backend).from_options(options)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"[sandbox]: {exc}") from exc
 

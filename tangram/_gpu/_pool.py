@@ -36,7 +36,7 @@ import anyio.abc
 import attrs
 
 from .._core._placement import nvlink_groups
-from .._runtime._run import Runtime, current_runtime
+from .._runtime._run import Runtime, current_local_runtime
 from ..errors import (
     GpuError,
     GpuPoolClosedError,
@@ -311,7 +311,7 @@ class GpuPool:
         state = self._services.get(name)
         if state is None:
             raise UnknownResourceError(f"no service named {name!r} (have {sorted(self._services)})")
-        runtime = self._runtime if self._runtime is not None else current_runtime()
+        runtime = self._runtime if self._runtime is not None else current_local_runtime("a GpuPool")
         while (attached := self._placer.attach(state, anyio.current_time())) is None:
             # Only the service's own draining replicas stand where it could go: the
             # first to stop frees its devices (and makes room under ``max_replicas``).

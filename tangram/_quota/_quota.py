@@ -51,7 +51,7 @@ import anyio
 import httpx
 
 from .._core._validate import number, seconds
-from .._runtime._run import AcquireContext, Runtime, current_runtime
+from .._runtime._run import AcquireContext, Runtime, current_local_runtime
 from ..errors import (
     DemandTypeError,
     InvalidCapacityError,
@@ -233,7 +233,7 @@ class Quota:
     # -- scheduling --------------------------------------------------------------------
 
     def _attach(self) -> Runtime:
-        runtime = self._runtime if self._runtime is not None else current_runtime()
+        runtime = self._runtime if self._runtime is not None else current_local_runtime("a Quota")
         capacity = runtime.capacity
         missing = {kind: v for kind, v in self.capacity().items() if kind not in capacity}
         if missing:

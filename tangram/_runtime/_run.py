@@ -28,53 +28,40 @@ except ImportError:  # pragma: no cover - depends on the anyio release
     _get_async_backend = None  # type: ignore[assignment]
 
 from .._core._action import Action
-from .._core._demand import Demand, build_demand, describe
-from .._core._efficiency import Efficiency
-from .._core._estimator import Estimate, Estimator
+from .._core._demand import describe
+from .._core._estimator import Estimator
 from .._core._ledger import Ledger
 from .._core._policy import RUNNING, WAITING, ElasticPolicy, Entry, Policy
 from .._core._resources import Capacity, Resource, parse_capacity
 from .._core._stats import Outcome, Recorder, ResourceStats, Stats
-from .._core._validate import seconds
 from ..errors import (
     AcquireReusedError,
     CapacityExceededError,
-    DemandTypeError,
     InvalidCapacityError,
-    InvalidDemandError,
     NoCurrentRuntimeError,
     RuntimeClosedError,
     SelfDeadlockError,
     SettingTypeError,
     WaitTimeoutError,
 )
+from ._actions import Actions, duration
 from ._instrument import Instrument, Instruments
 from ._lease import Lease, Waitable
 from ._own import check_own, self_deadlock, timed_out
+from ._scheduler import LeaseLike, Scheduler
 
 __all__ = ["AcquireContext", "Runtime", "acquire", "current_runtime"]
 
 logger = logging.getLogger("tangram")
 T = TypeVar("T")
 
-_current: contextvars.ContextVar[Runtime] = contextvars.ContextVar("tangram.runtime")
-_DEMAND_CACHE_SIZE = 256
+_current: contextvars.ContextVar[Scheduler] = contextvars.ContextVar("tangram.runtime")
 
 
 class _State(enum.Enum):
     NEW = "new"
     RUNNING = "running"
     CLOSED = "closed"
-
-
-def _seconds(name: str, value: object, *, finite: bool) -> float:
-    """A duration argument of ``acquire``, refused as a demand error.
-
-    Callers test for ``None`` (not given) themselves: every acquire passes here twice.
-    """
-    return seconds(
-        name, value, finite=finite, type_error=DemandTypeError, value_error=InvalidDemandError
-    )
 
 
 class _Acquirer(Protocol):
@@ -153,6 +140,7 @@ class Runtime(RunMixin):
             )
         self._estimator = estimator if estimator is not None else Estimator()
         self._ledger = Ledger(self._capacity, self._policy, self._estimator)
+        self._actions = Actions(self._capacity, self._estimator)
         self._recorder = Recorder()
         self._instruments = Instruments()
         self._state = _State.NEW
@@ -162,15 +150,13 @@ class Runtime(RunMixin):
         # and release; only a task that already holds something pays for the check.
         self._holders: dict[object, list[Lease]] = {}
         self._task_of: Callable[[], object] = asyncio.current_task
-        self._ids = 0
         self._planning = False
         self._decisions = 0
         self._decision_seconds = 0.0
         self._wake_at: float | None = None
         self._poke: anyio.Event | None = None
         self._task_group: anyio.abc.TaskGroup | None = None
-        self._token: contextvars.Token[Runtime] | None = None
-        self._demands: dict[tuple[tuple[str, object], ...], tuple[Demand, tuple[type, ...]]] = {}
+        self._token: contextvars.Token[Scheduler] | None = None
         self._now: Callable[[], float] = anyio.current_time
         self._new_event: Callable[[], Waitable] = anyio.Event
         self._cancelled: type[BaseException] = BaseException
@@ -317,68 +303,11 @@ class Runtime(RunMixin):
             wait forever for units only it can give back. An entering task that holds
             some and must wait gets a :class:`~tangram.errors.DeadlockRiskWarning`.
         """
-        action = self._action(demand, amounts, kind, trajectory, estimate)
+        action = self._actions.build(demand, amounts, kind, trajectory, estimate)
         timeout = (
-            None if wait_timeout is None else _seconds("wait_timeout", wait_timeout, finite=False)
+            None if wait_timeout is None else duration("wait_timeout", wait_timeout, finite=False)
         )
         return AcquireContext(self, action, timeout)
-
-    def _action(
-        self,
-        demand: Mapping[str, object] | None,
-        amounts: Mapping[str, object],
-        kind: str,
-        trajectory: str | None,
-        estimate: float | None,
-    ) -> Action:
-        if demand is not None:
-            if not isinstance(demand, Mapping):
-                raise DemandTypeError(
-                    f"`demand` must be a mapping of resource to amount (got {demand!r})"
-                )
-            if amounts:
-                raise DemandTypeError(
-                    "give the demand either as a mapping or as keywords, not both "
-                    f"(got {dict(demand)!r} and {dict(amounts)!r})"
-                )
-            amounts = demand
-        if not isinstance(kind, str):
-            raise DemandTypeError(f"`kind` must be a string (got {kind!r})")
-        if trajectory is not None and not isinstance(trajectory, str):
-            raise DemandTypeError(f"`trajectory` must be a string or None (got {trajectory!r})")
-        built = self._demand(amounts)
-        # An infinite estimate would turn the policy's completion-time sums into NaN.
-        given = None if estimate is None else _seconds("estimate", estimate, finite=True)
-        if given is None:
-            guess = self._estimator.predict(kind)
-        else:
-            elastic = built.elastic
-            efficiency: Efficiency = (
-                elastic.efficiency
-                if elastic is not None and elastic.efficiency is not None
-                else self._estimator.predict(kind).efficiency
-            )
-            guess = Estimate(max(given, 1e-9), efficiency)
-        self._ids += 1
-        return Action(self._ids, kind, trajectory, built, guess)
-
-    def _demand(self, amounts: Mapping[str, object]) -> Demand:
-        # A hit must also match each amount's type: True == 1 and hash(True) == hash(1), so
-        # ``cpu=True`` would otherwise be served the demand cached for ``cpu=1`` and skip
-        # the check that rejects booleans.
-        try:
-            key = tuple(amounts.items())
-            hit = self._demands.get(key)
-        except TypeError:  # an unhashable amount: validate without caching
-            return build_demand(amounts, self._capacity)
-        types = tuple(map(type, amounts.values()))
-        if hit is not None and hit[1] == types:
-            return hit[0]
-        built = build_demand(amounts, self._capacity)
-        if len(self._demands) >= _DEMAND_CACHE_SIZE:
-            self._demands.clear()
-        self._demands[key] = (built, types)
-        return built
 
     async def _enter(self, action: Action, wait_timeout: float | None, epoch: int) -> Lease:
         await self._checkpoint_if_cancelled()
@@ -547,7 +476,7 @@ class Runtime(RunMixin):
             )
         updates = dict(capacity or {}, **amounts)
         self._capacity = self._capacity.with_updates(updates)
-        self._demands.clear()
+        self._actions.capacity = self._capacity
         self._epoch += 1
         now = self._now() if self._state is _State.RUNNING else self._ledger.now
         impossible = self._ledger.set_capacity(self._capacity, now)
@@ -691,22 +620,25 @@ def _checkpoints() -> tuple[Callable[[], Awaitable[None]], Callable[[], Awaitabl
     return backend.checkpoint_if_cancelled, backend.cancel_shielded_checkpoint
 
 
-def _enter_current(scheduler: Any) -> contextvars.Token[Runtime]:
+def _enter_current(scheduler: Scheduler) -> contextvars.Token[Scheduler]:
     """Make ``scheduler`` what ``tangram.acquire`` reaches in this context.
 
-    For proxies with :class:`Runtime`'s ``acquire``/``run`` (``tangram.ray``'s remote
-    runtime): user code written against ``tangram.acquire`` then runs unchanged.
+    For the other :class:`Scheduler` (``tangram.ray``'s remote runtime): user code written
+    against ``tangram.acquire`` then runs unchanged.
     """
     return _current.set(scheduler)
 
 
-def _exit_current(token: contextvars.Token[Runtime]) -> None:
+def _exit_current(token: contextvars.Token[Scheduler]) -> None:
     with contextlib.suppress(ValueError):  # exited from another context: leave it alone
         _current.reset(token)
 
 
-def current_runtime() -> Runtime:
-    """The runtime of the innermost ``async with Runtime(...)`` around this task.
+def current_runtime() -> Scheduler:
+    """The scheduler of the innermost ``async with Runtime(...)`` around this task.
+
+    A :class:`Runtime`, or inside a shared scheduler's session its ``RemoteRuntime``: both
+    are a :class:`tangram.abc.Scheduler`.
 
     :raises NoCurrentRuntimeError: there is none.
     """
@@ -719,6 +651,25 @@ def current_runtime() -> Runtime:
         ) from None
 
 
+def current_local_runtime(what: str) -> Runtime:
+    """The current scheduler, which ``what`` needs to be a :class:`Runtime` of this process.
+
+    GPU pools and quotas change the capacity as they go (a replica's memory, a key's
+    budget) and hold units across tasks, which a shared scheduler's proxy does not offer.
+
+    :raises NoCurrentRuntimeError: there is none.
+    :raises SettingTypeError: the current one is a shared scheduler's proxy: pass
+        ``runtime=`` a :class:`Runtime` of this process.
+    """
+    scheduler = current_runtime()
+    if not isinstance(scheduler, Runtime):
+        raise SettingTypeError(
+            f"{what} needs a tangram.Runtime of this process, and the current scheduler is "
+            f"{scheduler!r}: pass `runtime=` one"
+        )
+    return scheduler
+
+
 def acquire(
     demand: Mapping[str, object] | None = None,
     /,
@@ -728,7 +679,7 @@ def acquire(
     estimate: float | None = None,
     wait_timeout: float | None = None,
     **amounts: object,
-) -> AcquireContext:
+) -> contextlib.AbstractAsyncContextManager[LeaseLike]:
     """``current_runtime().acquire(...)``: see :meth:`Runtime.acquire`."""
     runtime = _current.get(None)
     if runtime is None:

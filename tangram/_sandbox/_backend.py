@@ -3,8 +3,10 @@
 A backend turns core ids into effects (a cgroup cpuset and CFS quota for Docker, CPU
 affinity for the embedded local backend) behind :class:`SandboxBackend`; the pool never
 imports one. Backends are looked up by name, lazily (as anyio finds its async backends):
-the pool, the config file and the CLI name ``"docker"`` or ``"local"``, and only the
-backend asked for is imported, so Docker's client is not loaded where it is not used.
+the pool, the config file and the CLI read the names from :data:`BACKENDS`, the one place
+a backend is named, and only the backend asked for is imported, so Docker's client is not
+loaded where it is not used. Adding a backend is a folder below this package and one entry
+there (docs/sandboxes.md, "Adding a backend").
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import importlib
 import logging
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import attrs
 
@@ -24,6 +27,7 @@ __all__ = [
     "CPUS_ENV",
     "DEFAULT_OUTPUT_LIMIT",
     "DEFAULT_TIMEOUT",
+    "EMBEDDED_BACKEND",
     "ExecRequest",
     "ExecResult",
     "Host",
@@ -201,19 +205,50 @@ class SandboxBackend(abc.ABC):
         """Whether this backend can start here with its defaults (for the default choice)."""
         return True
 
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> SandboxBackend:
+        """The backend a config file's ``[sandbox]`` table describes, from its own keys.
+
+        The pool's keys (``backend``, ``warm``, ``timeout``) are taken out before; the rest
+        are this backend's. The default passes them as keyword arguments; a backend whose
+        constructor takes them grouped (Docker's ``DockerConfig``) overrides this.
+
+        :raises TypeError: a key this backend does not take.
+        :raises ValueError: a value it refuses (``InvalidSettingError`` is one).
+        """
+        return cls(**options)
+
+    @classmethod
+    def lending(cls, cores: Sequence[int]) -> SandboxBackend:
+        """This backend with its defaults, lending only ``cores`` of this machine.
+
+        For tools that size a run to part of the machine (``tangram bench --cores``) and
+        build whichever backend was named, without knowing its constructor. The default
+        passes ``cores`` through :meth:`from_options`; a backend that keys its cores
+        otherwise (Docker's, per daemon) overrides this.
+        """
+        return cls.from_options({"cores": tuple(cores)})
+
     async def aclose(self) -> None:  # noqa: B027 - optional hook, most backends hold nothing
         """Release connections; sandboxes were destroyed by the pool before this."""
 
 
 # -- finding backends -----------------------------------------------------------------
 
+EMBEDDED_BACKEND = "local"
+"""The backend that needs nothing but this host: what a config file's ``[sandbox]`` and
+``tangram bench`` use when they name none, and :func:`default_backend`'s last resort."""
+
 BACKENDS: Mapping[str, str] = {
     "docker": "._docker:DockerBackend",
-    "local": "._local:LocalBackend",
+    EMBEDDED_BACKEND: "._local:LocalBackend",
 }
-"""Backend name -> ``module:class`` below this package, imported only when asked for."""
+"""Backend name -> ``module:class`` below this package, imported only when asked for.
 
-_DEFAULT_ORDER = ("docker", "local")
+The order is :func:`default_backend`'s preference: the first one usable here is the
+default, so a backend that needs more than this host (a daemon) comes before the embedded
+one, which always starts.
+"""
 
 
 def backend_class(name: str) -> type[SandboxBackend]:
@@ -237,11 +272,14 @@ def backend_class(name: str) -> type[SandboxBackend]:
 
 
 async def default_backend() -> SandboxBackend:
-    """Docker when it is usable here, else the embedded local backend (logged either way).
+    """The first backend of :data:`BACKENDS` usable here (logged either way).
 
-    :raises UnknownBackendError: neither is usable here (also a ``LookupError``).
+    Docker when aiodocker is installed, a daemon answers and its image is present, else
+    the embedded local backend.
+
+    :raises UnknownBackendError: none is usable here (also a ``LookupError``).
     """
-    for name in _DEFAULT_ORDER:
+    for name in BACKENDS:
         try:
             cls = backend_class(name)
         except ImportError:
@@ -251,6 +289,6 @@ async def default_backend() -> SandboxBackend:
             return cls()
         logger.info("sandbox pool: the %s backend is not usable here", name)
     raise UnknownBackendError(
-        f"no sandbox backend is usable here (tried: {', '.join(_DEFAULT_ORDER)}): pass "
-        "`backend=` a tangram.SandboxBackend"
+        f"no sandbox backend is usable here (tried: {', '.join(BACKENDS)}): pass "
+        "`backend=` a tangram.abc.SandboxBackend"
     )

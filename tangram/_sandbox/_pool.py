@@ -31,8 +31,8 @@ import attrs
 from .._core._demand import Elastic
 from .._core._validate import seconds as _seconds
 from .._core._validate import whole
-from .._runtime._lease import Lease
-from .._runtime._run import Runtime, current_runtime
+from .._runtime._run import current_runtime
+from .._runtime._scheduler import LeaseLike, Scheduler
 from ..errors import (
     DemandTypeError,
     InvalidSettingError,
@@ -72,7 +72,7 @@ class _State(enum.Enum):
 class _Active:
     """One running action: its lease, its sandbox and the core ids it holds now."""
 
-    lease: Lease
+    lease: LeaseLike
     handle: SandboxHandle
     resource: str
     cores: tuple[int, ...] = ()
@@ -115,14 +115,16 @@ class SandboxPool:
         self,
         backend: SandboxBackend | None = None,
         *,
-        runtime: Runtime | None = None,
+        runtime: Scheduler | None = None,
         warm: int = 0,
         output_limit: int = DEFAULT_OUTPUT_LIMIT,
         timeout: float = DEFAULT_TIMEOUT,
         kind: str = "sandbox",
     ) -> None:
         if backend is not None and not isinstance(backend, SandboxBackend):
-            raise SettingTypeError(f"`backend` must be a tangram.SandboxBackend (got {backend!r})")
+            raise SettingTypeError(
+                f"`backend` must be a tangram.abc.SandboxBackend (got {backend!r})"
+            )
         whole("warm", warm)
         whole("output_limit", output_limit)
         _seconds("timeout", timeout, strict=True)

@@ -9,6 +9,9 @@
   its average, which nothing stops from starving a long action.
 - ``fixed-dop-K``: :func:`tangram.simulate` with ``FcfsPolicy(dop=K)``, the paper's
   fixed-DoP ablation: action-level, but no elasticity.
+- ``elastic``, ``fcfs``, any name of the policy registry
+  (:data:`tangram.abc.POLICIES`): that policy with its defaults. The arms above that are
+  tangram policies are built through the same registry, as a config file's are.
 - ``static``: what verl and OpenRLHF do. Each trajectory takes a slot at its first action
   and holds it until its last action ends, LLM generation gaps included. Slots are granted
   first come, first served by the same :class:`~tangram._core._ledger.Ledger` and
@@ -47,7 +50,9 @@ from .._core._demand import build_demand
 from .._core._efficiency import Estimate, Linear
 from .._core._estimator import Estimator
 from .._core._ledger import Ledger
-from .._core._policy import RUNNING, ElasticPolicy, Entry, FcfsPolicy, Policy
+from .._core._policies import DEFAULT_POLICY, policy_class
+from .._core._policies import POLICIES as _REGISTRY
+from .._core._policy import RUNNING, Entry, FcfsPolicy, Policy
 from .._core._resources import Capacity, parse_capacity
 from .._core._validate import number
 from ..errors import InvalidSettingError
@@ -55,7 +60,10 @@ from ._simulate import ActionRecord, SimulationResult, simulate
 from ._trace import Trace, TraceAction
 
 __all__ = [
+    "BASELINES",
     "POLICIES",
+    "PRESETS",
+    "build_policy",
     "parse_policy",
     "run_policy",
     "simulate_bound",
@@ -64,26 +72,28 @@ __all__ = [
     "simulate_static",
 ]
 
-POLICIES = (
-    "tangram",
-    "tangram-fcfs",
-    "srpt",
-    "static",
-    "k8s",
-    "pooled",
-    "bound",
-    "fixed-dop-K",
-)
+PRESETS: Mapping[str, tuple[str, Mapping[str, float]]] = {
+    "tangram": (DEFAULT_POLICY, {}),
+    "tangram-fcfs": ("elastic", {"order": "arrival"}),  # type: ignore[dict-item]
+    "srpt": ("elastic", {"aging": math.inf, "starvation_bound": math.inf}),
+}
+"""Arms that are a registered policy with settings: the registry's name and the options.
+A registry name (``elastic``, ``fcfs``) is an arm too, with its defaults."""
+
+BASELINES = ("static", "k8s", "pooled", "bound")
+"""Arms that are not a tangram policy: a reservation, an autoscaler, a bound."""
+
+POLICIES = (*PRESETS, *_REGISTRY, *BASELINES, "fixed-dop-K")
 
 StaticUnits = int | Mapping[str, int] | None
 
 
 def parse_policy(name: str) -> str:
-    """Check a policy name; ``fixed-dop-K`` needs a whole K >= 1.
+    """Check an arm's name; ``fixed-dop-K`` (``fcfs`` with ``dop=K``) needs a whole K >= 1.
 
     :raises InvalidSettingError: an unknown name or a bad K.
     """
-    if name in ("tangram", "tangram-fcfs", "srpt", "static", "k8s", "pooled", "bound"):
+    if name in PRESETS or name in _REGISTRY or name in BASELINES:
         return name
     if name.startswith("fixed-dop-"):
         text = name.removeprefix("fixed-dop-")
@@ -91,6 +101,20 @@ def parse_policy(name: str) -> str:
             return name
         raise InvalidSettingError(f"`fixed-dop-K` needs a whole K >= 1 (got {name!r})")
     raise InvalidSettingError(f"unknown policy {name!r} (known: {', '.join(POLICIES)})")
+
+
+def build_policy(name: str) -> Policy:
+    """The policy object of an arm that is a tangram policy, built through the registry.
+
+    :raises InvalidSettingError: ``name`` is a baseline (``static``...) or unknown.
+    """
+    parse_policy(name)
+    if name in BASELINES:
+        raise InvalidSettingError(f"{name!r} is a baseline, not a tangram policy")
+    if name.startswith("fixed-dop-"):
+        return policy_class("fcfs")(dop=int(name.removeprefix("fixed-dop-")))  # type: ignore[call-arg]
+    registered, options = PRESETS.get(name, (name, {}))
+    return policy_class(registered)(**options)
 
 
 def run_policy(
@@ -112,13 +136,7 @@ def run_policy(
     if name == "bound":
         return simulate_bound(trace)
     capacity = trace.runtime_capacity(overrides)
-    policy: Policy = ElasticPolicy()
-    if name == "tangram-fcfs":
-        policy = ElasticPolicy(order="arrival")
-    elif name == "srpt":
-        policy = ElasticPolicy(aging=math.inf, starvation_bound=math.inf)
-    elif name.startswith("fixed-dop-"):
-        policy = FcfsPolicy(dop=int(name.removeprefix("fixed-dop-")))
+    policy = build_policy(name)
     return simulate(trace.workload(), capacity, policy=policy, **_gpu_model(trace))
 
 

@@ -415,8 +415,11 @@ class _Pool:
         self.residency = residency
         self.ledger = ledger
         self.live: dict[str, list[_Hold]] = {name: [] for name in residency.services}
+        # The seat lines follow the policy the cores follow (its ``due``); a policy of the
+        # user's own without one keeps the default policy's aging.
+        due = getattr(ledger.policy, "due", None)
         self.waiting: dict[str, rules.Waiting[_Waiter]] = {
-            name: rules.Waiting() for name in residency.services
+            name: rules.Waiting(due) for name in residency.services
         }
         self.holds: dict[Entry, _Hold] = {}
         self.asked = 0  # GPUs asked for by replicas still waiting for their grant

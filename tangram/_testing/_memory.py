@@ -50,7 +50,7 @@ class MemorySandbox(SandboxHandle):
 
     ``files`` persists across the trajectory's actions like a real work dir; ``applied``
     lists every :meth:`apply` and :meth:`park` in order; ``requests`` every command run.
-    Set ``broken`` to make the next command fail as a dead container would.
+    Set ``broken`` to make the next command or file move fail as a dead container's would.
     """
 
     def __init__(self, host: Host, handler: Handler) -> None:
@@ -70,17 +70,22 @@ class MemorySandbox(SandboxHandle):
         """The cores applied now (empty while parked)."""
         return self.applied[-1].cores if self.applied else ()
 
-    async def execute(self, request: ExecRequest) -> ExecResult:
+    def _check_alive(self) -> None:
         if self.destroyed:
             raise SandboxClosedError("this in-memory sandbox was destroyed")
         if self.broken:
             raise SandboxBrokenError("this in-memory sandbox was marked broken")
+
+    async def execute(self, request: ExecRequest) -> ExecResult:
+        self._check_alive()
         self.requests.append(request)
         result = self._handler(self, request)
         if inspect.isawaitable(result):
             result = await result
         if not isinstance(result, ExecResult):
-            raise SettingTypeError(f"the handler must return tangram.ExecResult (got {result!r})")
+            raise SettingTypeError(
+                f"the handler must return tangram.abc.ExecResult (got {result!r})"
+            )
         return result
 
     async def apply(self, cores: tuple[int, ...], quota: float) -> None:
@@ -90,9 +95,13 @@ class MemorySandbox(SandboxHandle):
         self.applied.append(Applied((), 0.0))
 
     async def put_file(self, path: str, data: bytes) -> None:
+        # A dead sandbox's files are gone: a move fails as the real backends' do, rather
+        # than answering from a dict no command will see again.
+        self._check_alive()
         self.files[path] = bytes(data)
 
     async def get_file(self, path: str) -> bytes:
+        self._check_alive()
         try:
             return self.files[path]
         except KeyError:

@@ -43,7 +43,7 @@ import attrs
 from .._core._demand import Elastic
 from .._core._policy import ElasticPolicy, FcfsPolicy
 from .._runtime._run import Runtime
-from .._sandbox._backend import SandboxBackend
+from .._sandbox._backend import SandboxBackend, backend_class
 from .._sandbox._pool import Sandbox, SandboxPool
 from ..errors import InvalidCapacityError, SandboxError
 from ._bench_workload import (
@@ -180,20 +180,13 @@ async def _make_backend(config: BenchConfig) -> SandboxBackend:
         raise InvalidCapacityError(
             f"--cores {config.cores}, but this process may use {len(available)} cores"
         )
-    if config.sandbox == "docker":
-        from .._sandbox._docker import DockerBackend, docker_usable
-
-        if not await docker_usable():
-            raise SandboxError(
-                "--sandbox docker: no Docker daemon answers here, or the image "
-                "tangram-sandbox-test:latest is missing (see docs/sandboxes.md)"
-            )
-        # The daemon is this machine's (the default socket), so its core ids are ours.
-        url = os.environ.get("DOCKER_HOST", "")
-        return DockerBackend(cores={url: available[: config.cores]})
-    from .._sandbox._local import LocalBackend
-
-    return LocalBackend(cores=available[: config.cores])
+    cls = backend_class(config.sandbox)
+    if not await cls.usable():
+        raise SandboxError(
+            f"--sandbox {config.sandbox}: {cls.__name__} cannot start here with its defaults "
+            "(`tangram doctor` says why; see docs/sandboxes.md)"
+        )
+    return cls.lending(available[: config.cores])
 
 
 class _Arm:

@@ -15,6 +15,7 @@ import attrs
 
 from .._core._validate import number as check_number
 from .._core._validate import whole
+from .._sandbox._backend import BACKENDS, EMBEDDED_BACKEND
 from ..errors import InvalidSettingError, SettingTypeError
 
 __all__ = [
@@ -122,7 +123,8 @@ class BenchConfig:
     cores: int
     turns: int = 8
     seed: int = 0
-    sandbox: Literal["local", "docker"] = "local"
+    #: a name of the sandbox backend registry (``tangram._sandbox._backend.BACKENDS``).
+    sandbox: str = EMBEDDED_BACKEND
     time_scale: float = 1.0
     search_rate: float = 2.0
     reward_models: int = 3
@@ -145,9 +147,9 @@ class BenchConfig:
             raise InvalidSettingError(f"`reward_models` must be >= 2 (got {self.reward_models!r})")
         for name in ("time_scale", "search_rate"):
             check_number(name, getattr(self, name), strict=True)
-        if self.sandbox not in ("local", "docker"):
+        if not isinstance(self.sandbox, str) or self.sandbox not in BACKENDS:
             raise InvalidSettingError(
-                f"`sandbox` must be 'local' or 'docker' (got {self.sandbox!r})"
+                f"`sandbox` must be one of {list(BACKENDS)} (got {self.sandbox!r})"
             )
 
 

@@ -28,6 +28,7 @@ from typing import Any
 import attrs
 
 from .. import __version__
+from .._sandbox._backend import BACKENDS
 from ..errors import TangramError
 from ._bench import BenchConfig
 from ._paths import STDIO, input_file, output_dir
@@ -151,9 +152,10 @@ def _add_bench_command(commands: Any) -> None:
     )
     bench.add_argument(
         "--sandbox",
-        choices=("local", "docker"),
+        choices=tuple(BACKENDS),
         default=defaults.sandbox.default,
-        help="local: the embedded process sandbox (default); docker: containers on the daemon",
+        help="where the sandboxes live (default %(default)s, which needs nothing but this "
+        "host; see docs/sandboxes.md)",
     )
     bench.add_argument(
         "--time-scale",
@@ -261,7 +263,7 @@ def _serve_fusion(args: argparse.Namespace) -> int:
 
     import anyio
 
-    from .._frameworks._fusion import serve
+    from .._fusion import serve
 
     async def run() -> None:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:

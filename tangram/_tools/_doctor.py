@@ -65,7 +65,7 @@ def _version(module: str) -> str | None:
 
 def _docker() -> str:
     try:
-        from .._sandbox._docker import DockerConfig, docker_usable
+        from .._sandbox._docker._backend import DockerConfig, docker_usable
     except ImportError:
         return "not usable: aiodocker is not installed (pip install 'tangram[docker]')"
 
@@ -89,7 +89,7 @@ def orphaned_sandboxes() -> list[dict[str, str]]:
 
     A pool removes them when it starts; this lists them without starting one.
     """
-    from .._sandbox._reaper import orphans
+    from .._sandbox._docker._reaper import orphans
 
     found: list[dict[str, str]] = anyio.run(_on_docker, orphans)
     return found
@@ -97,7 +97,7 @@ def orphaned_sandboxes() -> list[dict[str, str]]:
 
 def reap_orphaned_sandboxes() -> list[str]:
     """Remove what :func:`orphaned_sandboxes` lists; the ids removed."""
-    from .._sandbox._reaper import reap
+    from .._sandbox._docker._reaper import reap
 
     removed: list[str] = anyio.run(_on_docker, reap)
     return removed
@@ -120,7 +120,7 @@ def _local_isolation() -> dict[str, Any]:
     The same survey the pool does at start (and warns from), so this says exactly which
     protection is off and why, before a rollout runs hostile code under it.
     """
-    from .._sandbox._local import LocalBackend
+    from .._sandbox._local._backend import LocalBackend
 
     backend = LocalBackend()
     try:
@@ -198,9 +198,9 @@ def diagnose() -> dict[str, Any]:
             "trajectories": config.trajectories,
             "turns": config.turns,
             "cores": config.cores,
-            "sandbox": "local (pass --sandbox docker to use the daemon)"
+            "sandbox": f"{config.sandbox} (pass --sandbox docker to use the daemon)"
             if str(facts["docker"]).startswith("reachable")
-            else "local",
+            else config.sandbox,
             "reward models": f"{config.reward_models} torch models on the CPU device, "
             "memory budget for 2 (evict-on-execution)",
             "search": f"loopback rate-limited server, {config.search_rate:g} requests/s",

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from .._sim._baselines import parse_policy, run_policy
+from .._sim._baselines import POLICIES, parse_policy, run_policy
 from .._sim._generate import WORKLOADS, GenerateConfig, generate_lines
 from .._sim._simulate import SimulationResult
 from .._sim._trace import Trace, read_lines, read_trace
@@ -269,10 +269,7 @@ def add_commands(commands: Any) -> None:
         "--policy",
         type=_policies,
         default=_policies(DEFAULT_POLICIES),
-        help=(
-            "comma-separated: tangram, tangram-fcfs, srpt, static, k8s, bound, fixed-dop-K "
-            f"(default {DEFAULT_POLICIES})"
-        ),
+        help=(f"comma-separated, of: {', '.join(POLICIES)} (default {DEFAULT_POLICIES})"),
     )
     sim.add_argument(
         "--capacity",

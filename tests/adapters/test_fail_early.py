@@ -342,7 +342,7 @@ async def test_a_host_failure_creating_a_sandbox_is_tangrams(
     model as its tool's output."""
     import errno
 
-    import tangram._sandbox._local as local
+    import tangram._sandbox._local._backend as local
 
     toml = tmp_path / "t.toml"
     toml.write_text('mode = "local"\n[sandbox]\nbackend = "local"\nwarm = 0\n')

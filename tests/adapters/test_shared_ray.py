@@ -44,8 +44,8 @@ import ray.cluster_utils
 from _probes import PROBE, assert_never_shared, probes
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from tangram._ray._proxy import attach
-from tangram._ray._shared import NAMESPACE, agent_name, host_name, scheduler_name
+from tangram._shared._on_ray import NAMESPACE, agent_name, host_name, scheduler_name
+from tangram._shared._proxy import attach
 
 # The actors below are defined here, in a module Ray's workers import by value.
 importlib.import_module("ray.cloudpickle").register_pickle_by_value(sys.modules[__name__])

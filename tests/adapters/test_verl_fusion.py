@@ -44,7 +44,8 @@ with warnings.catch_warnings():
 from tangram_verl import SandboxTool  # noqa: E402
 
 import tangram  # noqa: E402
-from tangram._frameworks import _failures, _fusion, _session  # noqa: E402
+from tangram import _fusion  # noqa: E402
+from tangram._frameworks import _failures, _session  # noqa: E402
 from tangram.errors import SandboxBrokenError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]

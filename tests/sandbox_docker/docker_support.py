@@ -24,7 +24,7 @@ aiodocker = (
     pytest.importorskip("aiodocker") if not os.environ.get("CI") else __import__("aiodocker")
 )
 
-from tangram._sandbox._docker import (  # noqa: E402
+from tangram._sandbox._docker._backend import (  # noqa: E402
     DockerBackend,
     DockerConfig,
     docker_usable,

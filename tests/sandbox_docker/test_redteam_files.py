@@ -20,9 +20,9 @@ import anyio
 import pytest
 
 import tangram
-from tangram._sandbox import _docker
-from tangram._sandbox._docker import DockerBackend
-from tangram._sandbox._engine import SHM_SEGMENTS, HostInfo
+from tangram._sandbox._docker import _backend as _docker
+from tangram._sandbox._docker._backend import DockerBackend
+from tangram._sandbox._docker._engine import SHM_SEGMENTS, HostInfo
 from tangram._sandbox._pool import Sandbox, SandboxPool
 from tangram.errors import InvalidSettingError, SettingTypeError
 

@@ -18,8 +18,13 @@ import pytest
 
 import tangram
 from tangram._sandbox._backend import RunResult
-from tangram._sandbox._cgroupfs import CgroupFiles
-from tangram._sandbox._docker import PARKED_QUOTA_US, PERIOD_US, DockerBackend, DockerConfig
+from tangram._sandbox._docker._backend import (
+    PARKED_QUOTA_US,
+    PERIOD_US,
+    DockerBackend,
+    DockerConfig,
+)
+from tangram._sandbox._docker._cgroupfs import CgroupFiles
 from tangram._sandbox._pool import Sandbox, SandboxPool
 from tangram.errors import SandboxBrokenError, SandboxError
 

@@ -13,7 +13,7 @@ import anyio
 import pytest
 
 from tangram._sandbox._backend import ExecRequest
-from tangram._sandbox._docker import DockerBackend
+from tangram._sandbox._docker._backend import DockerBackend
 from tangram.errors import SandboxBrokenError
 
 from .docker_support import (

@@ -20,7 +20,7 @@ import pytest
 from anyio import open_process
 
 import tangram
-from tangram._sandbox._docker import DockerBackend
+from tangram._sandbox._docker._backend import DockerBackend
 from tangram._sandbox._pool import Sandbox, SandboxPool
 from tangram.errors import SandboxBrokenError, SandboxError
 
@@ -149,7 +149,7 @@ async def test_a_stalled_daemon_is_a_typed_error_not_a_hang(docker: None) -> Non
 
 TRAINER = """
 import anyio
-from tangram._sandbox._docker import DockerBackend, DockerConfig
+from tangram._sandbox._docker._backend import DockerBackend, DockerConfig
 from tangram._sandbox._pool import SandboxPool
 
 async def main():

@@ -43,13 +43,20 @@ from openrlhf.utils.agent import (  # type: ignore[import-untyped]
 )
 
 import tangram
-from tangram._frameworks import _session
-from tangram._frameworks._convert import cpu_demand, extract_code, format_result
-from tangram._frameworks._failures import is_infrastructure, record
-from tangram._frameworks._metrics import is_level, step_logs
-from tangram._frameworks._session import release_later
-from tangram._reward._grade import grade, parse_tests
+from tangram import integrations
 from tangram.config import ConfigError
+from tangram.integrations import (
+    cpu_demand,
+    extract_code,
+    format_result,
+    grade,
+    is_infrastructure,
+    is_level,
+    parse_tests,
+    record,
+    release_later,
+    step_logs,
+)
 
 __all__ = ["AgentExecutor", "AgentInstance", "parse_tool_calls"]
 
@@ -83,7 +90,7 @@ def parse_tool_calls(text: str) -> list[dict[str, Any]]:
 
 
 def _settings() -> dict[str, Any]:
-    config = _session.config_for(None)
+    config = integrations.config_for(None)
     table = dict(config.adapters.get("openrlhf", {}))
     unknown = sorted(set(table) - _SETTINGS)
     if unknown:
@@ -115,7 +122,7 @@ class AgentInstance(AgentInstanceBase):  # type: ignore[misc]
         self._finalizer: weakref.finalize[Any, AgentInstance] | None = None
 
     async def reset(self, states: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
-        async with _session.session(self.config_path) as resources:
+        async with integrations.session(self.config_path) as resources:
             self._block = resources.sandbox_pool().sandbox(f"openrlhf-{id(self):x}")
             self._sandbox = await self._block.__aenter__()
         self._finalizer = weakref.finalize(
@@ -176,7 +183,7 @@ class AgentInstance(AgentInstanceBase):  # type: ignore[misc]
         if self.metrics:
             # OpenRLHF keeps only an episode's last logs, so each step's change since the
             # process's previous one adds up here (levels, ``tangram/held/...``, are now's).
-            async with _session.session(self.config_path) as resources:
+            async with integrations.session(self.config_path) as resources:
                 change = await step_logs(resources.scheduler, resources, (self.kind, "reward"))
             for key, value in change.items():
                 before = 0.0 if is_level(key) else self.scheduler_logs.get(key, 0.0)
@@ -187,7 +194,7 @@ class AgentInstance(AgentInstanceBase):  # type: ignore[misc]
     async def _run(self, code: str) -> tangram.RunResult:
         if self._sandbox is None:
             raise RuntimeError("step() before reset(): the episode has no sandbox")
-        async with _session.session(self.config_path):
+        async with integrations.session(self.config_path):
             return await self._sandbox.run(
                 code=code, cpu=self.cpu, timeout=self.timeout, kind=self.kind
             )
@@ -199,7 +206,7 @@ class AgentInstance(AgentInstanceBase):  # type: ignore[misc]
             if code is None:
                 return 0.0
             async with (
-                _session.session(self.config_path) as resources,
+                integrations.session(self.config_path) as resources,
                 resources.sandbox_pool().sandbox(f"reward-{uuid.uuid4().hex}") as sandbox,
             ):
                 verdict = await grade(
@@ -211,8 +218,8 @@ class AgentInstance(AgentInstanceBase):  # type: ignore[misc]
                     case_timeout=self.case_timeout,
                 )
             return verdict.score(partial=self.partial)
-        fn = _session.load_object(self.reward)
-        async with _session.session(self.config_path):
+        fn = integrations.load_object(self.reward)
+        async with integrations.session(self.config_path):
             return float(await fn(action, label, self._sandbox))
 
     async def _release(self) -> None:
@@ -233,6 +240,6 @@ class AgentExecutor(MultiTurnAgentExecutor):  # type: ignore[misc]
         # OpenRLHF builds the executor when the vLLM engine actor starts: a missing or
         # bad config fails the actor there, not each episode after it.
         settings = _settings()
-        _session.check(settings.get("tangram_config"), needs=("sandbox",))
+        integrations.check(settings.get("tangram_config"), needs=("sandbox",))
         cpu_demand(settings.get("cpu", 1), "[adapters.openrlhf]")
         super().__init__(AgentInstance)

@@ -29,11 +29,17 @@ from typing import Any
 
 import torch
 
-from tangram._frameworks import _session
-from tangram._frameworks._convert import cpu_demand, extract_code
-from tangram._frameworks._failures import is_infrastructure, record
-from tangram._reward._grade import Verdict, grade, parse_tests
+from tangram import integrations
 from tangram.config import ConfigError
+from tangram.integrations import (
+    Verdict,
+    cpu_demand,
+    extract_code,
+    grade,
+    is_infrastructure,
+    parse_tests,
+    record,
+)
 
 __all__ = ["check", "reward_func", "score_code"]
 
@@ -43,7 +49,7 @@ async def score_code(query: str, prompt: str, label: Any) -> tuple[float, Verdic
 
     :raises ValueError: the label holds no test that can be run.
     """
-    config = _session.config_for(None)
+    config = integrations.config_for(None)
     settings = dict(config.adapters.get("openrlhf", {}))
     cpu = cpu_demand(settings.get("cpu", 1), "[adapters.openrlhf]")
     tests = parse_tests(label)
@@ -52,7 +58,7 @@ async def score_code(query: str, prompt: str, label: Any) -> tuple[float, Verdic
     if code is None:
         return 0.0, None
     async with (
-        _session.session(None) as resources,
+        integrations.session(None) as resources,
         resources.sandbox_pool().sandbox(f"reward-{uuid.uuid4().hex}") as sandbox,
     ):
         verdict = await grade(
@@ -82,7 +88,7 @@ def reward_func(queries: list[str], prompts: list[str], labels: list[Any]) -> di
     if not (len(queries) == len(prompts) == len(labels)):
         raise ConfigError("queries, prompts and labels must have the same length")
     try:
-        scored = _session.portal_call(_score_all, list(queries), list(prompts), list(labels))
+        scored = integrations.portal_call(_score_all, list(queries), list(prompts), list(labels))
     except Exception as exc:
         if is_infrastructure(exc):
             record("reward", exc)
@@ -104,7 +110,7 @@ def check() -> None:
 
     :raises ConfigError: no tangram config, an invalid one, or one without ``[sandbox]``.
     """
-    config = _session.check(None, needs=("sandbox",))
+    config = integrations.check(None, needs=("sandbox",))
     cpu_demand(config.adapters.get("openrlhf", {}).get("cpu", 1), "[adapters.openrlhf]")
 
 

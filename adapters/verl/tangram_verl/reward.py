@@ -50,14 +50,20 @@ from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 from verl.utils.reward_score import default_compute_score
 
 import tangram
-from tangram._frameworks import _session
-from tangram._frameworks._convert import cpu_demand, extract_code
-from tangram._frameworks._failures import is_infrastructure, record
-from tangram._frameworks._metrics import step_logs
-from tangram._reward._grade import grade, parse_tests
-from tangram._runtime._group import DEFAULT_GROUP_WAIT, Gate
+from tangram import integrations
 from tangram.config import ConfigError
 from tangram.errors import UnscoredSampleError
+from tangram.integrations import (
+    DEFAULT_GROUP_WAIT,
+    Gate,
+    cpu_demand,
+    extract_code,
+    grade,
+    is_infrastructure,
+    parse_tests,
+    record,
+    step_logs,
+)
 from tangram_verl.tools import TOOL_METRICS
 
 __all__ = ["TangramRewardManager", "compute_score", "failed_calls", "tool_metrics"]
@@ -82,7 +88,7 @@ _SETTINGS = {
 
 def _settings(overrides: Mapping[str, Any]) -> dict[str, Any]:
     path = overrides.get("tangram_config")
-    config = _session.config_for(path)
+    config = integrations.config_for(path)
     table = config.adapters.get("verl", {}).get("reward", {})
     settings = {**table, **{k: v for k, v in overrides.items() if k in _SETTINGS}}
     unknown = sorted(set(table) - _SETTINGS)
@@ -93,7 +99,7 @@ def _settings(overrides: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _needs(settings: Mapping[str, Any]) -> tuple[str, ...]:
-    """The config tables the settings will use, for :func:`tangram._frameworks._session.check`."""
+    """The config tables the settings will use, for :func:`tangram.integrations.check`."""
     if settings.get("tests"):
         return ("sandbox",)
     if "service" in settings:
@@ -184,7 +190,7 @@ async def score(
     """One sample's score through the tests, the service or the judge the settings name.
 
     ``arrive`` is awaited right before the sample asks for its grant: a group's gate
-    (:class:`tangram._runtime._group.Gate`) holds it there for the rest of its group,
+    (:class:`tangram.integrations.Gate`) holds it there for the rest of its group,
     ``group`` (its prompt) which also names its sandbox, for the scheduler's books.
 
     :raises ValueError: with ``tests``, a ground truth that holds no test to run.
@@ -211,7 +217,7 @@ async def _score(
     group: str | None,
 ) -> float:
     info = {"data_source": data_source, "extra_info": extra_info}
-    async with _session.session(settings.get("tangram_config")) as resources:
+    async with integrations.session(settings.get("tangram_config")) as resources:
         if settings.get("tests"):
             tests = parse_tests(ground_truth)
             code = extract_code(solution_str)
@@ -231,14 +237,14 @@ async def _score(
                 )
             return verdict.score(partial=bool(settings.get("partial", False)))
         if "service" in settings:
-            encode = _session.load_object(settings.get("encode", ""))
+            encode = integrations.load_object(settings.get("encode", ""))
             row = encode(solution_str, ground_truth, **info)
             await arrive()
             async with resources.gpu_pool().use(settings["service"]) as service:
                 output = await service(row)
             return float(output.reshape(-1)[0])
         if "quota" in settings:
-            judge = _session.load_object(settings.get("judge", ""))
+            judge = integrations.load_object(settings.get("judge", ""))
             quota = resources.quota(settings["quota"])
             options = {"base_url": settings["base_url"]} if "base_url" in settings else {}
             async with quota.client(**options) as client:
@@ -286,7 +292,7 @@ class TangramRewardManager(RewardManagerBase):
     scored together: each waits, just before it asks for its grant, for the others of its
     group being scored at once (in this worker, or in shared mode in any worker of the
     job), and the group's demands reach the scheduler together
-    (:mod:`tangram._runtime._group`). A sample alone goes at once; none waits longer
+    (:class:`tangram.integrations.Gate`). A sample alone goes at once; none waits longer
     than ``group_wait`` seconds (2).
     """
 
@@ -303,7 +309,7 @@ class TangramRewardManager(RewardManagerBase):
         self.settings = _settings(dict(overrides or {}))
         # Checked here, where verl's reward worker starts, not at the first sample, and
         # before verl's base class makes an event loop that a failed start would leak.
-        _session.check(self.settings.get("tangram_config"), needs=_needs(self.settings))
+        integrations.check(self.settings.get("tangram_config"), needs=_needs(self.settings))
         self.cpu = cpu_demand(self.settings.get("cpu", 1), "[adapters.verl.reward]")
         self.group_wait: float | None = None
         if self.settings.get("group"):
@@ -348,11 +354,11 @@ class TangramRewardManager(RewardManagerBase):
                 group=group,
             )
         elif self.custom_is_async:
-            async with _session.session(self.settings.get("tangram_config")):
+            async with integrations.session(self.settings.get("tangram_config")):
                 await arrive()
                 result = await self.custom(**arguments)
         else:
-            async with _session.session(self.settings.get("tangram_config")):
+            async with integrations.session(self.settings.get("tangram_config")):
                 await arrive()
                 async with tangram.acquire(cpu=self.cpu, kind="reward"):
                     call = functools.partial(self.custom, **arguments)
@@ -370,7 +376,7 @@ class TangramRewardManager(RewardManagerBase):
                 # or in shared mode the job's, where a group's samples meet whichever
                 # reward worker verl sent them to.
                 path = self.settings.get("tangram_config")
-                resources = await stack.enter_async_context(_session.session(path))
+                resources = await stack.enter_async_context(integrations.session(path))
                 block = resources.group(str(uid), self.group_wait)
                 arrive = await stack.enter_async_context(block)
             result, tool_fields = await self._score(item, arrive, None if uid is None else str(uid))
@@ -379,7 +385,7 @@ class TangramRewardManager(RewardManagerBase):
             # What this reward process's scheduler did since its previous sample: verl keeps
             # reward_extra_info per sample (validation metrics, rollout dumps), so the
             # samples of a step add up to the step.
-            async with _session.session(self.settings.get("tangram_config")) as resources:
+            async with integrations.session(self.settings.get("tangram_config")) as resources:
                 tools.update(await step_logs(resources.scheduler, resources, ("reward",)))
         if isinstance(result, Mapping):
             return {"reward_score": result["score"], "reward_extra_info": {**tools, **result}}

@@ -5,7 +5,7 @@
 ``cls(config=..., tool_schema=...)`` once per agent-loop worker process and calls
 ``create`` / ``execute`` / ``release`` from that worker's event loop. Nothing here is
 passed a runtime: each call takes this process and loop's scheduler from
-:func:`tangram._frameworks._session.session`, started on first use from the file named by the
+:func:`tangram.integrations.session`, started on first use from the file named by the
 tool's ``config.tangram_config`` or ``$TANGRAM_CONFIG``.
 """
 
@@ -27,12 +27,18 @@ from verl.tools.tool_registry import get_tool_class
 from verl.utils.rollout_trace import rollout_trace_op
 
 import tangram
-from tangram._frameworks import _session
-from tangram._frameworks._convert import cpu_demand, demand_of, format_result, result_metrics
-from tangram._frameworks._failures import is_infrastructure, record
-from tangram._frameworks._session import release_later
+from tangram import integrations
 from tangram.config import ConfigError
 from tangram.errors import TangramError, UnknownSandboxError
+from tangram.integrations import (
+    cpu_demand,
+    demand_of,
+    format_result,
+    is_infrastructure,
+    record,
+    release_later,
+    result_metrics,
+)
 
 __all__ = [
     "FAILED_CALL",
@@ -113,7 +119,7 @@ class SandboxTool(BaseTool):
         if unknown:
             raise ConfigError(f"{where}: unknown config key(s) {unknown}")
         self.config_path: str | None = config.get("tangram_config")
-        _session.check(self.config_path, needs=("sandbox",))
+        integrations.check(self.config_path, needs=("sandbox",))
         self.cpu = cpu_demand(config.get("cpu", 1), where)
         self.timeout: float | None = config.get("timeout", config.get("default_timeout"))
         self.kind: str = config.get("kind", self.name)
@@ -124,7 +130,7 @@ class SandboxTool(BaseTool):
         self.scope: str = config.get("scope", "instance")
         if self.scope not in ("instance", "trajectory"):
             raise ConfigError(f"{where}: `scope` must be 'instance' or 'trajectory'")
-        self._instances: dict[str, tuple[Any, tangram.Sandbox]] = {}
+        self._instances: dict[str, tuple[contextlib.AsyncExitStack, tangram.Sandbox]] = {}
         self._prepare: dict[str, Mapping[str, Any]] = {}
         self._failed: dict[str, BaseException] = {}
         # Keyed by verl's AgentData: the entry goes when verl drops the trajectory.
@@ -143,7 +149,10 @@ class SandboxTool(BaseTool):
         try:
             self._prepare[instance_id] = _preparation(options, f"tool {self.name!r}")
             if self.scope == "instance":
-                self._instances[instance_id] = await self._bind(instance_id, instance_id)
+                async with integrations.session(self.config_path) as resources:
+                    self._instances[instance_id] = await self._bind(
+                        resources, instance_id, instance_id
+                    )
         except Exception as exc:
             if not is_infrastructure(exc):
                 raise
@@ -152,16 +161,20 @@ class SandboxTool(BaseTool):
             self._fail(instance_id, exc)
         return instance_id, ToolResponse()
 
-    async def _bind(self, name: str, instance_id: str) -> tuple[Any, tangram.Sandbox]:
-        async with _session.session(self.config_path) as resources:
-            block = resources.sandbox_pool().sandbox(name)
-            sandbox = await block.__aenter__()
-            try:
-                await self._prepared(sandbox, instance_id)
-            except BaseException:
-                await block.__aexit__(None, None, None)
-                raise
-        return block, sandbox
+    async def _bind(
+        self, resources: integrations.Resources, name: str, instance_id: str
+    ) -> tuple[contextlib.AsyncExitStack, tangram.Sandbox]:
+        """A prepared sandbox, and the stack that gives it back.
+
+        The sandbox outlives this call (until ``release``, or until verl drops the
+        trajectory), so its block is left open on a stack of its own; a preparation that
+        fails closes it here.
+        """
+        async with contextlib.AsyncExitStack() as stack:
+            sandbox = await stack.enter_async_context(resources.sandbox_pool().sandbox(name))
+            await self._prepared(sandbox, instance_id)
+            held = stack.pop_all()
+        return held, sandbox
 
     async def _prepared(self, sandbox: tangram.Sandbox, instance_id: str) -> None:
         """Write ``files`` and run ``setup`` before the model's first call sees the sandbox."""
@@ -176,22 +189,26 @@ class SandboxTool(BaseTool):
                     f"tool {self.name!r}: create_kwargs `setup` failed: {format_result(result)}"
                 )
 
-    async def _trajectory_sandbox(self, trajectory: Any, instance_id: str) -> tangram.Sandbox:
+    async def _trajectory_sandbox(
+        self, resources: integrations.Resources, trajectory: Any, instance_id: str
+    ) -> tangram.Sandbox:
         async with self._binding:  # parallel calls of one trajectory share one sandbox
             sandbox = self._trajectories.get(trajectory)
             if sandbox is None:
                 name = str(getattr(trajectory, "request_id", uuid.uuid4().hex))
-                block, sandbox = await self._bind(name, instance_id)
+                held, sandbox = await self._bind(resources, name, instance_id)
                 self._trajectories[trajectory] = sandbox
-                weakref.finalize(trajectory, release_later, asyncio.get_running_loop(), block)
+                weakref.finalize(trajectory, release_later, asyncio.get_running_loop(), held)
             return sandbox
 
-    async def _sandbox_for(self, instance_id: str, trajectory: Any) -> tangram.Sandbox:
+    async def _sandbox_for(
+        self, resources: integrations.Resources, instance_id: str, trajectory: Any
+    ) -> tangram.Sandbox:
         if self.scope == "trajectory" and trajectory is not None:
-            return await self._trajectory_sandbox(trajectory, instance_id)
+            return await self._trajectory_sandbox(resources, trajectory, instance_id)
         if instance_id not in self._instances and self.scope == "trajectory":
             # Called without verl's trajectory state: the instance is all there is.
-            self._instances[instance_id] = await self._bind(instance_id, instance_id)
+            self._instances[instance_id] = await self._bind(resources, instance_id, instance_id)
         entry = self._instances.get(instance_id)
         if entry is None:
             raise UnknownSandboxError(
@@ -214,12 +231,12 @@ class SandboxTool(BaseTool):
             return ToolResponse(text=f"`language` must be one of {sorted(_LANGUAGES)}"), 0.0, {}
         timeout = _timeout(parameters.get("timeout"), self.timeout)
         trajectory = kwargs.get("agent_data")
+        command: str | list[str] | None = None
+        if language != "python":
+            command = code if language == "shell" else ["bash", "-c", code]
         try:
-            sandbox = await self._sandbox_for(instance_id, trajectory)
-            command: str | list[str] | None = None
-            if language != "python":
-                command = code if language == "shell" else ["bash", "-c", code]
-            async with _session.session(self.config_path):
+            async with integrations.session(self.config_path) as resources:
+                sandbox = await self._sandbox_for(resources, instance_id, trajectory)
                 result = await sandbox.run(
                     command,
                     code=code if command is None else None,
@@ -245,7 +262,7 @@ class SandboxTool(BaseTool):
         failed = self._failed.pop(instance_id, None)
         try:
             if entry is not None:
-                await entry[0].__aexit__(None, None, None)
+                await entry[0].aclose()
         finally:
             if failed is not None:
                 raise failed
@@ -329,7 +346,7 @@ class TangramTool(BaseTool):
             raise ConfigError(f"{where}: `wraps` must name the wrapped tool's class")
         self.demand = demand_of(config.get("demand"), where)
         self.config_path: str | None = config.get("tangram_config")
-        _session.check(self.config_path)
+        integrations.check(self.config_path)
         tool_class = get_tool_class(wraps)  # type: ignore[no-untyped-call]
         self.inner: BaseTool = tool_class(config=inner_config, tool_schema=tool_schema)
         super().__init__(config, self.inner.tool_schema)
@@ -355,7 +372,7 @@ class TangramTool(BaseTool):
         own: list[Exception] = []  # the wrapped tool's error, told apart from tangram's
         try:
             async with (
-                _session.session(self.config_path),
+                integrations.session(self.config_path),
                 tangram.acquire(self.demand, kind=self.kind, trajectory=instance_id),
             ):
                 try:
@@ -419,7 +436,7 @@ def with_tangram(
     such a sample (:class:`tangram.errors.UnscoredSampleError`), so the step fails
     rather than train on it. The function's own exceptions reach verl as before.
     """
-    _session.check(config)
+    integrations.check(config)
     wanted = {**(demand or {}), **amounts}
 
     def decorate(fn: F) -> F:
@@ -432,7 +449,7 @@ def with_tangram(
             own: list[Exception] = []
             try:
                 async with contextlib.AsyncExitStack() as stack:
-                    await stack.enter_async_context(_session.session(config))
+                    await stack.enter_async_context(integrations.session(config))
                     if wanted:
                         await stack.enter_async_context(tangram.acquire(wanted, kind=action))
                     try:
@@ -467,7 +484,7 @@ async def run_code(
     config: str | None = None,
 ) -> tangram.RunResult:
     """Run Python in a fresh sandbox of this process's pool (for stateless function tools)."""
-    async with _session.session(config) as resources:
+    async with integrations.session(config) as resources:
         name = uuid.uuid4().hex
         async with resources.sandbox_pool().sandbox(name) as sandbox:
             return await sandbox.run(code=code, cpu=cpu, timeout=timeout, kind=kind)

@@ -263,7 +263,7 @@ async def _serve(listener: socket.socket, spec: Mapping[str, Any]) -> None:
 
 
 def main() -> None:
-    """The scheduler process: ``python -m tangram._ray._node``, its description on stdin.
+    """The scheduler process: ``python -m tangram._shared._node``, its description on stdin.
 
     It binds the socket, then forks: the parent says ``ready`` and exits (the worker that
     started it reaps it at once), the child serves in a session of its own, so a signal
@@ -336,7 +336,7 @@ def _start(spec: Mapping[str, Any]) -> None:
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     with open(os.open(spec["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "tangram._ray._node"],
+            [sys.executable, "-m", "tangram._shared._node"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=log,
@@ -413,7 +413,7 @@ async def open_node(
 ) -> AsyncIterator[RemoteRuntime]:
     """A proxy on this job's scheduler process on this node, started if none answers.
 
-    As :func:`tangram._ray._shared.open_shared`, without Ray: ``capacity`` is what is not
+    As :func:`tangram._shared._on_ray.open_shared`, without Ray: ``capacity`` is what is not
     the node's (an API's rate, quotas), the same for every worker; with ``agent`` the
     node's host agent is started in the scheduler process with ``backend``, ``warm``,
     ``timeout``, ``services`` and ``devices``. ``config`` names the config file: jobs

@@ -192,7 +192,7 @@ class HostAgentActor:
             backend = _HostBackend(inner, self._name)
             async with attach(self._scheduler) as remote, contextlib.AsyncExitStack() as stack:
                 extra: dict[str, Any] = {} if self._timeout is None else {"timeout": self._timeout}
-                pool = SandboxPool(backend, runtime=cast(Runtime, remote), warm=self._warm, **extra)
+                pool = SandboxPool(backend, runtime=remote, warm=self._warm, **extra)
                 await stack.enter_async_context(pool)
                 self._pool = pool
                 gpu: dict[str, Any] | None = None
@@ -443,7 +443,7 @@ async def start_agent(
 
     :param remote: a proxy on the scheduler the agent serves.
     :param name: the host's name; its cores become the capacity kind ``cpu@<name>``.
-    :param backend: a :class:`tangram.SandboxBackend`, or a callable building one on the
+    :param backend: a :class:`tangram.abc.SandboxBackend`, or a callable building one on the
         agent's node (better for anything that probes the machine), or ``None`` for
         Docker when usable there, else the embedded local backend.
     :param warm: parked sandboxes the agent keeps ready.

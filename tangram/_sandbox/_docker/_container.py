@@ -1,6 +1,6 @@
 """One Docker sandbox: its runner's channel, its file moves, and its cgroup grants.
 
-The host talks to the runner in frames (:mod:`tangram._sandbox._channel`): one request,
+The host talks to the runner in frames (:mod:`tangram._sandbox._docker._channel`): one request,
 then its data frames (stdin, a file), then one reply, every reply carrying the request's
 id and the key this handle sent as the first frame after the start. Anything else on the
 channel (a frame that is too big, not a frame, another id, the wrong key) breaks the
@@ -35,11 +35,11 @@ from typing import Any, TypeVar
 
 import anyio
 
-from ..errors import SandboxBrokenError, SandboxError
-from ._backend import ExecRequest, ExecResult, SandboxHandle
+from ...errors import SandboxBrokenError, SandboxError
+from .._backend import ExecRequest, ExecResult, SandboxHandle
+from .._cores import format_cpu_list
 from ._cgroupfs import PERIOD_US, CgroupFiles
 from ._channel import CHUNK, ChannelError, FrameReader, LogRelay, encode
-from ._cores import format_cpu_list
 from ._engine import DockerConfig, HostInfo
 
 __all__ = ["BOOT_TIMEOUT", "PARKED_QUOTA_US", "DockerHandle"]

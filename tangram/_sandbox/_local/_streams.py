@@ -14,7 +14,7 @@ import subprocess
 
 import anyio
 
-from ._backend import ExecRequest, ExecResult
+from .._backend import ExecRequest, ExecResult
 from ._proctree import Tree, kill_tree
 
 __all__ = ["communicate"]

@@ -40,10 +40,10 @@ import anyio.to_thread
 from anyio.from_thread import BlockingPortal
 
 from .._core._demand import Elastic
+from .._frameworks import _session
+from .._frameworks._failures import is_infrastructure, record
 from .._sandbox._backend import RunResult
 from .._sandbox._pool import Sandbox
-from . import _session
-from ._failures import is_infrastructure, record
 
 __all__ = ["DEFAULT_PORT", "LANGUAGES", "RequestError", "run_code", "serve"]
 

@@ -14,10 +14,10 @@ from typing import Any, TypeVar
 import anyio
 import attrs
 
-from .._core._units import parse_size
-from .._core._validate import non_negative, positive, whole
-from ..errors import InvalidSettingError, SandboxBrokenError, SandboxError, SettingTypeError
-from ._backend import Host
+from ..._core._units import parse_size
+from ..._core._validate import byte_size, non_negative, positive, whole
+from ...errors import InvalidSettingError, SandboxBrokenError, SandboxError, SettingTypeError
+from .._backend import Host
 from ._cgroupfs import PERIOD_US
 from ._reaper import LABEL, owner_labels
 
@@ -46,21 +46,6 @@ T = TypeVar("T")
 
 def _size(value: str | int) -> int:
     return int(parse_size(value)) if isinstance(value, str) else int(value)
-
-
-def byte_size(name: str, value: object) -> int:
-    """``value`` (``"512MiB"`` or a whole number of bytes) in bytes, checked where it is
-    given: a bad size would otherwise fail at the first container or sandbox made."""
-    if isinstance(value, str):
-        try:
-            return int(parse_size(value))
-        except InvalidSettingError as exc:
-            raise InvalidSettingError(f"`{name}`: {exc}") from None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise SettingTypeError(
-            f"`{name}` must be a size like '512MiB' or a whole number of bytes (got {value!r})"
-        )
-    return whole(name, value)
 
 
 def _size_field(instance: object, attribute: Any, value: object) -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import attrs
 
-from ._cores import format_cpu_list
+from .._cores import format_cpu_list
 
 __all__ = ["CgroupLeaf", "CgroupTree", "open_tree"]
 

@@ -25,7 +25,7 @@ import secrets
 import stat
 from collections.abc import Iterator, Sequence
 
-from ..errors import SandboxBrokenError
+from ...errors import SandboxBrokenError
 
 __all__ = ["WorkDir"]
 

@@ -28,9 +28,11 @@ import anyio.abc
 import anyio.lowlevel
 
 from .._core._action import Action
-from .._core._resources import Capacity
+from .._core._estimator import Estimator
+from .._core._resources import Capacity, parse_capacity
+from .._runtime._actions import Actions, duration
 from .._runtime._lease import LeaseBase
-from .._runtime._run import RunMixin, Runtime
+from .._runtime._run import RunMixin
 from ..errors import (
     AcquireReusedError,
     InvalidCapacityError,
@@ -178,7 +180,8 @@ class RemoteRuntime(RunMixin):
     def __init__(self, actor: Any, *, heartbeat: float, capacity: Capacity) -> None:
         self._actor = actor
         self._heartbeat = heartbeat
-        self._shadow = Runtime(capacity)
+        # Demands are checked here, at the call, against the capacity last seen.
+        self._actions = Actions(parse_capacity(capacity), Estimator())
         self._id = uuid.uuid4().hex
         self._requests = itertools.count(1)
         self._submits: dict[int, tuple[Any, ...]] = {}
@@ -205,7 +208,7 @@ class RemoteRuntime(RunMixin):
     @property
     def capacity(self) -> Capacity:
         """The capacity as of the last refresh (connect, or ``set_capacity`` from here)."""
-        return self._shadow.capacity
+        return self._actions.capacity
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -255,18 +258,11 @@ class RemoteRuntime(RunMixin):
 
         :raises InvalidDemandError: (and its subclasses) at the call, as locally.
         """
-        local = self._shadow.acquire(
-            demand,
-            kind=kind,
-            trajectory=trajectory,
-            estimate=estimate,
-            wait_timeout=wait_timeout,
-            **amounts,
-        )
+        action = self._actions.build(demand, amounts, kind, trajectory, estimate)
+        if wait_timeout is not None:
+            duration("wait_timeout", wait_timeout, finite=False)
         sent = dict(demand) if demand is not None else dict(amounts)
-        return RemoteAcquireContext(
-            self, local.action, (sent, kind, trajectory, estimate, wait_timeout)
-        )
+        return RemoteAcquireContext(self, action, (sent, kind, trajectory, estimate, wait_timeout))
 
     async def _enter(self, action: Action, request: tuple[Any, ...]) -> RemoteLease:
         await anyio.lowlevel.checkpoint_if_cancelled()
@@ -469,7 +465,7 @@ class RemoteRuntime(RunMixin):
     async def _refresh(self) -> None:
         """Fetch the actor's capacity again (a host agent added its cores)."""
         info = await self._actor.info.remote()
-        self._shadow = Runtime(info["capacity"])
+        self._actions.capacity = parse_capacity(info["capacity"])
 
     async def stats(self) -> Any:
         """The shared runtime's :class:`tangram.Stats`."""
@@ -484,9 +480,9 @@ class RemoteRuntime(RunMixin):
                 f"capacity must be a mapping of name to amount (got {capacity!r})"
             )
         updates = dict(capacity or {}, **amounts)
-        self._shadow.capacity.with_updates(updates)  # the same errors, raised here
+        self.capacity.with_updates(updates)  # the same errors, raised here
         new = await self._actor.set_capacity.remote(updates)
-        self._shadow = Runtime(new)
+        self._actions.capacity = parse_capacity(new)
 
 
 @contextlib.asynccontextmanager

@@ -5,13 +5,13 @@ whole core list and its CFS quota the smallest the kernel takes (1 ms per 100 ms
 holds memory and files but practically no CPU. When an action starts, the container's
 cgroup gets the action's cores (cpuset) and their worth of CPU time (CFS quota); a resize
 changes both while the command runs; the end parks it again. The container's main process
-is a small runner (:mod:`tangram._sandbox._runner`) that takes commands over the attached
+is a small runner (:mod:`tangram._sandbox._docker._runner`) that takes commands over the attached
 stdin, so an action pays neither a container start (~2.6 s) nor a ``docker exec`` (~70 ms).
 
 Grants are applied through the Engine API's update endpoint (``POST
 /containers/{id}/update``, called with aiodocker's low-level request since aiodocker has
 no wrapper for it) or, when the daemon is on this machine and its cgroup files are
-writable here, by writing those files directly (:mod:`tangram._sandbox._cgroupfs`).
+writable here, by writing those files directly (:mod:`tangram._sandbox._docker._cgroupfs`).
 Docker's view is kept consistent afterwards: once direct-written values have held for
 ``sync_after`` seconds they are sent to the API too (so ``docker inspect`` shows a long
 action's grant, and the parked values again after it). Every write, direct or through the
@@ -29,7 +29,7 @@ network, memory and pids limits, read-only root with a tmpfs work dir, every cap
 dropped but the runner's three, ``no-new-privileges``, commands under an unprivileged user
 that is not the runner's, and no container log (nothing a command writes reaches the
 daemon's disk). Always: a descriptor limit per process derived from the daemon's host's
-file table (:func:`tangram._sandbox._engine.open_files_for`, measured at start), and SysV
+file table (:func:`tangram._sandbox._docker._engine.open_files_for`, measured at start), and SysV
 shared memory that goes with the processes that hold it.
 """
 
@@ -40,14 +40,15 @@ import logging
 import os
 import secrets
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import anyio
 
-from ..errors import SandboxBrokenError, SandboxError
-from ._backend import Host, SandboxBackend, SandboxHandle
+from ...errors import SandboxBrokenError, SandboxError
+from .._backend import Host, SandboxBackend, SandboxHandle
+from .._cores import format_cpu_list, numa_nodes
 from ._cgroupfs import PERIOD_US
 from ._container import PARKED_QUOTA_US, DockerHandle
-from ._cores import format_cpu_list, numa_nodes
 from ._engine import DockerConfig, HostInfo, open_files_for, stream_client
 from ._reaper import LABEL, owner_labels, reap
 
@@ -60,7 +61,7 @@ class DockerBackend(SandboxBackend):
     """Sandboxes as containers on one or several Docker hosts.
 
     On start it removes the sandbox containers of owners on this host that are gone (a
-    trainer killed before it could clean up): see :mod:`tangram._sandbox._reaper`.
+    trainer killed before it could clean up): see :mod:`tangram._sandbox._docker._reaper`.
 
     :param hosts: daemon URLs (``unix:///var/run/docker.sock``, ``tcp://node2:2375``);
         default the local daemon (``DOCKER_HOST`` or the local socket). With several,
@@ -98,6 +99,16 @@ class DockerBackend(SandboxBackend):
     @classmethod
     async def usable(cls) -> bool:
         return await docker_usable()
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> DockerBackend:
+        """``[sandbox]`` keys are :class:`DockerConfig` fields (``image``, ``memory``...)."""
+        return cls(config=DockerConfig(**options))
+
+    @classmethod
+    def lending(cls, cores: Sequence[int]) -> DockerBackend:
+        """``cores`` of the default daemon, taken to be this machine's (its core ids ours)."""
+        return cls(cores={os.environ.get("DOCKER_HOST", ""): tuple(cores)})
 
     async def start(self) -> Sequence[Host]:
         from ._runner import RUNNER_SOURCE

@@ -5,7 +5,7 @@ stdout, stdin and file contents travel as bytes, not base64 inside JSON, so a fi
 costs a copy rather than an encode at both ends. The header is checked before a byte of
 the body is buffered, so whatever writes on the channel, the host holds at most one capped
 frame; anything that is not a frame is a :class:`ChannelError`, which the backend turns
-into a broken sandbox. The runner (:mod:`tangram._sandbox._runner`) has its own copy of
+into a broken sandbox. The runner (:mod:`tangram._sandbox._docker._runner`) has its own copy of
 the header format, since its source is sent into the container alone.
 
 What the runner writes on stderr reaches the trainer's log through :class:`LogRelay`: a

@@ -57,13 +57,12 @@ import anyio
 import anyio.abc
 import attrs
 
-from .._core._units import format_size
-from .._core._validate import whole
-from ..errors import InvalidSettingError, SandboxBrokenError, SandboxError, SettingTypeError
-from ._backend import ExecRequest, ExecResult, Host, SandboxBackend, SandboxHandle
+from ..._core._units import format_size
+from ..._core._validate import byte_size, whole
+from ...errors import InvalidSettingError, SandboxBrokenError, SandboxError, SettingTypeError
+from .._backend import ExecRequest, ExecResult, Host, SandboxBackend, SandboxHandle
+from .._cores import numa_nodes
 from ._cgroup import CgroupLeaf, CgroupTree, open_tree
-from ._cores import numa_nodes
-from ._engine import byte_size
 from ._files import WorkDir
 from ._isolate import (
     DEFAULT_UIDS,
