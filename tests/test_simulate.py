@@ -206,6 +206,13 @@ def test_simulation_is_deterministic(
     assert first == second
 
 
+def _share(trajectories: dict[str, list[Step]], a: ActionRecord, b: ActionRecord) -> bool:
+    """Whether the two actions need a resource kind in common."""
+    first = trajectories[a.trajectory][a.index].demand
+    second = trajectories[b.trajectory][b.index].demand
+    return bool(set(first) & set(second))
+
+
 @PROPERTY
 @given(
     workloads(max_trajectories=12, max_steps=6),
@@ -216,16 +223,19 @@ def test_simulation_is_deterministic(
 def test_no_action_passes_one_starved_past_the_bound(
     trajectories: dict[str, list[Step]], bound: float, window: int, estimates: str
 ) -> None:
-    """An action may be admitted before an earlier one only while that one is young.
+    """An action may be admitted before an earlier one that needs a kind it needs only
+    while that one is young.
 
-    Precisely: for any actions A and B with A arriving strictly before B, if B is admitted
-    strictly before A, then at B's admission A had waited at most ``starvation_bound``.
-    That is first-come-first-served admission; size-aware admission's guarantee follows.
+    Precisely: for any actions A and B with A arriving strictly before B and sharing a
+    resource kind, if B is admitted strictly before A, then at B's admission A had waited
+    at most ``starvation_bound``. That is first-come-first-served admission per kind; an
+    action that needs none of A's kinds takes none of A's units, so passing A cannot
+    delay it. Size-aware admission's guarantee follows.
     """
     policy = ElasticPolicy(starvation_bound=bound, window=window, order="arrival")
     records = simulate(trajectories, CAPACITY, policy=policy, estimates=estimates).records  # type: ignore[arg-type]
     for a, b in itertools.permutations(records, 2):
-        if a.arrival < b.arrival and b.admitted < a.admitted:
+        if a.arrival < b.arrival and b.admitted < a.admitted and _share(trajectories, a, b):
             assert b.admitted - a.arrival <= bound + 1e-9, (a, b)
 
 
@@ -254,7 +264,8 @@ def test_size_aware_admission_passes_nobody_due_and_starved(
     records = simulate(trajectories, CAPACITY, policy=policy, estimates=estimates).records  # type: ignore[arg-type]
     held = [r for r in records if "api" not in trajectories[r.trajectory][r.index].demand]
     for a, b in itertools.permutations(held, 2):
-        if b.arrival >= a.arrival + due + 1e-9 and b.admitted < a.admitted:
+        late = b.arrival >= a.arrival + due + 1e-9
+        if late and b.admitted < a.admitted and _share(trajectories, a, b):
             assert b.admitted - a.arrival <= bound + 1e-9, (a, b)
 
 
@@ -688,3 +699,25 @@ def test_a_replica_nothing_waits_for_goes_to_a_long_line_once_its_action_ends() 
     assert by_name["a1"].finished == 30.0  # draining only stops newcomers
     assert (by_name["b20"].admitted, by_name["b20"].overhead) == (30.0, 1.0)
     assert (result.restores, result.unloads) == (1, 1)
+
+
+@pytest.mark.parametrize("order", ["size", "arrival"])
+def test_an_action_starved_on_one_kind_holds_up_nobody_on_other_kinds(order: str) -> None:
+    """A GPU request starved behind a long one must not stop API calls and CPU work that
+    need none of its units (the held-out deepsearch and mixed traces of issue #28: every
+    search call waited behind starved judge requests). Those that need its kind still wait."""
+    long = Step(demand={"gpu": 1}, seconds_at_1=100.0, kind="judge")
+    starved = Step(demand={"gpu": 1}, seconds_at_1=1.0, gap=0.1, kind="judge")
+    call = Step(demand={"search": 1}, seconds_at_1=1.0, gap=50.0, kind="search")
+    shell = Step(demand={"cpu": 1}, seconds_at_1=1.0, gap=50.0, kind="shell")
+    rival = Step(demand={"gpu": 1, "cpu": 1}, seconds_at_1=1.0, gap=60.0, kind="judge")
+    result = simulate(
+        {"a": [long], "b": [starved], "c": [call], "d": [shell], "e": [rival]},
+        {"gpu": 1, "cpu": 4, "search": Rate(5)},
+        policy=ElasticPolicy(order=order),  # type: ignore[arg-type]
+    )
+    admitted = {r.trajectory: r.admitted for r in result.records}
+    assert admitted["c"] == pytest.approx(50.0)  # not at 100, when the starved one starts
+    assert admitted["d"] == pytest.approx(50.0)
+    assert admitted["b"] == pytest.approx(100.0)
+    assert admitted["e"] >= admitted["b"]  # needs the starved one's GPU: it waits its turn

@@ -387,11 +387,20 @@ class ElasticPolicy:
         newcomers: list[Entry] = []
         head: Entry | None = None
         shadow: tuple[float, dict[str, float]] | None = None
+        # Kinds an action starved past the bound needs and could not get: nobody who needs
+        # any of them passes it. One who needs none of them cannot delay it (units of other
+        # kinds are not its units), so the scan goes on for those instead of stopping:
+        # a GPU action starved behind busy replicas no longer holds up every API call.
+        guarded: set[str] = set()
         # islice stops before pulling entry window + 1: the queue is never touched past it.
         for entry in itertools.islice(state.waiting(), self.window):
             need = entry.action.demand.minimum
-            fits = scan.fits(need)
             protected = now - entry.arrival > self.starvation_bound
+            if guarded and any(kind in guarded for kind, _ in need):
+                if protected:  # passed over, so what it needs is guarded as well
+                    guarded.update(kind for kind, _ in need)
+                continue
+            fits = scan.fits(need)
             if head is None:
                 if fits:
                     scan.take(need)
@@ -403,12 +412,15 @@ class ElasticPolicy:
                 wake = _rate_wait(state, scan, need)
                 if wake is not None:
                     plan.wake_at = wake
-                if protected or scan.exhausted():
+                if scan.exhausted():
                     break
+                if protected:
+                    guarded.update(kind for kind, _ in need)
                 continue
             if not fits:
                 if protected:
-                    break
+                    guarded.update(kind for kind, _ in need)
+                    continue
                 if scan.tokens:
                     # Blocked by a budget alone? Wake when it refills, to backfill then.
                     wake = _rate_wait(state, scan, need)
@@ -430,8 +442,9 @@ class ElasticPolicy:
                 newcomers.append(entry)
             elif protected:
                 # Behind a younger head (size-aware order puts one there; arrival order
-                # never does): an action starved past the bound is still passed by nobody.
-                break
+                # never does): an action starved past the bound is still passed by nobody
+                # who needs what it needs.
+                guarded.update(kind for kind, _ in need)
             if scan.exhausted():
                 break
         self._distribute(state, scan, newcomers, head, plan)

@@ -31,6 +31,9 @@
   would reach if moving a model cost nothing.
 - ``bound``: every action at its maximum units with no queueing. Nothing beats it per
   action, so it is the floor each ACT is compared with.
+- ``ref-srpt``, ``ref-fcfs``, ``best-fixed-dop``: references that share no code with the
+  policy under test (:mod:`tangram._sim._references`): shortest first and strict FCFS
+  admission, each with a water-fill split, and the fixed-DoP ablation at its best K.
 
 Every result is a :class:`tangram.SimulationResult` with per-action records, so ACT
 statistics compare like for like.
@@ -56,6 +59,7 @@ from .._core._policy import RUNNING, Entry, FcfsPolicy, Policy
 from .._core._resources import Capacity, parse_capacity
 from .._core._validate import number
 from ..errors import InvalidSettingError
+from ._references import REFERENCES, run_reference
 from ._simulate import ActionRecord, SimulationResult, simulate
 from ._trace import Trace, TraceAction
 
@@ -83,7 +87,7 @@ A registry name (``elastic``, ``fcfs``) is an arm too, with its defaults."""
 BASELINES = ("static", "k8s", "pooled", "bound")
 """Arms that are not a tangram policy: a reservation, an autoscaler, a bound."""
 
-POLICIES = (*PRESETS, *_REGISTRY, *BASELINES, "fixed-dop-K")
+POLICIES = (*PRESETS, *_REGISTRY, *BASELINES, *REFERENCES, "fixed-dop-K")
 
 StaticUnits = int | Mapping[str, int] | None
 
@@ -93,7 +97,7 @@ def parse_policy(name: str) -> str:
 
     :raises InvalidSettingError: an unknown name or a bad K.
     """
-    if name in PRESETS or name in _REGISTRY or name in BASELINES:
+    if name in PRESETS or name in _REGISTRY or name in BASELINES or name in REFERENCES:
         return name
     if name.startswith("fixed-dop-"):
         text = name.removeprefix("fixed-dop-")
@@ -109,7 +113,7 @@ def build_policy(name: str) -> Policy:
     :raises InvalidSettingError: ``name`` is a baseline (``static``...) or unknown.
     """
     parse_policy(name)
-    if name in BASELINES:
+    if name in BASELINES or name in REFERENCES:
         raise InvalidSettingError(f"{name!r} is a baseline, not a tangram policy")
     if name.startswith("fixed-dop-"):
         return policy_class("fcfs")(dop=int(name.removeprefix("fixed-dop-")))  # type: ignore[call-arg]
@@ -135,6 +139,8 @@ def run_policy(
         return simulate_pooled(trace, overrides, static_units=static_units)
     if name == "bound":
         return simulate_bound(trace)
+    if name in REFERENCES:
+        return run_reference(name, trace, overrides)
     capacity = trace.runtime_capacity(overrides)
     policy = build_policy(name)
     return simulate(trace.workload(), capacity, policy=policy, **_gpu_model(trace))
