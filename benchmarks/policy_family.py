@@ -114,16 +114,13 @@ def _frontier(trace: Trace, srpt_avg: float, fcfs_p95: float) -> dict[str, Any]:
     / ref-fcfs's over 1.10, so at most 1 meets both). A member above 1 for every aging
     shows the two targets pull apart there for any setting of this policy."""
     from tangram import ElasticPolicy
-    from tangram._sim._baselines import _gpu_model
-    from tangram._sim._simulate import simulate
+    from tangram._sim._references import replay
 
     best: tuple[float, float, float, float] | None = None
     for aging in AGINGS:
         bound = math.inf if aging == math.inf else 30.0
         policy = ElasticPolicy(aging=aging, starvation_bound=bound)
-        result = simulate(
-            trace.workload(), trace.runtime_capacity(), policy=policy, **_gpu_model(trace)
-        )
+        result = replay(trace, policy)
         avg = result.avg_act / srpt_avg
         p95 = result.act_quantile(0.95) / fcfs_p95
         score = max(avg / 1.05, p95 / 1.10)

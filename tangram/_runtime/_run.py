@@ -17,7 +17,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from types import TracebackType
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -64,25 +64,11 @@ class _State(enum.Enum):
     CLOSED = "closed"
 
 
-class _Acquirer(Protocol):
-    def acquire(
-        self,
-        demand: Mapping[str, object] | None = None,
-        /,
-        *,
-        kind: str = ...,
-        trajectory: str | None = ...,
-        estimate: float | None = ...,
-        wait_timeout: float | None = ...,
-        **amounts: object,
-    ) -> contextlib.AbstractAsyncContextManager[Any]: ...
-
-
 class RunMixin:
     """``run`` for anything with :meth:`Runtime.acquire` (the runtime and its proxies)."""
 
     async def run(
-        self: _Acquirer,
+        self: Scheduler,
         demand: Mapping[str, object],
         fn: Callable[..., Awaitable[T]],
         *args: Any,

@@ -44,7 +44,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import cast
 
 import attrs
 
@@ -59,8 +59,8 @@ from .._core._policy import RUNNING, Entry, FcfsPolicy, Policy
 from .._core._resources import Capacity, parse_capacity
 from .._core._validate import number
 from ..errors import InvalidSettingError
-from ._references import REFERENCES, run_reference
-from ._simulate import ActionRecord, SimulationResult, simulate
+from ._references import REFERENCES, replay, run_reference
+from ._simulate import ActionRecord, SimulationResult
 from ._trace import Trace, TraceAction
 
 __all__ = [
@@ -141,19 +141,7 @@ def run_policy(
         return simulate_bound(trace)
     if name in REFERENCES:
         return run_reference(name, trace, overrides)
-    capacity = trace.runtime_capacity(overrides)
-    policy = build_policy(name)
-    return simulate(trace.workload(), capacity, policy=policy, **_gpu_model(trace))
-
-
-def _gpu_model(trace: Trace) -> dict[str, Any]:
-    """``simulate`` arguments that model the trace's GPU services, if it declares any."""
-    if not trace.services:
-        return {}
-    return {
-        "services": trace.gpu_services(),
-        "gpu_mem_gib_per_device": trace.gpu_mem_gib_per_device,
-    }
+    return replay(trace, build_policy(name), overrides)
 
 
 def _exec_seconds(action: TraceAction, units: float) -> float:

@@ -194,7 +194,7 @@ def water_fill(entries: Sequence[Entry], units: int) -> dict[Entry, int]:
 def replay(
     trace: Trace, policy: Policy, overrides: Mapping[str, float] | None = None
 ) -> SimulationResult:
-    """``trace`` under ``policy``, with its GPU services modelled as the product's arms are."""
+    """``trace`` under ``policy``, its GPU services modelled: how every policy arm replays."""
     capacity = trace.runtime_capacity(overrides)
     if not trace.services:
         return simulate(trace.workload(), capacity, policy=policy)
