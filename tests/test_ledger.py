@@ -357,7 +357,7 @@ def test_entries_that_leave_before_falling_due_do_not_pile_up() -> None:
         entry = ledger.submit(make_action({"cpu": 1}, cap, seconds=100.0), float(i))
         ledger.withdraw(entry)
     assert ledger.waiting_count == 0
-    assert len(ledger._due) <= 64
+    assert ledger._queue.dues <= 64
 
 
 def test_falling_due_happens_at_a_step() -> None:

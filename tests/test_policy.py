@@ -563,8 +563,8 @@ class CountingState:
         self._ledger = ledger
         self.pulled = 0
 
-    def waiting(self) -> Iterator[Entry]:
-        for entry in self._ledger.waiting():
+    def waiting(self, open: Iterable[str] | None = None) -> Iterator[Entry]:
+        for entry in self._ledger.waiting(None if open is None else set(open)):
             self.pulled += 1
             yield entry
 
@@ -575,12 +575,13 @@ class CountingState:
 def crowded_ledger(policy: Policy, n: int = 100_000) -> Ledger:
     cap = parse_capacity({"cpu": 4, "gpu": 1})
     ledger = Ledger(cap, policy, Estimator())
-    running = ledger.submit(make_action({"gpu": 1}, cap, seconds=1e6), 0.0)
+    running = ledger.submit(make_action({"cpu": 2}, cap, seconds=1e6), 0.0)
     ledger.step(0.0)
     assert running.state == RUNNING
-    # No waiting action fits (the GPU is taken) while cores stay free, so a pass has a
-    # reason to look at every one of them: only the window stops it.
-    action = make_action({"cpu": Elastic(1, 2), "gpu": 1}, cap, seconds=1.0)
+    # No waiting action fits (each needs 3 of the 2 free cores) while cores and the GPU
+    # stay free, so a pass has a reason to look at every one of them: only the window
+    # stops it.
+    action = make_action({"cpu": Elastic(3, 4), "gpu": 1}, cap, seconds=1.0)
     for i in range(n):
         ledger.submit(action, 1.0 + i * 1e-6)
     return ledger
@@ -608,6 +609,48 @@ def test_pass_cost_does_not_grow_with_queue_length() -> None:
         policy.plan(state)  # type: ignore[arg-type]
         counts.append(state.pulled)
     assert counts[0] == counts[1] == 64
+
+
+@pytest.mark.parametrize("order", ["size", "arrival"])
+def test_waiters_for_a_full_kind_hide_nobody_from_the_window(order: str) -> None:
+    # One kind per node, as a runtime that decides for many nodes has: 1,000 waiters for
+    # a full node come first, yet a core freed on another node is granted at once, and
+    # the pass reads only what could start.
+    cap = parse_capacity({"cpu@a": 1, "cpu@b": 1})
+    policy = ElasticPolicy(window=4, order=order)  # type: ignore[arg-type]
+    ledger = Ledger(cap, policy, Estimator())
+    hog = ledger.submit(make_action({"cpu@a": 1}, cap, seconds=1e6), 0.0)
+    busy = ledger.submit(make_action({"cpu@b": 1}, cap, seconds=5.0), 0.0)
+    ledger.step(0.0)
+    assert hog.state == busy.state == RUNNING
+    for i in range(1_000):
+        ledger.submit(make_action({"cpu@a": 1}, cap, seconds=1.0), 1.0 + i * 1e-6)
+    late = ledger.submit(make_action({"cpu@b": 1}, cap, seconds=9.0), 2.0)
+    ledger.finish(busy, 5.0)
+    ledger.now = 5.0
+    state = CountingState(ledger)
+    plan = policy.plan(state)  # type: ignore[arg-type]
+    assert plan.admits == [(late, 0)]
+    assert state.pulled == 1
+
+
+def test_a_head_blocked_on_one_kind_keeps_its_reservation_of_another() -> None:
+    # The head needs a core (none free) and memory (free); a later action that needs
+    # only memory may not take what the head will need when a core frees, unless it
+    # ends before then. Leaving the head out of the pass because a core is closed would
+    # lose that reservation.
+    cap = parse_capacity({"cpu": 1, "mem": "4GiB"})
+    policy = ElasticPolicy(order="arrival")
+    ledger = Ledger(cap, policy, Estimator())
+    ledger.submit(make_action({"cpu": 1}, cap, seconds=10.0), 0.0)
+    ledger.step(0.0)
+    head = ledger.submit(make_action({"cpu": 1, "mem": "3GiB"}, cap, seconds=1.0), 1.0)
+    long = ledger.submit(make_action({"mem": "2GiB"}, cap, seconds=100.0), 2.0)
+    short = ledger.submit(make_action({"mem": "2GiB"}, cap, seconds=1.0), 3.0)
+    ledger.step(3.0)
+    assert head.state == WAITING
+    assert long.state == WAITING  # would still hold 2 GiB when the core frees at t=10
+    assert short.state == RUNNING  # ends before the head could start
 
 
 def test_policy_reads_no_more_than_the_state_protocol() -> None:

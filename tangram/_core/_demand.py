@@ -88,6 +88,13 @@ class Demand:
             return self.rigid
         return (*self.rigid, (self.elastic_kind, float(self.elastic.min)))
 
+    # The kinds of ``minimum``, sorted: the waiting queue files actions by them.
+    kinds: tuple[str, ...] = attrs.field(init=False, eq=False, repr=False)
+
+    @kinds.default
+    def _kinds(self) -> tuple[str, ...]:
+        return tuple(sorted({kind for kind, _ in self.minimum}))
+
     def amount(self, kind: str, elastic_units: int = 0) -> float:
         total = sum(value for name, value in self.rigid if name == kind)
         if kind == self.elastic_kind:

@@ -6,20 +6,19 @@ with it every rule about accounting: units held always equal the sum of live gra
 
 from __future__ import annotations
 
-import heapq
 import math
-from collections import OrderedDict
 from collections.abc import Collection, Iterator
 
 from ._action import Action
 from ._estimator import Estimator
-from ._line import Line
 from ._policy import DONE, RUNNING, WAITING, Entry, Plan, Policy, Split
+from ._queue import Queue
 from ._resources import Capacity, Shape
 
 __all__ = ["Ledger"]
 
 _GONE = 3
+_EPS = 1e-9  # the policy's tolerance: less than this of a kind is nothing to give
 
 
 class Ledger:
@@ -46,24 +45,19 @@ class Ledger:
         self.tokens: dict[str, float] = {}
         self.unit_seconds: dict[str, float] = {}
         self.peak: dict[str, float] = {}
-        # Waiting entries in arrival order. An OrderedDict is a hash table threaded on a
-        # linked list, and its iterator follows the list, so a pass that looks at the first
-        # ``window`` entries costs ``window`` steps however many entries left from the
-        # middle before (a deque with lazy deletion made every pass walk the dead entries
-        # left behind by backfills and cancellations until a compaction), and removal from
-        # anywhere is O(1).
-        self._queue: OrderedDict[Entry, None] = OrderedDict()
+        # Kinds with a unit to give: free, or held above a resizable action's minimum;
+        # and every rate budget. Kept as units move, so a pass finds them without a walk
+        # over every kind (one per node when a runtime decides for many).
+        self.open: set[str] = set()
+        self.resizable: set[str] = set()  # kinds a running resizable action holds
         # A policy with a ``priority`` (size-aware admission) reads the queue in that order
-        # instead, from a line kept sorted as entries come and go (see ``waiting``), and
-        # entries not yet due wait in a heap by the time they fall due.
+        # instead of arrival order (see ``waiting``).
         self._priority = getattr(policy, "priority", None)
-        self._line = Line() if self._priority is not None else None
-        self._due: list[tuple[float, int, Entry]] = []
-        self._lane: OrderedDict[Entry, None] = OrderedDict()  # entries keeping arrival order
+        self._queue = Queue(priority=self._priority is not None)
         self._running: dict[Entry, None] = {}
         self._splits: dict[str, Split] = {}
         self._seq = 0
-        self._accounted_at = 0.0
+        self._since: dict[str, float] = {}  # when each kind's unit_seconds was last billed
         self._refilled_at = 0.0
         self.resizes = 0
         self.evictions = 0
@@ -71,8 +65,8 @@ class Ledger:
 
     # -- what the policy reads -------------------------------------------------------
 
-    def waiting(self) -> Iterator[Entry]:
-        """Waiting entries in the policy's order.
+    def waiting(self, open: Collection[str] | None = None) -> Iterator[Entry]:
+        """Waiting entries in the policy's order; with ``open``, those needing only those kinds.
 
         Arrival order, unless the policy has a ``priority``: a function of an entry and
         this state, asked once at submission, that says ``(work, due)``, or ``None`` for
@@ -82,14 +76,12 @@ class Ledger:
         entry falls due at the first step at or after ``due``, so the order changes only
         when the policy plans. Entries that keep arrival order take turns with these, so
         a long line of either never hides the other from a pass's window.
+
+        ``open`` names the kinds with something to give in this pass (``self.open``);
+        waiters that need another kind cannot start, and the queue skips them by the
+        kinds they need, not one by one (see :meth:`~tangram._core._queue.Queue.ordered`).
         """
-        if self._line is None:
-            return iter(self._queue)
-        if not self._lane:
-            return iter(self._line)
-        if not self._line:
-            return iter(self._lane)
-        return _alternate(iter(self._line), iter(self._lane))
+        return self._queue.ordered(open)
 
     @property
     def running(self) -> Collection[Entry]:
@@ -104,7 +96,7 @@ class Ledger:
     @property
     def resizing(self) -> bool:
         """Whether a resizable action runs: a release may then grow it."""
-        return any(self._splits.values())
+        return bool(self.resizable)
 
     @property
     def waiting_count(self) -> int:
@@ -115,26 +107,14 @@ class Ledger:
     def submit(self, action: Action, now: float) -> Entry:
         self._seq += 1
         entry = Entry(action, self._seq, now)
-        self._queue[entry] = None
-        if self._line is not None:
-            assert self._priority is not None
-            order = self._priority(entry, self)
-            if order is None:
-                self._lane[entry] = None
-            else:
-                work, due = order
-                entry.key = (1, work, entry.seq, entry)
-                self._line.add(entry.key)
-                if due < math.inf:
-                    heapq.heappush(self._due, (due, entry.seq, entry))
+        self._queue.add(entry, None if self._priority is None else self._priority(entry, self))
         return entry
 
     def withdraw(self, entry: Entry) -> None:
         """Take a waiting entry out of the queue (cancelled, timed out, impossible)."""
         if entry.state == WAITING:
             entry.state = _GONE
-            self._queue.pop(entry, None)
-            self._unline(entry)
+            self._queue.remove(entry)
 
     def finish(
         self, entry: Entry, now: float, seconds: float | None = None, ok: bool = True
@@ -142,16 +122,14 @@ class Ledger:
         """Return a running entry's units; teach the estimator when the action succeeded."""
         if entry.state != RUNNING:
             return
-        if now > self._accounted_at:
-            self._account(now)
         entry.unit_time += entry.units * (now - entry.mark)
         demand = entry.action.demand
         if demand.elastic is not None:
-            self._change_units(entry, entry.units, 0, sign=-1)
+            self._change_units(entry, entry.units, 0, -1, now)
         for kind, amount in demand.rigid:
             if kind in self.held:
-                self.held[kind] -= amount
-                self.free[kind] += amount
+                self._hold(kind, -amount, now)
+                self._reopen(kind)
         del self._running[entry]
         entry.state = DONE
         ran = now - entry.admitted_at
@@ -175,11 +153,9 @@ class Ledger:
         self.now = now
         if self.rates:
             self._refill(now)
-        if self._due and self._due[0][0] <= now:
-            self._fall_due(now)
+        if self._queue.next_due() <= now:
+            self._queue.fall_due(now)
         plan = self.policy.plan(self)
-        if (plan.admits or plan.resizes) and now > self._accounted_at:
-            self._account(now)
         # Shrinks before grows and admissions: applied in the plan's order, a grow listed
         # before the shrink that makes room for it would briefly hold more than the
         # capacity (and count it in ``peak``).
@@ -209,6 +185,7 @@ class Ledger:
         self.capacity = capacity
         for name, resource in capacity.items():
             if resource.shape is Shape.RATE:
+                self.open.add(name)
                 self.rates[name] = resource.total
                 self.bursts[name] = resource.burst
                 self.tokens[name] = min(self.tokens.get(name, resource.burst), resource.burst)
@@ -217,8 +194,10 @@ class Ledger:
             self.totals[name] = resource.total
             self.free[name] = resource.total - held
             self.surplus.setdefault(name, 0.0)
+            self._reopen(name)
             self.headroom.setdefault(name, 0.0)
             self.unit_seconds.setdefault(name, 0.0)
+            self._since.setdefault(name, now)
             self.peak.setdefault(name, 0.0)
 
     def could_ever_fit(self, entry: Entry) -> bool:
@@ -237,6 +216,13 @@ class Ledger:
         idle = max(0.0, now - self._refilled_at)
         return min(self.bursts[kind], self.tokens[kind] + idle * self.rates[kind])
 
+    def _reopen(self, kind: str) -> None:
+        """File ``kind`` in ``open`` or out of it, after its free units or surplus moved."""
+        if self.free[kind] + self.surplus[kind] > _EPS:
+            self.open.add(kind)
+        else:
+            self.open.discard(kind)
+
     def _refill(self, now: float) -> None:
         elapsed = now - self._refilled_at
         if elapsed > 0:
@@ -245,11 +231,26 @@ class Ledger:
         self._refilled_at = max(self._refilled_at, now)
 
     def _account(self, now: float) -> None:
-        elapsed = now - self._accounted_at
-        if elapsed > 0:
-            for kind, held in self.held.items():
-                self.unit_seconds[kind] += held * elapsed
-            self._accounted_at = now
+        """Bring every kind's ``unit_seconds`` up to ``now``, for readers of the bill."""
+        for kind in self.held:
+            self._hold(kind, 0.0, now)
+
+    def _hold(self, kind: str, delta: float, now: float) -> None:
+        """Change the units held of ``kind`` by ``delta`` at ``now``, billing the time before.
+
+        Each kind is billed when its own holding changes, not every kind at every step: a
+        runtime that decides for many nodes has a kind per node.
+        """
+        since = self._since[kind]
+        held = self.held[kind]
+        if now > since:
+            self.unit_seconds[kind] += held * (now - since)
+            self._since[kind] = now
+        if delta:
+            held = self.held[kind] = held + delta
+            self.free[kind] -= delta
+            if held > self.peak[kind]:
+                self.peak[kind] = held
 
     def _admit(self, entry: Entry, units: int, now: float) -> None:
         demand = entry.action.demand
@@ -257,43 +258,17 @@ class Ledger:
             if kind in self.tokens:
                 self.tokens[kind] -= amount
             else:
-                self.held[kind] += amount
-                self.free[kind] -= amount
+                self._hold(kind, amount, now)
+                self._reopen(kind)
         entry.state = RUNNING
-        self._queue.pop(entry, None)
-        self._unline(entry)
+        self._queue.remove(entry)
         entry.admitted_at = now
         entry.mark = now
         entry.rem = entry.t1
         self._running[entry] = None
         if demand.elastic is not None:
             assert demand.elastic_kind is not None
-            self._change_units(entry, 0, units, sign=1)
-        for kind in self.held:
-            if self.held[kind] > self.peak[kind]:
-                self.peak[kind] = self.held[kind]
-
-    def _unline(self, entry: Entry) -> None:
-        if self._line is not None and entry.key is None:
-            self._lane.pop(entry, None)
-        elif self._line is not None and entry.key is not None:
-            self._line.remove(entry.key)
-            # Entries that left before falling due stay in the heap until their time;
-            # rebuild once they outnumber the waiting ones, so it stays O(waiting).
-            if len(self._due) > 2 * len(self._queue) + 64:
-                self._due = [d for d in self._due if d[2].state == WAITING]
-                heapq.heapify(self._due)
-
-    def _fall_due(self, now: float) -> None:
-        """Move entries whose due time has come ahead of every entry not yet due."""
-        line, due = self._line, self._due
-        assert line is not None
-        while due and due[0][0] <= now:
-            at, seq, entry = heapq.heappop(due)
-            if entry.state == WAITING and entry.key is not None:
-                line.remove(entry.key)
-                entry.key = (0, at, seq, entry)
-                line.add(entry.key)
+            self._change_units(entry, 0, units, 1, now)
 
     def _resize(self, entry: Entry, units: int, now: float) -> None:
         if entry.state != RUNNING or units == entry.units:
@@ -301,13 +276,10 @@ class Ledger:
         entry.rem = entry.remaining(now)
         entry.unit_time += entry.units * (now - entry.mark)
         entry.mark = now
-        self._change_units(entry, entry.units, units, sign=0)
+        self._change_units(entry, entry.units, units, 0, now)
         self.resizes += 1
-        kind = entry.action.demand.elastic_kind
-        if kind is not None and self.held[kind] > self.peak[kind]:
-            self.peak[kind] = self.held[kind]
 
-    def _change_units(self, entry: Entry, old: int, new: int, sign: int) -> None:
+    def _change_units(self, entry: Entry, old: int, new: int, sign: int, now: float) -> None:
         """Move an entry's elastic units from ``old`` to ``new``; keep surplus/headroom exact.
 
         ``sign`` says whether the entry joins (1), leaves (-1) or stays in (0) the
@@ -319,10 +291,10 @@ class Ledger:
             return
         kind = demand.elastic_kind
         assert kind is not None
-        self.held[kind] += new - old
-        self.free[kind] -= new - old
+        self._hold(kind, new - old, now)
         entry.units = new
         if not elastic.resizable:
+            self._reopen(kind)
             return
         if sign <= 0:
             self.surplus[kind] -= old - elastic.min
@@ -330,25 +302,17 @@ class Ledger:
         if sign >= 0:
             self.surplus[kind] += new - elastic.min
             self.headroom[kind] += elastic.max - new
+        self._reopen(kind)
         split = self.split(kind)
         if sign > 0:
             split.join(entry)
+            self.resizable.add(kind)
         elif sign == 0:
             split.moved(entry, old)
         else:
             split.leave(entry, old)
-
-
-def _alternate(first: Iterator[Entry], second: Iterator[Entry]) -> Iterator[Entry]:
-    """One from each in turn, then the rest of the longer."""
-    for a in first:
-        yield a
-        b = next(second, None)
-        if b is None:
-            break
-        yield b
-    yield from first
-    yield from second
+            if not split:
+                self.resizable.discard(kind)
 
 
 def held_matches_grants(ledger: Ledger) -> bool:

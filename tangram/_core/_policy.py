@@ -191,7 +191,16 @@ class State(Protocol):
     def headroom(self) -> Mapping[str, float]:
         """Units resizable running actions could still grow by, per kind."""
 
-    def waiting(self) -> Iterable[Entry]: ...
+    @property
+    def resizable(self) -> Collection[str]:
+        """Kinds a running resizable action holds units of."""
+
+    @property
+    def open(self) -> Collection[str]:
+        """Kinds with a unit to give: free, or above a resizable action's minimum; rates."""
+
+    def waiting(self, open: Collection[str] | None = None) -> Iterable[Entry]:
+        """Waiting entries in the policy's order; with ``open``, those needing only those."""
 
     @property
     def running(self) -> Collection[Entry]: ...
@@ -246,12 +255,15 @@ AGING = 4.0
 class _Scan:
     """Working copy of free units for one pass."""
 
-    __slots__ = ("free", "surplus", "tokens")
+    __slots__ = ("free", "live", "surplus", "tokens")
 
     def __init__(self, state: State) -> None:
         self.free = dict(state.free)
         self.surplus = dict(state.surplus)
         self.tokens = dict(state.tokens)
+        # How many held kinds have units left in this pass (``open`` holds every rate
+        # budget and the held kinds with units); a pass may stop when none is left.
+        self.live = len(state.open) - len(self.tokens)
 
     def fits(self, need: Iterable[tuple[str, float]]) -> bool:
         for kind, amount in need:
@@ -268,11 +280,15 @@ class _Scan:
                 self.tokens[kind] -= amount
                 continue
             free = self.free[kind]
+            surplus = self.surplus.get(kind, 0.0)
+            was = free + surplus > _EPS
             if amount <= free:
-                self.free[kind] = free - amount
+                free = self.free[kind] = free - amount
             else:  # the rest comes from shrinking resizable actions (free may be < 0)
-                self.free[kind] = 0.0
-                self.surplus[kind] -= amount - free
+                surplus = self.surplus[kind] = surplus - (amount - free)
+                free = self.free[kind] = 0.0
+            if was and free + surplus <= _EPS:
+                self.live -= 1
 
     def exhausted(self) -> bool:
         """Whether no later action can start in this pass, so the scan may stop.
@@ -280,13 +296,7 @@ class _Scan:
         Never true while there are rate budgets: an action that needs only a budget still
         has to be seen, to book the scheduler's wake-up for when the budget refills.
         """
-        if self.tokens:
-            return False
-        surplus = self.surplus
-        for kind, free in self.free.items():  # noqa: SIM110 - all() adds a generator per pass
-            if free + surplus.get(kind, 0.0) > _EPS:
-                return False
-        return True
+        return not self.tokens and self.live <= 0
 
 
 def may_admit(state: State, entry: Entry) -> bool:
@@ -392,8 +402,11 @@ class ElasticPolicy:
         # kinds are not its units), so the scan goes on for those instead of stopping:
         # a GPU action starved behind busy replicas no longer holds up every API call.
         guarded: set[str] = set()
+        # Only waiters whose kinds all have a unit to give can start in this pass; read in
+        # the window, the others would hide them (one kind per node in one runtime: a core
+        # freed on node B idled behind 128 waiters for node A).
         # islice stops before pulling entry window + 1: the queue is never touched past it.
-        for entry in itertools.islice(state.waiting(), self.window):
+        for entry in itertools.islice(state.waiting(state.open), self.window):
             need = entry.action.demand.minimum
             protected = now - entry.arrival > self.starvation_bound
             if guarded and any(kind in guarded for kind, _ in need):
@@ -470,7 +483,8 @@ class ElasticPolicy:
                 plan.admits.append((entry, 0))
             else:
                 by_kind.setdefault(kind, []).append(entry)
-        for kind in state.surplus:
+        # Only where resizable actions run can units move without an admission.
+        for kind in state.resizable:
             if kind in by_kind:
                 continue
             spare = scan.free[kind]

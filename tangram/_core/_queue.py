@@ -1,0 +1,239 @@
+"""The waiting actions, filed by the kinds they need, read in the policy's order.
+
+A pass looks at a bounded window of the queue. Read as one line, a window full of actions
+for a kind with no unit free hides the actions for kinds that have some: with every node's
+cores a kind of their own in one runtime (``cpu@node``), 128 waiters for node A left a core
+freed on node B idle, and busy cores fell with the number of nodes. So the queue keeps a
+line per *group*, the set of kinds an action needs at its minimum, and a pass reads only
+the groups that need no closed kind (see :meth:`Queue.ordered`), merged back into one
+order. An action that needs a closed kind cannot start in that pass, so leaving it out
+changes no admission; its cost is the number of groups, not of waiters.
+
+Pure: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict
+from collections.abc import Collection, Iterable, Iterator
+from operator import attrgetter
+from typing import Any
+
+from ._entry import WAITING, Entry
+from ._line import Line
+
+__all__ = ["Queue"]
+
+_by_seq = attrgetter("seq")
+_by_key = attrgetter("key")
+
+
+class _Group:
+    """The waiting actions that need exactly ``kinds``, in arrival and in priority order."""
+
+    __slots__ = ("kinds", "lane", "line", "queue")
+
+    def __init__(self, kinds: tuple[str, ...], priority: bool) -> None:
+        self.kinds = kinds
+        self.queue: OrderedDict[Entry, None] = OrderedDict()
+        self.line = Line() if priority else None
+        self.lane: OrderedDict[Entry, None] = OrderedDict()  # entries keeping arrival order
+
+    def ordered(self) -> Iterator[Entry]:
+        if self.line is None:
+            return iter(self.queue)
+        if not self.lane:
+            return iter(self.line)
+        if not self.line:
+            return iter(self.lane)
+        return _alternate(iter(self.line), iter(self.lane))
+
+
+class Queue:
+    """Waiting entries in arrival order, or by a priority where the policy has one.
+
+    ``priority``: entries are filed with ``(work, due)`` (or ``None`` to keep arrival
+    order). Entries past their ``due`` come first, earliest due first, then the others by
+    ``work`` (ties by arrival); entries keeping arrival order take turns with those, so a
+    long line of either never hides the other from a pass's window.
+    """
+
+    __slots__ = ("_all", "_anywhere", "_due", "_groups", "_needing", "_priority")
+
+    def __init__(self, priority: bool) -> None:
+        self._priority = priority
+        # Every waiting entry in arrival order. An OrderedDict is a hash table threaded on
+        # a linked list, and its iterator follows the list, so reading the first
+        # ``window`` entries costs ``window`` steps however many left from the middle
+        # before, and removal from anywhere is O(1).
+        self._all: OrderedDict[Entry, None] = OrderedDict()
+        # Only groups with someone waiting; the key is the group's kinds, sorted.
+        self._groups: dict[tuple[str, ...], _Group] = {}
+        # The same groups by each kind they need, and those that need no kind at all.
+        self._needing: dict[str, dict[_Group, None]] = {}
+        self._anywhere: dict[_Group, None] = {}
+        # Entries not yet due, by the time they fall due.
+        self._due: list[tuple[float, int, Entry]] = []
+
+    def __len__(self) -> int:
+        return len(self._all)
+
+    def __iter__(self) -> Iterator[Entry]:
+        """Every waiting entry in arrival order."""
+        return iter(self._all)
+
+    @property
+    def dues(self) -> int:
+        """Records in the due heap, live or not (for tests of its compaction)."""
+        return len(self._due)
+
+    def add(self, entry: Entry, order: tuple[float, float] | None) -> None:
+        """File ``entry``: with ``(work, due)`` by priority, with ``None`` by arrival."""
+        self._all[entry] = None
+        kinds = entry.action.demand.kinds
+        group = self._groups.get(kinds)
+        if group is None:
+            group = self._groups[kinds] = _Group(kinds, self._priority)
+            for kind in kinds:
+                self._needing.setdefault(kind, {})[group] = None
+            if not kinds:
+                self._anywhere[group] = None
+        group.queue[entry] = None
+        if group.line is None:
+            return
+        if order is None:
+            group.lane[entry] = None
+            return
+        work, due = order
+        entry.key = (1, work, entry.seq, entry)
+        group.line.add(entry.key)
+        if due < math.inf:
+            heapq.heappush(self._due, (due, entry.seq, entry))
+
+    def remove(self, entry: Entry) -> None:
+        """Take ``entry`` out, wherever it is; an entry not here is ignored."""
+        if entry not in self._all:
+            return
+        del self._all[entry]
+        kinds = entry.action.demand.kinds
+        group = self._groups[kinds]
+        del group.queue[entry]
+        if group.line is not None:
+            if entry.key is None:
+                del group.lane[entry]
+            else:
+                group.line.remove(entry.key)
+        if not group.queue:
+            del self._groups[kinds]
+            for kind in kinds:
+                del self._needing[kind][group]
+            self._anywhere.pop(group, None)
+        # Entries that left before falling due stay in the heap until their time; rebuild
+        # once they outnumber the waiting ones, so it stays O(waiting).
+        if len(self._due) > 2 * len(self._all) + 64:
+            self._due = [d for d in self._due if d[2].state == WAITING]
+            heapq.heapify(self._due)
+
+    def fall_due(self, now: float) -> None:
+        """Move entries whose due time has come ahead of every entry not yet due."""
+        due = self._due
+        while due and due[0][0] <= now:
+            at, seq, entry = heapq.heappop(due)
+            if entry.state == WAITING and entry.key is not None and entry in self._all:
+                kinds = entry.action.demand.kinds
+                line = self._groups[kinds].line
+                assert line is not None
+                line.remove(entry.key)
+                entry.key = (0, at, seq, entry)
+                line.add(entry.key)
+
+    def next_due(self) -> float:
+        """When the earliest entry not yet due falls due (``inf``: none)."""
+        return self._due[0][0] if self._due else math.inf
+
+    def ordered(self, open: Collection[str] | None = None) -> Iterator[Entry]:
+        """Waiting entries in order; with ``open``, only those needing no other kind.
+
+        ``open``: the kinds with something to give in this pass. The groups read are found
+        through the open kinds, so a pass costs a step per group that needs one, however
+        many groups are shut. The first entry of a shut group is still read when it needs
+        an open kind that a group read also needs: it may be the pass's blocked head,
+        whose reservation of that kind keeps backfill from delaying it (or, starved, it
+        keeps others off the kinds it needs).
+        """
+        if open is None:
+            return _merge(list(self._groups.values())) if self._priority else iter(self._all)
+        read: dict[_Group, None] = dict.fromkeys(self._anywhere)
+        shut: dict[_Group, None] = {}
+        # Whichever is fewer: the groups, or the open kinds and the groups needing them.
+        if len(self._groups) <= len(open):
+            candidates: Iterable[_Group] = self._groups.values()
+        else:
+            needing = self._needing
+            candidates = (g for kind in open if kind in needing for g in needing[kind])
+        for group in candidates:
+            if group in read or group in shut:
+                continue
+            if all(k in open for k in group.kinds):
+                read[group] = None
+            elif any(k in open for k in group.kinds):
+                shut[group] = None
+        if len(read) == len(self._groups):
+            return _merge(list(read)) if self._priority else iter(self._all)
+        heads: list[Entry] = []
+        if shut and read:
+            wanted = {kind for group in read for kind in group.kinds}
+            for group in shut:
+                if any(kind in wanted for kind in group.kinds if kind in open):
+                    heads.append(next(group.ordered()))
+        if not self._priority:
+            streams = [iter(group.queue) for group in read]
+            if heads:
+                streams.append(iter(sorted(heads, key=_by_seq)))
+            return _one(streams, _by_seq) or iter(())
+        return _merge(list(read), heads)
+
+
+def _merge(groups: list[_Group], heads: list[Entry] | None = None) -> Iterator[Entry]:
+    """The groups' priority lines merged by key, their arrival lanes by arrival, in turns."""
+    if not heads and len(groups) == 1:
+        return groups[0].ordered()
+    if not groups:
+        return iter(())
+    lines: list[Iterator[Entry]] = []
+    lanes: list[Iterator[Entry]] = []
+    for group in groups:
+        assert group.line is not None
+        if group.line:
+            lines.append(iter(group.line))
+        if group.lane:
+            lanes.append(iter(group.lane))
+    if heads:
+        lines.append(iter(sorted((e for e in heads if e.key is not None), key=_by_key)))
+        lanes.append(iter(sorted((e for e in heads if e.key is None), key=_by_seq)))
+    line = _one(lines, _by_key)
+    lane = _one(lanes, _by_seq)
+    if line is None:
+        return lane if lane is not None else iter(())
+    return line if lane is None else _alternate(line, lane)
+
+
+def _one(streams: list[Iterator[Entry]], key: attrgetter[Any]) -> Iterator[Entry] | None:
+    """The streams merged by ``key``; ``None`` for none."""
+    if not streams:
+        return None
+    return streams[0] if len(streams) == 1 else heapq.merge(*streams, key=key)
+
+
+def _alternate(first: Iterator[Entry], second: Iterator[Entry]) -> Iterator[Entry]:
+    """One from each in turn, then the rest of the longer."""
+    for a in first:
+        yield a
+        b = next(second, None)
+        if b is None:
+            break
+        yield b
+    yield from first
+    yield from second
