@@ -45,13 +45,17 @@ POLICIES = ("tangram", "static", "fixed-dop-4", "bound")
 QUICK = (64, 128, 256)
 FULL = (256, 512, 1024, 1280, 1536, 2048)
 BOUND_BATCHES = (256, 1280, 1536)
+REFERENCES = ("ref-srpt", "ref-fcfs")
 
 
 def measure(batch: int) -> dict[str, Any]:
     trace = read_trace(generate_lines(GenerateConfig(workload="coding", batch=batch, seed=0)))
     seconds: dict[str, float] = {}
     avg: dict[str, float] = {}
-    for name in POLICIES:
+    # Where tangram's distance to the bound is a target, the references of the policy
+    # family (issue 28) say how far a simple, independent schedule gets on the same trace.
+    names = POLICIES + (REFERENCES if batch in BOUND_BATCHES else ())
+    for name in names:
         started = time.process_time()
         result = run_policy(name, trace)
         seconds[name] = round(time.process_time() - started, 3)
@@ -68,6 +72,9 @@ def measure(batch: int) -> dict[str, Any]:
             name: round(avg[name] / avg["tangram"], 3) for name in POLICIES if name != "tangram"
         },
         "tangram_over_bound": round(avg["tangram"] / avg["bound"], 3),
+        "references_over_bound": {
+            name: round(avg[name] / avg["bound"], 3) for name in REFERENCES if name in avg
+        },
     }
 
 
@@ -92,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{point['seconds']['tangram']:.2f} s ({point['actions_per_second']['tangram']}/s); "
             f"avg ACT over tangram: {shown}; tangram / bound "
             f"{point['tangram_over_bound']:.2f}x"
+            + "".join(f", {k} / bound {v:.2f}x" for k, v in point["references_over_bound"].items())
         )
     first, last = points[0], points[-1]
     slope = (
@@ -129,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                 "value": value,
                 "goal": "<= 1.3",
                 "met": value <= 1.3,
+                "best_reference": min(point["references_over_bound"].values()),
             }
     if args.plot is not None and len(points) > 1:
         ratios = {
