@@ -306,6 +306,26 @@ async def test_a_grant_made_as_a_silent_process_is_dropped_fails_its_request() -
         await actor.close()
 
 
+async def test_the_scheduler_counts_the_messages_it_receives() -> None:
+    """Every protocol call reaches the count ``benchmarks/ray_ceiling.py`` divides by the
+    actions: a batch, a heartbeat, a departure; the actor's CPU time only grows."""
+    from tangram._shared._scheduler import SchedulerActor
+
+    actor = SchedulerActor({"cpu": 2}, None, heartbeat=0.05, timeout=5.0, token="t")
+    try:
+        first = await actor.counters()
+        events = await actor.send("a", [(1, {"cpu": 1}, "one", None, None, None)], [], [])
+        lease = events[0][2]
+        await actor.poll("a", [lease], 0.0)
+        await actor.send("a", [], [(lease, 0)], [])
+        await actor.disconnect("a", [])
+        after = await actor.counters()
+        assert after["messages"] - first["messages"] == 4
+        assert after["cpu_seconds"] >= first["cpu_seconds"]
+    finally:
+        await actor.close()
+
+
 async def test_bad_settings_fail_before_anything_starts() -> None:
     with pytest.raises(InvalidCapacityError, match="twice"):
         async with tray.connect(heartbeat=1.0, lease_timeout=1.5):

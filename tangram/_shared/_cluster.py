@@ -85,17 +85,21 @@ class ClusterSchedulerActor(SchedulerActor):
         return self._book.describe()
 
     async def place(self, trajectory: str, cid: str | None = None) -> tuple[str, Any]:
+        self.messages += 1
         await self._ready()
         return self._book.place(trajectory, cid)
 
     async def unplace(self, trajectory: str) -> None:
+        self.messages += 1
         await self._ready()
         self._book.unplace(trajectory)
 
     async def place_service(self, cid: str, service: str) -> tuple[int, str, Any]:
+        self.messages += 1
         await self._ready()
         return self._book.place_service(cid, service)
 
     async def unplace_service(self, ticket: int, seq: int, resident: list[str]) -> None:
+        self.messages += 1
         await self._ready()
         self._book.unplace_service(ticket, seq, resident)

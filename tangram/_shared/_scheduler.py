@@ -121,6 +121,9 @@ class SchedulerActor:
         self._main: asyncio.Task[None] | None = None
         self.reclaimed = 0
         self.ignored = 0
+        # Calls received from proxies and agents: what scale-out has to keep off the job's
+        # one actor (benchmarks/ray_ceiling.py counts them per action).
+        self.messages = 0
         self._gates: dict[float, Gate] = {}
         self._members: dict[int, _Member] = {}
 
@@ -187,6 +190,7 @@ class SchedulerActor:
         withdraws: list[int],
     ) -> list[tuple[Any, ...]]:
         """Apply a proxy's batch; answer with the events decided by the time it settles."""
+        self.messages += 1
         await self._ready()
         client = self._client(cid)
         for lease_id, outcome in releases:
@@ -211,6 +215,7 @@ class SchedulerActor:
 
     async def poll(self, cid: str, leases: list[int], wait: float) -> list[tuple[Any, ...]]:
         """The heartbeat of ``leases``; answers with new events, or empty after ``wait``."""
+        self.messages += 1
         await self._ready()
         client = self._client(cid)
         now = client.seen
@@ -227,6 +232,7 @@ class SchedulerActor:
 
     async def disconnect(self, cid: str, releases: list[tuple[int, int]]) -> None:
         """A proxy left: its last releases, then whatever it still holds or waits for."""
+        self.messages += 1
         await self._ready()
         for lease_id, outcome in releases:
             self._release(lease_id, outcome)
@@ -306,6 +312,7 @@ class SchedulerActor:
     async def group_enter(self, cid: str, key: str, wait: float) -> int:
         """A sample of group ``key`` enters the job's gate (:mod:`tangram._runtime._group`);
         answers its member id once it counts there."""
+        self.messages += 1
         await self._ready()
         self._client(cid)
         gate = self._gates.get(wait)
@@ -332,6 +339,7 @@ class SchedulerActor:
 
     async def group_arrive(self, cid: str, member_id: int) -> None:
         """The sample is about to ask for its grant: answers when its group goes."""
+        self.messages += 1
         self._client(cid)
         member = self._members.get(member_id)
         if member is None:
@@ -342,6 +350,7 @@ class SchedulerActor:
 
     async def group_leave(self, cid: str, member_id: int) -> None:
         """The sample ended without arriving: its group no longer waits for it."""
+        self.messages += 1
         member = self._members.get(member_id)
         if member is not None:
             member.decided.set()
@@ -436,13 +445,16 @@ class SchedulerActor:
     async def stats(self) -> Any:
         return (await self._ready()).stats()
 
-    async def counters(self) -> dict[str, int]:
+    async def counters(self) -> dict[str, float]:
         await self._ready()
         return {
             "clients": len(self._clients),
             "leases": len(self._held),
             "reclaimed": self.reclaimed,
             "ignored_releases": self.ignored,
+            "messages": self.messages,
+            # The actor's whole process: its event loop, Ray's threads and serialisation.
+            "cpu_seconds": time.process_time(),
         }
 
     async def set_capacity(self, updates: dict[str, object]) -> Capacity:

@@ -1,0 +1,328 @@
+"""The ceiling of the shared scheduler on Ray: one job actor, many workers, many nodes.
+
+What it measures
+    A local Ray cluster of several logical nodes (``ray.cluster_utils.Cluster``: a
+    raylet per node, all on this machine), one job scheduler actor (``tangram.ray.connect``)
+    on the head, and worker processes (Ray actors) spread round-robin over the nodes.
+
+    - *acquire*: each worker runs 8 tasks cycling ``acquire(cpu=1)`` around a checkpoint,
+      on a capacity that never binds, at 1 to 64 workers. Actions per second over all
+      workers, the acquire latency (entering ``acquire`` to holding the lease) at p50 and
+      p99, the job actor's CPU time per action (its process's ``time.process_time``), and
+      the messages it received per action (every protocol call: a proxy's batch, a
+      heartbeat, a placement). The *knee* is the first worker count after which more
+      workers add less than 10 % of actions per second.
+    - *sandbox*: a host agent on each of 1, 2, 4 (and 8) nodes (``tangram.ray.start_agent``,
+      the embedded local backend, 2 cores each), and workers whose trajectories each
+      open a sandbox (placed by the job actor) and run ``true`` in it back to back: the
+      verl adapter's path (worker -> agent -> job actor for the node's cores). Sandbox
+      actions per second, the latency of ``sbx.run`` at p50 and p99, the job actor's
+      CPU time and messages per sandbox action, and the most cores each node's kind
+      ever held against the cores it has.
+
+Why
+    Issue 30: every action of every worker reaches the job's one actor, which is one
+    Python event loop; its cost per action bounds the job. This is the ceiling to beat,
+    and the per-message costs a model of larger clusters needs. All logical nodes share
+    this machine's 2 cores, so count work (CPU and messages per action), not wall
+    throughput, when reading the node sweep. Targets from the issue, printed met or not:
+    messages to the job actor per CPU-sandbox action <= 0.05 (node-local decisions are
+    not built yet: today each sandbox action's acquire and release reach it), and never
+    more cores held on a node than it has.
+
+How
+    ``--quick``: 4 nodes, workers 1, 4, 8 and 16 for 2 s each, the sandbox arm at 1, 2
+    and 4 nodes with 4 workers x 2 trajectories for 3 s each. Full: 8 nodes, workers 1
+    to 64, the sandbox arm to 8 nodes with 8 workers x 4 trajectories. The cluster, the
+    workers and the agents start before any timed window (excluded). The last line of
+    stdout is one JSON object (``"bench": "ray_ceiling"``); the exit status is 0 whether
+    or not targets are met.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+
+import tangram
+from tangram._core._stats import nearest_rank
+
+try:
+    import ray
+    import ray.cluster_utils
+except ImportError:  # pragma: no cover - the benchmark needs the extra
+    print("ray_ceiling: needs Ray (pip install 'tangram[ray]')", file=sys.stderr)
+    raise
+
+import tangram.ray as tray
+
+NAME = "tangram-ceiling"
+CAPACITY = 4096
+TASKS = 8  # acquire loops per worker
+CORES_PER_NODE = 2
+MESSAGES_GOAL = 0.05
+KNEE_GAIN = 1.10
+QUICK = {"nodes": 4, "workers": (1, 4, 8, 16), "seconds": 2.0, "agents": (1, 2, 4)}
+QUICK_SANDBOX = {"workers": 4, "trajectories": 2, "seconds": 3.0}
+FULL = {"nodes": 8, "workers": (1, 2, 4, 8, 16, 32, 64), "seconds": 4.0, "agents": (1, 2, 4, 8)}
+FULL_SANDBOX = {"workers": 8, "trajectories": 4, "seconds": 5.0}
+
+
+async def _acquires(deadline: float, spans: list[float]) -> None:
+    while time.time() < deadline:
+        began = time.perf_counter()
+        async with tangram.acquire(cpu=1, kind="ceiling"):
+            spans.append(time.perf_counter() - began)
+            await anyio.lowlevel.checkpoint()
+
+
+async def _runs(
+    remote: tray.RemoteRuntime, trajectory: str, deadline: float, spans: list[float]
+) -> None:
+    async with remote.sandbox(trajectory) as sbx:
+        while time.time() < deadline:
+            began = time.perf_counter()
+            result = await sbx.run("true")
+            spans.append(time.perf_counter() - began)
+            if not result.ok:
+                raise RuntimeError(f"`true` failed in the sandbox: {result!r}")
+
+
+@ray.remote(num_cpus=0)
+class Worker:
+    """One rollout process with a proxy on the job's scheduler."""
+
+    async def ready(self) -> str:
+        return str(ray.get_runtime_context().get_node_id())
+
+    async def acquire(self, tasks: int, start: float, seconds: float) -> list[float]:
+        spans: list[float] = []
+        async with tray.connect(name=NAME, create=False):
+            await anyio.sleep(max(0.0, start - time.time()))
+            async with anyio.create_task_group() as tg:
+                for _ in range(tasks):
+                    tg.start_soon(_acquires, start + seconds, spans)
+        return spans
+
+    async def sandbox(self, trajectories: int, start: float, seconds: float) -> list[float]:
+        spans: list[float] = []
+        async with tray.connect(name=NAME, create=False) as remote:
+            await anyio.sleep(max(0.0, start - time.time()))
+            async with anyio.create_task_group() as tg:
+                for _ in range(trajectories):
+                    tg.start_soon(_runs, remote, uuid.uuid4().hex, start + seconds, spans)
+        return spans
+
+
+async def _counters(remote: tray.RemoteRuntime) -> dict[str, float]:
+    counters: dict[str, float] = await remote.actor.counters.remote()
+    return counters
+
+
+async def _window(
+    remote: tray.RemoteRuntime, calls: list[Any], seconds: float
+) -> tuple[list[float], dict[str, float]]:
+    before = await _counters(remote)
+    spans = [s for report in [await ref for ref in calls] for s in report]
+    after = await _counters(remote)
+    n = max(len(spans), 1)
+    spans.sort()
+    return spans, {
+        "actions": len(spans),
+        "actions_per_s": round(len(spans) / seconds, 1),
+        "p50_ms": round(1e3 * nearest_rank(spans, 0.5), 3) if spans else None,
+        "p99_ms": round(1e3 * nearest_rank(spans, 0.99), 3) if spans else None,
+        "actor_cpu_ms_per_action": round(
+            1e3 * (after["cpu_seconds"] - before["cpu_seconds"]) / n, 4
+        ),
+        "messages_per_action": round((after["messages"] - before["messages"]) / n, 4),
+    }
+
+
+def _start_at(workers: int) -> float:
+    return time.time() + 0.5 + 0.05 * workers
+
+
+async def _acquire_arm(
+    remote: tray.RemoteRuntime, workers: list[Any], sizes: tuple[int, ...], seconds: float
+) -> list[dict[str, Any]]:
+    rows = []
+    for size in sizes:
+        start = _start_at(size)
+        calls = [w.acquire.remote(TASKS, start, seconds) for w in workers[:size]]
+        _, row = await _window(remote, calls, seconds)
+        row = {"workers": size, **row}
+        rows.append(row)
+        print(
+            f"  acquire, {size:2d} workers: {row['actions_per_s']:8.0f} actions/s, "
+            f"p50 {row['p50_ms']} ms, p99 {row['p99_ms']} ms, actor "
+            f"{row['actor_cpu_ms_per_action']} ms CPU and "
+            f"{row['messages_per_action']} messages per action",
+            file=sys.stderr,
+            flush=True,
+        )
+    return rows
+
+
+async def _sandbox_arm(
+    remote: tray.RemoteRuntime,
+    workers: list[Any],
+    node_ids: list[str],
+    agents_at: tuple[int, ...],
+    shape: dict[str, Any],
+    roots: list[str],
+) -> list[dict[str, Any]]:
+    rows = []
+    agents: list[tray.HostAgent] = []
+    try:
+        for count in agents_at:
+            while len(agents) < count:
+                index = len(agents)
+                root = tempfile.mkdtemp(prefix=f"tangram-ceiling-{index}-")
+                os.chmod(root, 0o755)  # the sandbox user (nobody, as root) walks through it
+                roots.append(root)
+                agents.append(
+                    await tray.start_agent(
+                        remote,
+                        name=f"n{index}",
+                        node_id=node_ids[index],
+                        backend=_backend(root),
+                    )
+                )
+            chosen = workers[: shape["workers"]]
+            start = _start_at(len(chosen))
+            calls = [
+                w.sandbox.remote(shape["trajectories"], start, shape["seconds"]) for w in chosen
+            ]
+            _, row = await _window(remote, calls, shape["seconds"])
+            stats = await remote.stats()
+            peaks = {a.resource: stats.resources[a.resource].peak for a in agents}
+            row = {
+                "nodes": count,
+                **row,
+                "peak_cores": peaks,
+                "cores_within_node": all(peaks[a.resource] <= a.units for a in agents),
+            }
+            rows.append(row)
+            print(
+                f"  sandbox, {count} nodes: {row['actions_per_s']:6.1f} runs/s, "
+                f"p50 {row['p50_ms']} ms, p99 {row['p99_ms']} ms, actor "
+                f"{row['actor_cpu_ms_per_action']} ms CPU and "
+                f"{row['messages_per_action']} messages per run; peak cores {peaks}",
+                file=sys.stderr,
+                flush=True,
+            )
+    finally:
+        for agent in agents:
+            await agent.aclose()
+    return rows
+
+
+def _backend(root: str) -> Any:
+    return functools.partial(tangram.LocalBackend, cores=list(range(CORES_PER_NODE)), root=root)
+
+
+def knee(rows: list[dict[str, Any]]) -> int:
+    """The first worker count after which more workers add less than 10 % throughput."""
+    for here, there in itertools.pairwise(rows):
+        if there["actions_per_s"] < KNEE_GAIN * here["actions_per_s"]:
+            return int(here["workers"])
+    return int(rows[-1]["workers"])
+
+
+async def _bench(
+    workers: list[Any], node_ids: list[str], plan: dict[str, Any], shape: dict[str, Any]
+) -> dict[str, Any]:
+    roots: list[str] = []
+    try:
+        async with tray.connect(name=NAME, capacity={"cpu": CAPACITY}) as remote:
+            acquire = await _acquire_arm(remote, workers, plan["workers"], plan["seconds"])
+            sandbox = await _sandbox_arm(remote, workers, node_ids, plan["agents"], shape, roots)
+    finally:
+        for root in roots:
+            shutil.rmtree(root, ignore_errors=True)
+    return {"acquire": acquire, "sandbox": sandbox}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a small version, about a minute")
+    args = parser.parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    shape = QUICK_SANDBOX if args.quick else FULL_SANDBOX
+    started = time.monotonic()
+    cluster = ray.cluster_utils.Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
+    )
+    try:
+        for _ in range(plan["nodes"] - 1):
+            cluster.add_node(num_cpus=1)
+        ray.init(address=cluster.address, log_to_driver=False, namespace="tangram-ceiling")
+        cluster.wait_for_nodes()
+        node_ids = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        count = max(max(plan["workers"]), shape["workers"])
+        workers = [
+            Worker.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(
+                    node_id=node_ids[i % len(node_ids)], soft=False
+                )
+            ).remote()
+            for i in range(count)
+        ]
+        ray.get([w.ready.remote() for w in workers])
+        setup = time.monotonic() - started
+        print(
+            f"ray_ceiling: {len(node_ids)} nodes, {count} workers up in {setup:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+        rows = anyio.run(_bench, workers, node_ids, plan, shape)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    acquire, sandbox = rows["acquire"], rows["sandbox"]
+    worst_messages = max(r["messages_per_action"] for r in sandbox)
+    figures = {
+        "quick": args.quick,
+        "nodes": plan["nodes"],
+        "acquire": acquire,
+        "sandbox": sandbox,
+        "knee_workers": knee(acquire),
+        "actor_cpu_ms_per_action_median": statistics.median(
+            r["actor_cpu_ms_per_action"] for r in acquire
+        ),
+        "setup_s": round(setup, 1),
+    }
+    targets = {
+        "messages_per_sandbox_action": {
+            "value": worst_messages,
+            "goal": f"<= {MESSAGES_GOAL}",
+            "met": worst_messages <= MESSAGES_GOAL,
+        },
+        "cores_within_node": {
+            "value": all(r["cores_within_node"] for r in sandbox),
+            "goal": "== true",
+            "met": all(r["cores_within_node"] for r in sandbox),
+        },
+    }
+    print(json.dumps({"bench": "ray_ceiling", "figures": figures, "targets": targets}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
