@@ -321,6 +321,8 @@ async def test_the_scheduler_counts_the_messages_it_receives() -> None:
         await actor.disconnect("a", [])
         after = await actor.counters()
         assert after["messages"] - first["messages"] == 4
+        assert after["heartbeats"] - first["heartbeats"] == 1
+        assert after["placements"] == first["placements"] == 0
         assert after["cpu_seconds"] >= first["cpu_seconds"]
     finally:
         await actor.close()

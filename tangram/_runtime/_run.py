@@ -259,6 +259,11 @@ class Runtime(RunMixin):
     def capacity(self) -> Capacity:
         return self._capacity
 
+    @property
+    def policy(self) -> Policy:
+        """The policy this runtime plans with (a host agent's runtime takes the job's)."""
+        return self._policy
+
     def acquire(
         self,
         demand: Mapping[str, object] | None = None,

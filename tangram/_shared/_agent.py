@@ -34,6 +34,7 @@ import anyio
 import attrs
 
 from .._runtime._run import Runtime
+from .._runtime._scheduler import Scheduler
 from .._sandbox._backend import (
     Host,
     RunResult,
@@ -51,6 +52,7 @@ from ..errors import (
 )
 from ._protocol import logger, lost, task_failed
 from ._proxy import RemoteRuntime, attach
+from ._reports import FULL, Outbox, snapshot
 
 if TYPE_CHECKING:
     from .._gpu._devices import Device
@@ -140,7 +142,17 @@ class _NodeGpuLedger(Runtime):
 
 
 class HostAgentActor:
-    """The body of a host agent's Ray actor; its methods are the wire protocol."""
+    """The body of a host agent's Ray actor; its methods are the wire protocol.
+
+    Its node's cores are decided here, by a runtime of the agent's own under the job's
+    policy: a sandbox action's grant and release never leave the node, and the job's
+    actor hears of them in batches (:mod:`._reports`). Only what spans nodes (the job's
+    placement of trajectories, GPU shares, quotas) goes through the job's scheduler.
+    """
+
+    # Whether the node's cores are decided here. The scheduler process of a node outside
+    # Ray hosts its agent in its own process, where the job's books are as near as these.
+    decides_cores = True
 
     def __init__(
         self,
@@ -170,6 +182,8 @@ class HostAgentActor:
         self._started: asyncio.Future[dict[str, Any]] | None = None
         self._stop: asyncio.Event | None = None
         self._main: asyncio.Task[None] | None = None
+        self._cores: Runtime | None = None  # the node's own runtime, when it decides
+        self._outbox = Outbox()
 
     async def start(self) -> dict[str, Any]:
         if self._started is None:
@@ -192,15 +206,30 @@ class HostAgentActor:
             backend = _HostBackend(inner, self._name)
             async with attach(self._scheduler) as remote, contextlib.AsyncExitStack() as stack:
                 extra: dict[str, Any] = {} if self._timeout is None else {"timeout": self._timeout}
-                pool = SandboxPool(backend, runtime=remote, warm=self._warm, **extra)
+                lender: Scheduler = remote
+                if self.decides_cores:
+                    policy = (await self._scheduler.info.remote()).get("policy")
+                    cores = Runtime({f"cpu@{self._name}": 0}, policy=policy)
+                    await stack.enter_async_context(cores)
+                    cores.add_instrument(self._outbox)
+                    self._cores = lender = cores
+                pool = SandboxPool(backend, runtime=lender, warm=self._warm, **extra)
                 await stack.enter_async_context(pool)
                 self._pool = pool
+                host = pool.hosts[0]
+                if self._cores is not None:
+                    self._cores.set_capacity({host.resource: len(host.cores)})
                 gpu: dict[str, Any] | None = None
                 if self._services:
                     gpu = await self._open_gpu(remote, stack)
-                host = pool.hosts[0]
                 await self._scheduler.add_host.remote(
-                    self._name, host.resource, len(host.cores), self._me(), remote._id, gpu
+                    self._name,
+                    host.resource,
+                    len(host.cores),
+                    self._me(),
+                    remote._id,
+                    gpu,
+                    self.decides_cores,
                 )
                 await remote._refresh()
                 self._started.set_result(
@@ -380,8 +409,24 @@ class HostAgentActor:
         return entry[1]
 
     async def run(self, trajectory: str, kwargs: dict[str, Any]) -> RunResult:
-        result: RunResult = await self._tracked(trajectory, self._sandbox(trajectory).run(**kwargs))
+        try:
+            result: RunResult = await self._tracked(
+                trajectory, self._sandbox(trajectory).run(**kwargs)
+            )
+        finally:
+            if len(self._outbox.records) >= FULL:
+                self._push()
         return result
+
+    async def report(self) -> dict[str, Any] | None:
+        """What this node decided since the last report, for the job's stats."""
+        await self.start()
+        return None if self._cores is None else snapshot(self._cores, self._outbox)
+
+    def _push(self) -> None:
+        """Send a full outbox to the job's scheduler unasked (fire and forget)."""
+        if self._cores is not None:
+            self._scheduler.report.remote(self._name, snapshot(self._cores, self._outbox))
 
     async def put(self, trajectory: str, path: str, data: bytes | str) -> None:
         await self._tracked(trajectory, self._sandbox(trajectory).put(path, data))

@@ -15,8 +15,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from .._core._policy import Policy
+from ..errors import InvalidDemandError
 from ._placement import HostBook
 from ._protocol import lost
+from ._reports import merge, record
 from ._scheduler import SchedulerActor
 
 __all__ = ["ClusterSchedulerActor"]
@@ -36,6 +38,11 @@ class ClusterSchedulerActor(SchedulerActor):
     ) -> None:
         super().__init__(capacity, policy, heartbeat, timeout, token, idle)
         self._book = HostBook()
+        # Agents that decide their node's cores, by their client id: (name, kind, agent).
+        self._deciding: dict[str, tuple[str, str, Any]] = {}
+        self._decided: set[str] = set()  # their kinds, which this actor never lends
+        # Each such node's last report (:mod:`._reports`), by agent name.
+        self._nodes: dict[str, dict[str, Any]] = {}
 
     def _drop_client(self, cid: str, *, expired: bool = False) -> bool:
         if not super()._drop_client(cid, expired=expired):
@@ -46,6 +53,13 @@ class ClusterSchedulerActor(SchedulerActor):
         gone = self._book.drop(cid)
         if gone:
             self._runtime.set_capacity(gone)
+        deciding = self._deciding.pop(cid, None)
+        if deciding is not None:
+            self._decided.discard(deciding[1])
+        if deciding is not None and deciding[0] in self._nodes:
+            # Its books went with it: what it held and queued is nobody's now.
+            node = self._nodes[deciding[0]]
+            node.update(waiting=0, running=0)
         return True
 
     def _own_clients(self) -> set[str]:
@@ -76,9 +90,69 @@ class ClusterSchedulerActor(SchedulerActor):
         agent: Any,
         cid: str,
         gpu: Mapping[str, Any] | None = None,
+        decides: bool = False,
     ) -> None:
         runtime = await self._ready()
         runtime.set_capacity(self._book.add(name, resource, units, agent, cid, gpu))
+        if decides:
+            self._deciding[cid] = (name, resource, agent)
+            self._decided.add(resource)
+
+    async def report(self, name: str, node: dict[str, Any]) -> None:
+        """A node's report, pushed by its agent when its outbox filled."""
+        self.messages += 1
+        await self._ready()
+        self._take(name, node)
+
+    def _take(self, name: str, node: dict[str, Any] | None) -> None:
+        if node is None:
+            return
+        record(self._runtime._recorder, node.pop("records"))
+        self._nodes[name] = node
+
+    async def _acquire(
+        self,
+        cid: str,
+        client: Any,
+        request: int,
+        demand: dict[str, object],
+        kind: str,
+        trajectory: str | None,
+        estimate: float | None,
+        wait_timeout: float | None,
+    ) -> None:
+        decided = self._decided
+        if decided and any(k in decided for k in demand):
+            mine = sorted(k for k in demand if k in decided)
+            client.post(
+                (
+                    "error",
+                    request,
+                    InvalidDemandError(
+                        f"{', '.join(mine)}: a node's cores are lent by its host agent, "
+                        "not by the job's scheduler; run on them through a sandbox "
+                        "placed there (`remote.sandbox(...)`)"
+                    ),
+                )
+            )
+            client.waiting.pop(request, None)
+            return
+        await super()._acquire(
+            cid, client, request, demand, kind, trajectory, estimate, wait_timeout
+        )
+
+    async def stats(self) -> Any:
+        """The job's stats, with each deciding node's books asked for first."""
+        runtime = await self._ready()
+        deciding = list(self._deciding.values())
+
+        async def ask(name: str, agent: Any) -> None:
+            with contextlib.suppress(*lost(), asyncio.TimeoutError):
+                self._take(name, await asyncio.wait_for(agent.report.remote(), self._timeout))
+
+        if deciding:
+            await asyncio.gather(*(ask(name, agent) for name, _, agent in deciding))
+        return merge(runtime.stats(), self._nodes)
 
     async def hosts(self) -> dict[str, dict[str, Any]]:
         await self._ready()
@@ -86,20 +160,24 @@ class ClusterSchedulerActor(SchedulerActor):
 
     async def place(self, trajectory: str, cid: str | None = None) -> tuple[str, Any]:
         self.messages += 1
+        self.placements += 1
         await self._ready()
         return self._book.place(trajectory, cid)
 
     async def unplace(self, trajectory: str) -> None:
         self.messages += 1
+        self.placements += 1
         await self._ready()
         self._book.unplace(trajectory)
 
     async def place_service(self, cid: str, service: str) -> tuple[int, str, Any]:
         self.messages += 1
+        self.placements += 1
         await self._ready()
         return self._book.place_service(cid, service)
 
     async def unplace_service(self, ticket: int, seq: int, resident: list[str]) -> None:
         self.messages += 1
+        self.placements += 1
         await self._ready()
         self._book.unplace_service(ticket, seq, resident)

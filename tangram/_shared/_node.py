@@ -178,6 +178,8 @@ class _NodeScheduler(ClusterSchedulerActor):
 class _NodeAgent(HostAgentActor):
     """The node's host agent, inside the scheduler's process."""
 
+    decides_cores = False  # the job's books are in this very process
+
     handle: LocalHandle
     host: str
 

@@ -124,6 +124,8 @@ class SchedulerActor:
         # Calls received from proxies and agents: what scale-out has to keep off the job's
         # one actor (benchmarks/ray_ceiling.py counts them per action).
         self.messages = 0
+        self.heartbeats = 0  # of which polls: one per proxy per heartbeat, not per action
+        self.placements = 0  # and where a sandbox or service block goes: one per block
         self._gates: dict[float, Gate] = {}
         self._members: dict[int, _Member] = {}
 
@@ -159,6 +161,8 @@ class SchedulerActor:
             "timeout": self._timeout,
             "node_id": self._node_id(),
             "pid": os.getpid(),
+            # Host agents decide their node's cores under the job's policy.
+            "policy": runtime.policy,
         }
 
     async def close(self) -> None:
@@ -216,6 +220,7 @@ class SchedulerActor:
     async def poll(self, cid: str, leases: list[int], wait: float) -> list[tuple[Any, ...]]:
         """The heartbeat of ``leases``; answers with new events, or empty after ``wait``."""
         self.messages += 1
+        self.heartbeats += 1
         await self._ready()
         client = self._client(cid)
         now = client.seen
@@ -453,6 +458,8 @@ class SchedulerActor:
             "reclaimed": self.reclaimed,
             "ignored_releases": self.ignored,
             "messages": self.messages,
+            "heartbeats": self.heartbeats,
+            "placements": self.placements,
             # The actor's whole process: its event loop, Ray's threads and serialisation.
             "cpu_seconds": time.process_time(),
         }
