@@ -256,9 +256,10 @@ async def test_a_nodes_cores_are_decided_on_the_node(deployment: dict[str, Any])
     assert stats.resources[f"cpu@{sbx.host}"].held == 0
     assert stats.resources[f"cpu@{sbx.host}"].peak == 1
     # The job's scheduler never lends a node's cores itself, or two books would lend them.
-    with pytest.raises(InvalidDemandError, match="lent by its host agent"):
-        async with remote.acquire({f"cpu@{sbx.host}": 1}):
-            pass
+    for kind in (f"cpu@{sbx.host}", f"gpu@{sbx.host}"):
+        with pytest.raises(InvalidDemandError, match="lent by its host"):
+            async with remote.acquire({kind: 1}):
+                pass
 
 
 @ray.remote(num_cpus=0)
@@ -387,10 +388,6 @@ async def test_removing_a_node_mid_action_returns_its_units_and_others_keep_serv
     assert returned_after <= LEASE_TIMEOUT + 2 * HEARTBEAT + 2.0, returned_after
     assert set(errors) == {"sandbox", "service"}
     assert isinstance(errors["service"].__cause__, ray.exceptions.RayError)
-    counters = await remote.actor.counters.remote()
-    # The replica's share of gpu@b was a lease of the job's scheduler, reclaimed; the
-    # sandbox's core was lent by b's agent, and its books went with the node.
-    assert counters["reclaimed"] >= 1
     # "a" keeps serving: new trajectories and service calls land there and run.
     async with remote.sandbox("traj-after") as sbx:
         assert sbx.host == "a"

@@ -16,9 +16,11 @@ GPUs follow the same split. An agent given model services runs a
 ``gpu@<agent>``, counted in devices. Device memory stays a node-local ledger (the pool's
 own ``gpu_mem:<device>`` kinds, in a runtime inside the agent), because device names
 repeat on every node and eviction is a decision about one node's memory. Each replica's
-grant is mirrored into the shared scheduler as the share of devices its memory takes, so
-the central policy sees and orders GPU work like any other, and a dead agent's share is
-reclaimed like any lease. Torch is imported only by an agent that loads a torch service.
+grant is also taken as the share of devices its memory takes of ``gpu@<agent>``, from the
+node's runtime beside its cores, so the node's policy orders GPU work with the rest and
+the job's view counts it (:mod:`._reports`). Which node serves a service block is the
+job's decision (its placement). Torch is imported only by an agent that loads a torch
+service.
 """
 
 from __future__ import annotations
@@ -96,19 +98,18 @@ class _HostBackend(SandboxBackend):
 
 
 class _NodeGpuLedger(Runtime):
-    """The agent GpuPool's runtime: node memory, each grant mirrored centrally.
+    """The agent GpuPool's runtime: node memory, each grant mirrored as a share of devices.
 
     A replica's grant is taken first from this node's own books (``gpu_mem:<device>``
     bytes, which decide eviction and fit) and then, for as long as it is held, as its
-    share of devices of ``gpu@<agent>`` from the shared scheduler. Node memory comes
-    first: the shared kind is this agent's alone, so its grant never waits on memory, and
-    the central books show only replicas that really hold a device. A Runtime itself,
-    because a GpuPool takes nothing else for its runtime.
+    share of devices of ``gpu@<agent>`` from ``shared``: the node's runtime when the
+    agent decides its node (on Ray), else the job's scheduler. Node memory comes first:
+    the shared kind is this agent's alone, so its grant never waits on memory, and the
+    books show only replicas that really hold a device. A Runtime itself, because a
+    GpuPool takes nothing else for its runtime.
     """
 
-    def __init__(
-        self, shared: RemoteRuntime | None, resource: str, sizes: Mapping[str, int]
-    ) -> None:
+    def __init__(self, shared: Scheduler | None, resource: str, sizes: Mapping[str, int]) -> None:
         super().__init__(dict(sizes))
         self._shared = shared
         self._resource = resource
@@ -322,8 +323,12 @@ class HostAgentActor:
                     "the host"
                 )
         resource = f"gpu@{self._name}"
+        lender: Scheduler = remote
+        if self._cores is not None:  # decided on the node, as its cores are
+            self._cores.set_capacity({resource: len(devices)})
+            lender = self._cores
         ledger = await stack.enter_async_context(
-            _NodeGpuLedger(remote, resource, {d.kind: d.memory for d in devices})
+            _NodeGpuLedger(lender, resource, {d.kind: d.memory for d in devices})
         )
         pool = GpuPool(services, devices=devices, runtime=ledger)
         self._gpu = await stack.enter_async_context(pool)
@@ -351,8 +356,12 @@ class HostAgentActor:
             raise UnknownResourceError(
                 f"host agent {self._name!r} serves no GPU model services (asked for {name!r})"
             )
-        async with self._gpu.use(name) as svc:
-            result = await svc(batch)
+        try:
+            async with self._gpu.use(name) as svc:
+                result = await svc(batch)
+        finally:
+            if len(self._outbox.records) >= FULL:
+                self._push()
         return (result, *self._residency())
 
     async def service_stats(self) -> dict[str, dict[str, float | int | None]]:

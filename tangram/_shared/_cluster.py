@@ -39,7 +39,7 @@ class ClusterSchedulerActor(SchedulerActor):
         super().__init__(capacity, policy, heartbeat, timeout, token, idle)
         self._book = HostBook()
         # Agents that decide their node's cores, by their client id: (name, kind, agent).
-        self._deciding: dict[str, tuple[str, str, Any]] = {}
+        self._deciding: dict[str, tuple[str, list[str], Any]] = {}
         self._decided: set[str] = set()  # their kinds, which this actor never lends
         # Each such node's last report (:mod:`._reports`), by agent name.
         self._nodes: dict[str, dict[str, Any]] = {}
@@ -55,7 +55,7 @@ class ClusterSchedulerActor(SchedulerActor):
             self._runtime.set_capacity(gone)
         deciding = self._deciding.pop(cid, None)
         if deciding is not None:
-            self._decided.discard(deciding[1])
+            self._decided.difference_update(deciding[1])
         if deciding is not None and deciding[0] in self._nodes:
             # Its books went with it: what it held and queued is nobody's now.
             node = self._nodes[deciding[0]]
@@ -95,8 +95,9 @@ class ClusterSchedulerActor(SchedulerActor):
         runtime = await self._ready()
         runtime.set_capacity(self._book.add(name, resource, units, agent, cid, gpu))
         if decides:
-            self._deciding[cid] = (name, resource, agent)
-            self._decided.add(resource)
+            kinds = [resource] if gpu is None else [resource, gpu["resource"]]
+            self._deciding[cid] = (name, kinds, agent)
+            self._decided.update(kinds)
 
     async def report(self, name: str, node: dict[str, Any]) -> None:
         """A node's report, pushed by its agent when its outbox filled."""
@@ -129,9 +130,10 @@ class ClusterSchedulerActor(SchedulerActor):
                     "error",
                     request,
                     InvalidDemandError(
-                        f"{', '.join(mine)}: a node's cores are lent by its host agent, "
-                        "not by the job's scheduler; run on them through a sandbox "
-                        "placed there (`remote.sandbox(...)`)"
+                        f"{', '.join(mine)}: a node's cores and GPUs are lent by its host "
+                        "agent, not by the job's scheduler; run on them through a "
+                        "sandbox or a service block placed there (`remote.sandbox(...)`, "
+                        "`remote.service(...)`)"
                     ),
                 )
             )
