@@ -45,6 +45,7 @@ How
 from __future__ import annotations
 
 import argparse
+import asyncio
 import functools
 import itertools
 import json
@@ -73,6 +74,7 @@ except ImportError:  # pragma: no cover - the benchmark needs the extra
 
 import tangram.ray as tray
 from tangram._shared._agent import HostAgentActor
+from tangram._sim._scaleout import Costs, Job, model
 
 NAME = "tangram-ceiling"
 CAPACITY = 4096
@@ -123,6 +125,12 @@ class Worker:
                 for _ in range(tasks):
                     tg.start_soon(_acquires, start + seconds, spans)
         return spans
+
+    async def idle(self, start: float, seconds: float) -> list[float]:
+        """Connected and doing nothing: what the job's actor pays for a proxy's heartbeats."""
+        async with tray.connect(name=NAME, create=False):
+            await anyio.sleep(max(0.0, start + seconds - time.time()))
+        return []
 
     async def sandbox(self, trajectories: int, start: float, seconds: float) -> list[float]:
         spans: list[float] = []
@@ -202,7 +210,9 @@ class CentralAgent(HostAgentActor):
     decides_cores = False
 
 
-async def _start_central(remote: tray.RemoteRuntime, name: str, node: str, root: str) -> Any:
+async def _start_central(
+    remote: tray.RemoteRuntime, name: str, node: str, root: str
+) -> tuple[Any, int]:
     """Start a :class:`CentralAgent` as ``tangram.ray.start_agent`` starts a host agent."""
     actor = (
         ray.remote(CentralAgent)
@@ -213,9 +223,9 @@ async def _start_central(remote: tray.RemoteRuntime, name: str, node: str, root:
         )
         .remote(name, remote.actor, _backend(root), 0)
     )
-    await actor.start.remote()
+    info = await actor.start.remote()
     await remote._refresh()
-    return actor
+    return actor, int(info["pid"])
 
 
 async def _stop(actor: Any) -> None:
@@ -233,7 +243,7 @@ async def _sandbox_arm(
 ) -> list[dict[str, Any]]:
     rows = []
     for mode in MODES:
-        agents: list[tuple[str, int, Any]] = []  # kind, cores, actor
+        agents: list[tuple[str, int, Any]] = []  # kind, pid, actor
         try:
             for count in agents_at:
                 while len(agents) < count:
@@ -243,13 +253,13 @@ async def _sandbox_arm(
                     roots.append(root)
                     name = f"{mode[0]}{index}"
                     if mode == "central":
-                        actor = await _start_central(remote, name, node_ids[index], root)
+                        actor, pid = await _start_central(remote, name, node_ids[index], root)
                     else:
                         agent = await tray.start_agent(
                             remote, name=name, node_id=node_ids[index], backend=_backend(root)
                         )
-                        actor = agent.actor
-                    agents.append((f"cpu@{name}", CORES_PER_NODE, actor))
+                        actor, pid = agent.actor, agent.pid
+                    agents.append((f"cpu@{name}", pid, actor))
                 rows.append(await _sandbox_window(remote, workers, mode, count, agents, shape))
         finally:
             for _, _, actor in agents:
@@ -268,15 +278,19 @@ async def _sandbox_window(
     chosen = workers[: shape["workers"]]
     start = _start_at(len(chosen))
     calls = [w.sandbox.remote(shape["trajectories"], start, shape["seconds"]) for w in chosen]
-    _, row = await _window(remote, calls, shape["seconds"])
+    before = sum(_cpu(pid) for _, pid, _ in agents)
+    spans, row = await _window(remote, calls, shape["seconds"])
+    agent_cpu = sum(_cpu(pid) for _, pid, _ in agents) - before
     stats = await remote.stats()
     peaks = {kind: stats.resources[kind].peak for kind, _, _ in agents}
     row = {
         "mode": mode,
         "nodes": count,
         **row,
+        "mean_run_ms": round(1e3 * statistics.fmean(spans), 3) if spans else None,
+        "agent_cpu_ms_per_action": round(1e3 * agent_cpu / max(len(spans), 1), 4),
         "peak_cores": peaks,
-        "cores_within_node": all(peaks[kind] <= cores for kind, cores, _ in agents),
+        "cores_within_node": all(peaks[kind] <= CORES_PER_NODE for kind, _, _ in agents),
     }
     print(
         f"  sandbox, {mode:7s} {count} nodes: {row['actions_per_s']:6.1f} runs/s, "
@@ -289,8 +303,98 @@ async def _sandbox_window(
     return row
 
 
+def _cpu(pid: int) -> float:
+    """CPU seconds of process ``pid`` so far (user and system), from ``/proc``."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _idle_arm(
+    remote: tray.RemoteRuntime, workers: list[Any], seconds: float
+) -> tuple[float, float]:
+    """The job actor's CPU while proxies only heartbeat: per second, and per heartbeat.
+
+    Twice, with one proxy and with all of ``workers``: the CPU per second is a fixed part
+    (the actor process's own timers and threads) and a part per heartbeat, two unknowns.
+    """
+    points = []
+    for chosen in (workers[:1], workers):
+        start = _start_at(len(chosen))
+        before = await _counters(remote)
+        await asyncio.gather(*[w.idle.remote(start, seconds) for w in chosen])
+        after = await _counters(remote)
+        span = seconds + (time.time() - start - seconds if time.time() > start else 0.0)
+        beats = (after["heartbeats"] - before["heartbeats"]) / span
+        points.append((beats, (after["cpu_seconds"] - before["cpu_seconds"]) / span))
+    (b1, c1), (b2, c2) = points
+    beat = max((c2 - c1) / (b2 - b1), 0.0) if b2 > b1 else c2 / max(b2, 1e-9)
+    idle = max(c1 - beat * b1, 0.0)
+    print(
+        f"  idle: actor {1e3 * idle:.2f} ms CPU per second and {1e3 * beat:.3f} ms per "
+        f"heartbeat ({b1:.1f} and {b2:.1f} heartbeats/s)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return idle, beat
+
+
 def _backend(root: str) -> Any:
     return functools.partial(tangram.LocalBackend, cores=list(range(CORES_PER_NODE)), root=root)
+
+
+def model_check(
+    row: dict[str, Any],
+    shape: dict[str, Any],
+    idle: tuple[float, float],
+    send: float,
+    latency: float,
+) -> dict[str, Any]:
+    """What the protocol model (``tangram._sim._scaleout``) predicts for one sandbox window.
+
+    Its costs come from the other arms, not from this window: the actor's CPU per second
+    and per heartbeat from the idle arm (a placement taken to cost what a heartbeat
+    does: neither decides anything), a batch's from the acquire arm at one worker
+    (``send``), the agent's per call from the window's agents (half of their CPU per run:
+    the model charges a call and a release). The workload is
+    the window's: its nodes, trajectories and workers, no think time, and each run's
+    time on a core inferred from the runs per second measured. The model opens the
+    sandboxes but does not close them or the proxies: those messages (a placement per
+    trajectory, a departure per worker) are added here.
+    """
+    count = row["nodes"]
+    trajectories = shape["workers"] * shape["trajectories"]
+    per_node = max(1, trajectories // count)
+    workers = max(1, shape["workers"] // count)
+    agent = row["agent_cpu_ms_per_action"] / 2e3
+    busy = min(CORES_PER_NODE, per_node) * count / max(row["actions_per_s"], 1e-9)
+    if per_node <= CORES_PER_NODE:  # cores do not bind: a run's cycle is all its time
+        busy -= 2 * latency + agent
+    job = Job(
+        nodes=count,
+        trajectories=per_node,
+        cores=CORES_PER_NODE,
+        workers=workers,
+        think=0.0,
+        seconds=max(busy, 1e-3),
+        actions=10**6,
+        cores_by="job" if row["mode"] == "central" else "node",
+    )
+    costs = Costs(
+        actor=send, agent=agent, latency=latency, beat=idle[1], place=idle[1], idle=idle[0]
+    )
+    predicted = model(job, costs, horizon=shape["seconds"], warmup=0.0, seed=count)
+    closing = trajectories + shape["workers"]
+    runs = max(predicted.actions_per_s * shape["seconds"], 1.0)
+    messages = predicted.actor_messages_per_action + closing / runs
+    cpu = predicted.actor_load * shape["seconds"] / runs + closing * idle[1] / runs
+    return {
+        "actions_per_s": round(predicted.actions_per_s, 1),
+        "messages_per_action": round(messages, 4),
+        "actor_cpu_ms_per_action": round(1e3 * cpu, 4),
+        "messages_ratio": round(messages / max(row["messages_per_action"], 1e-9), 3),
+        "actor_cpu_ratio": round(1e3 * cpu / max(row["actor_cpu_ms_per_action"], 1e-9), 3),
+    }
 
 
 def knee(rows: list[dict[str, Any]]) -> int:
@@ -308,11 +412,12 @@ async def _bench(
     try:
         async with tray.connect(name=NAME, capacity={"cpu": CAPACITY}) as remote:
             acquire = await _acquire_arm(remote, workers, plan["workers"], plan["seconds"])
+            idle = await _idle_arm(remote, workers[: shape["workers"]], plan["seconds"])
             sandbox = await _sandbox_arm(remote, workers, node_ids, plan["agents"], shape, roots)
     finally:
         for root in roots:
             shutil.rmtree(root, ignore_errors=True)
-    return {"acquire": acquire, "sandbox": sandbox}
+    return {"acquire": acquire, "sandbox": sandbox, "idle": idle}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -352,6 +457,26 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
         cluster.shutdown()
     acquire, sandbox = rows["acquire"], rows["sandbox"]
+    one = acquire[0]
+    send = one["actor_cpu_ms_per_action"] / max(one["messages_per_action"], 1e-9) / 1e3
+    # One way: half the single worker's acquire round trip, less the actor's part of it.
+    latency = max((one["p50_ms"] / 1e3 - send * one["messages_per_action"]) / 2, 1e-4)
+    for row in sandbox:
+        row["model"] = model_check(row, shape, rows["idle"], send, latency)
+        print(
+            f"  model, {row['mode']:7s} {row['nodes']} nodes: runs/s "
+            f"{row['model']['actions_per_s']} (measured {row['actions_per_s']}), messages/run "
+            f"{row['model']['messages_per_action']} (measured {row['messages_per_action']}), "
+            f"actor ms/run {row['model']['actor_cpu_ms_per_action']} "
+            f"(measured {row['actor_cpu_ms_per_action']})",
+            file=sys.stderr,
+            flush=True,
+        )
+    off = max(
+        abs(row["model"][key] - 1.0)
+        for row in sandbox
+        for key in ("messages_ratio", "actor_cpu_ratio")
+    )
     node = [r for r in sandbox if r["mode"] == "node"]
     central = {r["nodes"]: r for r in sandbox if r["mode"] == "central"}
     worst_messages = max(r["action_messages_per_action"] for r in node)
@@ -372,6 +497,13 @@ def main(argv: list[str] | None = None) -> int:
             for mode in MODES
         },
         "setup_s": round(setup, 1),
+        "costs": {
+            "actor_idle_ms_per_s": round(1e3 * rows["idle"][0], 4),
+            "actor_beat_ms": round(1e3 * rows["idle"][1], 4),
+            "actor_send_ms": round(1e3 * send, 4),
+            "latency_ms": round(1e3 * latency, 4),
+            "agent_call_ms": max(r["agent_cpu_ms_per_action"] for r in node),
+        },
     }
     within = all(r["cores_within_node"] for r in sandbox)
     targets = {
@@ -386,6 +518,7 @@ def main(argv: list[str] | None = None) -> int:
             "met": cpu_ratio <= CPU_GOAL,
         },
         "cores_within_node": {"value": within, "goal": "== true", "met": within},
+        "model_off_by": {"value": round(off, 3), "goal": "<= 0.25", "met": off <= 0.25},
     }
     print(json.dumps({"bench": "ray_ceiling", "figures": figures, "targets": targets}))
     return 0
