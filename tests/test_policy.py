@@ -653,6 +653,23 @@ def test_a_head_blocked_on_one_kind_keeps_its_reservation_of_another() -> None:
     assert short.state == RUNNING  # ends before the head could start
 
 
+def test_a_starved_action_blocked_on_one_kind_still_guards_another() -> None:
+    # X has waited past the starvation bound for a core (none free) and needs memory;
+    # a younger, shorter Y with the same needs comes first in size order. Z needs only
+    # memory and would end before a core frees, so backfill would admit it; X being
+    # starved, nobody who needs what X needs may pass it.
+    cap = parse_capacity({"cpu": 1, "mem": "4GiB"})
+    ledger = Ledger(cap, ElasticPolicy(), Estimator())
+    ledger.submit(make_action({"cpu": 1}, cap, seconds=1e6), 0.0)
+    ledger.step(0.0)
+    starved = ledger.submit(make_action({"cpu": 1, "mem": "3GiB"}, cap, seconds=100.0), 1.0)
+    young = ledger.submit(make_action({"cpu": 1, "mem": "3GiB"}, cap, seconds=0.1), 35.0)
+    later = ledger.submit(make_action({"mem": "2GiB"}, cap, seconds=1000.0), 36.0)
+    ledger.step(36.5)
+    assert starved.state == young.state == WAITING
+    assert later.state == WAITING
+
+
 def test_policy_reads_no_more_than_the_state_protocol() -> None:
     # The policy only reads: planning twice from the same state gives the same plan and
     # leaves the ledger as it was.

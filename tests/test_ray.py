@@ -7,6 +7,7 @@ module. With ``CI`` set these never skip; without it they skip where Ray is not 
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib
 import os
@@ -324,6 +325,62 @@ async def test_the_scheduler_counts_the_messages_it_receives() -> None:
         assert after["heartbeats"] - first["heartbeats"] == 1
         assert after["placements"] == first["placements"] == 0
         assert after["cpu_seconds"] >= first["cpu_seconds"]
+    finally:
+        await actor.close()
+
+
+class _QuietAgent:
+    """An agent handle whose ``report`` answers that it has nothing to tell."""
+
+    class report:
+        @staticmethod
+        def remote() -> asyncio.Future[None]:
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
+
+
+def _node_report(seq: int, held: float) -> dict[str, Any]:
+    return {
+        "seq": seq,
+        "records": [("sandbox", "completed", 0.0, 0.0, 0.1)],
+        "resources": {"cpu@n": (2.0, held, held / 2, 3.0, 2.0)},
+        "waiting": 0,
+        "running": int(held),
+        "decisions": seq,
+        "decision_seconds": 0.0,
+        "resizes": 0,
+        "evictions": 0,
+    }
+
+
+async def test_the_job_keeps_a_nodes_newest_books_and_never_lends_its_kinds() -> None:
+    """The scheduler actor's side of node-decided cores, driven directly.
+
+    Every report's actions count, but an older report arriving late does not replace a
+    newer one's books; a node's kinds stay refused while any agent decides them, even
+    after another agent of the same name was dropped (its node's agent replaced).
+    """
+    from tangram._shared._cluster import ClusterSchedulerActor
+
+    actor = ClusterSchedulerActor({"cpu": 1}, None, heartbeat=0.05, timeout=5.0, token="t")
+    try:
+        await actor.poll("c1", [], 0.0)  # the agent's proxy: a client of the actor
+        await actor.add_host("n", "cpu@n", 2, _QuietAgent(), "c1", None, True)
+        await actor.report("c1", _node_report(2, held=1.0))
+        await actor.report("c1", _node_report(1, held=2.0))  # sent first, arrived late
+        stats = await actor.stats()
+        assert stats.kinds["sandbox"].completed == 2
+        assert stats.resources["cpu@n"].held == 1.0
+        assert stats.running == 1
+        await actor.poll("c2", [], 0.0)
+        await actor.add_host("n", "cpu@n", 2, _QuietAgent(), "c2", None, True)
+        assert actor._drop_client("c1")
+        events = await actor.send("w", [(1, {"cpu@n": 1}, "x", None, None, None)], [], [])
+        assert [e[0] for e in events] == ["error"]
+        assert isinstance(events[0][2], InvalidDemandError)
+        assert "lent by its host agent" in str(events[0][2])
+        assert (await actor.counters())["leases"] == 0
     finally:
         await actor.close()
 

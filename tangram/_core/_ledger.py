@@ -49,7 +49,9 @@ class Ledger:
         # and every rate budget. Kept as units move, so a pass finds them without a walk
         # over every kind (one per node when a runtime decides for many).
         self.open: set[str] = set()
-        self.resizable: set[str] = set()  # kinds a running resizable action holds
+        # Kinds a running resizable action holds; a dict, so a pass visits them in a
+        # fixed order (a set's would change with the hash seed, and with it the plan).
+        self.resizable: dict[str, None] = {}
         # A policy with a ``priority`` (size-aware admission) reads the queue in that order
         # instead of arrival order (see ``waiting``).
         self._priority = getattr(policy, "priority", None)
@@ -306,13 +308,13 @@ class Ledger:
         split = self.split(kind)
         if sign > 0:
             split.join(entry)
-            self.resizable.add(kind)
+            self.resizable[kind] = None
         elif sign == 0:
             split.moved(entry, old)
         else:
             split.leave(entry, old)
             if not split:
-                self.resizable.discard(kind)
+                self.resizable.pop(kind, None)
 
 
 def held_matches_grants(ledger: Ledger) -> bool:

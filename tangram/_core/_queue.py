@@ -158,10 +158,11 @@ class Queue:
 
         ``open``: the kinds with something to give in this pass. The groups read are found
         through the open kinds, so a pass costs a step per group that needs one, however
-        many groups are shut. The first entry of a shut group is still read when it needs
-        an open kind that a group read also needs: it may be the pass's blocked head,
-        whose reservation of that kind keeps backfill from delaying it (or, starved, it
-        keeps others off the kinds it needs).
+        many groups are shut. The first entry of a shut group, and its longest waiting,
+        are still read when the group needs an open kind that a group read also needs:
+        the first may be the pass's blocked head, whose reservation of that kind keeps
+        backfill from delaying it, and the oldest, starved, keeps others off the kinds it
+        needs.
         """
         if open is None:
             return _merge(list(self._groups.values())) if self._priority else iter(self._all)
@@ -187,7 +188,12 @@ class Queue:
             wanted = {kind for group in read for kind in group.kinds}
             for group in shut:
                 if any(kind in wanted for kind in group.kinds if kind in open):
-                    heads.append(next(group.ordered()))
+                    first = next(group.ordered())
+                    heads.append(first)
+                    # And its longest waiting: if any of the group is starved, it is.
+                    oldest = next(iter(group.queue))
+                    if oldest is not first:
+                        heads.append(oldest)
         if not self._priority:
             streams = [iter(group.queue) for group in read]
             if heads:

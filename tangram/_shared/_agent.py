@@ -184,6 +184,7 @@ class HostAgentActor:
         self._stop: asyncio.Event | None = None
         self._main: asyncio.Task[None] | None = None
         self._cores: Runtime | None = None  # the node's own runtime, when it decides
+        self._cid: str | None = None  # its proxy's id: the job's actor files reports by it
         self._outbox = Outbox()
 
     async def start(self) -> dict[str, Any]:
@@ -206,10 +207,11 @@ class HostAgentActor:
                 inner = spec()
             backend = _HostBackend(inner, self._name)
             async with attach(self._scheduler) as remote, contextlib.AsyncExitStack() as stack:
+                self._cid = remote._id
                 extra: dict[str, Any] = {} if self._timeout is None else {"timeout": self._timeout}
                 lender: Scheduler = remote
                 if self.decides_cores:
-                    policy = (await self._scheduler.info.remote()).get("policy")
+                    policy = await self._scheduler.policy.remote()
                     cores = Runtime({f"cpu@{self._name}": 0}, policy=policy)
                     await stack.enter_async_context(cores)
                     cores.add_instrument(self._outbox)
@@ -434,8 +436,8 @@ class HostAgentActor:
 
     def _push(self) -> None:
         """Send a full outbox to the job's scheduler unasked (fire and forget)."""
-        if self._cores is not None:
-            self._scheduler.report.remote(self._name, snapshot(self._cores, self._outbox))
+        if self._cores is not None and self._cid is not None:
+            self._scheduler.report.remote(self._cid, snapshot(self._cores, self._outbox))
 
     async def put(self, trajectory: str, path: str, data: bytes | str) -> None:
         await self._tracked(trajectory, self._sandbox(trajectory).put(path, data))

@@ -38,10 +38,10 @@ class ClusterSchedulerActor(SchedulerActor):
     ) -> None:
         super().__init__(capacity, policy, heartbeat, timeout, token, idle)
         self._book = HostBook()
-        # Agents that decide their node's cores, by their client id: (name, kind, agent).
+        # Agents that decide their node's cores, by their client id: (name, kinds, agent).
         self._deciding: dict[str, tuple[str, list[str], Any]] = {}
         self._decided: set[str] = set()  # their kinds, which this actor never lends
-        # Each such node's last report (:mod:`._reports`), by agent name.
+        # Each such agent's newest report (:mod:`._reports`), by client id.
         self._nodes: dict[str, dict[str, Any]] = {}
 
     def _drop_client(self, cid: str, *, expired: bool = False) -> bool:
@@ -53,13 +53,12 @@ class ClusterSchedulerActor(SchedulerActor):
         gone = self._book.drop(cid)
         if gone:
             self._runtime.set_capacity(gone)
-        deciding = self._deciding.pop(cid, None)
-        if deciding is not None:
-            self._decided.difference_update(deciding[1])
-        if deciding is not None and deciding[0] in self._nodes:
-            # Its books went with it: what it held and queued is nobody's now.
-            node = self._nodes[deciding[0]]
-            node.update(waiting=0, running=0)
+        if self._deciding.pop(cid, None) is not None:
+            # Another agent may decide the same kinds by now (its node's new agent).
+            self._decided = {k for _, kinds, _ in self._deciding.values() for k in kinds}
+            node = self._nodes.get(cid)
+            if node is not None:  # its books went with it: nothing held or queued there
+                node.update(waiting=0, running=0)
         return True
 
     def _own_clients(self) -> set[str]:
@@ -99,17 +98,29 @@ class ClusterSchedulerActor(SchedulerActor):
             self._deciding[cid] = (name, kinds, agent)
             self._decided.update(kinds)
 
-    async def report(self, name: str, node: dict[str, Any]) -> None:
+    async def policy(self) -> Policy:
+        """The job's policy, for the agents that decide their node's cores under it."""
+        return (await self._ready()).policy
+
+    async def report(self, cid: str, node: dict[str, Any]) -> None:
         """A node's report, pushed by its agent when its outbox filled."""
         self.messages += 1
         await self._ready()
-        self._take(name, node)
+        self._take(cid, node)
 
-    def _take(self, name: str, node: dict[str, Any] | None) -> None:
+    def _take(self, cid: str, node: dict[str, Any] | None) -> None:
+        """Count a report's ended actions; keep its books if they are the agent's newest.
+
+        Its actions always count (each report carries its own). Its books do not when an
+        older report arrives after a newer one, or after the agent was dropped: a dead
+        node holds nothing.
+        """
         if node is None:
             return
         record(self._runtime._recorder, node.pop("records"))
-        self._nodes[name] = node
+        last = self._nodes.get(cid)
+        if cid in self._deciding and (last is None or node["seq"] > last["seq"]):
+            self._nodes[cid] = node
 
     async def _acquire(
         self,
@@ -146,15 +157,25 @@ class ClusterSchedulerActor(SchedulerActor):
     async def stats(self) -> Any:
         """The job's stats, with each deciding node's books asked for first."""
         runtime = await self._ready()
-        deciding = list(self._deciding.values())
+        deciding = [(cid, agent) for cid, (_, _, agent) in self._deciding.items()]
 
-        async def ask(name: str, agent: Any) -> None:
-            with contextlib.suppress(*lost(), asyncio.TimeoutError):
-                self._take(name, await asyncio.wait_for(agent.report.remote(), self._timeout))
+        async def ask(cid: str, agent: Any) -> None:
+            call = asyncio.ensure_future(agent.report.remote())
+            try:
+                self._take(cid, await asyncio.wait_for(asyncio.shield(call), self._timeout))
+            except asyncio.TimeoutError:
+                # The agent took its records when it answered: count them when it does.
+                call.add_done_callback(lambda done: self._late(cid, done))
+            except lost():
+                pass
 
         if deciding:
-            await asyncio.gather(*(ask(name, agent) for name, _, agent in deciding))
+            await asyncio.gather(*(ask(cid, agent) for cid, agent in deciding))
         return merge(runtime.stats(), self._nodes)
+
+    def _late(self, cid: str, call: asyncio.Future[Any]) -> None:
+        if not call.cancelled() and call.exception() is None:
+            self._take(cid, call.result())
 
     async def hosts(self) -> dict[str, dict[str, Any]]:
         await self._ready()

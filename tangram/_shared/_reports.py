@@ -38,10 +38,11 @@ Record = tuple[str, str, float, float, float]
 class Outbox(Instrument):
     """The node runtime's ended actions, as the job's recorder will record them."""
 
-    __slots__ = ("records",)
+    __slots__ = ("records", "seq")
 
     def __init__(self) -> None:
         self.records: list[Record] = []
+        self.seq = 0  # reports made: the job keeps the books of the newest it received
 
     def action_finished(self, lease: Lease, outcome: Outcome) -> None:
         admitted = lease.admitted_at
@@ -72,7 +73,9 @@ class Outbox(Instrument):
 def snapshot(runtime: Runtime, outbox: Outbox) -> dict[str, Any]:
     """What the node's runtime tells the job: its ended actions since the last, its books."""
     stats = runtime.stats()
+    outbox.seq += 1
     return {
+        "seq": outbox.seq,
         "records": outbox.take(),
         "resources": {name: attrs.astuple(res) for name, res in stats.resources.items()},
         "waiting": stats.waiting,

@@ -161,8 +161,6 @@ class SchedulerActor:
             "timeout": self._timeout,
             "node_id": self._node_id(),
             "pid": os.getpid(),
-            # Host agents decide their node's cores under the job's policy.
-            "policy": runtime.policy,
         }
 
     async def close(self) -> None:
