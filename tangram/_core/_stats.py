@@ -161,6 +161,19 @@ class Timed(Protocol):
     finished_at: float
 
 
+def split(lease: Timed) -> tuple[float, float, float]:
+    """An ended action's queue, overhead and exec seconds.
+
+    An action withdrawn from the queue has no admission time (NaN) and spent all its
+    time queued.
+    """
+    admitted = lease.admitted_at
+    if math.isnan(admitted):
+        return lease.finished_at - lease.queued_at, 0.0, 0.0
+    started = lease.started_at
+    return admitted - lease.queued_at, started - admitted, lease.finished_at - started
+
+
 class Recorder:
     """Collects per-kind outcomes and durations; keeps at most ``max_kinds`` kinds.
 
@@ -197,24 +210,8 @@ class Recorder:
             rec.add_run(overhead, exec_, queue + overhead + exec_)
 
     def action_finished(self, lease: Timed, outcome: Outcome) -> None:
-        """Record an action that ended: the three parts of its time if it ran, else its wait.
-
-        An action withdrawn from the queue has no admission time (NaN) and spent all its
-        time queued.
-        """
-        admitted = lease.admitted_at
-        if math.isnan(admitted):
-            queue = lease.finished_at - lease.queued_at
-            self.record(lease.action.kind, outcome, queue, 0.0, 0.0)
-        else:
-            started = lease.started_at
-            self.record(
-                lease.action.kind,
-                outcome,
-                admitted - lease.queued_at,
-                started - admitted,
-                lease.finished_at - started,
-            )
+        """Record an action that ended: the three parts of its time if it ran, else its wait."""
+        self.record(lease.action.kind, outcome, *split(lease))
 
     def kinds(self) -> dict[str, KindStats]:
         return {

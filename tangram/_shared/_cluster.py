@@ -122,37 +122,15 @@ class ClusterSchedulerActor(SchedulerActor):
         if cid in self._deciding and (last is None or node["seq"] > last["seq"]):
             self._nodes[cid] = node
 
-    async def _acquire(
-        self,
-        cid: str,
-        client: Any,
-        request: int,
-        demand: dict[str, object],
-        kind: str,
-        trajectory: str | None,
-        estimate: float | None,
-        wait_timeout: float | None,
-    ) -> None:
+    def _check(self, demand: dict[str, object]) -> None:
         decided = self._decided
         if decided and any(k in decided for k in demand):
             mine = sorted(k for k in demand if k in decided)
-            client.post(
-                (
-                    "error",
-                    request,
-                    InvalidDemandError(
-                        f"{', '.join(mine)}: a node's cores and GPUs are lent by its host "
-                        "agent, not by the job's scheduler; run on them through a "
-                        "sandbox or a service block placed there (`remote.sandbox(...)`, "
-                        "`remote.service(...)`)"
-                    ),
-                )
+            raise InvalidDemandError(
+                f"{', '.join(mine)}: a node's cores and GPUs are lent by its host agent, "
+                "not by the job's scheduler; run on them through a sandbox or a service "
+                "block placed there (`remote.sandbox(...)`, `remote.service(...)`)"
             )
-            client.waiting.pop(request, None)
-            return
-        await super()._acquire(
-            cid, client, request, demand, kind, trajectory, estimate, wait_timeout
-        )
 
     async def stats(self) -> Any:
         """The job's stats, with each deciding node's books asked for first."""

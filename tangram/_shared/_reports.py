@@ -12,13 +12,12 @@ Both ends import this module, as they do :mod:`._protocol`.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from .._core._stats import Outcome, Recorder, ResourceStats, Stats
+from .._core._stats import Outcome, Recorder, ResourceStats, Stats, split
 from .._runtime._instrument import Instrument
 
 if TYPE_CHECKING:
@@ -45,25 +44,7 @@ class Outbox(Instrument):
         self.seq = 0  # reports made: the job keeps the books of the newest it received
 
     def action_finished(self, lease: Lease, outcome: Outcome) -> None:
-        admitted = lease.admitted_at
-        if math.isnan(admitted):  # withdrawn from the queue: all of its time queued
-            record = (
-                lease.action.kind,
-                outcome.value,
-                lease.finished_at - lease.queued_at,
-                0.0,
-                0.0,
-            )
-        else:
-            started = lease.started_at
-            record = (
-                lease.action.kind,
-                outcome.value,
-                admitted - lease.queued_at,
-                started - admitted,
-                lease.finished_at - started,
-            )
-        self.records.append(record)
+        self.records.append((lease.action.kind, outcome.value, *split(lease)))
 
     def take(self) -> list[Record]:
         records, self.records = self.records, []

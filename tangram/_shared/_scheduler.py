@@ -253,6 +253,7 @@ class SchedulerActor:
         wait_timeout: float | None,
     ) -> None:
         try:
+            self._check(demand)
             context = self._runtime.acquire(
                 demand,
                 kind=kind,
@@ -275,6 +276,9 @@ class SchedulerActor:
         elastic = lease.action.demand.elastic
         if elastic is not None and elastic.resizable:
             held.follower = asyncio.get_running_loop().create_task(self._follow(lease_id, held))
+
+    def _check(self, demand: dict[str, object]) -> None:
+        """Refuse, by raising, a demand this actor must not decide (none here)."""
 
     async def _follow(self, lease_id: int, held: _Held) -> None:
         # Cancelled at the release; a lease ended another way (the runtime closing, a
