@@ -6,14 +6,18 @@ What it measures
     latency per message, grants decided by the real ledger and policy) runs one job of
     1,000 nodes x 100 trajectories (100,000 concurrent), each a loop of a ~0.5 s think
     and a ~1 s one-core sandbox action (lognormal, sigma 0.5), 128 cores and 8 worker
-    processes per node, 20 actions per sandbox. Four designs, in the same run:
+    processes per node, 20 actions per sandbox. Five designs, in the same run:
 
-    - *before*: the job's actor decides every node's cores (before issue 30);
-    - *shipped*: each node's agent decides its cores; placements and every proxy's
-      heartbeat go to the job's actor;
-    - *node placement*: as shipped, and the node's agent also places its workers'
-      sandboxes and takes their heartbeats, sending one of its own per second;
-    - *node placement, 3 s beat*: the same with the agent's heartbeat every 3 s.
+    - *before*: the job's actor decides every node's cores and places every sandbox
+      (before issue 30);
+    - *job placement*: each node's agent decides its cores; placements and every
+      proxy's heartbeat go to the job's actor;
+    - *shipped*: as job placement, and a sandbox opens on its worker's own node's agent
+      (while the node has a core per open sandbox, which these nodes always have);
+      every proxy's heartbeat still goes to the job's actor;
+    - *node heartbeats*: as shipped, and the node's agent also takes its workers'
+      heartbeats, sending one of its own per second (not built);
+    - *node heartbeats, 3 s beat*: the same with the agent's heartbeat every 3 s.
 
     For each: sandbox actions per second cluster-wide, decision latency p50 and p99 (from
     the later of the ask and the unit coming free to the grant reaching the agent), the
@@ -30,12 +34,14 @@ What it measures
 Why
     Issue 30: a job on 1,000 nodes must not have one actor on every action's path.
     Targets (as shipped): >= 50,000 actions/s cluster-wide, decision p99 <= 10 ms, and
-    >= 95 % of CPU-sandbox actions decided on their own node. The other designs say what
-    building the next step would give, under the model's assumptions.
+    >= 95 % of CPU-sandbox actions decided on their own node; and, our own, the job
+    actor's load <= 1 (above it the actor never catches up, and its heartbeats are
+    late). The other designs say what the steps before gave and what building the next
+    one would give, under the model's assumptions.
 
 How
     ``--quick``: 2.5 s of virtual time, the first 1.5 s not counted (every trajectory has
-    started by 1 s), without the 3 s beat (about 40 s on 2 cores). Full: 10 s, 3 s not
+    started by 1 s), without *before* and the 3 s beat (about 45 s on 2 cores). Full: 10 s, 3 s not
     counted, every design. ``--nodes`` changes the job's size. The last line of
     stdout is one JSON object (``"bench": "scale_model"``); the exit status is 0 whether
     or not targets are met.
@@ -56,12 +62,13 @@ from tangram._sim._scaleout import Costs, Job, model
 
 COSTS = Costs(actor=0.0017, agent=0.001, latency=0.001, beat=0.0003, place=0.0003, idle=0.022)
 DESIGNS: dict[str, dict[str, Any]] = {
-    "before": {"cores_by": "job"},
+    "before": {"cores_by": "job", "placement_by": "job"},
+    "job placement": {"placement_by": "job"},
     "shipped": {},
-    "node placement": {"placement_by": "node", "heartbeats_by": "node"},
-    "node placement, 3 s beat": {"placement_by": "node", "heartbeats_by": "node", "heartbeat": 3.0},
+    "node heartbeats": {"heartbeats_by": "node"},
+    "node heartbeats, 3 s beat": {"heartbeats_by": "node", "heartbeat": 3.0},
 }
-QUICK = ("before", "shipped", "node placement")
+QUICK = ("job placement", "shipped", "node heartbeats")
 GOALS = {"actions_per_s": 50_000.0, "decision_p99": 0.010, "on_node": 0.95}
 
 
@@ -118,6 +125,14 @@ def main(argv: list[str] | None = None) -> int:
             "value": shipped["on_node"],
             "goal": f">= {GOALS['on_node']}",
             "met": shipped["on_node"] >= GOALS["on_node"],
+        },
+        # Over 1 the job's actor falls behind for good: its heartbeats queue, and leases
+        # expire though their workers live. Not one of the issue's targets; said here so
+        # a throughput met with a saturated actor does not read as done.
+        "actor_load": {
+            "value": round(shipped["actor_load"], 3),
+            "goal": "<= 1",
+            "met": shipped["actor_load"] <= 1.0,
         },
     }
     figures = {

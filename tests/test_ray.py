@@ -254,6 +254,24 @@ def test_the_host_book_keeps_a_trajectory_on_the_least_loaded_host() -> None:
     assert book.describe()["a"]["placed"] == 0
 
 
+def test_the_host_book_counts_the_sandboxes_an_agent_placed_itself() -> None:
+    """Workers place sandboxes on their own node without the book; a host whose agent
+    says it holds more per core is no longer the least loaded."""
+    from tangram._shared._placement import HostBook
+
+    book = HostBook()
+    book.add("a", "cpu@a", 2, "agent-a", "cid-a", None)
+    book.add("b", "cpu@b", 2, "agent-b", "cid-b", None)
+    book.note("a", 3)  # three opened on a by its own workers
+    assert book.place("t1") == ("b", "agent-b")
+    assert book.place("t2") == ("b", "agent-b")  # b at 1 per core, a at 1.5
+    assert book.describe()["a"]["sandboxes"] == 3
+    book.note("a", 0)  # they closed
+    assert book.place("t3") == ("a", "agent-a")
+    assert book.describe()["a"]["sandboxes"] == 1  # the book's own, counted either way
+    book.note("gone", 5)  # a host that left: nothing to count
+
+
 def test_the_host_book_hands_back_the_sandboxes_of_a_dropped_proxy() -> None:
     from tangram._shared._placement import HostBook
 
@@ -329,15 +347,20 @@ async def test_the_scheduler_counts_the_messages_it_receives() -> None:
         await actor.close()
 
 
+def _answered(*args: Any) -> asyncio.Future[None]:
+    done = asyncio.get_running_loop().create_future()
+    done.set_result(None)
+    return done
+
+
 class _QuietAgent:
     """An agent handle whose ``report`` answers that it has nothing to tell."""
 
     class report:
-        @staticmethod
-        def remote() -> asyncio.Future[None]:
-            done = asyncio.get_running_loop().create_future()
-            done.set_result(None)
-            return done
+        remote = staticmethod(_answered)
+
+    class forget:  # a dropped proxy's own sandboxes here: it has none
+        remote = staticmethod(_answered)
 
 
 def _node_report(seq: int, held: float) -> dict[str, Any]:

@@ -262,6 +262,78 @@ async def test_a_nodes_cores_are_decided_on_the_node(deployment: dict[str, Any])
                 pass
 
 
+async def test_a_workers_sandbox_opens_on_its_own_node_without_the_jobs_actor(
+    deployment: dict[str, Any],
+) -> None:
+    """Issue 30: while its node has a core per open sandbox, a worker's sandbox opens on
+    its own node's agent and the job's actor never hears of it; past that, it spills to
+    the job's actor, which places it on the least loaded host, counting what the full
+    node said it holds."""
+    remote: tray.RemoteRuntime = deployment["remote"]
+    agent_a = deployment["agents"]["a"].actor
+    async with tray.connect(
+        name=deployment["name"], create=False, heartbeat=HEARTBEAT, lease_timeout=LEASE_TIMEOUT
+    ) as worker:
+        worker._local = ("a", agent_a)  # what `open_shared(agent=True)` sets on node a
+        before = await remote.actor.counters.remote()
+        async with worker.sandbox("own-node") as first:
+            assert first.host == "a"
+            assert (await first.run("echo own-node > mine.txt")).ok
+            work_dir_holding(deployment["roots"]["a"], "own-node")
+            assert (await remote.actor.counters.remote())["placements"] == before["placements"]
+            # Node a has one core and one sandbox open: the next goes to the job's actor.
+            async with worker.sandbox("spilled") as second:
+                assert second.host == "b"
+                assert (await second.run("true")).ok
+                assert (await remote.actor.hosts.remote())["a"]["sandboxes"] == 1
+        after = await remote.actor.counters.remote()
+    assert after["placements"] == before["placements"] + 2  # the spill's place and unplace
+    # Both closed: node a takes a sandbox of its own again.
+    python, count = await agent_a.open_here.remote("probe", "test")
+    assert python is not None and count == 1
+    await agent_a.close.remote("probe")
+
+
+@ray.remote(num_cpus=0)
+class Holder:
+    """A rollout process on node a holding a sandbox it placed there itself, until killed."""
+
+    async def hold(self, scheduler: str, agent: Any) -> None:
+        async with tray.connect(
+            name=scheduler, create=False, heartbeat=HEARTBEAT, lease_timeout=LEASE_TIMEOUT
+        ) as remote:
+            remote._local = ("a", agent)
+            async with remote.sandbox("held-by-the-dead"):
+                await anyio.sleep_forever()
+
+
+async def test_a_dead_workers_own_node_sandbox_is_closed(deployment: dict[str, Any]) -> None:
+    """The job's actor never placed it, so its book cannot hand it back: the worker's
+    death reaches the agents, which close what that worker opened there themselves."""
+    agent_a = deployment["agents"]["a"].actor
+    holder = Holder.options(  # type: ignore[attr-defined]
+        scheduling_strategy=NodeAffinitySchedulingStrategy(
+            deployment["nodes"]["a"].node_id, soft=False
+        )
+    ).remote()
+    holder.hold.remote(deployment["name"], agent_a)
+
+    async def full() -> bool:
+        python, _ = await agent_a.open_here.remote("probe", "test")
+        if python is not None:
+            await agent_a.close.remote("probe")
+        return python is None
+
+    await wait_for(full, 60.0)
+    ray.kill(holder)
+
+    async def free() -> bool:
+        return not await full()
+
+    # Dropped a lease timeout after its last heartbeat; a margin for two loaded cores.
+    await wait_for(free, 6 * LEASE_TIMEOUT)
+
+
 @ray.remote(num_cpus=0)
 class Worker:
     """A rollout process on the head node calling a GPU service through the scheduler."""

@@ -50,7 +50,7 @@ def test_a_centrally_decided_action_goes_through_the_jobs_actor() -> None:
 
 
 def test_heartbeats_and_placements_reach_the_jobs_actor_as_set() -> None:
-    job = _alone(nodes=4, trajectories=2, workers=3, heartbeat=1.0, actions=5)
+    job = _alone(nodes=4, trajectories=2, workers=3, heartbeat=1.0, actions=5, placement_by="job")
     shipped = model(job, COSTS, horizon=30.0, warmup=5.0)
     local = model(
         _alone(

@@ -180,6 +180,10 @@ class HostAgentActor:
         self._resident_seq = 0
         self._pool: SandboxPool | None = None
         self._sandboxes: dict[str, tuple[contextlib.AsyncExitStack, Sandbox]] = {}
+        # Who opened each sandbox placed here by its worker, not by the job's actor: the
+        # proxy whose death must close it (see ``forget``).
+        self._owners: dict[str, str] = {}
+        self._units = 0  # the node's cores, once started
         self._started: asyncio.Future[dict[str, Any]] | None = None
         self._stop: asyncio.Event | None = None
         self._main: asyncio.Task[None] | None = None
@@ -220,6 +224,7 @@ class HostAgentActor:
                 await stack.enter_async_context(pool)
                 self._pool = pool
                 host = pool.hosts[0]
+                self._units = len(host.cores)
                 if self._cores is not None:
                     self._cores.set_capacity({host.resource: len(host.cores)})
                 gpu: dict[str, Any] | None = None
@@ -391,8 +396,31 @@ class HostAgentActor:
         self._sandboxes[trajectory] = (stack, sandbox)
         return self._pool.backend.python
 
+    async def open_here(self, trajectory: str, cid: str) -> tuple[str | None, int]:
+        """Open a sandbox for a worker on this node, if the node has a core for it.
+
+        Returns the interpreter, or ``None`` when this node already has a sandbox per
+        core, and the sandboxes open here either way. Below one per core, a sandbox's
+        action finds a core here as soon as it would anywhere, and the placement costs
+        no message to the job's actor (at 1,000 nodes that actor, placing every sandbox,
+        was the bottleneck of the whole job; ``benchmarks/scale_model.py``). At one per
+        core and beyond, the job's actor places it on the least loaded host.
+        """
+        await self.start()
+        if len(self._sandboxes) >= self._units:
+            return None, len(self._sandboxes)
+        python = await self.open(trajectory)
+        self._owners[trajectory] = cid
+        return python, len(self._sandboxes)
+
+    async def forget(self, cid: str) -> None:
+        """Proxy ``cid`` is gone: close the sandboxes it opened here without the job's actor."""
+        for trajectory in [t for t, owner in self._owners.items() if owner == cid]:
+            await self.close(trajectory)
+
     async def close(self, trajectory: str) -> None:
         """Close the sandbox, cancelling its calls still running (their caller is gone)."""
+        self._owners.pop(trajectory, None)
         calls = self._calls.pop(trajectory, set())
         for task in calls:
             task.cancel()
@@ -432,12 +460,17 @@ class HostAgentActor:
     async def report(self) -> dict[str, Any] | None:
         """What this node decided since the last report, for the job's stats."""
         await self.start()
-        return None if self._cores is None else snapshot(self._cores, self._outbox)
+        return None if self._cores is None else self._snapshot()
 
     def _push(self) -> None:
         """Send a full outbox to the job's scheduler unasked (fire and forget)."""
         if self._cores is not None and self._cid is not None:
-            self._scheduler.report.remote(self._cid, snapshot(self._cores, self._outbox))
+            self._scheduler.report.remote(self._cid, self._snapshot())
+
+    def _snapshot(self) -> dict[str, Any]:
+        """The node's report, with the sandboxes open here (the job's actor places by it)."""
+        assert self._cores is not None
+        return {**snapshot(self._cores, self._outbox), "sandboxes": len(self._sandboxes)}
 
     async def put(self, trajectory: str, path: str, data: bytes | str) -> None:
         await self._tracked(trajectory, self._sandbox(trajectory).put(path, data))

@@ -50,6 +50,11 @@ class ClusterSchedulerActor(SchedulerActor):
         for trajectory, agent in self._book.orphans(cid):
             # The agent cancels what still runs there: the cores its commands hold return.
             agent.close.remote(trajectory)
+        agents = self._book.agents()
+        if all(cid != own for own, _ in agents):
+            # A worker: the sandboxes it placed on its own node, unknown here, close too.
+            for _, agent in agents:
+                agent.forget.remote(cid)
         gone = self._book.drop(cid)
         if gone:
             self._runtime.set_capacity(gone)
@@ -119,8 +124,11 @@ class ClusterSchedulerActor(SchedulerActor):
             return
         record(self._runtime._recorder, node.pop("records"))
         last = self._nodes.get(cid)
-        if cid in self._deciding and (last is None or node["seq"] > last["seq"]):
+        deciding = self._deciding.get(cid)
+        if deciding is not None and (last is None or node["seq"] > last["seq"]):
             self._nodes[cid] = node
+            if "sandboxes" in node:
+                self._book.note(deciding[0], node["sandboxes"])
 
     def _check(self, demand: dict[str, object]) -> None:
         decided = self._decided
@@ -159,10 +167,15 @@ class ClusterSchedulerActor(SchedulerActor):
         await self._ready()
         return self._book.describe()
 
-    async def place(self, trajectory: str, cid: str | None = None) -> tuple[str, Any]:
+    async def place(
+        self, trajectory: str, cid: str | None = None, spilled: tuple[str, int] | None = None
+    ) -> tuple[str, Any]:
+        """A host for a sandbox; ``spilled``: (host, its open sandboxes) it did not fit on."""
         self.messages += 1
         self.placements += 1
         await self._ready()
+        if spilled is not None:
+            self._book.note(*spilled)
         return self._book.place(trajectory, cid)
 
     async def unplace(self, trajectory: str) -> None:

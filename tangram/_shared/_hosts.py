@@ -1,8 +1,9 @@
 """A worker's handles on host agents: a trajectory's sandbox, a block on a GPU service.
 
-What ``remote.sandbox(...)`` and ``remote.service(...)`` open: the scheduler actor picks
-the host (:mod:`._placement`), then every call goes straight to that host's agent as one
-Ray call, by value. A Ray error on the way is converted here into the error the local
+What ``remote.sandbox(...)`` and ``remote.service(...)`` open: a sandbox on the worker's
+own node while it has a core per sandbox, else the scheduler actor picks the host
+(:mod:`._placement`); then every call goes straight to that host's agent as one Ray
+call, by value. A Ray error on the way is converted here into the error the local
 executor would raise for a dead sandbox or service.
 """
 
@@ -87,15 +88,42 @@ class RemoteSandbox:
 
 @contextlib.asynccontextmanager
 async def open_sandbox(
-    scheduler: Any, trajectory_id: str, cid: str | None = None
+    scheduler: Any,
+    trajectory_id: str,
+    cid: str | None = None,
+    local: tuple[str, Any] | None = None,
 ) -> AsyncIterator[RemoteSandbox]:
-    """Place ``trajectory_id`` through the ``scheduler`` actor and open its sandbox there.
+    """Open ``trajectory_id``'s sandbox on this node's agent, or where the scheduler places it.
 
-    ``cid`` (the opening proxy) owns the sandbox: if that proxy goes silent, the
-    scheduler has the agent close it, cancelling what still runs in it.
+    ``local``: this worker's node, as (host, its agent). The sandbox opens there while
+    that node has a core per open sandbox, without a message to the job's ``scheduler``
+    actor; otherwise (or with no agent here) the scheduler places it on the least
+    loaded host. ``cid`` (the opening proxy) owns the sandbox: if that proxy goes
+    silent, the scheduler has the agent close it, cancelling what still runs in it.
     """
+    sandbox: RemoteSandbox | None = None
+    spilled: tuple[str, int] | None = None
+    if local is not None:
+        host, agent = local
+        try:
+            python, count = await agent.open_here.remote(trajectory_id, cid)
+        except task_failed() as exc:
+            raise exc.cause from exc
+        except lost():
+            python, count = None, 0  # this node's agent is gone: another host will do
+        if python is not None:
+            sandbox = RemoteSandbox(agent, trajectory_id, host, python)
+        else:
+            spilled = (host, count)
+    if sandbox is not None:
+        try:
+            yield sandbox
+        finally:
+            with anyio.CancelScope(shield=True), contextlib.suppress(*lost()):
+                await sandbox._agent.close.remote(trajectory_id)
+        return
     try:
-        host, agent = await scheduler.place.remote(trajectory_id, cid)
+        host, agent = await scheduler.place.remote(trajectory_id, cid, spilled)
     except task_failed() as exc:
         raise exc.cause from exc
     except lost() as exc:

@@ -27,6 +27,7 @@ class _Host:
         "gpus",
         "name",
         "placed",
+        "reported",
         "resident",
         "resource",
         "seen_seq",
@@ -48,7 +49,8 @@ class _Host:
         self.units = units
         self.agent = agent
         self.cid = cid
-        self.placed = 0
+        self.placed = 0  # sandboxes this book placed here, open now
+        self.reported = 0  # sandboxes open here as its agent last said, its own included
         self.gpu_resource: str | None = None if gpu is None else gpu["resource"]
         self.gpus: int = 0 if gpu is None else gpu["units"]
         self.services: frozenset[str] = frozenset(() if gpu is None else gpu["services"])
@@ -104,6 +106,7 @@ class HostBook:
                 "resource": h.resource,
                 "units": h.units,
                 "placed": h.placed,
+                "sandboxes": max(h.placed, h.reported),
                 "gpu_resource": h.gpu_resource,
                 "gpus": h.gpus,
                 "services": sorted(h.services),
@@ -137,6 +140,8 @@ class HostBook:
     def place(self, trajectory: str, cid: str | None = None) -> tuple[str, Any]:
         """The host for ``trajectory``'s sandbox: the least loaded (sandboxes per core).
 
+        Asked only for what a worker's own node does not take (see :meth:`note`).
+
         A trajectory's actions then all run on the host that keeps its files. ``cid`` is
         the proxy opening it, which owns it. One open sandbox per trajectory: a second
         block used to be sent to the same host, where the agent refused it, and its
@@ -153,12 +158,27 @@ class HostBook:
             )
         if not self._hosts:
             raise SchedulerUnavailableError("no host agent is registered with the scheduler")
-        host = min(self._hosts.values(), key=lambda h: (h.placed / max(h.units, 1), h.name))
+        host = min(
+            self._hosts.values(),
+            key=lambda h: (max(h.placed, h.reported) / max(h.units, 1), h.name),
+        )
         host.placed += 1
         self._placements[trajectory] = host.name
         if cid is not None:
             self._owners[trajectory] = cid
         return host.name, host.agent
+
+    def note(self, name: str, sandboxes: int) -> None:
+        """Host ``name``'s agent has ``sandboxes`` open, counting those it placed itself.
+
+        Workers place their sandboxes on their own node's agent while it has a core per
+        sandbox, without this book (``HostAgentActor.open_here``); their agents say how
+        many they hold when they report or spill one here, and a host's load is the
+        larger of that and what the book placed.
+        """
+        host = self._hosts.get(name)
+        if host is not None:
+            host.reported = sandboxes
 
     def unplace(self, trajectory: str) -> None:
         self._owners.pop(trajectory, None)

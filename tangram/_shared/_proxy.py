@@ -183,6 +183,9 @@ class RemoteRuntime(RunMixin):
         # Demands are checked here, at the call, against the capacity last seen.
         self._actions = Actions(parse_capacity(capacity), Estimator())
         self._id = uuid.uuid4().hex
+        # This node's host agent, as (host, handle), when this proxy started it: its
+        # sandboxes open there first (see ``sandbox``).
+        self._local: tuple[str, Any] | None = None
         self._requests = itertools.count(1)
         self._submits: dict[int, tuple[Any, ...]] = {}
         self._releases: list[tuple[int, int]] = []
@@ -396,11 +399,14 @@ class RemoteRuntime(RunMixin):
     # -- sandboxes on host agents ----------------------------------------------------
 
     def sandbox(self, trajectory_id: str) -> contextlib.AbstractAsyncContextManager[RemoteSandbox]:
-        """A sandbox for ``trajectory_id`` on the host the scheduler places it on.
+        """A sandbox for ``trajectory_id``: on this worker's node, or where the scheduler says.
 
         ``async with remote.sandbox("traj-7") as sbx: await sbx.run("pytest -q", cpu=2)``:
         the sandbox lives on one host agent (see :func:`tangram.ray.start_agent`) for the
         block's whole life, so every action of the trajectory runs where its files are.
+        With this node's agent started by this proxy (``agent=True``) it opens there while
+        the node has a core per open sandbox, with no message to the job's scheduler;
+        beyond that, the scheduler places it on the least loaded host.
 
         :raises SettingTypeError: ``trajectory_id`` is not a string (at the call; also a
             ``TypeError``).
@@ -409,7 +415,7 @@ class RemoteRuntime(RunMixin):
         """
         if not isinstance(trajectory_id, str):
             raise SettingTypeError(f"`trajectory_id` must be a string (got {trajectory_id!r})")
-        return open_sandbox(self._actor, trajectory_id, self._id)
+        return open_sandbox(self._actor, trajectory_id, self._id, self._local)
 
     def service(self, name: str) -> contextlib.AbstractAsyncContextManager[RemoteService]:
         """A GPU model service on the host the scheduler picks, like ``GpuPool.use``.

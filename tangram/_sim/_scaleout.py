@@ -11,10 +11,13 @@ every node's kind when the job's actor does.
 Who decides what is the model's setting (:class:`Job`): a sandbox action's cores, a
 sandbox's host, and where heartbeats go. As shipped, a sandbox action is one call from
 its worker to its node's agent, which decides the node's cores and reports to the job's
-actor once per ``report_every`` actions; the job's actor places each sandbox (a message
-when it opens and one when it closes) and hears a heartbeat from every proxy (each
-worker's and each agent's) per ``heartbeat`` seconds. Before issue 30 the agent also
-asked the job's actor for the cores, and told it of the release.
+actor once per ``report_every`` actions; a sandbox opens on its worker's own node's
+agent (one call there when it opens and one when it closes; the model's nodes have a
+core per trajectory, so none spills to the job's actor), and the job's actor hears a
+heartbeat from every proxy (each worker's and each agent's) per ``heartbeat`` seconds.
+Before issue 30 the agent also asked the job's actor for the cores, and told it of the
+release; until the node placed its workers' sandboxes, the job's actor placed each one
+(a message when it opens and one when it closes).
 
 What it leaves out, on purpose: the sandbox's start-up and process spawns (an action's
 seconds are its whole run), GPU services and quotas, and failures. Pure: no clock, no I/O.
@@ -74,7 +77,7 @@ class Job:
     Who decides what: ``cores`` (a sandbox action's grant) and ``placement`` (which host
     a sandbox opens on) by the job's actor or the node's agent; ``heartbeats`` from every
     proxy to the job's actor, or from each node's agent for its workers too. As shipped:
-    cores on the node, placement and heartbeats at the job.
+    cores and placement on the node, heartbeats at the job.
     """
 
     nodes: int
@@ -88,7 +91,7 @@ class Job:
     heartbeat: float = 1.0
     report_every: int = 1024
     cores_by: Literal["job", "node"] = "node"
-    placement_by: Literal["job", "node"] = "job"
+    placement_by: Literal["job", "node"] = "node"
     heartbeats_by: Literal["proxy", "node"] = "proxy"
 
 
