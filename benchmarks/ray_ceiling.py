@@ -379,7 +379,9 @@ def model_check(
         seconds=max(busy, 1e-3),
         actions=10**6,
         cores_by="job" if row["mode"] == "central" else "node",
-        placement_by="job",  # its workers reach agents started by the driver, not their own
+        # Its workers reach agents the driver started, not their own node's.
+        placement_by="job",
+        heartbeats_by="proxy",
     )
     costs = Costs(
         actor=send, agent=agent, latency=latency, beat=idle[1], place=idle[1], idle=idle[0]

@@ -268,7 +268,7 @@ def test_the_host_book_counts_the_sandboxes_an_agent_placed_itself() -> None:
     assert book.describe()["a"]["sandboxes"] == 3
     book.note("a", 0)  # they closed
     assert book.place("t3") == ("a", "agent-a")
-    assert book.describe()["a"]["sandboxes"] == 1  # the book's own, counted either way
+    assert book.describe()["a"]["sandboxes"] == 1  # the book's own
     book.note("gone", 5)  # a host that left: nothing to count
 
 
@@ -375,6 +375,56 @@ def _node_report(seq: int, held: float) -> dict[str, Any]:
         "resizes": 0,
         "evictions": 0,
     }
+
+
+class _Forgetful(_QuietAgent):
+    """An agent handle that notes which dropped workers it is asked to forget."""
+
+    def __init__(self) -> None:
+        self.forgotten: list[str] = []
+        outer = self
+
+        class forget:
+            @staticmethod
+            def remote(cid: str) -> asyncio.Future[None]:
+                outer.forgotten.append(cid)
+                return _answered()
+
+        self.forget = forget  # type: ignore[misc,assignment]
+
+
+async def test_relayed_beats_keep_workers_alive_and_only_their_home_forgets_them() -> None:
+    """The scheduler actor's side of beats passed on by a node's agent, driven directly.
+
+    A relayed beat keeps a worker alive; one for a worker dropped while alive (its
+    beats late) brings it back with its ``expired`` event, as its own poll would; one
+    for a proxy never seen or gone by ``disconnect`` makes up nothing. A dropped worker's
+    own-node sandboxes are forgotten by its home agent only, not by every agent.
+    """
+    from tangram._shared._cluster import ClusterSchedulerActor
+
+    actor = ClusterSchedulerActor({"cpu": 1}, None, heartbeat=0.05, timeout=5.0, token="t")
+    home, other = _Forgetful(), _Forgetful()
+    try:
+        await actor.poll("agent-a", [], 0.0)
+        await actor.poll("agent-b", [], 0.0)
+        await actor.add_host("a", "cpu@a", 2, home, "agent-a", None, True)
+        await actor.add_host("b", "cpu@b", 2, other, "agent-b", None, True)
+        await actor.poll("w", [], 0.0)
+        await actor.home("w", "a")
+        actor._clients["w"].seen -= 4.0  # silent for 4 of its 5 s
+        await actor.poll("agent-a", [], 0.0, ["w", "never-seen"])
+        assert actor._clients["w"].seen > time.monotonic() - 1.0
+        assert "never-seen" not in actor._clients
+        assert actor._drop_client("w", expired=True)
+        assert home.forgotten == ["w"] and other.forgotten == []
+        await actor.poll("agent-a", [], 0.0, ["w"])  # alive after all: back, and told
+        assert actor._clients["w"].events[0][0] == "expired"
+        await actor.disconnect("w", [])
+        await actor.poll("agent-a", [], 0.0, ["w"])
+        assert "w" not in actor._clients
+    finally:
+        await actor.close()
 
 
 async def test_the_job_keeps_a_nodes_newest_books_and_never_lends_its_kinds() -> None:

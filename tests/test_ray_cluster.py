@@ -274,7 +274,7 @@ async def test_a_workers_sandbox_opens_on_its_own_node_without_the_jobs_actor(
     async with tray.connect(
         name=deployment["name"], create=False, heartbeat=HEARTBEAT, lease_timeout=LEASE_TIMEOUT
     ) as worker:
-        worker._local = ("a", agent_a)  # what `open_shared(agent=True)` sets on node a
+        await worker._home("a", agent_a)  # what `open_shared(agent=True)` does on node a
         before = await remote.actor.counters.remote()
         async with worker.sandbox("own-node") as first:
             assert first.host == "a"
@@ -294,6 +294,34 @@ async def test_a_workers_sandbox_opens_on_its_own_node_without_the_jobs_actor(
     await agent_a.close.remote("probe")
 
 
+async def test_an_idle_worker_beats_through_its_nodes_agent(deployment: dict[str, Any]) -> None:
+    """Issue 30: a worker with nothing waiting or held at the job's actor beats to its
+    node's agent, which passes it on in its own poll: the worker sends the job's actor
+    nothing, and is not dropped for it. A request takes it back to the job's actor."""
+    remote: tray.RemoteRuntime = deployment["remote"]
+    agent_a = deployment["agents"]["a"].actor
+    async with tray.connect(
+        name=deployment["name"], create=False, heartbeat=HEARTBEAT, lease_timeout=LEASE_TIMEOUT
+    ) as worker:
+        await anyio.sleep(HEARTBEAT)  # its first poll has reached the job's actor
+        clients = (await remote.actor.counters.remote())["clients"]
+        await worker._home("a", agent_a)
+        await anyio.sleep(2 * HEARTBEAT)  # the poll in flight returns
+        calls = worker.calls
+        await anyio.sleep(2 * LEASE_TIMEOUT)
+        assert worker.calls == calls  # not one message to the job's actor while idle
+        assert (await remote.actor.counters.remote())["clients"] == clients  # still alive
+        with anyio.fail_after(5 * HEARTBEAT):  # woken at once, not at the next beat
+            async with worker.acquire({"cpu": 1}):
+                assert worker.calls > calls
+        # Released: the beats go back to the agent within a heartbeat or so.
+        await anyio.sleep(3 * HEARTBEAT)
+        calls = worker.calls
+        await anyio.sleep(4 * HEARTBEAT)
+        assert worker.calls == calls
+        assert (await remote.actor.counters.remote())["clients"] == clients
+
+
 @ray.remote(num_cpus=0)
 class Holder:
     """A rollout process on node a holding a sandbox it placed there itself, until killed."""
@@ -302,7 +330,7 @@ class Holder:
         async with tray.connect(
             name=scheduler, create=False, heartbeat=HEARTBEAT, lease_timeout=LEASE_TIMEOUT
         ) as remote:
-            remote._local = ("a", agent)
+            await remote._home("a", agent)
             async with remote.sandbox("held-by-the-dead"):
                 await anyio.sleep_forever()
 

@@ -49,6 +49,7 @@ from ..errors import (
     GpuError,
     InvalidSettingError,
     SandboxClosedError,
+    SchedulerUnavailableError,
     SettingTypeError,
     UnknownResourceError,
 )
@@ -142,6 +143,11 @@ class _NodeGpuLedger(Runtime):
             yield lease
 
 
+# Dropped workers an agent remembers, so a sandbox one of them was still opening when
+# it was dropped is closed, not kept; ids are never reused, so the oldest can go.
+_FORGOTTEN_KEPT = 1024
+
+
 class HostAgentActor:
     """The body of a host agent's Ray actor; its methods are the wire protocol.
 
@@ -184,11 +190,15 @@ class HostAgentActor:
         # proxy whose death must close it (see ``forget``).
         self._owners: dict[str, str] = {}
         self._units = 0  # the node's cores, once started
+        self._opening = 0  # ``open_here`` calls between the check and the sandbox
+        self._forgotten: dict[str, None] = {}  # dropped workers, newest last
+        self._reserved: set[str] = set()  # trajectories whose sandbox is being opened
         self._started: asyncio.Future[dict[str, Any]] | None = None
         self._stop: asyncio.Event | None = None
         self._main: asyncio.Task[None] | None = None
         self._cores: Runtime | None = None  # the node's own runtime, when it decides
         self._cid: str | None = None  # its proxy's id: the job's actor files reports by it
+        self._remote: RemoteRuntime | None = None  # its proxy on the job's actor
         self._outbox = Outbox()
 
     async def start(self) -> dict[str, Any]:
@@ -212,6 +222,7 @@ class HostAgentActor:
             backend = _HostBackend(inner, self._name)
             async with attach(self._scheduler) as remote, contextlib.AsyncExitStack() as stack:
                 self._cid = remote._id
+                self._remote = remote
                 extra: dict[str, Any] = {} if self._timeout is None else {"timeout": self._timeout}
                 lender: Scheduler = remote
                 if self.decides_cores:
@@ -385,15 +396,21 @@ class HostAgentActor:
     async def open(self, trajectory: str) -> str:
         """Open ``trajectory``'s sandbox here; returns the interpreter ``code=`` runs in it."""
         await self.start()
-        if trajectory in self._sandboxes:
+        if trajectory in self._sandboxes or trajectory in self._reserved:
             raise InvalidSettingError(
                 f"trajectory {trajectory!r} already has an open sandbox on host agent "
                 f"{self._name!r}: one `remote.sandbox(...)` block per trajectory at a time"
             )
         assert self._pool is not None
-        stack = contextlib.AsyncExitStack()
-        sandbox = await stack.enter_async_context(self._pool.sandbox(trajectory))
-        self._sandboxes[trajectory] = (stack, sandbox)
+        # Held from the check to the record: a second open of the same trajectory while
+        # this one awaits its sandbox is refused, not left to overwrite it.
+        self._reserved.add(trajectory)
+        try:
+            stack = contextlib.AsyncExitStack()
+            sandbox = await stack.enter_async_context(self._pool.sandbox(trajectory))
+            self._sandboxes[trajectory] = (stack, sandbox)
+        finally:
+            self._reserved.discard(trajectory)
         return self._pool.backend.python
 
     async def open_here(self, trajectory: str, cid: str) -> tuple[str | None, int]:
@@ -407,14 +424,46 @@ class HostAgentActor:
         core and beyond, the job's actor places it on the least loaded host.
         """
         await self.start()
-        if len(self._sandboxes) >= self._units:
-            return None, len(self._sandboxes)
-        python = await self.open(trajectory)
+        # Counted from the ask, not once open: opening awaits, and asks arriving
+        # meanwhile would each see the same free core.
+        if len(self._sandboxes) + self._opening >= self._units:
+            return None, self._own()
+        self._opening += 1
+        try:
+            python = await self.open(trajectory)
+        finally:
+            self._opening -= 1
+        if cid in self._forgotten:  # its worker was dropped while this one opened
+            await self.close(trajectory)
+            raise SandboxClosedError(f"the worker that opened {trajectory!r} is gone")
         self._owners[trajectory] = cid
-        return python, len(self._sandboxes)
+        return python, self._own()
+
+    def _own(self) -> int:
+        """Sandboxes open or opening here that workers placed themselves, not the job's book.
+
+        The book counts its own placements; it adds these (``HostBook.note``).
+        """
+        return len(self._owners) + self._opening
+
+    async def beat(self, cid: str) -> None:
+        """A worker on this node is alive and has nothing at the job's actor: say so there.
+
+        Passed on in this agent's next poll of the job's actor (see
+        ``RemoteRuntime._poller``), one message for the node's workers.
+        """
+        remote = self._remote
+        if remote is None or remote._error is not None or not remote._open:
+            # Nothing would pass it on: the worker must beat to the job's actor itself.
+            raise SchedulerUnavailableError(f"host agent {self._name!r} has no scheduler")
+        self._forgotten.pop(cid, None)  # dropped while alive, it is back
+        remote._relayed.add(cid)
 
     async def forget(self, cid: str) -> None:
         """Proxy ``cid`` is gone: close the sandboxes it opened here without the job's actor."""
+        self._forgotten[cid] = None
+        if len(self._forgotten) > _FORGOTTEN_KEPT:
+            self._forgotten.pop(next(iter(self._forgotten)))
         for trajectory in [t for t, owner in self._owners.items() if owner == cid]:
             await self.close(trajectory)
 
@@ -468,9 +517,10 @@ class HostAgentActor:
             self._scheduler.report.remote(self._cid, self._snapshot())
 
     def _snapshot(self) -> dict[str, Any]:
-        """The node's report, with the sandboxes open here (the job's actor places by it)."""
+        """The node's report, with the sandboxes its workers placed here (the job's book
+        places by it)."""
         assert self._cores is not None
-        return {**snapshot(self._cores, self._outbox), "sandboxes": len(self._sandboxes)}
+        return {**snapshot(self._cores, self._outbox), "sandboxes": self._own()}
 
     async def put(self, trajectory: str, path: str, data: bytes | str) -> None:
         await self._tracked(trajectory, self._sandbox(trajectory).put(path, data))

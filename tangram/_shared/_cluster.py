@@ -43,6 +43,8 @@ class ClusterSchedulerActor(SchedulerActor):
         self._decided: set[str] = set()  # their kinds, which this actor never lends
         # Each such agent's newest report (:mod:`._reports`), by client id.
         self._nodes: dict[str, dict[str, Any]] = {}
+        # Workers that open sandboxes on their own node's agent: client id -> that host.
+        self._homes: dict[str, str] = {}
 
     def _drop_client(self, cid: str, *, expired: bool = False) -> bool:
         if not super()._drop_client(cid, expired=expired):
@@ -50,11 +52,11 @@ class ClusterSchedulerActor(SchedulerActor):
         for trajectory, agent in self._book.orphans(cid):
             # The agent cancels what still runs there: the cores its commands hold return.
             agent.close.remote(trajectory)
-        agents = self._book.agents()
-        if all(cid != own for own, _ in agents):
-            # A worker: the sandboxes it placed on its own node, unknown here, close too.
-            for _, agent in agents:
-                agent.forget.remote(cid)
+        home = self._homes.pop(cid, None)
+        agent = None if home is None else self._book.agent(home)
+        if agent is not None:
+            # The sandboxes it opened on its own node, unknown to the book, close too.
+            agent.forget.remote(cid)
         gone = self._book.drop(cid)
         if gone:
             self._runtime.set_capacity(gone)
@@ -166,6 +168,16 @@ class ClusterSchedulerActor(SchedulerActor):
     async def hosts(self) -> dict[str, dict[str, Any]]:
         await self._ready()
         return self._book.describe()
+
+    async def home(self, cid: str, host: str) -> None:
+        """Worker ``cid`` opens sandboxes on host ``host``'s agent itself, from now on.
+
+        Told once, before its first: when the worker is dropped, that agent (only) is
+        asked to close them.
+        """
+        self.messages += 1
+        await self._ready()
+        self._homes[cid] = host
 
     async def place(
         self, trajectory: str, cid: str | None = None, spilled: tuple[str, int] | None = None

@@ -105,16 +105,11 @@ async def open_sandbox(
     spilled: tuple[str, int] | None = None
     if local is not None:
         host, agent = local
-        try:
-            python, count = await agent.open_here.remote(trajectory_id, cid)
-        except task_failed() as exc:
-            raise exc.cause from exc
-        except lost():
-            python, count = None, 0  # this node's agent is gone: another host will do
-        if python is not None:
+        python = await _open_here(agent, trajectory_id, cid)
+        if isinstance(python, str):
             sandbox = RemoteSandbox(agent, trajectory_id, host, python)
-        else:
-            spilled = (host, count)
+        elif python is not None:  # full: the job's book learns how many it holds
+            spilled = (host, python)
     if sandbox is not None:
         try:
             yield sandbox
@@ -136,6 +131,28 @@ async def open_sandbox(
         with anyio.CancelScope(shield=True), contextlib.suppress(*lost()):
             await agent.close.remote(trajectory_id)
             await scheduler.unplace.remote(trajectory_id)
+
+
+async def _open_here(agent: Any, trajectory_id: str, cid: str | None) -> str | int | None:
+    """The sandbox's interpreter if this node's agent opened it; else how many sandboxes
+    its workers hold there (it is full), or ``None`` if it is gone.
+
+    Cancelled while the agent opens it, the call still runs there: its sandbox is
+    closed once it answers, not left holding a core for a block that never began.
+    """
+    call = agent.open_here.remote(trajectory_id, cid)
+    try:
+        python, count = await call
+    except task_failed() as exc:
+        raise exc.cause from exc
+    except lost():
+        return None  # this node's agent is gone: another host will do
+    except BaseException:
+        with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+            if (await call)[0] is not None:
+                await agent.close.remote(trajectory_id)
+        raise
+    return count if python is None else str(python)
 
 
 class RemoteService:

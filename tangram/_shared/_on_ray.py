@@ -143,4 +143,4 @@ async def _start_agent(
         raise SchedulerUnavailableError(f"this node's host agent failed: {exc}") from exc
     # Once ``start`` answers, on any caller, the agent's ``add_host`` has returned.
     await remote._refresh()
-    remote._local = (host, agent)
+    await remote._home(host, agent)

@@ -50,7 +50,7 @@ class _Host:
         self.agent = agent
         self.cid = cid
         self.placed = 0  # sandboxes this book placed here, open now
-        self.reported = 0  # sandboxes open here as its agent last said, its own included
+        self.reported = 0  # sandboxes its workers opened there, as its agent last said
         self.gpu_resource: str | None = None if gpu is None else gpu["resource"]
         self.gpus: int = 0 if gpu is None else gpu["units"]
         self.services: frozenset[str] = frozenset(() if gpu is None else gpu["services"])
@@ -106,7 +106,7 @@ class HostBook:
                 "resource": h.resource,
                 "units": h.units,
                 "placed": h.placed,
-                "sandboxes": max(h.placed, h.reported),
+                "sandboxes": h.placed + h.reported,
                 "gpu_resource": h.gpu_resource,
                 "gpus": h.gpus,
                 "services": sorted(h.services),
@@ -160,7 +160,7 @@ class HostBook:
             raise SchedulerUnavailableError("no host agent is registered with the scheduler")
         host = min(
             self._hosts.values(),
-            key=lambda h: (max(h.placed, h.reported) / max(h.units, 1), h.name),
+            key=lambda h: ((h.placed + h.reported) / max(h.units, 1), h.name),
         )
         host.placed += 1
         self._placements[trajectory] = host.name
@@ -169,16 +169,21 @@ class HostBook:
         return host.name, host.agent
 
     def note(self, name: str, sandboxes: int) -> None:
-        """Host ``name``'s agent has ``sandboxes`` open, counting those it placed itself.
+        """Host ``name``'s workers have ``sandboxes`` open there that this book did not place.
 
         Workers place their sandboxes on their own node's agent while it has a core per
-        sandbox, without this book (``HostAgentActor.open_here``); their agents say how
-        many they hold when they report or spill one here, and a host's load is the
-        larger of that and what the book placed.
+        sandbox, without this book (``HostAgentActor.open_here``); their agent says how
+        many when it reports or one of them spills here, and a host's load counts them
+        beside the book's own.
         """
         host = self._hosts.get(name)
         if host is not None:
             host.reported = sandboxes
+
+    def agent(self, name: str) -> Any | None:
+        """Host ``name``'s agent, if it is registered."""
+        host = self._hosts.get(name)
+        return None if host is None else host.agent
 
     def unplace(self, trajectory: str) -> None:
         self._owners.pop(trajectory, None)

@@ -17,7 +17,7 @@ import contextlib
 import itertools
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -215,13 +215,28 @@ class SchedulerActor:
                 client.settling -= 1
         return client.take()
 
-    async def poll(self, cid: str, leases: list[int], wait: float) -> list[tuple[Any, ...]]:
-        """The heartbeat of ``leases``; answers with new events, or empty after ``wait``."""
+    async def poll(
+        self, cid: str, leases: list[int], wait: float, relayed: Sequence[str] = ()
+    ) -> list[tuple[Any, ...]]:
+        """The heartbeat of ``leases``; answers with new events, or empty after ``wait``.
+
+        ``relayed``: proxies a host agent heard from since its last poll, which hold
+        nothing here and wait for nothing, so they beat to their node's agent instead
+        (one message a node, not one a worker); they are alive as if they had polled. One
+        dropped while alive (its beats late) comes back, as with its own next poll; one
+        never seen, or gone by ``disconnect``, is not made up.
+        """
         self.messages += 1
         self.heartbeats += 1
         await self._ready()
         client = self._client(cid)
         now = client.seen
+        for other in relayed:
+            known = self._clients.get(other)
+            if known is not None:
+                known.seen = now
+            elif other in self._expired:
+                self._client(other)
         for lease_id in leases:
             held = self._held.get(lease_id)
             if held is not None and held.cid == cid:

@@ -13,11 +13,12 @@ sandbox's host, and where heartbeats go. As shipped, a sandbox action is one cal
 its worker to its node's agent, which decides the node's cores and reports to the job's
 actor once per ``report_every`` actions; a sandbox opens on its worker's own node's
 agent (one call there when it opens and one when it closes; the model's nodes have a
-core per trajectory, so none spills to the job's actor), and the job's actor hears a
-heartbeat from every proxy (each worker's and each agent's) per ``heartbeat`` seconds.
-Before issue 30 the agent also asked the job's actor for the cores, and told it of the
-release; until the node placed its workers' sandboxes, the job's actor placed each one
-(a message when it opens and one when it closes).
+core per trajectory, so none spills to the job's actor), and each worker beats to its
+node's agent, which beats for all of them to the job's actor once per ``heartbeat``
+seconds. Before issue 30 the agent also asked the job's actor for the cores, and told
+it of the release; until the node placed its workers' sandboxes, the job's actor placed
+each one (a message when it opens and one when it closes), and every proxy (each
+worker's and each agent's) beat to the job's actor.
 
 What it leaves out, on purpose: the sandbox's start-up and process spawns (an action's
 seconds are its whole run), GPU services and quotas, and failures. Pure: no clock, no I/O.
@@ -77,7 +78,7 @@ class Job:
     Who decides what: ``cores`` (a sandbox action's grant) and ``placement`` (which host
     a sandbox opens on) by the job's actor or the node's agent; ``heartbeats`` from every
     proxy to the job's actor, or from each node's agent for its workers too. As shipped:
-    cores and placement on the node, heartbeats at the job.
+    all three on the node.
     """
 
     nodes: int
@@ -92,7 +93,7 @@ class Job:
     report_every: int = 1024
     cores_by: Literal["job", "node"] = "node"
     placement_by: Literal["job", "node"] = "node"
-    heartbeats_by: Literal["proxy", "node"] = "proxy"
+    heartbeats_by: Literal["proxy", "node"] = "node"
 
 
 @attrs.frozen
@@ -268,7 +269,9 @@ class _Model:
 
     def heartbeat(self, now: float) -> None:
         job = self.job
-        proxies = job.workers + 1 if job.heartbeats_by == "proxy" else 1
+        # An agent passing its workers' beats on polls twice a heartbeat (the proxy's
+        # ``_poller``), so a relayed beat is no more than half a heartbeat late.
+        proxies = job.workers + 1 if job.heartbeats_by == "proxy" else 2
         beat = self.costs.beat
         for node in range(job.nodes):
             for _ in range(proxies):
