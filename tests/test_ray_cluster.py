@@ -500,3 +500,83 @@ async def test_removing_a_node_mid_action_returns_its_units_and_others_keep_serv
             pass
     hosts = await remote.actor.hosts.remote()
     assert sorted(hosts) == ["a"]
+
+
+@ray.remote(num_cpus=0)
+class Survivor:
+    """A rollout process on node a whose job's scheduler actor is killed mid-rollout."""
+
+    async def run_through(
+        self, scheduler: str, agent: Any, seconds: float
+    ) -> tuple[list[tuple[float, bool]], str]:
+        runs: list[tuple[float, bool]] = []
+        async with tray.connect(
+            name=scheduler, create=False, heartbeat=HEARTBEAT, lease_timeout=LEASE_TIMEOUT
+        ) as remote:
+            await remote._home("x", agent)
+            async with remote.sandbox("survives") as sbx:
+                deadline = time.time() + seconds
+                while time.time() < deadline:
+                    result = await sbx.run("echo ok")
+                    runs.append((time.time(), result.stdout == b"ok\n"))
+                    await anyio.sleep(0.2)
+            try:
+                with anyio.fail_after(5 * HEARTBEAT):
+                    async with remote.acquire({"cpu": 1}):
+                        pass
+            except Exception as exc:
+                return runs, type(exc).__name__
+        return runs, "granted"
+
+
+async def test_the_jobs_actor_dying_stops_only_what_it_lent(cluster: dict[str, Any]) -> None:
+    """Issue 30, faults at scale: the job's scheduler actor dies. What it lent (here a
+    shared `cpu`) fails loudly with a typed error, never hangs; a worker's sandbox on its
+    own node keeps running, its cores lent by the node's agent, for longer than any lease
+    timeout; and the agent, detached, ends by itself once its node's workers are gone."""
+    from tangram._shared._agent import HostAgentActor
+
+    name = f"doomed-{uuid.uuid4().hex[:8]}"
+    root = tempfile.mkdtemp(prefix="tangram-doomed-")
+    os.chmod(root, 0o755)
+    node_a = cluster["nodes"]["a"].node_id
+    try:
+        async with tray.connect(
+            name=name, capacity={"cpu": 1}, heartbeat=HEARTBEAT, lease_timeout=LEASE_TIMEOUT
+        ) as job:
+            backend = functools.partial(tangram.LocalBackend, cores=[0], root=root)
+            agent = (
+                ray.remote(HostAgentActor)
+                .options(
+                    num_cpus=0,
+                    max_concurrency=1_000,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_a, soft=False),
+                )
+                .remote("x", job.actor, backend, 0, [], None, None, True)
+            )
+            await agent.start.remote()
+            survivor = Survivor.options(  # type: ignore[attr-defined]
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_a, soft=False)
+            ).remote()
+            seconds = 2 * LEASE_TIMEOUT + 4.0
+            outcome = survivor.run_through.remote(name, agent, seconds)
+            await anyio.sleep(3.0)  # the sandbox is open and its runs go on
+            killed_at = time.time()
+            ray.kill(job.actor)
+            runs, error = await outcome
+        after = [ok for at, ok in runs if at > killed_at + 1.0]
+        assert len(after) >= 10 and all(after), runs
+        assert runs[-1][0] > killed_at + 2 * LEASE_TIMEOUT  # past any lease's timeout
+        assert error == "SchedulerUnavailableError"
+
+        async def gone() -> bool:
+            try:
+                await agent.service_stats.remote()
+            except ray.exceptions.RayError:
+                return True
+            return False
+
+        # Its workers gone, the agent ends within IDLE lease timeouts, and a little.
+        await wait_for(gone, 2 * LEASE_TIMEOUT + 15)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import math
 import os
+import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -49,11 +50,10 @@ from ..errors import (
     GpuError,
     InvalidSettingError,
     SandboxClosedError,
-    SchedulerUnavailableError,
     SettingTypeError,
     UnknownResourceError,
 )
-from ._protocol import logger, lost, task_failed
+from ._protocol import IDLE, logger, lost, task_failed
 from ._proxy import RemoteRuntime, attach
 from ._reports import FULL, Outbox, snapshot
 
@@ -192,6 +192,7 @@ class HostAgentActor:
         self._units = 0  # the node's cores, once started
         self._opening = 0  # ``open_here`` calls between the check and the sandbox
         self._forgotten: dict[str, None] = {}  # dropped workers, newest last
+        self._last_beat: float | None = None  # when a worker of this node last beat here
         self._reserved: set[str] = set()  # trajectories whose sandbox is being opened
         self._started: asyncio.Future[dict[str, Any]] | None = None
         self._stop: asyncio.Event | None = None
@@ -283,15 +284,33 @@ class HostAgentActor:
         A detached agent (one per node for a job's shared scheduler) has no owner to
         take it down: the scheduler stops it when the job's workers are gone, and if the
         scheduler itself dies first (killed, or its node lost), its proxy here fails and
-        the agent ends on its own, its sandboxes and services first.
+        the agent ends on its own, its sandboxes and services first: at once if no
+        worker of its node beats here, else once none has for ``IDLE`` lease timeouts.
         """
         assert self._stop is not None
         while not self._stop.is_set() and remote._error is None:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), 1.0)
+        # Its node's cores are its own to lend: while the node's workers still beat here,
+        # their sandbox actions go on; only what the job's actor lent fails.
+        idle = IDLE * remote._lease_timeout
+        if not self._stop.is_set() and self._serving(idle):
+            logger.warning(
+                "host agent %r: its scheduler is gone; it serves its node's workers until "
+                "none has beaten here for %g s",
+                self._name,
+                idle,
+            )
+        while not self._stop.is_set() and self._serving(idle):
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), 1.0)
         if not self._stop.is_set():
             logger.warning("host agent %r: its scheduler is gone; it ends", self._name)
             self._end()
+
+    def _serving(self, idle: float) -> bool:
+        """Whether a worker of this node has beaten here within ``idle`` seconds."""
+        return self._last_beat is not None and time.monotonic() - self._last_beat <= idle
 
     # What the transport decides: the node's scheduler process (:mod:`._node`) hosts its
     # agent itself and replaces these three.
@@ -446,18 +465,22 @@ class HostAgentActor:
         """
         return len(self._owners) + self._opening
 
-    async def beat(self, cid: str) -> None:
+    async def beat(self, cid: str) -> bool:
         """A worker on this node is alive and has nothing at the job's actor: say so there.
 
         Passed on in this agent's next poll of the job's actor (see
-        ``RemoteRuntime._poller``), one message for the node's workers.
+        ``RemoteRuntime._poller``), one message for the node's workers. Returns whether
+        it will be: not once this agent's proxy has lost the job's actor, when the
+        worker must try the job's actor itself. Either way the beat keeps this agent
+        serving its node (see ``_outlive``).
         """
+        self._last_beat = time.monotonic()
         remote = self._remote
         if remote is None or remote._error is not None or not remote._open:
-            # Nothing would pass it on: the worker must beat to the job's actor itself.
-            raise SchedulerUnavailableError(f"host agent {self._name!r} has no scheduler")
+            return False
         self._forgotten.pop(cid, None)  # dropped while alive, it is back
         remote._relayed.add(cid)
+        return True
 
     async def forget(self, cid: str) -> None:
         """Proxy ``cid`` is gone: close the sandboxes it opened here without the job's actor."""
@@ -513,7 +536,8 @@ class HostAgentActor:
 
     def _push(self) -> None:
         """Send a full outbox to the job's scheduler unasked (fire and forget)."""
-        if self._cores is not None and self._cid is not None:
+        gone = self._remote is not None and self._remote._error is not None
+        if self._cores is not None and self._cid is not None and not gone:
             self._scheduler.report.remote(self._cid, self._snapshot())
 
     def _snapshot(self) -> dict[str, Any]:

@@ -41,7 +41,15 @@ from ..errors import (
     SettingTypeError,
 )
 from ._hosts import RemoteSandbox, RemoteService, open_sandbox, open_service
-from ._protocol import CANCELLED, COMPLETED, FAILED, logger, lost, task_failed
+from ._protocol import (
+    CANCELLED,
+    COMPLETED,
+    DEFAULT_TIMEOUT,
+    FAILED,
+    logger,
+    lost,
+    task_failed,
+)
 
 __all__ = ["RemoteAcquireContext", "RemoteLease", "RemoteRuntime", "attach", "check_capacity"]
 
@@ -192,6 +200,7 @@ class RemoteRuntime(RunMixin):
         # proxy only).
         self._relayed: set[str] = set()
         self._relays = False
+        self._lease_timeout = DEFAULT_TIMEOUT  # the scheduler's, once attached
         self._requests = itertools.count(1)
         self._submits: dict[int, tuple[Any, ...]] = {}
         self._releases: list[tuple[int, int]] = []
@@ -360,26 +369,29 @@ class RemoteRuntime(RunMixin):
                 )
             except lost() as exc:
                 self._fail(exc)
-                return
+                break
             self._dispatch(events)
+        # The job's actor is gone: what it lent fails loudly from now on, but this node's
+        # agent lends its cores itself, and serves this worker's sandboxes while it hears
+        # that the worker lives.
+        while self._local is not None:
+            await self._beat_locally(self._local)
 
     async def _beat_locally(self, local: tuple[str, Any]) -> bool:
         """One heartbeat through this node's agent, then idle until due or busy.
 
-        False when the agent did not take it in time or cannot pass it on (this round's
-        beat goes to the job's actor), or is gone (every beat does from now on).
+        False when the agent did not take it in time or could not pass it on (this
+        round's beat goes to the job's actor), or is gone (every beat does from now on).
         """
         self._busy = anyio.Event()
         try:
             with anyio.move_on_after(self._heartbeat) as scope:
-                await local[1].beat.remote(self._id)
-        except lost():
+                relayed = await local[1].beat.remote(self._id)
+        except (*lost(), *task_failed()):
             logger.warning("this node's host agent is gone; heartbeats go to the scheduler")
             self._local = None
             return False
-        except task_failed():  # it cannot pass beats on (its own proxy failed)
-            return False
-        if scope.cancelled_caught:
+        if scope.cancelled_caught or not (relayed or self._error is not None):
             return False
         with anyio.move_on_after(self._heartbeat):
             await self._busy.wait()
@@ -556,6 +568,7 @@ async def attach(
             raise SchedulerUnavailableError(f"the scheduler actor failed: {exc}") from exc
     beat = info["heartbeat"] if heartbeat is None else min(heartbeat, info["heartbeat"])
     remote = RemoteRuntime(actor, heartbeat=beat, capacity=info["capacity"])
+    remote._lease_timeout = float(info.get("timeout", DEFAULT_TIMEOUT))
     await remote._start()
     try:
         yield remote
