@@ -22,6 +22,11 @@ What it measures
       time and messages per sandbox action (all, and those on the action's path: less
       the heartbeats, one per proxy per second, and placements, one per sandbox block),
       and the most cores each node's kind ever held against the cores it has.
+    - *fault*: after the node arm's widest window, the same workers again for twice as
+      long, and one node's agent killed halfway: the runs per second of the other nodes
+      after the kill over before (none may run on the dead node after it). The nodes
+      share this machine's cores, so the dead node's share goes to the others: a ratio
+      under 1 is a loss, one above is that share.
     - *bare*: an async Ray actor that decides nothing and only answers long polls, one
       a second from as many pollers as the widest sandbox window has proxies, its CPU
       per second: Ray's own cost of an actor that hears its proxies live, which no
@@ -51,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import itertools
 import json
@@ -72,6 +78,7 @@ from tangram._core._stats import nearest_rank
 try:
     import ray
     import ray.cluster_utils
+    import ray.exceptions
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 except ImportError:  # pragma: no cover - the benchmark needs the extra
     print("ray_ceiling: needs Ray (pip install 'tangram[ray]')", file=sys.stderr)
@@ -80,6 +87,7 @@ except ImportError:  # pragma: no cover - the benchmark needs the extra
 import tangram.ray as tray
 from tangram._shared._agent import HostAgentActor
 from tangram._sim._scaleout import Costs, Job, model
+from tangram.errors import SandboxBrokenError
 
 NAME = "tangram-ceiling"
 CAPACITY = 4096
@@ -137,6 +145,18 @@ class Worker:
             await anyio.sleep(max(0.0, start + seconds - time.time()))
         return []
 
+    async def timed(
+        self, trajectories: int, start: float, seconds: float
+    ) -> list[tuple[str, float]]:
+        """Each run's host and end time, trajectories ending where their host dies."""
+        runs: list[tuple[str, float]] = []
+        async with tray.connect(name=NAME, create=False) as remote:
+            await anyio.sleep(max(0.0, start - time.time()))
+            async with anyio.create_task_group() as tg:
+                for _ in range(trajectories):
+                    tg.start_soon(_timed_runs, remote, start + seconds, runs)
+        return runs
+
     async def sandbox(self, trajectories: int, start: float, seconds: float) -> list[float]:
         spans: list[float] = []
         async with tray.connect(name=NAME, create=False) as remote:
@@ -189,6 +209,21 @@ async def _bare_arm(seconds: float, pollers: int) -> float:
         flush=True,
     )
     return cpu
+
+
+async def _timed_runs(
+    remote: tray.RemoteRuntime, deadline: float, runs: list[tuple[str, float]]
+) -> None:
+    """Run ``true`` back to back in one sandbox until ``deadline`` or until its host dies."""
+    async with remote.sandbox(uuid.uuid4().hex) as sbx:
+        while time.time() < deadline:
+            try:
+                result = await sbx.run("true")
+            except SandboxBrokenError:
+                return  # its host agent was killed: this trajectory ends here
+            if not result.ok:
+                raise RuntimeError(f"`true` failed in the sandbox: {result!r}")
+            runs.append((sbx.host, time.time()))
 
 
 async def _counters(remote: tray.RemoteRuntime) -> dict[str, float]:
@@ -281,7 +316,8 @@ async def _start_central(
 
 
 async def _stop(actor: Any) -> None:
-    await actor.stop.remote()
+    with contextlib.suppress(ray.exceptions.RayError):  # the fault window killed one
+        await actor.stop.remote()
     ray.kill(actor)
 
 
@@ -313,6 +349,8 @@ async def _sandbox_arm(
                         actor, pid = agent.actor, agent.pid
                     agents.append((f"cpu@{name}", pid, actor))
                 rows.append(await _sandbox_window(remote, workers, mode, count, agents, shape))
+            if mode == "node" and len(agents) > 1:
+                rows[-1]["fault"] = await _fault_window(workers, agents, shape)
         finally:
             for _, _, actor in agents:
                 await _stop(actor)
@@ -349,6 +387,40 @@ async def _sandbox_window(
         f"p50 {row['p50_ms']} ms, p99 {row['p99_ms']} ms; per run: actor "
         f"{row['actor_cpu_ms_per_action']} ms CPU, {row['messages_per_action']} messages "
         f"({row['action_messages_per_action']} on the action's path); peak cores {peaks}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return row
+
+
+async def _fault_window(
+    workers: list[Any], agents: list[tuple[str, int, Any]], shape: dict[str, Any]
+) -> dict[str, Any]:
+    """Kill one node's agent halfway through a window; the other nodes' runs per second
+    after, over before. All nodes share this machine's cores, so the dead node's share
+    of them goes to the others: read a ratio under 1 as a loss, one above as that."""
+    chosen = workers[: shape["workers"]]
+    seconds = 2 * shape["seconds"]
+    start = _start_at(len(chosen))
+    calls = [w.timed.remote(shape["trajectories"], start, seconds) for w in chosen]
+    await anyio.sleep(max(0.0, start + seconds / 2 - time.time()))
+    killed_at = time.time()
+    dead = agents[0][0].split("@", 1)[1]
+    ray.kill(agents[0][2])
+    runs = [run for report in [await ref for ref in calls] for run in report]
+    others = [at for host, at in runs if host != dead]
+    before = sum(1 for at in others if start + 0.5 <= at < killed_at) / (killed_at - start - 0.5)
+    after = sum(1 for at in others if killed_at <= at) / max(start + seconds - killed_at, 1e-9)
+    row = {
+        "killed": dead,
+        "others_runs_per_s_before": round(before, 1),
+        "others_runs_per_s_after": round(after, 1),
+        "others_ratio": round(after / max(before, 1e-9), 3),
+        "dead_runs_after": sum(1 for host, at in runs if host == dead and at > killed_at + 0.1),
+    }
+    print(
+        f"  fault: agent {dead} killed; the other nodes ran {before:.1f} runs/s before, "
+        f"{after:.1f} after ({row['others_ratio']}x)",
         file=sys.stderr,
         flush=True,
     )
@@ -577,6 +649,8 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
     within = all(r["cores_within_node"] for r in sandbox)
+    fault = next(r["fault"] for r in sandbox if "fault" in r)
+    figures["fault"] = fault
     targets = {
         "action_messages_per_sandbox_action": {
             "value": worst_messages,
@@ -590,6 +664,12 @@ def main(argv: list[str] | None = None) -> int:
             "floor": round(floor, 3),
         },
         "cores_within_node": {"value": within, "goal": "== true", "met": within},
+        # A node's agent killed mid-window: the others' runs per second after, over before.
+        "fault_other_nodes_ratio": {
+            "value": fault["others_ratio"],
+            "goal": ">= 0.9",
+            "met": fault["others_ratio"] >= 0.9 and fault["dead_runs_after"] == 0,
+        },
         "model_off_by": {"value": round(off, 3), "goal": "<= 0.25", "met": off <= 0.25},
     }
     print(json.dumps({"bench": "ray_ceiling", "figures": figures, "targets": targets}))
