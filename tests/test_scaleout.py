@@ -50,37 +50,17 @@ def test_a_centrally_decided_action_goes_through_the_jobs_actor() -> None:
 
 
 def test_heartbeats_and_placements_reach_the_jobs_actor_as_set() -> None:
-    job = _alone(
-        nodes=4,
-        trajectories=2,
-        workers=3,
-        heartbeat=1.0,
-        actions=5,
-        placement_by="job",
-        heartbeats_by="proxy",
-    )
-    shipped = model(job, COSTS, horizon=30.0, warmup=5.0)
-    local = model(
-        _alone(
-            nodes=4,
-            trajectories=2,
-            workers=3,
-            heartbeat=1.0,
-            actions=5,
-            placement_by="node",
-            heartbeats_by="node",
-        ),
-        COSTS,
-        horizon=30.0,
-        warmup=5.0,
-    )
+    shape = {"nodes": 4, "trajectories": 2, "workers": 3, "heartbeat": 1.0, "actions": 5}
+    old = _alone(**shape, placement_by="job", heartbeats_by="proxy")
+    before = model(old, COSTS, horizon=30.0, warmup=5.0)
+    local = model(_alone(**shape), COSTS, horizon=30.0, warmup=5.0)  # both on the node
     # Per second: 4 nodes x (3 workers + 1 agent) heartbeats; per action: 2 placements / 5.
-    expected = (4 * 4) / (shipped.actions_per_s) + 2 / 5
-    assert shipped.actor_messages_per_action == pytest.approx(expected, rel=0.05)
+    expected = (4 * 4) / (before.actions_per_s) + 2 / 5
+    assert before.actor_messages_per_action == pytest.approx(expected, rel=0.05)
     # Per second, relayed: each node's agent polls twice, for itself and its workers.
     assert local.actor_messages_per_action == pytest.approx(8 / local.actions_per_s, rel=0.05)
-    assert shipped.actor_load == pytest.approx(
-        shipped.actor_messages_per_action * shipped.actions_per_s * COSTS.actor, rel=0.05
+    assert before.actor_load == pytest.approx(
+        before.actor_messages_per_action * before.actions_per_s * COSTS.actor, rel=0.05
     )
 
 
