@@ -287,10 +287,8 @@ class HostAgentActor:
         the agent ends on its own, its sandboxes and services first: at once if no
         worker of its node beats here, else once none has for ``IDLE`` lease timeouts.
         """
+        await self._serve_while(lambda: remote._error is None)
         assert self._stop is not None
-        while not self._stop.is_set() and remote._error is None:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), 1.0)
         # Its node's cores are its own to lend: while the node's workers still beat here,
         # their sandbox actions go on; only what the job's actor lent fails.
         idle = IDLE * remote._lease_timeout
@@ -301,12 +299,17 @@ class HostAgentActor:
                 self._name,
                 idle,
             )
-        while not self._stop.is_set() and self._serving(idle):
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), 1.0)
+            await self._serve_while(lambda: self._serving(idle))
         if not self._stop.is_set():
             logger.warning("host agent %r: its scheduler is gone; it ends", self._name)
             self._end()
+
+    async def _serve_while(self, condition: Callable[[], bool]) -> None:
+        """Until stopped or ``condition`` fails, checked once a second."""
+        assert self._stop is not None
+        while not self._stop.is_set() and condition():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), 1.0)
 
     def _serving(self, idle: float) -> bool:
         """Whether a worker of this node has beaten here within ``idle`` seconds."""
