@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tangram._sim._family import member
 from tangram._sim._generate import GenerateConfig, generate
 from tangram._tools._cli import main
 
@@ -115,6 +116,63 @@ def test_missing_matplotlib_says_how_to_install(
     assert main(["simulate", "--trace", str(trace), "--plot", str(png)]) == 1
     assert "pip install 'tangram[plot]'" in capsys.readouterr().err
     assert not png.exists()
+
+
+def test_family_member_is_the_benchmarks_member_byte_for_byte(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    argv = ["trace", "generate", "--family", "--seed", "7", "--member", "13"]
+    assert main([*argv, "--max-trajectories", "24", "--out", str(path)]) == 0
+    expected = member(7, 13, max_trajectories=24)
+    assert path.read_text() == "".join(expected.lines)
+    out = tmp_path / "r.json"
+    assert main(["simulate", "--trace", str(path), "--policy", "tangram", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["trace"] == expected.name
+
+
+def test_family_writes_one_file_per_member(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    where = tmp_path / "new" / "family"
+    argv = ["trace", "generate", "--family", "--seed", "2", "--members", "5"]
+    assert main([*argv, "--max-trajectories", "8", "--out-dir", str(where)]) == 0
+    names = sorted(path.name for path in where.iterdir())
+    drawn = [member(2, index, max_trajectories=8) for index in range(5)]
+    assert names == sorted(f"{m.name}.jsonl" for m in drawn)
+    for m in drawn:
+        assert (where / f"{m.name}.jsonl").read_text() == "".join(m.lines)
+    assert capsys.readouterr().out == ""  # progress goes to stderr
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],  # neither --member nor --out-dir
+        ["--member", "-1"],
+        ["--members", "0", "--out-dir", "x"],
+        ["--member", "0", "--members", "2"],
+        ["--member", "0", "--out-dir", "x"],
+        ["--out-dir", "x", "--out", "y.jsonl"],
+        ["--member", "0", "--batch", "4"],
+        ["--member", "0", "--contended"],
+        ["--member", "0", "--turns", "3"],
+        ["--member", "0", "--workload", "coding"],
+    ],
+)
+def test_bad_family_args_exit_2(tmp_path: Path, extra: list[str]) -> None:
+    extra = [str(tmp_path / arg) if arg in ("x", "y.jsonl") else arg for arg in extra]
+    with pytest.raises(SystemExit) as info:
+        main(["trace", "generate", "--family", *extra])
+    assert info.value.code == 2
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["--batch", "4", "--member", "0"], ["--batch", "4", "--max-trajectories", "9"]],
+)
+def test_bad_workload_args_exit_2(extra: list[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["trace", "generate", "--workload", "coding", *extra])
+    assert info.value.code == 2
 
 
 @pytest.mark.parametrize(

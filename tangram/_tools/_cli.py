@@ -33,6 +33,7 @@ from ..errors import TangramError
 from ._bench import BenchConfig
 from ._paths import STDIO, input_file, output_dir
 from ._report import add_commands as _add_simulate_commands
+from ._report import check_generate as _check_generate
 from ._report import dispatch as _dispatch_simulate
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main"]
@@ -317,6 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "simulate" and args.json == STDIO and args.plot == STDIO:
         parser.error("--json and --plot cannot both be - (standard output)")
+    _check_generate(parser, args)
     try:
         code = _run(args)
         sys.stdout.flush()  # inside the try: a reader gone makes the flush raise

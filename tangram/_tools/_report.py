@@ -18,14 +18,16 @@ from pathlib import Path
 from typing import IO, Any
 
 from .._sim._baselines import POLICIES, parse_policy, run_policy
+from .._sim._family import member
 from .._sim._generate import WORKLOADS, GenerateConfig, generate_lines
 from .._sim._simulate import SimulationResult
 from .._sim._trace import Trace, read_lines, read_trace
 from ..errors import PlotUnavailableError, TraceFormatError
-from ._paths import STDIO, input_file, output_file, plot_file, plot_format
+from ._paths import STDIO, input_file, output_dir, output_file, plot_file, plot_format
 
 __all__ = [
     "add_commands",
+    "check_generate",
     "dispatch",
     "plot_acts",
     "plot_sweep",
@@ -315,14 +317,45 @@ def add_commands(commands: Any) -> None:
     sub = trace.add_subparsers(dest="trace_command", required=True)
     gen = sub.add_parser(
         "generate",
-        help="write a synthetic trace shaped after one of the paper's workloads",
-        description="Writes a deterministic synthetic trace (docs: simulate.md).",
+        help="write a synthetic trace shaped after one of the paper's workloads, or a family",
+        description=(
+            "Writes a deterministic synthetic trace (docs: simulate.md), or members of the "
+            "seeded trace family that benchmarks/policy_family.py judges policies on."
+        ),
+    )
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--workload", choices=WORKLOADS, help="the paper's workload to imitate")
+    source.add_argument(
+        "--family",
+        action="store_true",
+        help="members of the trace family of --seed (one with --member, else --members of them)",
     )
     gen.add_argument(
-        "--workload", choices=WORKLOADS, required=True, help="the paper's workload to imitate"
+        "--batch", type=_at_least_one, help="trajectories in the step (needed with --workload)"
     )
-    gen.add_argument("--batch", type=_at_least_one, required=True, help="trajectories in the step")
     gen.add_argument("--seed", type=int, default=0, help="the generator's seed (default 0)")
+    gen.add_argument(
+        "--member", type=_non_negative_int, metavar="I", help="--family: member I alone"
+    )
+    gen.add_argument(
+        "--members",
+        type=_at_least_one,
+        metavar="N",
+        help="--family: members 0..N-1, one file each in --out-dir (default 64)",
+    )
+    gen.add_argument(
+        "--max-trajectories",
+        type=_at_least_one,
+        default=4096,
+        metavar="N",
+        help="--family: cap each member's trajectories, keeping the rest it drew (default 4096)",
+    )
+    gen.add_argument(
+        "--out-dir",
+        type=output_dir,
+        metavar="DIR",
+        help="--family: write each member to DIR/NAME.jsonl (created if missing)",
+    )
     gen.add_argument("--turns", type=_at_least_one, default=None, help="actions per trajectory")
     gen.add_argument(
         "--pareto-burst",
@@ -345,6 +378,51 @@ def add_commands(commands: Any) -> None:
     )
 
 
+_WORKLOAD_ONLY = ("turns", "pareto_burst", "contended")
+_FAMILY_ONLY = ("member", "members", "out_dir")
+
+
+def check_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse flag combinations of ``trace generate`` that would be silently ignored.
+
+    argparse cannot say "needed with --workload" or "only with --family"; a flag that does
+    nothing would let a user believe the file is what they asked for.
+    """
+    if args.command != "trace" or args.trace_command != "generate":
+        return
+    given = {
+        name
+        for name in (*_WORKLOAD_ONLY, *_FAMILY_ONLY)
+        # `is`, not `in (None, False)`: member 0 equals False.
+        if getattr(args, name) is not None and getattr(args, name) is not False
+    }
+    if args.workload is not None:
+        if args.batch is None:
+            parser.error("trace generate --workload needs --batch N")
+        if given & set(_FAMILY_ONLY) or args.max_trajectories != 4096:
+            parser.error("--member, --members, --max-trajectories and --out-dir go with --family")
+        return
+    if args.batch is not None or given & set(_WORKLOAD_ONLY):
+        parser.error("--batch, --turns, --pareto-burst and --contended go with --workload")
+    if args.member is not None:
+        if args.members is not None or args.out_dir is not None:
+            parser.error("--member writes one trace to --out; --members and --out-dir go alone")
+    elif args.out_dir is None:
+        parser.error("trace generate --family needs --member I (one trace) or --out-dir DIR")
+    elif args.out is not None:
+        parser.error("--out writes one trace (with --member); the family goes to --out-dir")
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (got {value})")
+    return value
+
+
 def _at_least_one(text: str) -> int:
     try:
         value = int(text)
@@ -360,6 +438,8 @@ def dispatch(args: argparse.Namespace) -> int | None:
 
     :raises TangramError: a malformed trace or a capacity the trace's actions exceed.
     """
+    if args.command == "trace" and args.trace_command == "generate" and args.family:
+        return _family_command(args)
     if args.command == "trace" and args.trace_command == "generate":
         config = GenerateConfig(
             workload=args.workload,
@@ -378,6 +458,27 @@ def dispatch(args: argparse.Namespace) -> int | None:
     if args.command == "simulate":
         return _simulate_command(args)
     return None
+
+
+def _family_command(args: argparse.Namespace) -> int:
+    if args.member is not None:
+        lines = member(args.seed, args.member, max_trajectories=args.max_trajectories).lines
+        if args.out in (None, STDIO):
+            sys.stdout.writelines(lines)
+        else:
+            with open(args.out, "w", encoding="utf-8", newline="\n") as handle:
+                handle.writelines(lines)
+        return 0
+    count = 64 if args.members is None else args.members
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    for index in range(count):
+        drawn = member(args.seed, index, max_trajectories=args.max_trajectories)
+        path = args.out_dir / f"{drawn.name}.jsonl"
+        with open(path, "w", encoding="utf-8", newline="\n") as handle:
+            handle.writelines(drawn.lines)
+        # The names say each member's class; the count shows progress on a long write.
+        print(path, file=sys.stderr)
+    return 0
 
 
 def _simulate_command(args: argparse.Namespace) -> int:
