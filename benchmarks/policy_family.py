@@ -13,6 +13,9 @@ What it measures
       lose);
     - ``pooled``: every GPU request on any device with no restore (GPU members only; not
       reachable, a yardstick);
+    - ``ref-gpu-fcfs``: GPU requests first come, first served on one pool of the devices,
+      restores paid and the least recently used idle replicas evicted (members of GPU
+      actions only): what a plain deployment reaches where ``pooled`` cannot be had;
     - ``static``: a slot per trajectory for its whole life, as verl and OpenRLHF do;
     - ``best-fixed-dop``: the best of ``FcfsPolicy(dop=K)`` over a grid of K.
 
@@ -36,7 +39,10 @@ Clusters that cannot hold the reference
     bigger replicas, than its GPUs hold), ``static`` and ``pooled`` are not a way to run
     it: some service must be restored whenever another took its devices. Their ratios
     are reported there but the targets are judged on the other members; the benchmark
-    lists those members with the restores tangram paid.
+    lists those members with the restores tangram paid. The GPU targets are also judged
+    against ``ref-gpu-fcfs``, which pays the same restores, on every member whose actions
+    are all on GPUs (``gpu_*_vs_ref_gpu_fcfs_worst``, the same goal as against
+    ``pooled``).
 
 The last line of stdout is one JSON object (``"bench": "policy_family"``). ``--quick``
 caps trajectories at 128 per member (well under a minute); the default caps them at 256;
@@ -60,11 +66,12 @@ from typing import Any
 
 from tangram._sim._baselines import run_policy, service_shares
 from tangram._sim._family import Member, family
+from tangram._sim._gpu_reference import ARM as GPU_FCFS
 from tangram._sim._references import simulate_best_fixed_dop
 from tangram._sim._simulate import SimulationResult
 from tangram._sim._trace import Trace
 
-REFERENCES = ("ref-srpt", "ref-fcfs", "pooled", "static", "best-fixed-dop")
+REFERENCES = ("ref-srpt", "ref-fcfs", "pooled", GPU_FCFS, "static", "best-fixed-dop")
 TIE = 1.01  # a ratio within 1% of a reference is a tie where the bottleneck is saturated
 SATURATED = 0.9  # share of the step the bottleneck is busy, under both runs
 
@@ -74,6 +81,8 @@ TARGETS: tuple[tuple[str, str, str, float, str], ...] = (
     ("p95_act_vs_ref_fcfs_worst", "ref-fcfs", "p95", 1.10, "all"),
     ("gpu_avg_act_vs_pooled_worst", "pooled", "avg", 1.3, "gpu"),
     ("gpu_p95_act_vs_pooled_worst", "pooled", "p95", 1.3, "gpu"),
+    ("gpu_avg_act_vs_ref_gpu_fcfs_worst", GPU_FCFS, "avg", 1.3, "gpu"),
+    ("gpu_p95_act_vs_ref_gpu_fcfs_worst", GPU_FCFS, "p95", 1.3, "gpu"),
     ("avg_act_vs_static_worst_untied", "static", "avg", 1.0, "untied"),
     ("avg_act_vs_best_fixed_dop_worst_untied", "best-fixed-dop", "avg", 1.0, "untied"),
 )
@@ -158,6 +167,8 @@ def _member(member: Member, frontier: bool = False) -> dict[str, Any]:
     for name in REFERENCES:
         if name == "pooled" and "gpu" not in member.kinds:
             continue
+        if name == GPU_FCFS and member.kinds != {"gpu"}:
+            continue  # it replays GPU actions only
         if name == "best-fixed-dop":
             results[name], dop = simulate_best_fixed_dop(trace)
         else:

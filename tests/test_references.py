@@ -11,6 +11,7 @@ from tangram import Elastic, Linear, Rate, SimulationResult, Step, simulate
 from tangram._sim import _references
 from tangram._sim._baselines import POLICIES, build_policy, parse_policy, run_policy
 from tangram._sim._generate import GenerateConfig, generate
+from tangram._sim._gpu_reference import ARM as GPU_FCFS
 from tangram._sim._references import (
     REFERENCES,
     FcfsAdmission,
@@ -168,6 +169,10 @@ def test_every_arm_runs_every_action(workload: str) -> None:
     capacity = {k: v for k, v in trace.capacity.items() if not trace.is_rate(k)}
     bound = {(r.trajectory, r.index): r.exec for r in run_policy("bound", trace).records}
     for name in REFERENCES:
+        if name == GPU_FCFS and workload != "mopd":
+            with pytest.raises(tangram.errors.InvalidSettingError, match="GPU actions only"):
+                run_policy(name, trace)
+            continue
         result = run_policy(name, trace)
         # Every action ran, so every grant was asked for and given: a lost unit would
         # leave some action waiting for ever (the run would end with it unrecorded).

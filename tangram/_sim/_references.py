@@ -17,6 +17,10 @@ rule fits on a screen, so it can be checked by reading:
 - Both split each elastic kind by water-fill: the units not held by others go to the
   running resizable actions of the kind and the newcomers, equal shares capped at each
   one's maximum and never below its minimum (max-min fair), recomputed at every pass.
+- :func:`~tangram._sim._gpu_reference.simulate_gpu_fcfs` (arm ``ref-gpu-fcfs``, traces of
+  GPU actions only): one first-come-first-served line for every device, restores paid
+  and least-recently-used replicas evicted, in a pool model of its own
+  (:mod:`._gpu_reference`): what a plain deployment reaches where ``pooled`` cannot.
 - :func:`simulate_best_fixed_dop` (arm ``best-fixed-dop``): :class:`~tangram.FcfsPolicy`
   with each degree of parallelism of a small grid, the best average ACT kept: the fixed-DoP
   ablation at its best K, known only in hindsight.
@@ -32,6 +36,8 @@ import attrs
 
 from .._core._policy import Entry, FcfsPolicy, Plan, Policy, State
 from ..errors import InvalidSettingError
+from ._gpu_reference import ARM as GPU_FCFS
+from ._gpu_reference import simulate_gpu_fcfs
 from ._simulate import SimulationResult, simulate
 from ._trace import Trace
 
@@ -47,7 +53,7 @@ __all__ = [
     "water_fill",
 ]
 
-REFERENCES = ("ref-srpt", "ref-fcfs", "best-fixed-dop")
+REFERENCES = ("ref-srpt", "ref-fcfs", GPU_FCFS, "best-fixed-dop")
 """Simulator arms that are references, not product policies (not in the policy registry)."""
 
 # Degrees of parallelism the best-fixed-DoP arm tries, below the trace's largest maximum;
@@ -252,5 +258,7 @@ def run_reference(
         raise InvalidSettingError(f"unknown reference {name!r} (known: {', '.join(REFERENCES)})")
     if name == "best-fixed-dop":
         return simulate_best_fixed_dop(trace, overrides)[0]
+    if name == GPU_FCFS:
+        return simulate_gpu_fcfs(trace, overrides)
     policy: Policy = ShortestFirst() if name == "ref-srpt" else FcfsAdmission()
     return replay(trace, policy, overrides)
