@@ -13,24 +13,29 @@ What it measures
       heartbeat, a placement). The *knee* is the first worker count after which more
       workers add less than 10 % of actions per second.
     - *sandbox*: a host agent on each of 1 to 8 nodes (the embedded local backend, 2
-      cores each), and workers whose trajectories each open a sandbox (placed by the job
-      actor) and run ``true`` in it back to back: the verl adapter's path. Twice: with
-      agents that decide their node's cores (``tangram.ray.start_agent``, as shipped),
-      and with agents whose cores the job's actor decides (``CentralAgent``, the path
-      before issue 30: worker -> agent -> job actor for the node's cores). Sandbox
+      cores each), and workers on those nodes whose trajectories each open a sandbox and
+      run ``true`` in it back to back: the verl adapter's path. Twice: as shipped, with
+      agents that decide their node's cores (``tangram.ray.start_agent``) and workers
+      that know their node's agent as the adapters' do, so a sandbox opens there while
+      the node has a core per sandbox (else the job's actor places it) and an idle
+      worker beats through it; and as before issue 30, with agents whose cores the job's
+      actor decides (``CentralAgent``: worker -> agent -> job actor for the node's
+      cores) and every sandbox placed and every proxy heard by the job's actor. Sandbox
       actions per second, the latency of ``sbx.run`` at p50 and p99, the job actor's CPU
       time and messages per sandbox action (all, and those on the action's path: less
-      the heartbeats, one per proxy per second, and placements, one per sandbox block),
+      the heartbeats and placements, which include a worker's telling the job's actor
+      which node's agent is its home, once per worker),
       and the most cores each node's kind ever held against the cores it has.
     - *fault*: after the node arm's widest window, the same workers again for twice as
       long, and one node's agent killed halfway: the runs per second of the other nodes
       after the kill over before (none may run on the dead node after it). The nodes
       share this machine's cores, so the dead node's share goes to the others: a ratio
       under 1 is a loss, one above is that share.
-    - *bare*: an async Ray actor that decides nothing and only answers long polls, one
-      a second from as many pollers as the widest sandbox window has proxies, its CPU
-      per second: Ray's own cost of an actor that hears its proxies live, which no
-      protocol removes. Spread over a window's runs it is the floor under the job
+    - *bare*: an async Ray actor that decides nothing and only answers long polls, as
+      many and as often as the job's actor gets them in the node arm's widest window
+      (each agent's, passing its workers' beats on, and the driver's), its CPU per
+      second: Ray's own cost of an actor that hears its proxies live, which no protocol
+      removes. Spread over a window's runs it is the floor under the job
       actor's CPU per run, reported beside that target.
 
 Why
@@ -85,7 +90,9 @@ except ImportError:  # pragma: no cover - the benchmark needs the extra
     raise
 
 import tangram.ray as tray
+from tangram._core._beats import relay_wait
 from tangram._shared._agent import HostAgentActor
+from tangram._shared._protocol import DEFAULT_HEARTBEAT, DEFAULT_TIMEOUT
 from tangram._sim._scaleout import Costs, Job, model
 from tangram.errors import SandboxBrokenError
 
@@ -123,6 +130,17 @@ async def _runs(
                 raise RuntimeError(f"`true` failed in the sandbox: {result!r}")
 
 
+# A worker's own node's agent, as (host, actor), as the adapters' workers know it.
+Home = tuple[str, Any] | None
+
+
+async def _at_home(remote: tray.RemoteRuntime, home: Home) -> None:
+    """What a worker that started its node's agent does (``open_shared(agent=True)``):
+    its sandboxes open there first, and its idle beats go through it."""
+    if home is not None:
+        await remote._home(*home)
+
+
 @ray.remote(num_cpus=0)
 class Worker:
     """One rollout process with a proxy on the job's scheduler."""
@@ -146,20 +164,24 @@ class Worker:
         return []
 
     async def timed(
-        self, trajectories: int, start: float, seconds: float
+        self, trajectories: int, start: float, seconds: float, home: Home = None
     ) -> list[tuple[str, float]]:
         """Each run's host and end time, trajectories ending where their host dies."""
         runs: list[tuple[str, float]] = []
         async with tray.connect(name=NAME, create=False) as remote:
+            await _at_home(remote, home)
             await anyio.sleep(max(0.0, start - time.time()))
             async with anyio.create_task_group() as tg:
                 for _ in range(trajectories):
                     tg.start_soon(_timed_runs, remote, start + seconds, runs)
         return runs
 
-    async def sandbox(self, trajectories: int, start: float, seconds: float) -> list[float]:
+    async def sandbox(
+        self, trajectories: int, start: float, seconds: float, home: Home = None
+    ) -> list[float]:
         spans: list[float] = []
         async with tray.connect(name=NAME, create=False) as remote:
+            await _at_home(remote, home)
             await anyio.sleep(max(0.0, start - time.time()))
             async with anyio.create_task_group() as tg:
                 for _ in range(trajectories):
@@ -179,32 +201,35 @@ class Bare:
         return []
 
 
-async def _bare_arm(seconds: float, pollers: int) -> float:
-    """CPU seconds per second of an actor that only answers ``pollers`` long polls.
+async def _bare_arm(seconds: float, waits: list[float]) -> float:
+    """CPU seconds per second of an actor that only answers long polls, one poller per
+    entry of ``waits``, each waiting that long per call.
 
-    Each poller waits a heartbeat (1 s) per call, as a proxy does when nothing happens,
-    with the scheduler's concurrency. The floor under the job actor's CPU per action:
-    the actor must hear that its proxies live, and at this machine's action rates Ray's
-    own cost of that is most of what is left. Read from ``/proc`` in clock ticks
-    (10 ms), so over ``seconds`` it is good to ``10 ms / seconds`` per second.
+    The node arm's widest window as shipped polls the job's actor so: each agent passing
+    its workers' beats on (``relay_wait``) and the driver's own proxy once a heartbeat,
+    with the scheduler's concurrency. The floor under the job actor's CPU per action: the
+    actor must hear that its proxies live, and at this machine's action rates Ray's own
+    cost of an actor (most of it fixed, whatever it answers) is most of what is left.
+    Read from ``/proc`` in clock ticks (10 ms), so over ``seconds`` it is good to
+    ``10 ms / seconds`` per second.
     """
     bare = Bare.options(max_concurrency=10_000).remote()  # type: ignore[attr-defined]
     pid = await bare.pid.remote()
     await anyio.sleep(1.0)  # past its start-up
     stop = time.monotonic() + seconds
 
-    async def poller() -> None:
+    async def poller(wait: float) -> None:
         while time.monotonic() < stop:
-            await bare.poll.remote(1.0)
+            await bare.poll.remote(wait)
 
     began, before = time.monotonic(), _cpu(pid)
     async with anyio.create_task_group() as tg:
-        for _ in range(pollers):
-            tg.start_soon(poller)
+        for wait in waits:
+            tg.start_soon(poller, wait)
     cpu = (_cpu(pid) - before) / (time.monotonic() - began)
     ray.kill(bare)
     print(
-        f"  bare actor, {pollers} pollers: {1e3 * cpu:.2f} ms CPU per second",
+        f"  bare actor, {len(waits)} pollers: {1e3 * cpu:.2f} ms CPU per second",
         file=sys.stderr,
         flush=True,
     )
@@ -348,26 +373,50 @@ async def _sandbox_arm(
                         )
                         actor, pid = agent.actor, agent.pid
                     agents.append((f"cpu@{name}", pid, actor))
-                rows.append(await _sandbox_window(remote, workers, mode, count, agents, shape))
+                window = _sandbox_window(remote, workers, len(node_ids), mode, agents, shape)
+                rows.append(await window)
             if mode == "node" and len(agents) > 1:
-                rows[-1]["fault"] = await _fault_window(workers, agents, shape)
+                rows[-1]["fault"] = await _fault_window(workers, len(node_ids), agents, shape)
         finally:
             for _, _, actor in agents:
                 await _stop(actor)
     return rows
 
 
+def _placed(
+    workers: list[Any], nodes: int, agents: list[tuple[str, int, Any]], count: int, homed: bool
+) -> tuple[list[Any], list[Home]]:
+    """``count`` workers on the nodes that have an agent, round-robin over those nodes,
+    with their node's agent as home when ``homed`` (the node arm, as the adapters run).
+
+    Worker ``i`` lives on node ``i % len(nodes)`` (created so), and agent ``k`` on node
+    ``k``: so a window on fewer nodes has its workers there too, as a job that size would.
+    """
+    chosen = [i for i in range(len(workers)) if i % nodes < len(agents)][:count]
+    if len(chosen) < count:
+        raise RuntimeError(f"{count} workers asked on {len(agents)} nodes; too few started")
+    homes: list[Home] = [
+        (agents[i % nodes][0].split("@", 1)[1], agents[i % nodes][2]) if homed else None
+        for i in chosen
+    ]
+    return [workers[i] for i in chosen], homes
+
+
 async def _sandbox_window(
     remote: tray.RemoteRuntime,
     workers: list[Any],
+    nodes: int,
     mode: str,
-    count: int,
     agents: list[tuple[str, int, Any]],
     shape: dict[str, Any],
 ) -> dict[str, Any]:
-    chosen = workers[: shape["workers"]]
+    count = len(agents)
+    chosen, homes = _placed(workers, nodes, agents, shape["workers"], mode == "node")
     start = _start_at(len(chosen))
-    calls = [w.sandbox.remote(shape["trajectories"], start, shape["seconds"]) for w in chosen]
+    calls = [
+        w.sandbox.remote(shape["trajectories"], start, shape["seconds"], home)
+        for w, home in zip(chosen, homes, strict=True)
+    ]
     before = sum(_cpu(pid) for _, pid, _ in agents)
     spans, row = await _window(remote, calls, shape["seconds"])
     agent_cpu = sum(_cpu(pid) for _, pid, _ in agents) - before
@@ -394,15 +443,18 @@ async def _sandbox_window(
 
 
 async def _fault_window(
-    workers: list[Any], agents: list[tuple[str, int, Any]], shape: dict[str, Any]
+    workers: list[Any], nodes: int, agents: list[tuple[str, int, Any]], shape: dict[str, Any]
 ) -> dict[str, Any]:
     """Kill one node's agent halfway through a window; the other nodes' runs per second
     after, over before. All nodes share this machine's cores, so the dead node's share
     of them goes to the others: read a ratio under 1 as a loss, one above as that."""
-    chosen = workers[: shape["workers"]]
+    chosen, homes = _placed(workers, nodes, agents, shape["workers"], True)
     seconds = 2 * shape["seconds"]
     start = _start_at(len(chosen))
-    calls = [w.timed.remote(shape["trajectories"], start, seconds) for w in chosen]
+    calls = [
+        w.timed.remote(shape["trajectories"], start, seconds, home)
+        for w, home in zip(chosen, homes, strict=True)
+    ]
     await anyio.sleep(max(0.0, start + seconds / 2 - time.time()))
     killed_at = time.time()
     dead = agents[0][0].split("@", 1)[1]
@@ -482,9 +534,15 @@ def model_check(
     (``send``), the agent's per call from the window's agents (half of their CPU per run:
     the model charges a call and a release). The workload is
     the window's: its nodes, trajectories and workers, no think time, and each run's
-    time on a core inferred from the runs per second measured. The model opens the
-    sandboxes but does not close them or the proxies: those messages (a placement per
-    trajectory, a departure per worker) are added here.
+    time on a core inferred from the runs per second measured. Who decides what is the
+    arm's: in the central arm the job's actor decides cores and places every sandbox and
+    every proxy polls it; in the node arm, as shipped, the agents decide, a sandbox opens
+    on its worker's node and idle workers beat through their agent. The model opens the
+    sandboxes but does not close them, nor start or end the proxies, and its nodes never
+    spill a sandbox: those messages are added here (a placement per trajectory at its
+    close in the central arm; in the node arm a place and an unplace per sandbox past a
+    core each on its node, and each worker's first poll and its home; in both a departure
+    per worker and the driver's own poll, once a second).
     """
     count = row["nodes"]
     trajectories = shape["workers"] * shape["trajectories"]
@@ -494,6 +552,7 @@ def model_check(
     busy = min(CORES_PER_NODE, per_node) * count / max(row["actions_per_s"], 1e-9)
     if per_node <= CORES_PER_NODE:  # cores do not bind: a run's cycle is all its time
         busy -= 2 * latency + agent
+    shipped = row["mode"] == "node"
     job = Job(
         nodes=count,
         trajectories=per_node,
@@ -502,16 +561,20 @@ def model_check(
         think=0.0,
         seconds=max(busy, 1e-3),
         actions=10**6,
-        cores_by="job" if row["mode"] == "central" else "node",
-        # Its workers reach agents the driver started, not their own node's.
-        placement_by="job",
-        heartbeats_by="proxy",
+        cores_by="node" if shipped else "job",
+        placement_by="node" if shipped else "job",
+        heartbeats_by="node" if shipped else "proxy",
     )
     costs = Costs(
         actor=send, agent=agent, latency=latency, beat=idle[1], place=idle[1], idle=idle[0]
     )
     predicted = model(job, costs, horizon=shape["seconds"], warmup=0.0, seed=count)
-    closing = trajectories + shape["workers"]
+    if shipped:
+        spilled = count * max(0, per_node - CORES_PER_NODE)
+        closing = 2 * spilled + 3 * shape["workers"]
+    else:
+        closing = trajectories + shape["workers"]
+    closing += shape["seconds"]  # the driver's own poll, once a heartbeat (1 s)
     runs = max(predicted.actions_per_s * shape["seconds"], 1.0)
     messages = predicted.actor_messages_per_action + closing / runs
     cpu = predicted.actor_load * shape["seconds"] / runs + closing * idle[1] / runs
@@ -540,10 +603,11 @@ async def _bench(
         async with tray.connect(name=NAME, capacity={"cpu": CAPACITY}) as remote:
             acquire = await _acquire_arm(remote, workers, plan["workers"], plan["seconds"])
             idle = await _idle_arm(remote, workers[: shape["workers"]], plan["seconds"])
-            # As many pollers as the node arm's widest window has proxies: its
-            # workers, its agents and this driver.
-            pollers = shape["workers"] + max(plan["agents"]) + 1
-            bare = await _bare_arm(2 * plan["seconds"], pollers)
+            # The node arm's widest window's polls: each agent's, passing its workers'
+            # beats on, and this driver's.
+            relay = relay_wait(DEFAULT_HEARTBEAT, DEFAULT_TIMEOUT)
+            waits = [relay] * max(plan["agents"]) + [DEFAULT_HEARTBEAT]
+            bare = await _bare_arm(max(2 * plan["seconds"], 3 * relay), waits)
             sandbox = await _sandbox_arm(remote, workers, node_ids, plan["agents"], shape, roots)
     finally:
         for root in roots:

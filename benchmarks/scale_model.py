@@ -16,8 +16,10 @@ What it measures
       node's agent (while the node has a core per open sandbox, which these nodes
       always have); every proxy's heartbeat still goes to the job's actor;
     - *shipped*: as node placement, and an idle worker beats to its node's agent, which
-      beats for the node's workers to the job's actor once per second;
-    - *shipped, 3 s beat*: the same with heartbeats every 3 s.
+      passes the node's beats on in one poll of the job's actor every ``relay_wait``
+      seconds (3 at the 1 s heartbeat and 10 s lease timeout);
+    - *shipped, 3 s beat*: the same with heartbeats every 3 s (its agents poll every
+      ``relay_wait(3, 10)`` = 2.33 s).
 
     For each: sandbox actions per second cluster-wide, decision latency p50 and p99 (from
     the later of the ask and the unit coming free to the grant reaching the agent), the

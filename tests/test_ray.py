@@ -325,6 +325,22 @@ async def test_a_grant_made_as_a_silent_process_is_dropped_fails_its_request() -
         await actor.close()
 
 
+async def test_a_workers_home_counts_as_a_placement_not_on_an_actions_path() -> None:
+    """``ray_ceiling`` reads messages less heartbeats and placements as those on an
+    action's path: a worker's ``home``, once per worker, is where its sandboxes live."""
+    from tangram._shared._cluster import ClusterSchedulerActor
+
+    actor = ClusterSchedulerActor({"cpu": 2}, None, heartbeat=0.05, timeout=5.0, token="t")
+    try:
+        first = await actor.counters()
+        await actor.home("a", "node-a")
+        after = await actor.counters()
+        assert after["messages"] - first["messages"] == 1
+        assert after["placements"] - first["placements"] == 1
+    finally:
+        await actor.close()
+
+
 async def test_the_scheduler_counts_the_messages_it_receives() -> None:
     """Every protocol call reaches the count ``benchmarks/ray_ceiling.py`` divides by the
     actions: a batch, a heartbeat, a departure; the actor's CPU time only grows."""

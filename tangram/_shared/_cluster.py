@@ -173,9 +173,11 @@ class ClusterSchedulerActor(SchedulerActor):
         """Worker ``cid`` opens sandboxes on host ``host``'s agent itself, from now on.
 
         Told once, before its first: when the worker is dropped, that agent (only) is
-        asked to close them.
+        asked to close them. Counted as a placement: it says where sandboxes live, once
+        per worker, on no action's path.
         """
         self.messages += 1
+        self.placements += 1
         await self._ready()
         self._homes[cid] = host
 

@@ -28,6 +28,7 @@ import anyio.abc
 import anyio.lowlevel
 
 from .._core._action import Action
+from .._core._beats import relay_wait
 from .._core._estimator import Estimator
 from .._core._resources import Capacity, parse_capacity
 from .._runtime._actions import Actions, duration
@@ -358,10 +359,14 @@ class RemoteRuntime(RunMixin):
             if local is not None and await self._beat_locally(local):
                 continue
             relayed, self._relayed = self._relayed, set()
-            # An agent that passes beats on polls twice a heartbeat from the first, so a
-            # relayed beat is at most half a heartbeat later than the worker's own poll.
+            # An agent that passes beats on polls at the pace that keeps its workers
+            # inside the lease timeout (the rule and its margin: ``relay_wait``).
             self._relays = self._relays or bool(relayed)
-            wait = self._heartbeat / 2 if self._relays else self._heartbeat
+            wait = (
+                relay_wait(self._heartbeat, self._lease_timeout)
+                if self._relays
+                else self._heartbeat
+            )
             self.calls += 1
             try:
                 events = await self._actor.poll.remote(

@@ -125,7 +125,7 @@ class SchedulerActor:
         # one actor (benchmarks/ray_ceiling.py counts them per action).
         self.messages = 0
         self.heartbeats = 0  # of which polls: one per proxy per heartbeat, not per action
-        self.placements = 0  # and where a sandbox or service block goes: one per block
+        self.placements = 0  # where a sandbox or service block goes (one per block), homes
         self._gates: dict[float, Gate] = {}
         self._members: dict[int, _Member] = {}
 

@@ -14,11 +14,12 @@ its worker to its node's agent, which decides the node's cores and reports to th
 actor once per ``report_every`` actions; a sandbox opens on its worker's own node's
 agent (one call there when it opens and one when it closes; the model's nodes have a
 core per trajectory, so none spills to the job's actor), and each worker beats to its
-node's agent, which beats for all of them to the job's actor once per ``heartbeat``
-seconds. Before issue 30 the agent also asked the job's actor for the cores, and told
-it of the release; until the node placed its workers' sandboxes, the job's actor placed
-each one (a message when it opens and one when it closes), and every proxy (each
-worker's and each agent's) beat to the job's actor.
+node's agent, which passes all their beats on in one poll of the job's actor every
+:func:`~tangram._core._beats.relay_wait` seconds (3 at the default heartbeat and lease
+timeout; twice a heartbeat before). Before issue 30 the agent also asked the job's
+actor for the cores, and told it of the release; until the node placed its workers'
+sandboxes, the job's actor placed each one (a message when it opens and one when it
+closes), and every proxy (each worker's and each agent's) beat to the job's actor.
 
 What it leaves out, on purpose: the sandbox's start-up and process spawns (an action's
 seconds are its whole run), GPU services and quotas, and failures. Pure: no clock, no I/O.
@@ -37,6 +38,7 @@ from typing import Literal
 import attrs
 
 from .._core._action import Action
+from .._core._beats import relay_wait
 from .._core._demand import build_demand
 from .._core._efficiency import Estimate, Linear
 from .._core._estimator import Estimator
@@ -90,6 +92,7 @@ class Job:
     sigma: float = 0.5
     actions: int = 20
     heartbeat: float = 1.0
+    lease_timeout: float = 10.0
     report_every: int = 1024
     cores_by: Literal["job", "node"] = "node"
     placement_by: Literal["job", "node"] = "node"
@@ -269,18 +272,24 @@ class _Model:
 
     def heartbeat(self, now: float) -> None:
         job = self.job
-        # An agent passing its workers' beats on polls twice a heartbeat (the proxy's
-        # ``_poller``), so a relayed beat is no more than half a heartbeat late.
-        proxies = job.workers + 1 if job.heartbeats_by == "proxy" else 2
         beat = self.costs.beat
         for node in range(job.nodes):
-            for _ in range(proxies):
-                self.to_actor(now, cost=beat)
-            if job.heartbeats_by == "node":  # the node's workers beat to their agent
+            if job.heartbeats_by == "proxy":  # every worker and the agent poll the actor
+                for _ in range(job.workers + 1):
+                    self.to_actor(now, cost=beat)
+            else:  # the node's workers beat to their agent
                 for _ in range(job.workers):
                     self.agents[node].serve(now + self.costs.latency, self.costs.agent)
         if now + job.heartbeat < self.horizon:
             self.at(now + job.heartbeat, self.heartbeat)
+
+    def relay(self, now: float) -> None:
+        """A node's agent polls the job's actor, passing its workers' beats on, at the
+        proxy's pace (:func:`~tangram._core._beats.relay_wait`)."""
+        self.to_actor(now, cost=self.costs.beat)
+        wait = relay_wait(self.job.heartbeat, self.job.lease_timeout)
+        if now + wait < self.horizon:
+            self.at(now + wait, self.relay)
 
     def run(self) -> ModelResult:
         job, rng = self.job, self.rng
@@ -289,6 +298,10 @@ class _Model:
                 start = rng.uniform(0.0, max(job.think, job.seconds))
                 self.at(start, functools.partial(self.open_sandbox, node, traj))
         self.at(rng.uniform(0.0, job.heartbeat), self.heartbeat)
+        if job.heartbeats_by == "node":  # each agent from its own start
+            wait = relay_wait(job.heartbeat, job.lease_timeout)
+            for _ in range(job.nodes):
+                self.at(rng.uniform(0.0, wait), self.relay)
         events = self.events
         while events and events[0][0] < self.horizon:
             now, _, handler = heapq.heappop(events)
