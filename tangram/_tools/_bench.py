@@ -130,10 +130,17 @@ class BenchResult:
     tangram: ArmOutcome
     static: ArmOutcome
     verl: ArmOutcome
+    #: the later rounds' (tangram, verl) arms, in the order of the rounds
+    later: tuple[tuple[ArmOutcome, ArmOutcome], ...] = ()
 
     @property
     def arms(self) -> tuple[ArmOutcome, ...]:
         return (self.tangram, self.static, self.verl)
+
+    @property
+    def rounds(self) -> tuple[tuple[ArmOutcome, ArmOutcome], ...]:
+        """Every round's (tangram, verl) arms, the first round's first."""
+        return ((self.tangram, self.verl), *self.later)
 
 
 ProgressHook = Callable[[str, MeasuredAction | None], None]
@@ -475,11 +482,30 @@ async def _run(config: BenchConfig, hook: ProgressHook) -> BenchResult:
     for name in ("tangram", "static", "verl"):
         backend = await _make_backend(config)
         arms[name] = await _Arm(name, config, plans, hook).run(backend)
-    return BenchResult(config, backend_name, arms["tangram"], arms["static"], arms["verl"])
+    later: list[tuple[ArmOutcome, ArmOutcome]] = []
+    for number in range(2, config.rounds + 1):
+        # Which arm goes first alternates, so a drift of the machine's speed over the
+        # run (another job starting, the disk cache warming) favours neither.
+        order = ("verl", "tangram") if number % 2 == 0 else ("tangram", "verl")
+        labelled = functools.partial(_labelled, hook, number)
+        pair: dict[str, ArmOutcome] = {}
+        for name in order:
+            backend = await _make_backend(config)
+            pair[name] = await _Arm(name, config, plans, labelled).run(backend)
+        later.append((pair["tangram"], pair["verl"]))
+    return BenchResult(
+        config, backend_name, arms["tangram"], arms["static"], arms["verl"], tuple(later)
+    )
+
+
+def _labelled(hook: ProgressHook, number: int, arm: str, record: MeasuredAction | None) -> None:
+    """Progress of a later round's arm, named with its round (``verl 2``)."""
+    hook(f"{arm} {number}", record)
 
 
 def run_bench(config: BenchConfig, hook: ProgressHook | None = None) -> BenchResult:
-    """Run the three arms, tangram first, on fresh pools and runtimes; blocks until done.
+    """Run the three arms, tangram first, then ``config.rounds - 1`` more rounds of the
+    tangram and verl arms, each on fresh pools and runtimes; blocks until done.
 
     A ``KeyboardInterrupt`` cancels the step; every sandbox, server and model pool is
     closed on the way out (their ``async with`` blocks shield their cleanup).

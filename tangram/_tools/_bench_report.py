@@ -74,13 +74,21 @@ def _over(base: ArmSummary, ours: ArmSummary, prefix: str) -> dict[str, float]:
     }
 
 
+def round_ratios(result: BenchResult) -> list[dict[str, float]]:
+    """verl over tangram in each round, the first round's first."""
+    return [
+        _over(summarise_arm(verl), summarise_arm(tangram), "verl_")
+        for tangram, verl in result.rounds
+    ]
+
+
 def ratios(result: BenchResult) -> dict[str, float]:
     """Each baseline over tangram (static unprefixed, verl ``verl_``): above 1, tangram is
-    better."""
-    ours = summarise_arm(result.tangram)
+    better. verl's are the median over the rounds (:func:`round_ratios`)."""
+    rounds = round_ratios(result)
     return {
-        **_over(summarise_arm(result.static), ours, ""),
-        **_over(summarise_arm(result.verl), ours, "verl_"),
+        **_over(summarise_arm(result.static), summarise_arm(result.tangram), ""),
+        **{name: statistics.median(r[name] for r in rounds) for name in rounds[0]},
     }
 
 
@@ -100,12 +108,21 @@ def bench_table(result: BenchResult) -> str:
             f"{s.exec:>7.3f} {s.overhead:>8.3f} {s.step_seconds:>7.1f} {s.core_seconds:>7.1f}"
         )
     r = ratios(result)
+    rounds = round_ratios(result)
     for name, prefix in (("static", ""), ("verl", "verl_")):
-        lines.append(
+        line = (
             f"{name} / tangram: avg ACT {r[prefix + 'avg_act']:.2f}x, "
             f"p95 ACT {r[prefix + 'p95_act']:.2f}x, step {r[prefix + 'step_seconds']:.2f}x, "
             f"core-s {r[prefix + 'core_seconds']:.2f}x"
         )
+        if prefix and len(rounds) > 1:
+            acts = [each["verl_avg_act"] for each in rounds]
+            steps = [each["verl_step_seconds"] for each in rounds]
+            line += (
+                f" (median of {len(rounds)} rounds; avg ACT {min(acts):.2f}-{max(acts):.2f}x, "
+                f"step {min(steps):.2f}-{max(steps):.2f}x)"
+            )
+        lines.append(line)
     for arm in result.arms:
         kinds = sorted({rec.kind for rec in arm.records})
         parts = []
@@ -152,14 +169,24 @@ def _arm_json(arm: ArmOutcome) -> dict[str, Any]:
     }
 
 
+def _brief(arm: ArmOutcome) -> dict[str, float]:
+    s = summarise_arm(arm)
+    return {"avg_act": s.avg_act, "p95_act": s.p95_act, "step_seconds": s.step_seconds}
+
+
 def report(result: BenchResult) -> dict[str, Any]:
-    """The JSON report: configuration, every arm in full, ratios and targets."""
+    """The JSON report: configuration, the first round's arms in full, each round's
+    tangram and verl figures, ratios (verl's the rounds' median) and targets."""
     r = ratios(result)
     return {
         "bench": "tangram_bench",
         "config": attrs.asdict(result.config),
         "backend": result.backend,
         "arms": {arm.name: _arm_json(arm) for arm in result.arms},
+        "rounds": [
+            {"tangram": _brief(tangram), "verl": _brief(verl), "ratios": each}
+            for (tangram, verl), each in zip(result.rounds, round_ratios(result), strict=True)
+        ],
         "ratios": r,
         "targets": {
             name: {"value": r[name], "goal": f">= {goal:g}", "met": r[name] >= goal}

@@ -131,9 +131,13 @@ class BenchConfig:
     #: cores each sandbox call runs on in the verl arm: one, as SandboxFusion runs a call
     #: as one process and verl has no setting for it.
     call_cores: int = 1
+    #: rounds of the tangram and verl arms (the first with static between them, the
+    #: others alternating which goes first); the verl ratios are their median, so one
+    #: noisy round on a shared machine does not make the figure.
+    rounds: int = 3
 
     def __attrs_post_init__(self) -> None:
-        for name in ("trajectories", "cores", "turns", "call_cores"):
+        for name in ("trajectories", "cores", "turns", "call_cores", "rounds"):
             whole(name, getattr(self, name), minimum=1)
         if self.call_cores > self.cores:
             raise InvalidSettingError(

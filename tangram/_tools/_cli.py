@@ -173,6 +173,14 @@ def _add_bench_command(commands: Any) -> None:
         help="the search service's requests per second (default %(default)s)",
     )
     bench.add_argument(
+        "--rounds",
+        type=_positive_int,
+        default=defaults.rounds.default,
+        metavar="N",
+        help="rounds of the tangram and verl arms, alternating which goes first; verl's "
+        "ratios are their median (default %(default)s)",
+    )
+    bench.add_argument(
         "--out",
         type=output_dir,
         metavar="DIR",
@@ -214,7 +222,16 @@ def _bench(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return EXIT_FAILED
-    fields = ("trajectories", "cores", "turns", "seed", "sandbox", "time_scale", "search_rate")
+    fields = (
+        "trajectories",
+        "cores",
+        "turns",
+        "seed",
+        "sandbox",
+        "time_scale",
+        "search_rate",
+        "rounds",
+    )
     config = default_config(**{name: getattr(args, name) for name in fields})
     # Progress on stderr (live on a terminal), so stdout carries the table alone.
     with live_progress(config.trajectories * (config.turns + 1), sys.stderr) as hook:
