@@ -130,17 +130,6 @@ async def _runs(
                 raise RuntimeError(f"`true` failed in the sandbox: {result!r}")
 
 
-# A worker's own node's agent, as (host, actor), as the adapters' workers know it.
-Home = tuple[str, Any] | None
-
-
-async def _at_home(remote: tray.RemoteRuntime, home: Home) -> None:
-    """What a worker that started its node's agent does (``open_shared(agent=True)``):
-    its sandboxes open there first, and its idle beats go through it."""
-    if home is not None:
-        await remote._home(*home)
-
-
 @ray.remote(num_cpus=0)
 class Worker:
     """One rollout process with a proxy on the job's scheduler."""
@@ -164,24 +153,20 @@ class Worker:
         return []
 
     async def timed(
-        self, trajectories: int, start: float, seconds: float, home: Home = None
+        self, trajectories: int, start: float, seconds: float
     ) -> list[tuple[str, float]]:
         """Each run's host and end time, trajectories ending where their host dies."""
         runs: list[tuple[str, float]] = []
         async with tray.connect(name=NAME, create=False) as remote:
-            await _at_home(remote, home)
             await anyio.sleep(max(0.0, start - time.time()))
             async with anyio.create_task_group() as tg:
                 for _ in range(trajectories):
                     tg.start_soon(_timed_runs, remote, start + seconds, runs)
         return runs
 
-    async def sandbox(
-        self, trajectories: int, start: float, seconds: float, home: Home = None
-    ) -> list[float]:
+    async def sandbox(self, trajectories: int, start: float, seconds: float) -> list[float]:
         spans: list[float] = []
         async with tray.connect(name=NAME, create=False) as remote:
-            await _at_home(remote, home)
             await anyio.sleep(max(0.0, start - time.time()))
             async with anyio.create_task_group() as tg:
                 for _ in range(trajectories):
@@ -383,23 +368,18 @@ async def _sandbox_arm(
     return rows
 
 
-def _placed(
-    workers: list[Any], nodes: int, agents: list[tuple[str, int, Any]], count: int, homed: bool
-) -> tuple[list[Any], list[Home]]:
-    """``count`` workers on the nodes that have an agent, round-robin over those nodes,
-    with their node's agent as home when ``homed`` (the node arm, as the adapters run).
+def _placed(workers: list[Any], nodes: int, agents: int, count: int) -> list[Any]:
+    """``count`` workers on the nodes that have an agent, round-robin over those nodes.
 
-    Worker ``i`` lives on node ``i % len(nodes)`` (created so), and agent ``k`` on node
-    ``k``: so a window on fewer nodes has its workers there too, as a job that size would.
+    Worker ``i`` lives on node ``i % nodes`` (created so), and agent ``k`` on node ``k``:
+    so a window on fewer nodes has its workers there too, as a job that size would. A
+    worker connecting on a node whose agent decides its cores (the node arm) opens its
+    sandboxes there and beats through it, as the adapters' workers do.
     """
-    chosen = [i for i in range(len(workers)) if i % nodes < len(agents)][:count]
+    chosen = [i for i in range(len(workers)) if i % nodes < agents][:count]
     if len(chosen) < count:
-        raise RuntimeError(f"{count} workers asked on {len(agents)} nodes; too few started")
-    homes: list[Home] = [
-        (agents[i % nodes][0].split("@", 1)[1], agents[i % nodes][2]) if homed else None
-        for i in chosen
-    ]
-    return [workers[i] for i in chosen], homes
+        raise RuntimeError(f"{count} workers asked on {agents} nodes; too few started")
+    return [workers[i] for i in chosen]
 
 
 async def _sandbox_window(
@@ -411,12 +391,9 @@ async def _sandbox_window(
     shape: dict[str, Any],
 ) -> dict[str, Any]:
     count = len(agents)
-    chosen, homes = _placed(workers, nodes, agents, shape["workers"], mode == "node")
+    chosen = _placed(workers, nodes, count, shape["workers"])
     start = _start_at(len(chosen))
-    calls = [
-        w.sandbox.remote(shape["trajectories"], start, shape["seconds"], home)
-        for w, home in zip(chosen, homes, strict=True)
-    ]
+    calls = [w.sandbox.remote(shape["trajectories"], start, shape["seconds"]) for w in chosen]
     before = sum(_cpu(pid) for _, pid, _ in agents)
     spans, row = await _window(remote, calls, shape["seconds"])
     agent_cpu = sum(_cpu(pid) for _, pid, _ in agents) - before
@@ -448,13 +425,10 @@ async def _fault_window(
     """Kill one node's agent halfway through a window; the other nodes' runs per second
     after, over before. All nodes share this machine's cores, so the dead node's share
     of them goes to the others: read a ratio under 1 as a loss, one above as that."""
-    chosen, homes = _placed(workers, nodes, agents, shape["workers"], True)
+    chosen = _placed(workers, nodes, len(agents), shape["workers"])
     seconds = 2 * shape["seconds"]
     start = _start_at(len(chosen))
-    calls = [
-        w.timed.remote(shape["trajectories"], start, seconds, home)
-        for w, home in zip(chosen, homes, strict=True)
-    ]
+    calls = [w.timed.remote(shape["trajectories"], start, seconds) for w in chosen]
     await anyio.sleep(max(0.0, start + seconds / 2 - time.time()))
     killed_at = time.time()
     dead = agents[0][0].split("@", 1)[1]

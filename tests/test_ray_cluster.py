@@ -323,6 +323,47 @@ async def test_an_idle_worker_beats_through_its_nodes_agent(deployment: dict[str
 
 
 @ray.remote(num_cpus=0)
+class Connector:
+    """A rollout process that only connects (``tray.connect``) and opens one sandbox."""
+
+    async def open(self, scheduler: str, trajectory: str) -> tuple[str, bool]:
+        async with (
+            tray.connect(
+                name=scheduler, create=False, heartbeat=HEARTBEAT, lease_timeout=LEASE_TIMEOUT
+            ) as remote,
+            remote.sandbox(trajectory) as sbx,
+        ):
+            assert (await sbx.run("true")).ok
+            return sbx.host, remote._local is not None
+
+
+async def test_a_worker_connecting_on_an_agents_node_is_at_home_there(
+    deployment: dict[str, Any],
+) -> None:
+    """Issue 30: ``tray.connect`` on a node whose agent decides its cores finds that
+    agent, as a worker that started it does: its sandbox opens there without a placement
+    by the job's actor (the one message is its home), and idle it beats through it. On
+    a node without an agent (the head) a worker's sandbox is placed as before."""
+    remote: tray.RemoteRuntime = deployment["remote"]
+    worker = Connector.options(  # type: ignore[attr-defined]
+        scheduling_strategy=NodeAffinitySchedulingStrategy(
+            deployment["nodes"]["a"].node_id, soft=False
+        )
+    ).remote()
+    before = await remote.actor.counters.remote()
+    assert await worker.open.remote(deployment["name"], "connected-on-a") == ("a", True)
+    after = await remote.actor.counters.remote()
+    assert after["placements"] == before["placements"] + 1  # its home, no place or unplace
+    elsewhere = Connector.options(  # type: ignore[attr-defined]
+        scheduling_strategy=NodeAffinitySchedulingStrategy(deployment["head"], soft=False)
+    ).remote()
+    host, at_home = await elsewhere.open.remote(deployment["name"], "connected-on-head")
+    assert host in ("a", "b") and not at_home
+    placed = await remote.actor.counters.remote()
+    assert placed["placements"] == after["placements"] + 2  # placed, and unplaced
+
+
+@ray.remote(num_cpus=0)
 class Holder:
     """A rollout process on node a holding a sandbox it placed there itself, until killed."""
 

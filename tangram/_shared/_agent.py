@@ -250,6 +250,7 @@ class HostAgentActor:
                     remote._id,
                     gpu,
                     self.decides_cores,
+                    self._node_id(),
                 )
                 await remote._refresh()
                 self._started.set_result(

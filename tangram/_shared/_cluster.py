@@ -45,6 +45,9 @@ class ClusterSchedulerActor(SchedulerActor):
         self._nodes: dict[str, dict[str, Any]] = {}
         # Workers that open sandboxes on their own node's agent: client id -> that host.
         self._homes: dict[str, str] = {}
+        # The deciding agent of each Ray node, by node id: (host, agent, its client id),
+        # what a worker connecting there is told its home is.
+        self._on_node: dict[str, tuple[str, Any, str]] = {}
 
     def _drop_client(self, cid: str, *, expired: bool = False) -> bool:
         if not super()._drop_client(cid, expired=expired):
@@ -60,6 +63,7 @@ class ClusterSchedulerActor(SchedulerActor):
         gone = self._book.drop(cid)
         if gone:
             self._runtime.set_capacity(gone)
+        self._on_node = {n: on for n, on in self._on_node.items() if on[2] != cid}
         if self._deciding.pop(cid, None) is not None:
             # Another agent may decide the same kinds by now (its node's new agent).
             self._decided = {k for _, kinds, _ in self._deciding.values() for k in kinds}
@@ -97,6 +101,7 @@ class ClusterSchedulerActor(SchedulerActor):
         cid: str,
         gpu: Mapping[str, Any] | None = None,
         decides: bool = False,
+        node: str | None = None,
     ) -> None:
         runtime = await self._ready()
         runtime.set_capacity(self._book.add(name, resource, units, agent, cid, gpu))
@@ -104,6 +109,18 @@ class ClusterSchedulerActor(SchedulerActor):
             kinds = [resource] if gpu is None else [resource, gpu["resource"]]
             self._deciding[cid] = (name, kinds, agent)
             self._decided.update(kinds)
+            if node is not None:
+                self._on_node[node] = (name, agent, cid)
+
+    async def info(self, node: str | None = None) -> dict[str, Any]:
+        """The scheduler's facts; with ``node``, also ``home``: (host, agent) of the agent
+        that decides that node's cores, or ``None``. A worker connecting there opens its
+        sandboxes on it and beats through it, as one that started it does."""
+        facts = await super().info()
+        if node is not None:
+            on = self._on_node.get(node)
+            facts["home"] = None if on is None else on[:2]
+        return facts
 
     async def policy(self) -> Policy:
         """The job's policy, for the agents that decide their node's cores under it."""

@@ -73,7 +73,10 @@ async def connect(
     ``async with tangram.ray.connect(capacity={"cpu": 64}) as remote:`` in the driver
     creates the actor; ``async with tangram.ray.connect() as remote:`` in a worker (a Ray
     task or actor of the same job) finds it by name. Inside the block
-    ``tangram.acquire(...)`` reaches the shared scheduler.
+    ``tangram.acquire(...)`` reaches the shared scheduler. On a node whose host agent
+    decides its cores (:func:`start_agent`), that agent is this worker's home: its
+    sandboxes open there while the node has a core per sandbox, and, idle, it beats
+    through it instead of polling the scheduler.
 
     :param name: the actor's name.
     :param namespace: its Ray namespace; ``None`` is the job's own, which no other job
@@ -149,7 +152,7 @@ async def connect(
     else:
         actor = await _lookup(name, namespace, lookup_timeout)
     try:
-        info = await actor.info.remote()
+        info = await actor.info.remote(ray.get_runtime_context().get_node_id())
     except lost() as exc:
         raise SchedulerUnavailableError(f"the scheduler actor {name!r} failed: {exc}") from exc
     owner = info["token"] == token
@@ -160,6 +163,10 @@ async def connect(
             "job) or set_capacity"
         )
     async with attach(actor, heartbeat=heartbeat, info=info) as remote:
+        if info.get("home") is not None:
+            # This node's agent decides its cores: open sandboxes there and beat through
+            # it, as a worker that started it does (``open_shared(agent=True)``).
+            await remote._home(*info["home"])
         token_var = _enter_current(remote)
         try:
             yield remote
