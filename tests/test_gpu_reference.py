@@ -118,6 +118,26 @@ def test_a_new_replica_takes_its_services_waiting_requests_along() -> None:
     assert times[("v", 0)] == (7.0, 2.0, 10.0)
 
 
+def test_a_seat_on_a_replica_that_serves_now_before_one_still_restoring() -> None:
+    # Two devices, `s` warm on device 1 (`a` on 0). r3 finds s's replica full and
+    # restores s over `a` on device 0 (10 s). When r1 ends, r4 takes its seat on the
+    # ready replica rather than the free one still restoring.
+    slow = {"gpus": 1, "gpu_mem_gib": 80, "restore_seconds": 10.0, "max_batch": 2}
+    trace = _trace(
+        {"a": slow, "s": slow},
+        [
+            ("r1", "s", 0.0, 1.0),
+            ("r2", "s", 0.0, 5.0),
+            ("r3", "s", 0.0, 1.0),
+            ("r4", "s", 1.5, 1.0),
+        ],
+        gpus=2,
+    )
+    times = _times(trace)
+    assert times[("r3", 0)] == (0.0, 10.0, 11.0)
+    assert times[("r4", 0)] == (1.5, 0.0, 2.5)
+
+
 def test_a_two_gpu_head_is_passed_by_nothing() -> None:
     # Two devices. `big` needs both; the single-GPU requests behind it wait although a
     # device is free, so the head is not starved by a stream of small ones.
@@ -175,4 +195,13 @@ def test_every_gpu_member_of_the_family_runs_every_action_within_its_gpus(seed: 
         assert result.peak_units["gpu"] <= trace.capacity["gpu"], member.name
         for r in result.records:
             assert r.exec == pytest.approx(bound[(r.trajectory, r.index)]), member.name
-            assert r.admitted >= r.arrival - 1e-9
+        # Each replica runs at most max_batch actions at once on its devices, and they
+        # are billed while held: never fewer device-seconds than the actions need.
+        specs = trace.gpu_services()
+        need = sum(
+            a.seconds_at_1 * specs[a.service].gpus / specs[a.service].max_batch
+            for actions in trace.trajectories.values()
+            for a in actions
+            if a.service is not None
+        )
+        assert result.unit_seconds["gpu"] >= need - 1e-6, member.name

@@ -413,7 +413,8 @@ async def test_relayed_beats_keep_workers_alive_and_only_their_home_forgets_them
     """The scheduler actor's side of beats passed on by a node's agent, driven directly.
 
     A relayed beat keeps a worker alive; one for a worker dropped while alive (its
-    beats late) brings it back with its ``expired`` event, as its own poll would; one
+    beats late) brings it back with its ``expired`` event, as its own poll would, and
+    with the relaying agent as its home again; one
     for a proxy never seen or gone by ``disconnect`` makes up nothing. A dropped worker's
     own-node sandboxes are forgotten by its home agent only, not by every agent.
     """
@@ -436,6 +437,10 @@ async def test_relayed_beats_keep_workers_alive_and_only_their_home_forgets_them
         assert home.forgotten == ["w"] and other.forgotten == []
         await actor.poll("agent-a", [], 0.0, ["w"])  # alive after all: back, and told
         assert actor._clients["w"].events[0][0] == "expired"
+        # Back through agent a, a is its home again: dropped a second time, a forgets it.
+        assert actor._drop_client("w", expired=True)
+        assert home.forgotten == ["w", "w"] and other.forgotten == []
+        await actor.poll("agent-a", [], 0.0, ["w"])
         await actor.disconnect("w", [])
         await actor.poll("agent-a", [], 0.0, ["w"])
         assert "w" not in actor._clients

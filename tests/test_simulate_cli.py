@@ -167,7 +167,12 @@ def test_bad_family_args_exit_2(tmp_path: Path, extra: list[str]) -> None:
 
 @pytest.mark.parametrize(
     "extra",
-    [[], ["--batch", "4", "--member", "0"], ["--batch", "4", "--max-trajectories", "9"]],
+    [
+        [],
+        ["--batch", "4", "--member", "0"],
+        ["--batch", "4", "--max-trajectories", "9"],
+        ["--batch", "4", "--max-trajectories", "4096"],  # the family's default, still refused
+    ],
 )
 def test_bad_workload_args_exit_2(extra: list[str]) -> None:
     with pytest.raises(SystemExit) as info:

@@ -447,9 +447,11 @@ class HostAgentActor:
         core and beyond, the job's actor places it on the least loaded host.
         """
         await self.start()
+        assert self._stop is not None
         # Counted from the ask, not once open: opening awaits, and asks arriving
-        # meanwhile would each see the same free core.
-        if len(self._sandboxes) + self._opening >= self._units:
+        # meanwhile would each see the same free core. A stopping agent takes none: the
+        # job's actor places it elsewhere.
+        if self._stop.is_set() or len(self._sandboxes) + self._opening >= self._units:
             return None, self._own()
         self._opening += 1
         try:

@@ -63,14 +63,21 @@ class ClusterSchedulerActor(SchedulerActor):
         gone = self._book.drop(cid)
         if gone:
             self._runtime.set_capacity(gone)
-        self._on_node = {n: on for n, on in self._on_node.items() if on[2] != cid}
         if self._deciding.pop(cid, None) is not None:
+            self._on_node = {n: on for n, on in self._on_node.items() if on[2] != cid}
             # Another agent may decide the same kinds by now (its node's new agent).
             self._decided = {k for _, kinds, _ in self._deciding.values() for k in kinds}
             node = self._nodes.get(cid)
             if node is not None:  # its books went with it: nothing held or queued there
                 node.update(waiting=0, running=0)
         return True
+
+    def _returned(self, cid: str, relayed_by: str) -> None:
+        """A worker dropped while alive came back in ``relayed_by``'s poll: that agent is
+        its home again, so that it closes what the worker opens there if it is dropped."""
+        deciding = self._deciding.get(relayed_by)
+        if deciding is not None:
+            self._homes[cid] = deciding[0]
 
     def _own_clients(self) -> set[str]:
         return {cid for cid, _ in self._book.agents()}

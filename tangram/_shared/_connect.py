@@ -166,7 +166,12 @@ async def connect(
         if info.get("home") is not None:
             # This node's agent decides its cores: open sandboxes there and beat through
             # it, as a worker that started it does (``open_shared(agent=True)``).
-            await remote._home(*info["home"])
+            try:
+                await remote._home(*info["home"])
+            except lost() as exc:
+                raise SchedulerUnavailableError(
+                    f"the scheduler actor {name!r} failed: {exc}"
+                ) from exc
         token_var = _enter_current(remote)
         try:
             yield remote

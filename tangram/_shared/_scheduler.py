@@ -237,6 +237,7 @@ class SchedulerActor:
                 known.seen = now
             elif other in self._expired:
                 self._client(other)
+                self._returned(other, cid)
         for lease_id in leases:
             held = self._held.get(lease_id)
             if held is not None and held.cid == cid:
@@ -436,6 +437,9 @@ class SchedulerActor:
                 if ended:
                     return
                 self._last_user = now
+
+    def _returned(self, cid: str, relayed_by: str) -> None:
+        """Proxy ``cid``, dropped while alive, came back in ``relayed_by``'s poll."""
 
     def _own_clients(self) -> set[str]:
         """Proxies that serve the scheduler (host agents'), not users: they keep no one alive."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections import deque
 from collections.abc import Mapping
 from typing import cast
@@ -115,7 +116,7 @@ class _Pool:
                 f"{action.index} needs {action.resource!r}"
             )
         if action.service is None:
-            spec = _Spec(int(action.max), 0.0, 0.0, 1, False)
+            spec = _Spec(math.ceil(action.max), 0.0, 0.0, 1, False)
             self.specs[_plain(action)] = spec
         else:
             spec = self.specs[action.service]
@@ -195,7 +196,7 @@ class _Pool:
             if request.taken:
                 self.line.popleft()
                 continue
-            replica = self._seat(request.service) or self._start(request.service, now)
+            replica = self._seat(request.service, now) or self._start(request.service, now)
             if replica is None:
                 return  # the head waits for devices, and so does everything behind it
             self._take(replica, request, now)
@@ -214,13 +215,16 @@ class _Pool:
         else:
             replica.waiting.append((request.action, request.arrival, now))
 
-    def _seat(self, service: str) -> _Replica | None:
+    def _seat(self, service: str, now: float) -> _Replica | None:
+        """A loaded replica of ``service`` with a free seat, one that serves now before
+        one still restoring."""
         seats = self.specs[service].seats
-        for device in range(self.gpus):
-            replica = self.holder[device]
-            if replica is not None and replica.service == service and replica.users < seats:
-                return replica
-        return None
+        free = {
+            id(r): r
+            for r in self.holder
+            if r is not None and r.service == service and r.users < seats
+        }
+        return min(free.values(), key=lambda r: (r.ready > now, r.devices), default=None)
 
     def _start(self, service: str, now: float) -> _Replica | None:
         spec = self.specs[service]
@@ -311,5 +315,6 @@ _ARRIVE, _READY, _FINISH = 0, 1, 2
 
 
 def _plain(action: TraceAction) -> str:
-    """A GPU action on no service is its own unbatched, never-loaded 'service'."""
-    return f"<{int(action.max)} gpus>"
+    """A GPU action on no service is its own unbatched, never-loaded 'service', on whole
+    devices (a fraction of one holds it)."""
+    return f"<{math.ceil(action.max)} gpus>"

@@ -346,7 +346,6 @@ def add_commands(commands: Any) -> None:
     gen.add_argument(
         "--max-trajectories",
         type=_at_least_one,
-        default=4096,
         metavar="N",
         help="--family: cap each member's trajectories, keeping the rest it drew (default 4096)",
     )
@@ -379,7 +378,7 @@ def add_commands(commands: Any) -> None:
 
 
 _WORKLOAD_ONLY = ("turns", "pareto_burst", "contended")
-_FAMILY_ONLY = ("member", "members", "out_dir")
+_FAMILY_ONLY = ("member", "members", "out_dir", "max_trajectories")
 
 
 def check_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -399,7 +398,7 @@ def check_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     if args.workload is not None:
         if args.batch is None:
             parser.error("trace generate --workload needs --batch N")
-        if given & set(_FAMILY_ONLY) or args.max_trajectories != 4096:
+        if given & set(_FAMILY_ONLY):
             parser.error("--member, --members, --max-trajectories and --out-dir go with --family")
         return
     if args.batch is not None or given & set(_WORKLOAD_ONLY):
@@ -460,8 +459,9 @@ def dispatch(args: argparse.Namespace) -> int | None:
 
 
 def _family_command(args: argparse.Namespace) -> int:
+    cap = 4096 if args.max_trajectories is None else args.max_trajectories
     if args.member is not None:
-        lines = member(args.seed, args.member, max_trajectories=args.max_trajectories).lines
+        lines = member(args.seed, args.member, max_trajectories=cap).lines
         if args.out in (None, STDIO):
             sys.stdout.writelines(lines)
         else:
@@ -471,7 +471,7 @@ def _family_command(args: argparse.Namespace) -> int:
     count = 64 if args.members is None else args.members
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for index in range(count):
-        drawn = member(args.seed, index, max_trajectories=args.max_trajectories)
+        drawn = member(args.seed, index, max_trajectories=cap)
         path = args.out_dir / f"{drawn.name}.jsonl"
         with open(path, "w", encoding="utf-8", newline="\n") as handle:
             handle.writelines(drawn.lines)
