@@ -69,7 +69,6 @@ class _Replica:
     ready: float
     used_at: float
     users: int = 0
-    holding: bool = False  # holds its devices (it has requests)
     waiting: list[tuple[TraceAction, float, float]] = attrs.Factory(list)  # seated, not ready
 
 
@@ -107,7 +106,6 @@ class _Pool:
         self.held = self.peak = 0
         self.held_seconds = 0.0
         self.billed_at = 0.0
-        self.last = 0.0
 
     def _check(self, action: TraceAction) -> None:
         if action.resource != "gpu":
@@ -147,7 +145,6 @@ class _Pool:
             else:
                 self._finish(*cast(tuple[_Replica, ActionRecord], payload), now)
             self._dispatch(now)
-        self._bill(self.last)
         self.records.sort(key=lambda r: (r.arrival, r.trajectory, r.index))
         step = max((r.finished for r in self.records), default=0.0)
         return SimulationResult(
@@ -250,7 +247,6 @@ class _Pool:
             if spec.restore > 0:
                 self.push(replica.ready, _READY, replica)
         self._bill(now)
-        replica.holding = True
         for device in replica.devices:
             self.holder[device] = replica
         self.held += len(replica.devices)
@@ -258,7 +254,7 @@ class _Pool:
         return replica
 
     def _evict(self, device: int, needed: float) -> None:
-        idle = sorted((r for r in self.resident[device] if not r.holding), key=lambda r: r.used_at)
+        idle = sorted((r for r in self.resident[device] if r.users == 0), key=lambda r: r.used_at)
         while self._free_memory(device) + _EPS < needed:
             gone = idle.pop(0)
             for other in gone.devices:
@@ -287,7 +283,6 @@ class _Pool:
 
     def _finish(self, replica: _Replica, record: ActionRecord, now: float) -> None:
         self.records.append(record)
-        self.last = max(self.last, now)
         actions = self.trace.trajectories[record.trajectory]
         if record.index + 1 < len(actions):
             self.push(
@@ -298,7 +293,6 @@ class _Pool:
         if replica.users > 0:
             return
         self._bill(now)
-        replica.holding = False
         for device in replica.devices:
             self.holder[device] = None
         self.held -= len(replica.devices)
