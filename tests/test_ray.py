@@ -369,11 +369,18 @@ def _answered(*args: Any) -> asyncio.Future[None]:
     return done
 
 
+def _unanswered(*args: Any) -> asyncio.Future[None]:
+    return asyncio.get_running_loop().create_future()
+
+
 class _QuietAgent:
     """An agent handle whose ``report`` answers that it has nothing to tell."""
 
     class report:
         remote = staticmethod(_answered)
+
+    class ended:  # it serves for as long as the test
+        remote = staticmethod(_unanswered)
 
     class forget:  # a dropped proxy's own sandboxes here: it has none
         remote = staticmethod(_answered)
@@ -444,6 +451,73 @@ async def test_relayed_beats_keep_workers_alive_and_only_their_home_forgets_them
         await actor.disconnect("w", [])
         await actor.poll("agent-a", [], 0.0, ["w"])
         assert "w" not in actor._clients
+    finally:
+        await actor.close()
+
+
+class _Mortal(_QuietAgent):
+    """An agent handle whose process the test kills: its ``ended`` call then fails."""
+
+    def __init__(self) -> None:
+        self.death: asyncio.Future[None] | None = None
+        outer = self
+
+        class ended:
+            @staticmethod
+            def remote() -> asyncio.Future[None]:
+                outer.death = asyncio.get_running_loop().create_future()
+                return outer.death
+
+        self.ended = ended  # type: ignore[misc,assignment]
+
+    def kill(self) -> None:
+        from tangram._shared._protocol import ActorLostError
+
+        assert self.death is not None
+        self.death.set_exception(ActorLostError("the agent's process died"))
+
+
+async def test_a_dead_agent_is_dropped_at_once_and_its_nodes_workers_follow_its_successor() -> None:
+    """Issue 30, driven directly. An agent that dies is dropped the moment its watched
+    call fails, not a lease timeout later: a worker connecting on its node is no longer
+    told to home there, its cores leave the capacity and its name is free. A worker
+    that polls from a node is told of the agent that starts deciding there after it
+    connected, on its poll's answer (no message of its own); the agent's own proxy and
+    a worker already at home are not; a replacement of the same name is the new home."""
+    from tangram._shared._cluster import ClusterSchedulerActor
+
+    # A lease timeout far longer than the test: only the watch can drop the agent.
+    actor = ClusterSchedulerActor({"cpu": 1}, None, heartbeat=0.05, timeout=60.0, token="t")
+    actor._node_id = lambda: "head"  # type: ignore[method-assign]  # asking Ray starts one
+    first, second = _Mortal(), _Mortal()
+    try:
+        await actor.poll("early", [], 0.0, (), "node-1")  # connected before any agent
+        await actor.poll("elsewhere", [], 0.0, (), "node-2")
+        await actor.poll("agent-1", [], 0.0)
+        await actor.add_host("a", "cpu@a", 2, first, "agent-1", None, True, "node-1")
+        assert actor._clients["early"].take() == [("home", "a", first)]
+        assert actor._clients["elsewhere"].take() == []
+        assert actor._clients["agent-1"].take() == []
+        # Its first poll finds the agent, and answers with its home.
+        assert await actor.poll("late", [], 0.0, (), "node-1") == [("home", "a", first)]
+        assert await actor.poll("late", [], 0.0, (), "node-1") == []  # told once
+        assert (await actor.info("node-1"))["home"] == ("a", first)
+        assert (await actor.info())["capacity"]["cpu@a"].total == 2
+
+        first.kill()
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert (await actor.info("node-1"))["home"] is None
+        assert "a" not in await actor.hosts()
+        assert (await actor.info())["capacity"]["cpu@a"].total == 0
+        assert "agent-1" not in actor._clients
+
+        await actor.poll("agent-2", [], 0.0)
+        await actor.add_host("a", "cpu@a", 2, second, "agent-2", None, True, "node-1")
+        assert actor._clients["early"].take() == [("home", "a", second)]
+        assert actor._clients["late"].take() == [("home", "a", second)]
+        assert actor._clients["elsewhere"].take() == []
+        assert (await actor.info("node-1"))["home"] == ("a", second)
     finally:
         await actor.close()
 

@@ -621,3 +621,93 @@ async def test_the_jobs_actor_dying_stops_only_what_it_lent(cluster: dict[str, A
         await wait_for(gone, 2 * LEASE_TIMEOUT + 15)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+@ray.remote(num_cpus=0)
+class Resident:
+    """A rollout process connected for a whole test, from before its node has an agent."""
+
+    def __init__(self) -> None:
+        self._remote: tray.RemoteRuntime | None = None
+        self._leave = anyio.Event()
+        self._left = anyio.Event()
+
+    async def join(self, scheduler: str) -> None:
+        joined = anyio.Event()
+
+        async def stay() -> None:
+            try:
+                async with tray.connect(
+                    name=scheduler, create=False, heartbeat=HEARTBEAT, lease_timeout=LEASE_TIMEOUT
+                ) as remote:
+                    self._remote = remote
+                    joined.set()
+                    await self._leave.wait()
+            finally:
+                self._left.set()
+
+        import asyncio
+
+        self._stay = asyncio.get_running_loop().create_task(stay())
+        await joined.wait()
+
+    async def home(self) -> str | None:
+        """The actor id of the agent this worker beats through and opens sandboxes on."""
+        assert self._remote is not None
+        local = self._remote._local
+        return None if local is None else local[1]._actor_id.hex()
+
+    async def open(self, trajectory: str) -> str:
+        assert self._remote is not None
+        async with self._remote.sandbox(trajectory) as sbx:
+            assert (await sbx.run("true")).ok
+            return sbx.host
+
+    async def leave(self) -> None:
+        self._leave.set()
+        await self._left.wait()
+
+
+async def test_a_nodes_workers_follow_its_agent_as_it_starts_dies_and_is_replaced(
+    cluster: dict[str, Any],
+) -> None:
+    """Issue 30. A worker that connected before its node had an agent is homed there
+    when one starts: its sandbox opens on its own node with no placement by the job's
+    actor. That agent killed, the job's actor drops it at once (its lease timeout here
+    is 30 s), so its name is free for a replacement, which the worker follows too."""
+    name = f"rehome-{uuid.uuid4().hex[:8]}"
+    root = tempfile.mkdtemp(prefix="tangram-rehome-")
+    os.chmod(root, 0o755)
+    node_a = cluster["nodes"]["a"].node_id
+    backend = functools.partial(tangram.LocalBackend, cores=[0], root=root)
+    try:
+        async with tray.connect(
+            name=name, capacity={"cpu": 1}, heartbeat=HEARTBEAT, lease_timeout=30.0
+        ) as job:
+            resident = Resident.options(  # type: ignore[attr-defined]
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_a, soft=False)
+            ).remote()
+            await resident.join.remote(name)
+            assert await resident.home.remote() is None
+
+            for attempt in ("first", "second"):
+                agent = await tray.start_agent(job, name="r", node_id=node_a, backend=backend)
+                ident = agent.actor._actor_id.hex()
+
+                async def homed(ident: str = ident) -> bool:
+                    return bool(await resident.home.remote() == ident)
+
+                await wait_for(homed, 10 * HEARTBEAT)
+                before = (await job.actor.counters.remote())["placements"]
+                assert await resident.open.remote(f"{attempt}-trajectory") == "r"
+                assert (await job.actor.counters.remote())["placements"] == before
+                if attempt == "first":
+                    ray.kill(agent.actor)
+
+                    async def dropped() -> bool:
+                        return "r" not in await job.actor.hosts.remote()
+
+                    assert await wait_for(dropped, 10.0) < 10.0
+            await resident.leave.remote()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

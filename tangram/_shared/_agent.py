@@ -416,6 +416,18 @@ class HostAgentActor:
         with contextlib.suppress(Exception):
             await self._main
 
+    async def ended(self) -> None:
+        """Return once this agent stops; never, while it serves.
+
+        The job's actor keeps one of these calls waiting on each agent that decides its
+        node's cores: when the agent's process dies, the call fails at once, and the
+        actor drops the agent then rather than a lease timeout later (see
+        ``ClusterSchedulerActor._watch``).
+        """
+        await self.start()
+        assert self._stop is not None
+        await self._stop.wait()
+
     async def open(self, trajectory: str) -> str:
         """Open ``trajectory``'s sandbox here; returns the interpreter ``code=`` runs in it."""
         await self.start()

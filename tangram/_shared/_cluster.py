@@ -17,7 +17,7 @@ from typing import Any
 from .._core._policy import Policy
 from ..errors import InvalidDemandError
 from ._placement import HostBook
-from ._protocol import lost
+from ._protocol import logger, lost
 from ._reports import merge, record
 from ._scheduler import SchedulerActor
 
@@ -48,6 +48,10 @@ class ClusterSchedulerActor(SchedulerActor):
         # The deciding agent of each Ray node, by node id: (host, agent, its client id),
         # what a worker connecting there is told its home is.
         self._on_node: dict[str, tuple[str, Any, str]] = {}
+        # Each worker's Ray node, as its polls say: a worker there with no home is told
+        # of an agent that starts deciding the node's cores (a first, or a replacement).
+        self._located: dict[str, str] = {}
+        self._watches: set[asyncio.Task[None]] = set()  # one per deciding agent
 
     def _drop_client(self, cid: str, *, expired: bool = False) -> bool:
         if not super()._drop_client(cid, expired=expired):
@@ -55,6 +59,7 @@ class ClusterSchedulerActor(SchedulerActor):
         for trajectory, agent in self._book.orphans(cid):
             # The agent cancels what still runs there: the cores its commands hold return.
             agent.close.remote(trajectory)
+        self._located.pop(cid, None)
         home = self._homes.pop(cid, None)
         agent = None if home is None else self._book.agent(home)
         if agent is not None:
@@ -63,14 +68,23 @@ class ClusterSchedulerActor(SchedulerActor):
         gone = self._book.drop(cid)
         if gone:
             self._runtime.set_capacity(gone)
-        if self._deciding.pop(cid, None) is not None:
+        deciding = self._deciding.pop(cid, None)
+        if deciding is not None:
             self._on_node = {n: on for n, on in self._on_node.items() if on[2] != cid}
+            # Its workers have no home until their node has an agent again (they beat to
+            # this actor meanwhile); a replacement of the same name is a new agent.
+            self._homes = {c: host for c, host in self._homes.items() if host != deciding[0]}
             # Another agent may decide the same kinds by now (its node's new agent).
             self._decided = {k for _, kinds, _ in self._deciding.values() for k in kinds}
             node = self._nodes.get(cid)
             if node is not None:  # its books went with it: nothing held or queued there
                 node.update(waiting=0, running=0)
         return True
+
+    async def close(self) -> None:
+        for task in list(self._watches):
+            task.cancel()
+        await super().close()
 
     def _returned(self, cid: str, relayed_by: str) -> None:
         """A worker dropped while alive came back in ``relayed_by``'s poll: that agent is
@@ -118,6 +132,54 @@ class ClusterSchedulerActor(SchedulerActor):
             self._decided.update(kinds)
             if node is not None:
                 self._on_node[node] = (name, agent, cid)
+                self._rehome(node, [c for c, at in self._located.items() if at == node])
+            self._watch(cid, name, agent)
+
+    def _watch(self, cid: str, name: str, agent: Any) -> None:
+        """Drop the agent as soon as its process is gone, not a lease timeout later.
+
+        Until dropped, a dead agent was still named to workers connecting on its node,
+        still held its node's cores in the job's capacity, and a replacement could not
+        take its name. The call it waits on (``ended``) fails the moment Ray knows the
+        actor died; a node lost without a word is still dropped by the lease timeout.
+        """
+
+        async def watch() -> None:
+            try:
+                await agent.ended.remote()
+            except lost():
+                if self._drop_client(cid):
+                    logger.warning(
+                        "host agent %r is gone: its node's cores and devices leave the job",
+                        name,
+                    )
+
+        task = asyncio.get_running_loop().create_task(watch())
+        self._watches.add(task)
+        task.add_done_callback(self._watches.discard)
+
+    def _locate(self, cid: str, node: str) -> None:
+        if self._located.get(cid) != node:
+            self._located[cid] = node
+            self._rehome(node, [cid])
+
+    def _rehome(self, node: str, cids: list[str]) -> None:
+        """Tell workers on ``node`` with no home that its deciding agent is their home.
+
+        As ``connect`` does for a worker that finds the agent there: its sandboxes open
+        on its own node and, idle, it beats through the agent. Told on its poll's answer,
+        so no message of its own; recorded here, so the agent forgets it when it goes.
+        """
+        on = self._on_node.get(node)
+        if on is None:
+            return
+        host, agent, agent_cid = on
+        for cid in cids:
+            client = self._clients.get(cid)
+            if client is None or cid == agent_cid or cid in self._homes:
+                continue
+            self._homes[cid] = host
+            client.post(("home", host, agent))
 
     async def info(self, node: str | None = None) -> dict[str, Any]:
         """The scheduler's facts; with ``node``, also ``home``: (host, agent) of the agent

@@ -76,7 +76,8 @@ async def connect(
     ``tangram.acquire(...)`` reaches the shared scheduler. On a node whose host agent
     decides its cores (:func:`start_agent`), that agent is this worker's home: its
     sandboxes open there while the node has a core per sandbox, and, idle, it beats
-    through it instead of polling the scheduler.
+    through it instead of polling the scheduler. An agent that starts on the node later,
+    or replaces one that died, becomes the home of the node's workers then.
 
     :param name: the actor's name.
     :param namespace: its Ray namespace; ``None`` is the job's own, which no other job
@@ -151,8 +152,9 @@ async def connect(
         )
     else:
         actor = await _lookup(name, namespace, lookup_timeout)
+    node = ray.get_runtime_context().get_node_id()
     try:
-        info = await actor.info.remote(ray.get_runtime_context().get_node_id())
+        info = await actor.info.remote(node)
     except lost() as exc:
         raise SchedulerUnavailableError(f"the scheduler actor {name!r} failed: {exc}") from exc
     owner = info["token"] == token
@@ -162,7 +164,7 @@ async def connect(
             f"{_totals(info['capacity'])!r}, not {_totals(wanted)!r}: use a new name (per "
             "job) or set_capacity"
         )
-    async with attach(actor, heartbeat=heartbeat, info=info) as remote:
+    async with attach(actor, heartbeat=heartbeat, info=info, node=node) as remote:
         if info.get("home") is not None:
             # This node's agent decides its cores: open sandboxes there and beat through
             # it, as a worker that started it does (``open_shared(agent=True)``).

@@ -196,6 +196,10 @@ class RemoteRuntime(RunMixin):
         # sandboxes open there first (see ``sandbox``), and while nothing waits or is
         # held at the job's actor, this proxy beats there (see ``_poller``).
         self._local: tuple[str, Any] | None = None
+        # The Ray node this proxy runs on (a worker's, set by ``connect``): said in each
+        # poll, so that the job's actor can name its node's agent as its home when one
+        # starts there after this proxy connected, or replaces one that died.
+        self._node: str | None = None
         self._busy = anyio.Event()  # set when a request goes to the job's actor
         # Proxies that beat to this one's agent, passed on in its next poll (an agent's
         # proxy only).
@@ -370,7 +374,7 @@ class RemoteRuntime(RunMixin):
             self.calls += 1
             try:
                 events = await self._actor.poll.remote(
-                    self._id, list(self._leases), wait, list(relayed)
+                    self._id, list(self._leases), wait, list(relayed), self._node
                 )
             except lost() as exc:
                 self._fail(exc)
@@ -437,6 +441,8 @@ class RemoteRuntime(RunMixin):
                     held._resize(grant, units)
             elif tag == "reclaimed":
                 self._reclaimed(event[1])
+            elif tag == "home":  # this node's agent, started (or replaced) after we came
+                self._local = (event[1], event[2])
             elif tag == "expired":
                 _, requests, leases = event
                 error = SchedulerUnavailableError(
@@ -563,9 +569,14 @@ class RemoteRuntime(RunMixin):
 
 @contextlib.asynccontextmanager
 async def attach(
-    actor: Any, *, heartbeat: float | None = None, info: Mapping[str, Any] | None = None
+    actor: Any,
+    *,
+    heartbeat: float | None = None,
+    info: Mapping[str, Any] | None = None,
+    node: str | None = None,
 ) -> AsyncIterator[RemoteRuntime]:
-    """A proxy on a scheduler actor handle (a host agent's), not made current."""
+    """A proxy on a scheduler actor handle (a host agent's), not made current; ``node``,
+    the Ray node it runs on, makes its node's deciding agent its home when one starts."""
     if info is None:
         try:
             info = await actor.info.remote()
@@ -574,6 +585,7 @@ async def attach(
     beat = info["heartbeat"] if heartbeat is None else min(heartbeat, info["heartbeat"])
     remote = RemoteRuntime(actor, heartbeat=beat, capacity=info["capacity"])
     remote._lease_timeout = float(info.get("timeout", DEFAULT_TIMEOUT))
+    remote._node = node
     await remote._start()
     try:
         yield remote

@@ -216,7 +216,12 @@ class SchedulerActor:
         return client.take()
 
     async def poll(
-        self, cid: str, leases: list[int], wait: float, relayed: Sequence[str] = ()
+        self,
+        cid: str,
+        leases: list[int],
+        wait: float,
+        relayed: Sequence[str] = (),
+        node: str | None = None,
     ) -> list[tuple[Any, ...]]:
         """The heartbeat of ``leases``; answers with new events, or empty after ``wait``.
 
@@ -224,13 +229,16 @@ class SchedulerActor:
         nothing here and wait for nothing, so they beat to their node's agent instead
         (one message a node, not one a worker); they are alive as if they had polled. One
         dropped while alive (its beats late) comes back, as with its own next poll; one
-        never seen, or gone by ``disconnect``, is not made up.
+        never seen, or gone by ``disconnect``, is not made up. ``node``: the Ray node the
+        proxy runs on, where it knows it.
         """
         self.messages += 1
         self.heartbeats += 1
         await self._ready()
         client = self._client(cid)
         now = client.seen
+        if node is not None:
+            self._locate(cid, node)
         for other in relayed:
             known = self._clients.get(other)
             if known is not None:
@@ -440,6 +448,9 @@ class SchedulerActor:
 
     def _returned(self, cid: str, relayed_by: str) -> None:
         """Proxy ``cid``, dropped while alive, came back in ``relayed_by``'s poll."""
+
+    def _locate(self, cid: str, node: str) -> None:
+        """Proxy ``cid`` runs on Ray node ``node`` (said in each of its polls)."""
 
     def _own_clients(self) -> set[str]:
         """Proxies that serve the scheduler (host agents'), not users: they keep no one alive."""
