@@ -20,7 +20,9 @@ What it measures
     The figure is tangram's busy share over the per-node ideal's, at 8, 50 and 200
     nodes, for several action-size distributions and seeds; the worst is the target.
     The cost: CPU time of the policy's decisions (``plan``, ``time.thread_time``) per
-    decision, tangram over the per-node arm's, at the most nodes.
+    decision, tangram over the per-node arm's, at the most nodes, each arm replayed with
+    the garbage collector off (as ``timeit`` times), so that a collection of the
+    simulation's heap is not charged to the decision it happens to land in.
 
 Why
     Issue 30: with one window across the job, busy cores fell to 93 % / 46 % / 14.5 % at
@@ -39,6 +41,7 @@ How
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import time
@@ -140,8 +143,16 @@ def _busy(results: list[SimulationResult], horizon: float) -> float:
 def _run(
     trajs: Mapping[str, list[Step]], capacity: dict[str, int], policy: ElasticPolicy
 ) -> tuple[SimulationResult, Timed]:
+    """Replay with the collector off, as ``timeit`` times: a full collection walks the
+    whole simulation's heap (its records and trajectories), and whichever decision it
+    lands in was charged for it, so one arm's cost swung 2x between identical runs."""
     timed = Timed(policy)
-    return simulate(trajs, capacity, policy=timed), timed  # type: ignore[arg-type]
+    gc.collect()
+    gc.disable()
+    try:
+        return simulate(trajs, capacity, policy=timed), timed  # type: ignore[arg-type]
+    finally:
+        gc.enable()
 
 
 def measure(nodes: int, steps: int, shape: str, seed: int) -> dict[str, Any]:
