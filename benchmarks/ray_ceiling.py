@@ -301,6 +301,20 @@ async def _acquire_arm(
     return rows
 
 
+async def _probe_arm(remote: tray.RemoteRuntime, worker: Any, seconds: float) -> dict[str, Any]:
+    """One worker, one action at a time: what a message carrying one action costs the
+    job's actor, and a round trip with no batch to wait for (the model's costs)."""
+    _, row = await _window(remote, [worker.acquire.remote(1, _start_at(1), seconds)], seconds)
+    print(
+        f"  probe, one action at a time: p50 {row['p50_ms']} ms, actor "
+        f"{row['actor_cpu_ms_per_action']} ms CPU and {row['messages_per_action']} messages "
+        "per action",
+        file=sys.stderr,
+        flush=True,
+    )
+    return row
+
+
 class CentralAgent(HostAgentActor):
     """A host agent as before issue 30: the job's actor decides its node's cores."""
 
@@ -504,9 +518,10 @@ def model_check(
 
     Its costs come from the other arms, not from this window: the actor's CPU per second
     and per heartbeat from the idle arm (a placement taken to cost what a heartbeat
-    does: neither decides anything), a batch's from the acquire arm at one worker
-    (``send``), the agent's per call from the window's agents (half of their CPU per run:
-    the model charges a call and a release). The workload is
+    does: neither decides anything), a message's from the probe, one worker acting one
+    action at a time (``send``, each message carrying one action as a run's do), the
+    agent's per call from the window's agents (half of their CPU per run: the model
+    charges a call and a release). The workload is
     the window's: its nodes, trajectories and workers, no think time, and each run's
     time on a core inferred from the runs per second measured. Who decides what is the
     arm's: in the central arm the job's actor decides cores and places every sandbox and
@@ -576,6 +591,7 @@ async def _bench(
     try:
         async with tray.connect(name=NAME, capacity={"cpu": CAPACITY}) as remote:
             acquire = await _acquire_arm(remote, workers, plan["workers"], plan["seconds"])
+            probe = await _probe_arm(remote, workers[0], plan["seconds"])
             idle = await _idle_arm(remote, workers[: shape["workers"]], plan["seconds"])
             # The node arm's widest window's polls: each agent's, passing its workers'
             # beats on, and this driver's.
@@ -586,7 +602,7 @@ async def _bench(
     finally:
         for root in roots:
             shutil.rmtree(root, ignore_errors=True)
-    return {"acquire": acquire, "sandbox": sandbox, "idle": idle, "bare": bare}
+    return {"acquire": acquire, "probe": probe, "sandbox": sandbox, "idle": idle, "bare": bare}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -626,7 +642,10 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
         cluster.shutdown()
     acquire, sandbox = rows["acquire"], rows["sandbox"]
-    one = acquire[0]
+    # A sandbox run's messages each carry one action (its acquire, its release), not the
+    # acquire arm's batches of eight, which cost the actor less per action: calibrated on
+    # those, the model's central arm was off by up to 0.6.
+    one = rows["probe"]
     send = one["actor_cpu_ms_per_action"] / max(one["messages_per_action"], 1e-9) / 1e3
     # One way: half the single worker's acquire round trip, less the actor's part of it.
     latency = max((one["p50_ms"] / 1e3 - send * one["messages_per_action"]) / 2, 1e-4)
@@ -666,6 +685,7 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick,
         "nodes": plan["nodes"],
         "acquire": acquire,
+        "probe": one,
         "sandbox": sandbox,
         "knee_workers": knee(acquire),
         "actor_cpu_ms_per_action_median": statistics.median(
