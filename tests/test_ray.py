@@ -455,26 +455,41 @@ async def test_relayed_beats_keep_workers_alive_and_only_their_home_forgets_them
         await actor.close()
 
 
-class _Mortal(_QuietAgent):
-    """An agent handle whose process the test kills: its ``ended`` call then fails."""
+class _Mortal(_Forgetful):
+    """An agent handle the test kills, cuts off for a while or stops: its ``ended``
+    call then fails as Ray's would, or returns."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.death: asyncio.Future[None] | None = None
+        self.asked = 0
         outer = self
 
         class ended:
             @staticmethod
             def remote() -> asyncio.Future[None]:
+                outer.asked += 1
                 outer.death = asyncio.get_running_loop().create_future()
                 return outer.death
 
         self.ended = ended  # type: ignore[misc,assignment]
 
     def kill(self) -> None:
-        from tangram._shared._protocol import ActorLostError
-
         assert self.death is not None
-        self.death.set_exception(ActorLostError("the agent's process died"))
+        self.death.set_exception(ray.exceptions.ActorDiedError())
+
+    def cut_off(self) -> None:
+        assert self.death is not None
+        self.death.set_exception(ray.exceptions.ActorUnavailableError("a network break", None))
+
+    def stop(self) -> None:
+        assert self.death is not None
+        self.death.set_result(None)
+
+
+async def _settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
 
 
 async def test_a_dead_agent_is_dropped_at_once_and_its_nodes_workers_follow_its_successor() -> None:
@@ -505,8 +520,7 @@ async def test_a_dead_agent_is_dropped_at_once_and_its_nodes_workers_follow_its_
         assert (await actor.info())["capacity"]["cpu@a"].total == 2
 
         first.kill()
-        for _ in range(3):
-            await asyncio.sleep(0)
+        await _settle()
         assert (await actor.info("node-1"))["home"] is None
         assert "a" not in await actor.hosts()
         assert (await actor.info())["capacity"]["cpu@a"].total == 0
@@ -518,6 +532,62 @@ async def test_a_dead_agent_is_dropped_at_once_and_its_nodes_workers_follow_its_
         assert actor._clients["late"].take() == [("home", "a", second)]
         assert actor._clients["elsewhere"].take() == []
         assert (await actor.info("node-1"))["home"] == ("a", second)
+    finally:
+        await actor.close()
+
+
+async def test_homes_follow_the_agents_that_serve_a_node_and_only_death_drops_one() -> None:
+    """The review's cases, driven directly. A ``home`` naming an agent dropped since the
+    worker heard of it records nothing, so the worker follows the replacement. With two
+    deciding agents on one node the newest is the home; when it goes, the other takes its
+    workers, and a worker is forgotten by the agent it was homed to, never by another of
+    the same name. An agent cut off for a while (not dead) is asked again, not dropped;
+    one that stops is nobody's new home but stays until its proxy leaves."""
+    from tangram._shared._cluster import ClusterSchedulerActor
+
+    actor = ClusterSchedulerActor({"cpu": 1}, None, heartbeat=0.05, timeout=60.0, token="t")
+    actor._node_id = lambda: "head"  # type: ignore[method-assign]
+    old, new, third = _Mortal(), _Mortal(), _Mortal()
+    try:
+        for cid in ("agent-old", "agent-new"):
+            await actor.poll(cid, [], 0.0)
+        await actor.add_host("a", "cpu@a", 1, old, "agent-old", None, True, "node-1")
+        await actor.poll("w", [], 0.0, (), "node-1")  # homed to the only agent there
+        # A second agent of the same name on the same node: the newest is the home.
+        await actor.add_host("a", "cpu@a", 1, new, "agent-new", None, True, "node-1")
+        assert (await actor.info("node-1"))["home"] == ("a", new)
+        await actor.poll("v", [], 0.0, (), "node-1")
+        assert actor._homes == {"w": "agent-old", "v": "agent-new"}
+
+        await _settle()  # the watches are waiting
+        new.cut_off()  # unreachable, not dead: asked again a heartbeat later
+        await asyncio.sleep(0.2)
+        assert new.asked == 2 and "agent-new" in actor._clients
+
+        new.kill()  # the newest dies: its worker moves to the one left, w stays
+        await _settle()
+        assert (await actor.info("node-1"))["home"] == ("a", old)
+        assert actor._clients["v"].take() == [("home", "a", old)]
+        assert actor._homes == {"w": "agent-old", "v": "agent-old"}
+        assert "agent-old" in actor._clients
+        await actor.disconnect("w", [])
+        assert old.forgotten == ["w"] and new.forgotten == []
+
+        old.kill()  # nobody left on node-1: a late `home` for "a" records nothing
+        await _settle()
+        await actor.poll("late", [], 0.0)
+        await actor.home("late", "a")
+        assert "late" not in actor._homes and (await actor.info("node-1"))["home"] is None
+        await actor.poll("late", [], 0.0, (), "node-1")
+        await actor.poll("agent-third", [], 0.0)
+        await actor.add_host("a", "cpu@a", 1, third, "agent-third", None, True, "node-1")
+        assert actor._clients["late"].take() == [("home", "a", third)]
+
+        await _settle()
+        third.stop()  # stopping: no longer named, not dropped before its proxy leaves
+        await _settle()
+        assert (await actor.info("node-1"))["home"] is None
+        assert "agent-third" in actor._clients and actor._homes["late"] == "agent-third"
     finally:
         await actor.close()
 
@@ -787,6 +857,10 @@ async def test_actions_placed_on_host_agents_run_in_their_sandboxes(cluster: Non
                 backend = functools.partial(tangram.LocalBackend, cores=[index % 2], root=root)
                 agents.append(await tray.start_agent(remote, name=f"host{index}", backend=backend))
             assert remote.capacity["cpu@host0"].total == 1
+            # The driver that created the scheduler is not homed to an agent it starts on
+            # its own node: the scheduler places its sandboxes, least loaded first.
+            await anyio.sleep(3 * HEARTBEAT)
+            assert remote._local is None
             root_of = {agent.name: root for agent, root in zip(agents, roots, strict=True)}
 
             async def trajectory(index: int) -> tuple[str, str]:

@@ -14,6 +14,7 @@ or torch is not installed.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
@@ -367,13 +368,21 @@ async def test_a_worker_connecting_on_an_agents_node_is_at_home_there(
 class Holder:
     """A rollout process on node a holding a sandbox it placed there itself, until killed."""
 
+    def __init__(self) -> None:
+        self.host: str | None = None
+
     async def hold(self, scheduler: str, agent: Any) -> None:
         async with tray.connect(
             name=scheduler, create=False, heartbeat=HEARTBEAT, lease_timeout=LEASE_TIMEOUT
         ) as remote:
             await remote._home("a", agent)
-            async with remote.sandbox("held-by-the-dead"):
+            async with remote.sandbox("held-by-the-dead") as sbx:
+                self.host = sbx.host
                 await anyio.sleep_forever()
+
+    async def where(self) -> str | None:
+        """Where its sandbox opened, once it has."""
+        return self.host
 
 
 async def test_a_dead_workers_own_node_sandbox_is_closed(deployment: dict[str, Any]) -> None:
@@ -393,7 +402,13 @@ async def test_a_dead_workers_own_node_sandbox_is_closed(deployment: dict[str, A
             await agent_a.close.remote("probe")
         return python is None
 
-    await wait_for(full, 60.0)
+    async def opened() -> bool:
+        # Asked of the holder, not probed on the agent: a probe takes node a's one core
+        # for a moment, and a holder opening then found the node full and went to b.
+        return bool(await holder.where.remote() == "a")
+
+    await wait_for(opened, 60.0)
+    assert await full()
     ray.kill(holder)
 
     async def free() -> bool:
@@ -680,34 +695,42 @@ async def test_a_nodes_workers_follow_its_agent_as_it_starts_dies_and_is_replace
     os.chmod(root, 0o755)
     node_a = cluster["nodes"]["a"].node_id
     backend = functools.partial(tangram.LocalBackend, cores=[0], root=root)
+    resident = Resident.options(  # type: ignore[attr-defined]
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_a, soft=False)
+    ).remote()
+    agents: list[Any] = []
     try:
         async with tray.connect(
             name=name, capacity={"cpu": 1}, heartbeat=HEARTBEAT, lease_timeout=30.0
         ) as job:
-            resident = Resident.options(  # type: ignore[attr-defined]
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node_a, soft=False)
-            ).remote()
             await resident.join.remote(name)
             assert await resident.home.remote() is None
+            try:
+                for attempt in ("first", "second"):
+                    agent = await tray.start_agent(job, name="r", node_id=node_a, backend=backend)
+                    agents.append(agent.actor)
+                    ident = agent.actor._actor_id.hex()
 
-            for attempt in ("first", "second"):
-                agent = await tray.start_agent(job, name="r", node_id=node_a, backend=backend)
-                ident = agent.actor._actor_id.hex()
+                    async def homed(ident: str = ident) -> bool:
+                        return bool(await resident.home.remote() == ident)
 
-                async def homed(ident: str = ident) -> bool:
-                    return bool(await resident.home.remote() == ident)
+                    await wait_for(homed, 10 * HEARTBEAT)
+                    before = (await job.actor.counters.remote())["placements"]
+                    assert await resident.open.remote(f"{attempt}-trajectory") == "r"
+                    assert (await job.actor.counters.remote())["placements"] == before
+                    if attempt == "first":
+                        ray.kill(agent.actor)
 
-                await wait_for(homed, 10 * HEARTBEAT)
-                before = (await job.actor.counters.remote())["placements"]
-                assert await resident.open.remote(f"{attempt}-trajectory") == "r"
-                assert (await job.actor.counters.remote())["placements"] == before
-                if attempt == "first":
-                    ray.kill(agent.actor)
+                        async def dropped() -> bool:
+                            return "r" not in await job.actor.hosts.remote()
 
-                    async def dropped() -> bool:
-                        return "r" not in await job.actor.hosts.remote()
-
-                    assert await wait_for(dropped, 10.0) < 10.0
-            await resident.leave.remote()
+                        assert await wait_for(dropped, 10.0) < 10.0
+            finally:
+                await resident.leave.remote()
+                for actor in agents:
+                    with contextlib.suppress(ray.exceptions.RayError):
+                        await actor.stop.remote()
+                    ray.kill(actor)
     finally:
+        ray.kill(resident)
         shutil.rmtree(root, ignore_errors=True)

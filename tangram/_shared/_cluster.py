@@ -17,7 +17,7 @@ from typing import Any
 from .._core._policy import Policy
 from ..errors import InvalidDemandError
 from ._placement import HostBook
-from ._protocol import logger, lost
+from ._protocol import died, logger, lost, task_failed
 from ._reports import merge, record
 from ._scheduler import SchedulerActor
 
@@ -43,10 +43,15 @@ class ClusterSchedulerActor(SchedulerActor):
         self._decided: set[str] = set()  # their kinds, which this actor never lends
         # Each such agent's newest report (:mod:`._reports`), by client id.
         self._nodes: dict[str, dict[str, Any]] = {}
-        # Workers that open sandboxes on their own node's agent: client id -> that host.
+        # Workers that open sandboxes on their own node's agent: client id -> that
+        # agent's client id (not its name: a replacement may take the name of one that
+        # is not dropped yet).
         self._homes: dict[str, str] = {}
+        # Each deciding agent's Ray node, and those whose ``ended`` returned (stopping).
+        self._agent_nodes: dict[str, str] = {}
+        self._stopping: set[str] = set()
         # The deciding agent of each Ray node, by node id: (host, agent, its client id),
-        # what a worker connecting there is told its home is.
+        # what a worker connecting there is told its home is: the newest still serving.
         self._on_node: dict[str, tuple[str, Any, str]] = {}
         # Each worker's Ray node, as its polls say: a worker there with no home is told
         # of an agent that starts deciding the node's cores (a first, or a replacement).
@@ -60,20 +65,22 @@ class ClusterSchedulerActor(SchedulerActor):
             # The agent cancels what still runs there: the cores its commands hold return.
             agent.close.remote(trajectory)
         self._located.pop(cid, None)
-        home = self._homes.pop(cid, None)
-        agent = None if home is None else self._book.agent(home)
-        if agent is not None:
+        home = self._deciding.get(self._homes.pop(cid, ""))
+        if home is not None:
             # The sandboxes it opened on its own node, unknown to the book, close too.
-            agent.forget.remote(cid)
+            home[2].forget.remote(cid)
         gone = self._book.drop(cid)
         if gone:
             self._runtime.set_capacity(gone)
         deciding = self._deciding.pop(cid, None)
         if deciding is not None:
-            self._on_node = {n: on for n, on in self._on_node.items() if on[2] != cid}
+            self._stopping.discard(cid)
             # Its workers have no home until their node has an agent again (they beat to
-            # this actor meanwhile); a replacement of the same name is a new agent.
-            self._homes = {c: host for c, host in self._homes.items() if host != deciding[0]}
+            # this actor meanwhile), then that one.
+            self._homes = {c: agent for c, agent in self._homes.items() if agent != cid}
+            where = self._agent_nodes.pop(cid, None)
+            if where is not None:
+                self._name_home(where)
             # Another agent may decide the same kinds by now (its node's new agent).
             self._decided = {k for _, kinds, _ in self._deciding.values() for k in kinds}
             node = self._nodes.get(cid)
@@ -89,9 +96,8 @@ class ClusterSchedulerActor(SchedulerActor):
     def _returned(self, cid: str, relayed_by: str) -> None:
         """A worker dropped while alive came back in ``relayed_by``'s poll: that agent is
         its home again, so that it closes what the worker opens there if it is dropped."""
-        deciding = self._deciding.get(relayed_by)
-        if deciding is not None:
-            self._homes[cid] = deciding[0]
+        if relayed_by in self._deciding:
+            self._homes[cid] = relayed_by
 
     def _own_clients(self) -> set[str]:
         return {cid for cid, _ in self._book.agents()}
@@ -131,8 +137,8 @@ class ClusterSchedulerActor(SchedulerActor):
             self._deciding[cid] = (name, kinds, agent)
             self._decided.update(kinds)
             if node is not None:
-                self._on_node[node] = (name, agent, cid)
-                self._rehome(node, [c for c, at in self._located.items() if at == node])
+                self._agent_nodes[cid] = node
+                self._name_home(node)
             self._watch(cid, name, agent)
 
     def _watch(self, cid: str, name: str, agent: Any) -> None:
@@ -145,14 +151,28 @@ class ClusterSchedulerActor(SchedulerActor):
         """
 
         async def watch() -> None:
-            try:
-                await agent.ended.remote()
-            except lost():
-                if self._drop_client(cid):
-                    logger.warning(
-                        "host agent %r is gone: its node's cores and devices leave the job",
-                        name,
-                    )
+            while True:
+                try:
+                    await agent.ended.remote()
+                except task_failed():
+                    return  # it failed to start: its proxy goes, and the agent with it
+                except lost() as exc:
+                    if not died(exc):  # unreachable for now, not dead: ask again
+                        await asyncio.sleep(self._heartbeat)
+                        continue
+                    if self._drop_client(cid):
+                        logger.warning(
+                            "host agent %r is gone: its node's cores and devices leave the job",
+                            name,
+                        )
+                    return
+                # Stopping: closing its sandboxes and services until its proxy leaves. It
+                # is nobody's new home from now on.
+                self._stopping.add(cid)
+                where = self._agent_nodes.get(cid)
+                if where is not None:
+                    self._name_home(where)
+                return
 
         task = asyncio.get_running_loop().create_task(watch())
         self._watches.add(task)
@@ -162,6 +182,18 @@ class ClusterSchedulerActor(SchedulerActor):
         if self._located.get(cid) != node:
             self._located[cid] = node
             self._rehome(node, [cid])
+
+    def _name_home(self, node: str) -> None:
+        """Name ``node``'s newest deciding agent that still serves as the home of the
+        workers there, and tell those without one (a first agent, or one that took over
+        from an agent gone or stopping)."""
+        for cid in reversed(self._deciding):
+            if self._agent_nodes.get(cid) == node and cid not in self._stopping:
+                name, _, agent = self._deciding[cid]
+                self._on_node[node] = (name, agent, cid)
+                self._rehome(node, [c for c, at in self._located.items() if at == node])
+                return
+        self._on_node.pop(node, None)
 
     def _rehome(self, node: str, cids: list[str]) -> None:
         """Tell workers on ``node`` with no home that its deciding agent is their home.
@@ -178,7 +210,7 @@ class ClusterSchedulerActor(SchedulerActor):
             client = self._clients.get(cid)
             if client is None or cid == agent_cid or cid in self._homes:
                 continue
-            self._homes[cid] = host
+            self._homes[cid] = agent_cid
             client.post(("home", host, agent))
 
     async def info(self, node: str | None = None) -> dict[str, Any]:
@@ -265,7 +297,12 @@ class ClusterSchedulerActor(SchedulerActor):
         self.messages += 1
         self.placements += 1
         await self._ready()
-        self._homes[cid] = host
+        # Only an agent that still serves: one dropped since the worker heard of it
+        # would leave the worker homed to nobody, skipped when a replacement starts.
+        for agent_cid in reversed(self._deciding):
+            if self._deciding[agent_cid][0] == host and agent_cid not in self._stopping:
+                self._homes[cid] = agent_cid
+                return
 
     async def place(
         self, trajectory: str, cid: str | None = None, spilled: tuple[str, int] | None = None

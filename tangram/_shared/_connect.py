@@ -77,7 +77,8 @@ async def connect(
     decides its cores (:func:`start_agent`), that agent is this worker's home: its
     sandboxes open there while the node has a core per sandbox, and, idle, it beats
     through it instead of polling the scheduler. An agent that starts on the node later,
-    or replaces one that died, becomes the home of the node's workers then.
+    or replaces one that died, becomes the home of the node's workers then (not of the
+    process whose ``connect`` created the scheduler).
 
     :param name: the actor's name.
     :param namespace: its Ray namespace; ``None`` is the job's own, which no other job
@@ -164,7 +165,10 @@ async def connect(
             f"{_totals(info['capacity'])!r}, not {_totals(wanted)!r}: use a new name (per "
             "job) or set_capacity"
         )
-    async with attach(actor, heartbeat=heartbeat, info=info, node=node) as remote:
+    # Its node said in each poll makes an agent started there later this process's home;
+    # not the driver's that created the scheduler, whose sandboxes the scheduler places.
+    located = None if owner else node
+    async with attach(actor, heartbeat=heartbeat, info=info, node=located) as remote:
         if info.get("home") is not None:
             # This node's agent decides its cores: open sandboxes there and beat through
             # it, as a worker that started it does (``open_shared(agent=True)``).

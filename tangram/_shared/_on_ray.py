@@ -104,7 +104,7 @@ async def open_shared(
         raise SchedulerUnavailableError(f"the job's scheduler actor failed: {exc}") from exc
     if capacity:
         check_capacity(info["capacity"], wanted)
-    async with attach(actor, heartbeat=heartbeat, info=info) as remote:
+    async with attach(actor, heartbeat=heartbeat, info=info, node=node) as remote:
         if agent:
             await _start_agent(remote, job, node, host, backend, warm, timeout, services, devices)
         yield remote

@@ -9,7 +9,9 @@ lease whose heartbeat is older than the timeout.
 
 Events are tuples tagged by their first item: ``("grant", request, lease, grant, units)``,
 ``("error", request, exception)``, ``("resize", lease, grant, units)``,
-``("reclaimed", lease)`` and ``("expired", requests, leases)``. This module is the one
+``("reclaimed", lease)``, ``("expired", requests, leases)`` and ``("home", host,
+agent)`` (a worker's node has a deciding agent now: open sandboxes and beat there). This
+module is the one
 both ends import, so the actor side never imports the worker side, nor the other way.
 
 The same actors run on Ray or, outside Ray, in one process per node that workers reach
@@ -34,6 +36,7 @@ __all__ = [
     "ActorLostError",
     "ActorTaskError",
     "logger",
+    "died",
     "lost",
     "task_failed",
 ]
@@ -79,6 +82,18 @@ def lost() -> tuple[type[Exception], ...]:
     if ray_exceptions is None:
         return (ActorLostError,)
     return (ray_exceptions.RayError, ActorLostError)
+
+
+def died(exc: BaseException) -> bool:
+    """Whether ``exc``, one of :func:`lost`, says the actor itself is gone for good.
+
+    Not a method that raised, and on Ray not an actor unreachable for now
+    (``ActorUnavailableError``, a network break): those may still answer later.
+    """
+    ray_exceptions = sys.modules.get("ray.exceptions")
+    if ray_exceptions is not None and isinstance(exc, ray_exceptions.RayError):
+        return isinstance(exc, ray_exceptions.ActorDiedError)
+    return isinstance(exc, ActorLostError) and not isinstance(exc, ActorTaskError)
 
 
 def task_failed() -> tuple[type[Any], ...]:
