@@ -11,8 +11,8 @@ Events are tuples tagged by their first item: ``("grant", request, lease, grant,
 ``("error", request, exception)``, ``("resize", lease, grant, units)``,
 ``("reclaimed", lease)``, ``("expired", requests, leases)`` and ``("home", host,
 agent)`` (a worker's node has a deciding agent now: open sandboxes and beat there). This
-module is the one
-both ends import, so the actor side never imports the worker side, nor the other way.
+module is the one both ends import, so the actor side never imports the worker side, nor
+the other way.
 
 The same actors run on Ray or, outside Ray, in one process per node that workers reach
 over a Unix socket (:mod:`._socket`). The code that calls them catches :func:`lost` and
@@ -35,8 +35,8 @@ __all__ = [
     "IDLE",
     "ActorLostError",
     "ActorTaskError",
-    "logger",
     "died",
+    "logger",
     "lost",
     "task_failed",
 ]

@@ -196,9 +196,10 @@ class RemoteRuntime(RunMixin):
         # sandboxes open there first (see ``sandbox``), and while nothing waits or is
         # held at the job's actor, this proxy beats there (see ``_poller``).
         self._local: tuple[str, Any] | None = None
-        # The Ray node this proxy runs on (a worker's, set by ``connect``): said in each
-        # poll, so that the job's actor can name its node's agent as its home when one
-        # starts there after this proxy connected, or replaces one that died.
+        # The Ray node this proxy runs on (a worker's, set by ``connect`` and
+        # ``open_shared``): said in each poll, so that the job's actor can name its node's
+        # agent as its home when one starts there after this proxy connected, or takes
+        # over from one that died or stops.
         self._node: str | None = None
         self._busy = anyio.Event()  # set when a request goes to the job's actor
         # Proxies that beat to this one's agent, passed on in its next poll (an agent's
