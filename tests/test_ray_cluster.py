@@ -248,10 +248,12 @@ async def test_a_nodes_cores_are_decided_on_the_node(deployment: dict[str, Any])
         for _ in range(runs):
             assert (await sbx.run("true")).ok
         after = await remote.actor.counters.remote()
+    # Besides heartbeats (by the clock, so more on a slow machine: 22 in a CI run where
+    # 40 runs took over 5 s) only the node's reports reach the job's actor while the runs
+    # go on; deciding centrally took at least a batch per run.
     messages = after["messages"] - before["messages"]
-    # Only heartbeats (two proxies here, one per HEARTBEAT each) reach the job's actor
-    # while the runs go on; deciding centrally took at least a batch per run.
-    assert messages < runs / 2, messages
+    beats = after["heartbeats"] - before["heartbeats"]
+    assert messages - beats < runs / 4, (messages, beats)
     stats = await remote.stats()
     assert stats.kinds["sandbox"].completed == kind.completed + runs
     assert stats.resources[f"cpu@{sbx.host}"].held == 0
