@@ -427,6 +427,12 @@ async def _open_on_job(
         agent["devices"] = _devices(config.gpu) or None
     merged = {**capacity, **config.capacity}
     remote = await stack.enter_async_context(open_shared(config, capacity=merged, **agent))
+    if quotas:
+        # Built here only to check the tables; the job's scheduler runs each quota, once
+        # for the job, and sends every worker's requests (:mod:`tangram._shared._quotas`).
+        from .._shared._quotas import JobQuota
+
+        quotas = {q.name: JobQuota(remote.actor, q.name, q.keys, q.options) for q in config.quotas}
     return Resources(
         remote,
         config,

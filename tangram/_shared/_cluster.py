@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._core._policy import Policy
 from ..errors import InvalidDemandError
@@ -20,6 +20,9 @@ from ._placement import HostBook
 from ._protocol import died, logger, lost, task_failed
 from ._reports import merge, record
 from ._scheduler import SchedulerActor
+
+if TYPE_CHECKING:
+    from ._quotas import QuotaDesk, Wire
 
 __all__ = ["ClusterSchedulerActor"]
 
@@ -57,6 +60,7 @@ class ClusterSchedulerActor(SchedulerActor):
         # of an agent that starts deciding the node's cores (a first, or a replacement).
         self._located: dict[str, str] = {}
         self._watches: set[asyncio.Task[None]] = set()  # one per deciding agent
+        self._desk: QuotaDesk | None = None  # the job's API quotas, from a first use
 
     def _drop_client(self, cid: str, *, expired: bool = False) -> bool:
         if not super()._drop_client(cid, expired=expired):
@@ -91,6 +95,8 @@ class ClusterSchedulerActor(SchedulerActor):
     async def close(self) -> None:
         for task in list(self._watches):
             task.cancel()
+        if self._desk is not None:
+            await self._desk.aclose()
         await super().close()
 
     def _returned(self, cid: str, relayed_by: str) -> None:
@@ -332,3 +338,30 @@ class ClusterSchedulerActor(SchedulerActor):
         self.placements += 1
         await self._ready()
         self._book.unplace_service(ticket, seq, resident)
+
+    # -- the job's API quotas (:mod:`._quotas`; httpx is imported at a first use) --------
+
+    async def _quotas(self) -> QuotaDesk:
+        runtime = await self._ready()
+        if self._desk is None:
+            from ._quotas import QuotaDesk
+
+            self._desk = QuotaDesk(runtime)
+        return self._desk
+
+    async def quota_open(
+        self, name: str, keys: list[dict[str, Any]], options: dict[str, Any]
+    ) -> None:
+        """A worker's ``[quota.NAME]``: built here by the first, checked for the others."""
+        self.messages += 1
+        (await self._quotas()).open(name, keys, options)
+
+    async def quota_send(self, name: str, call: str, wire: Wire) -> tuple[Any, ...]:
+        """Send a worker's request under the job's quota ``name`` (see :mod:`._quotas`)."""
+        self.messages += 1
+        return await (await self._quotas()).send(name, call, wire)
+
+    async def quota_cancel(self, call: str) -> None:
+        """The worker that sent ``call`` stopped waiting for it: its slot comes back now."""
+        self.messages += 1
+        (await self._quotas()).cancel(call)

@@ -1,0 +1,269 @@
+"""A job's API quotas: admitted, sent and adapted by the job's scheduler, for every worker.
+
+A :class:`tangram.quota.Quota` decides from a runtime of its own process: which key has
+budget soonest (the ledger's levels), and how far to cut a key's rates when the provider
+refuses (AIMD, through ``set_capacity``). A ``[quota.NAME]`` limit is the provider's, for
+the whole job: eight workers each running a ``Quota`` of their own would each send at the
+full rate, and each would cut its rates to what it alone saw accepted. So in shared mode
+the quota runs once, in the job's scheduler (the Ray actor, or without Ray the node's
+scheduler process), on that scheduler's runtime, and a worker's ``quota.client()`` hands
+it each request: the scheduler picks the key, waits for its budget, sends, retries, and
+answers with the provider's response, its body read whole. That is one message per API
+request to the job's scheduler; a job's API requests are bounded by its provider's rate,
+far below what one scheduler answers a second (``benchmarks/ray_ceiling.py``). Per-node
+leases of a quota, which would keep even those messages on the node, are not built.
+
+A worker cancelled while its request waits or is in flight says so, and the scheduler
+cancels the request there, so its slot comes back at once. A worker that dies mid-request
+leaves the request to end at the scheduler, within its deadline, and its slot with it.
+The body travels by value both ways; what is a callable of this process (a ``trace``
+extension, a ``transport=`` to wrap) cannot travel and is refused at the call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import pickle
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from ..errors import InvalidSettingError, SchedulerUnavailableError
+from ._protocol import lost, task_failed
+
+if TYPE_CHECKING:
+    from .._quota._keys import KeyStats
+    from .._quota._quota import Quota
+    from .._runtime._run import Runtime
+
+__all__ = ["JobQuota", "QuotaDesk"]
+
+#: The request extensions that travel with a request: tangram's own (tokens, deadline,
+#: idempotent) and httpx's timeouts, all plain values.
+_EXTENSIONS = ("tangram.tokens", "tangram.deadline", "tangram.idempotent", "timeout")
+
+Spec = tuple[list[dict[str, Any]], dict[str, Any]]  # (keys, options) of one [quota.NAME]
+Wire = tuple[str, str, list[tuple[str, str]], bytes, dict[str, Any]]
+
+
+class QuotaDesk:
+    """The scheduler's side: the job's quotas on its runtime, sending for every worker."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self._runtime = runtime
+        self._quotas: dict[str, tuple[Spec, Quota]] = {}
+        self._transport: httpx.AsyncHTTPTransport | None = None
+        self._calls: dict[str, asyncio.Task[Any]] = {}
+        # Calls cancelled before their request arrived (an actor runs one caller's calls
+        # in any order): the request, when it comes, is answered as cancelled at once.
+        self._cancelled: set[str] = set()
+
+    def open(self, name: str, keys: list[dict[str, Any]], options: dict[str, Any]) -> None:
+        """Build quota ``name`` here, once: later workers must state the same keys.
+
+        :raises InvalidSettingError: another worker stated other keys or options for it.
+        """
+        from .._quota._keys import ApiKey
+        from .._quota._quota import Quota
+
+        spec: Spec = (keys, options)
+        known = self._quotas.get(name)
+        if known is not None:
+            if known[0] != spec:
+                raise InvalidSettingError(
+                    f"[quota.{name}] differs from the one the job's scheduler was given by "
+                    "the first worker: every worker of a job must state the same quotas"
+                )
+            return
+        quota = Quota([ApiKey(**k) for k in keys], name=name, runtime=self._runtime, **options)
+        self._quotas[name] = (spec, quota)
+
+    def stats(self, name: str) -> dict[str, KeyStats]:
+        return self._quotas[name][1].stats()
+
+    async def send(self, name: str, call: str, wire: Wire) -> tuple[Any, ...]:
+        """One worker's request, sent under quota ``name``: the answer, or what it raised.
+
+        Answered as ``("ok", status, headers, raw body, stats)``, ``("raised", error,
+        stats)`` or ``("cancelled",)``: errors travel as values, so that an httpx error
+        reaches the worker as the same class, not as the transport's failure.
+        """
+        if call in self._cancelled:
+            self._cancelled.discard(call)
+            return ("cancelled",)
+        task = asyncio.ensure_future(self._send(name, wire))
+        self._calls[call] = task
+        try:
+            await asyncio.wait({task})
+        finally:
+            self._calls.pop(call, None)
+        if task.cancelled():
+            return ("cancelled",)
+        stats = self.stats(name)
+        error = task.exception()
+        if error is not None:
+            return ("raised", _portable(error), stats)
+        status, headers, raw = task.result()
+        return ("ok", status, headers, raw, stats)
+
+    async def _send(self, name: str, wire: Wire) -> tuple[int, list[tuple[str, str]], bytes]:
+        method, url, headers, content, extensions = wire
+        if self._transport is None:
+            self._transport = httpx.AsyncHTTPTransport()
+        request = httpx.Request(method, url, headers=headers, content=content)
+        request.extensions.update(extensions)
+        response = await self._quotas[name][1].send(request, self._transport)
+        try:
+            # Raw, as the provider encoded it: the worker's client decodes it by the
+            # headers, which say the encoding it asked for.
+            raw = b"".join([chunk async for chunk in response.aiter_raw()])
+        finally:
+            await response.aclose()  # the request's slot is given back here
+        return response.status_code, response.headers.multi_items(), raw
+
+    def cancel(self, call: str) -> None:
+        task = self._calls.get(call)
+        if task is None:
+            self._cancelled.add(call)
+        else:
+            task.cancel()
+
+    async def aclose(self) -> None:
+        for task in list(self._calls.values()):
+            task.cancel()
+        if self._transport is not None:
+            await self._transport.aclose()
+
+
+def _portable(error: BaseException) -> tuple[str, Any]:
+    """``error`` as it can travel: httpx's by class name and message (they hold the
+    request, which does not), others whole where they pickle."""
+    if isinstance(error, httpx.HTTPError):
+        return ("httpx", (type(error).__name__, str(error)))
+    try:
+        pickle.dumps(error)
+    except Exception:
+        return ("other", f"{type(error).__name__}: {error}")
+    return ("pickled", error)
+
+
+def _rebuilt(portable: tuple[str, Any], request: httpx.Request) -> BaseException:
+    how, value = portable
+    if how == "pickled":
+        return value  # type: ignore[no-any-return]
+    if how == "httpx":
+        name, message = value
+        cls = getattr(httpx, name, None)
+        if isinstance(cls, type) and issubclass(cls, httpx.RequestError):
+            return cls(message, request=request)
+        return httpx.TransportError(message, request=request)
+    return SchedulerUnavailableError(f"the job's scheduler failed this API request: {value}")
+
+
+class JobQuota:
+    """``resources.quota(name)`` in shared mode: a Quota's ``client()`` and ``stats()``,
+    each request admitted and sent by the job's scheduler under the job's limits."""
+
+    _calls = itertools.count(1)
+
+    def __init__(
+        self,
+        actor: Any,
+        name: str,
+        keys: Sequence[Mapping[str, Any]],
+        options: Mapping[str, Any],
+    ) -> None:
+        self.name = name
+        self._actor = actor
+        self._spec: Spec = ([dict(k) for k in keys], dict(options))
+        self._opened = False
+        self._stats: dict[str, KeyStats] = {}
+        self._prefix = f"{os.getpid()}-{id(self):x}-"
+
+    def __repr__(self) -> str:
+        return f"<tangram job quota {self.name!r}>"
+
+    def client(self, **kwargs: Any) -> httpx.AsyncClient:
+        """An ``httpx.AsyncClient`` whose every request goes through the job's quota.
+
+        Keyword arguments go to ``httpx.AsyncClient``, as for
+        :meth:`tangram.quota.Quota.client`.
+
+        :raises InvalidSettingError: ``transport=``: the job's scheduler sends the
+            requests, and a transport of this process cannot travel there.
+        """
+        if "transport" in kwargs:
+            raise InvalidSettingError(
+                f"quota {self.name!r} is the job's (mode = 'shared'): its scheduler sends "
+                "the requests, so a `transport=` of this process cannot be used; use "
+                "mode = 'local' for a quota of this process"
+            )
+        return httpx.AsyncClient(transport=_JobTransport(self), **kwargs)
+
+    def stats(self) -> dict[str, KeyStats]:
+        """Each key's figures as of this process's latest answer (the job's, all workers')."""
+        return dict(self._stats)
+
+    async def _open(self) -> None:
+        if self._opened:
+            return
+        try:
+            await self._actor.quota_open.remote(self.name, *self._spec)
+        except task_failed() as exc:
+            raise exc.cause from exc
+        except lost() as exc:
+            raise SchedulerUnavailableError(f"the job's scheduler is unreachable: {exc}") from exc
+        self._opened = True
+
+    async def send(self, request: httpx.Request) -> httpx.Response:
+        if "trace" in request.extensions:
+            raise InvalidSettingError(
+                "a request's `trace` extension is a function of this process, and the job's "
+                f"scheduler sends quota {self.name!r}'s requests: leave it out"
+            )
+        await self._open()
+        content = await request.aread()
+        extensions = {k: request.extensions[k] for k in _EXTENSIONS if k in request.extensions}
+        wire: Wire = (
+            request.method,
+            str(request.url),
+            request.headers.multi_items(),
+            content,
+            extensions,
+        )
+        call = f"{self._prefix}{next(self._calls)}"
+        pending = self._actor.quota_send.remote(self.name, call, wire)
+        try:
+            answer = await pending
+        except task_failed() as exc:
+            raise SchedulerUnavailableError(
+                f"the job's scheduler failed quota {self.name!r}'s request: {exc}"
+            ) from exc
+        except lost() as exc:
+            raise SchedulerUnavailableError(f"the job's scheduler is unreachable: {exc}") from exc
+        except BaseException:
+            with contextlib.suppress(*lost()):
+                self._actor.quota_cancel.remote(call)
+            raise
+        if answer[0] == "cancelled":
+            raise SchedulerUnavailableError(
+                f"the job's scheduler cancelled quota {self.name!r}'s request (it is closing)"
+            )
+        self._stats = answer[-1]
+        if answer[0] == "raised":
+            raise _rebuilt(answer[1], request)
+        _, status, headers, raw, _ = answer
+        stream = httpx.ByteStream(raw)
+        return httpx.Response(status, headers=headers, stream=stream, request=request)
+
+
+class _JobTransport(httpx.AsyncBaseTransport):
+    def __init__(self, quota: JobQuota) -> None:
+        self._quota = quota
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        return await self._quota.send(request)

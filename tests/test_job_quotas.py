@@ -1,0 +1,261 @@
+"""``[quota.NAME]`` in shared mode: one quota for the job, run by the job's scheduler.
+
+A quota's limit is its provider's, for the whole job. Before, a worker in shared mode (the
+default) failed its first API request with ``SettingTypeError`` (a Quota needs a runtime
+of its own process), and in local mode each worker process ran a quota of its own at the
+full rate. Here worker processes started as a launcher starts them (plain processes
+without Ray, sharing the node's scheduler process; Ray actors on a real local Ray
+cluster) send through ``resources.quota(name).client()`` to
+:class:`tangram.testing.QuotaServer` on loopback, which refuses (``429``) what a
+provider would. The control runs the same workers with ``mode = "local"``: the server
+refuses some of their requests, so the zero of the shared runs is the quota's doing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from tangram import Runtime
+from tangram._frameworks import _session
+from tangram._shared._quotas import QuotaDesk, _portable, _rebuilt
+from tangram.errors import InvalidSettingError, QuotaDeadlineError
+from tangram.testing import Limit, QuotaServer
+
+RATE = 8  # requests a second, the server's limit and the key's
+WORKERS = 3
+REQUESTS = 8  # per worker: three workers' bursts at once are three times the limit's
+
+WORKER = textwrap.dedent(
+    """
+    import anyio, json, sys
+    from tangram._frameworks import _session
+
+    async def main(url: str, n: int) -> None:
+        async with _session.session() as resources:
+            quota = resources.quota("search")
+            statuses = []
+            async with quota.client(base_url=url) as http:
+
+                async def one(i: int) -> None:
+                    statuses.append((await http.get(f"/q/{i}")).status_code)
+
+                async with anyio.create_task_group() as tg:
+                    for i in range(n):
+                        tg.start_soon(one, i)
+            print(json.dumps({"statuses": statuses, "stats": {
+                k: s.sent for k, s in quota.stats().items()}}))
+
+    anyio.run(main, sys.argv[1], int(sys.argv[2]))
+    """
+)
+
+
+def _config(path: Path, mode: str, extra: str = "") -> Path:
+    path.write_text(
+        f'mode = "{mode}"\n'
+        "[quota.search]\n"
+        f'keys = [{{ name = "a", requests = "{RATE}/s", '
+        'headers = { Authorization = "Bearer a" } }]\n' + extra
+    )
+    return path
+
+
+async def _run_workers(tmp_path: Path, mode: str) -> tuple[QuotaServer, list[dict[str, Any]]]:
+    env = dict(
+        os.environ,
+        TANGRAM_CONFIG=str(_config(tmp_path / f"{mode}.toml", mode)),
+        TANGRAM_RUN_DIR=str(tmp_path / "run"),
+        TANGRAM_JOB=f"quota-{mode}-{tmp_path.name}",
+    )
+    outputs: list[dict[str, Any]] = []
+    async with QuotaServer(Limit(requests=RATE, requests_burst=RATE)) as server:
+
+        async def worker() -> None:
+            done = await anyio.run_process(
+                [sys.executable, "-c", WORKER, server.url, str(REQUESTS)], env=env, check=False
+            )
+            assert done.returncode == 0, done.stderr.decode()[-3000:]
+            outputs.append(json.loads(done.stdout.decode().strip().splitlines()[-1]))
+
+        with anyio.fail_after(120):
+            async with anyio.create_task_group() as tg:
+                for _ in range(WORKERS):
+                    tg.start_soon(worker)
+    return server, outputs
+
+
+@pytest.mark.anyio
+async def test_worker_processes_without_ray_share_the_jobs_quota(tmp_path: Path) -> None:
+    server, outputs = await _run_workers(tmp_path, "shared")
+    assert [sorted(o["statuses"]) for o in outputs] == [[200] * REQUESTS] * WORKERS
+    assert len(server.accepted) == WORKERS * REQUESTS
+    assert server.rejected == []  # three workers, one limit: the provider's
+    # Each worker reads the job's figures: every request of the job went through key a.
+    assert max(o["stats"]["a"] for o in outputs) == WORKERS * REQUESTS
+
+
+@pytest.mark.anyio
+async def test_the_control_workers_with_a_quota_each_are_refused(tmp_path: Path) -> None:
+    """Without a job's quota the same workers overrun the provider: the server refuses."""
+    server, outputs = await _run_workers(tmp_path, "local")
+    assert server.rejected  # what the shared run's zero is measured against
+    assert all(o["stats"]["a"] >= REQUESTS for o in outputs)  # each counts only its own
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """The job's scheduler is reached from asyncio only (see ``open_node``)."""
+    return "asyncio"
+
+
+@pytest.fixture
+async def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """This test's process as a worker of a job without Ray, on a quota of one slot."""
+    monkeypatch.setenv("TANGRAM_RUN_DIR", str(tmp_path / "run"))
+    monkeypatch.setenv("TANGRAM_JOB", f"quota-{tmp_path.name}")
+    path = tmp_path / "slot.toml"
+    path.write_text(
+        "[quota.search]\n"  # no mode: shared
+        'keys = [{ name = "a", concurrency = 1, headers = { Authorization = "Bearer a" } }]\n'
+    )
+    try:
+        async with _session.session(path) as resources:
+            yield resources
+    finally:
+        await _session.aclose(path)
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_request_gives_its_slot_back_at_once(job: Any) -> None:
+    """The request is cancelled at the job's scheduler too: the next one does not wait
+    for the first one's 30 s answer (its slot is the key's only one)."""
+    quota = job.quota("search")
+    server = QuotaServer(latency=30.0)
+    async with server, quota.client(base_url=server.url, timeout=60.0) as http:
+        with anyio.move_on_after(0.5) as scope:
+            await http.get("/slow")
+        assert scope.cancelled_caught
+        server.latency = 0.0
+        with anyio.fail_after(5):  # a slot held until the first's answer (30 s) fails this
+            response = await http.get("/fast")
+    assert response.status_code == 200
+    stats = await job.scheduler.stats()
+    assert stats.resources["search.a.concurrency"].held == 0
+
+
+@pytest.mark.anyio
+async def test_the_jobs_quota_raises_its_own_errors_in_the_worker(job: Any) -> None:
+    quota = job.quota("search")
+    async with QuotaServer(latency=30.0) as server, quota.client(base_url=server.url) as http:
+        with pytest.raises(QuotaDeadlineError, match="deadline"):
+            await http.get("/slow", extensions={"tangram.deadline": 1.0})
+    async with quota.client(base_url="http://127.0.0.1:9") as http:  # nothing listens
+        with pytest.raises((httpx.ConnectError, QuotaDeadlineError)) as raised:
+            await http.get("/x", extensions={"tangram.deadline": 2.0})
+    assert isinstance(raised.value, QuotaDeadlineError) or raised.value.request.url.port == 9
+
+
+@pytest.mark.anyio
+async def test_what_cannot_travel_to_the_jobs_scheduler_is_refused_at_the_call(job: Any) -> None:
+    quota = job.quota("search")
+    with pytest.raises(InvalidSettingError, match="transport"):
+        quota.client(transport=httpx.MockTransport(lambda request: httpx.Response(200)))
+
+    async def trace(name: str, info: dict[str, Any]) -> None:
+        pass
+
+    async with quota.client(base_url="http://127.0.0.1:9") as http:
+        with pytest.raises(InvalidSettingError, match="trace"):
+            await http.get("/x", extensions={"trace": trace})
+
+
+def test_a_worker_stating_other_keys_is_refused() -> None:
+    desk = QuotaDesk(Runtime({"x": 1}))
+    keys = [{"name": "a", "requests": "5/s"}]
+    desk.open("search", keys, {})
+    desk.open("search", [dict(k) for k in keys], {})  # the same, stated again: fine
+    with pytest.raises(InvalidSettingError, match="same quotas"):
+        desk.open("search", [{"name": "a", "requests": "50/s"}], {})
+    with pytest.raises(InvalidSettingError, match="same quotas"):
+        desk.open("search", keys, {"deadline": 5})
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        httpx.ConnectError("refused"),
+        httpx.ReadTimeout("slow"),
+        httpx.RemoteProtocolError("bad frame"),
+        QuotaDeadlineError("late"),
+        InvalidSettingError("bad"),
+    ],
+)
+def test_errors_reach_the_worker_as_their_own_class(error: Exception) -> None:
+    request = httpx.Request("GET", "http://example.invalid/x")
+    portable = pickle.loads(pickle.dumps(_portable(error)))
+    rebuilt = _rebuilt(portable, request)
+    assert type(rebuilt) is type(error)
+    assert str(rebuilt) == str(error)
+    if isinstance(rebuilt, httpx.RequestError):
+        assert rebuilt.request is request
+
+
+class RayWorker:
+    """A worker of a Ray job (verl's and OpenRLHF's workers are Ray actors)."""
+
+    async def send(self, path: str, url: str, n: int) -> list[int]:
+        import anyio
+
+        from tangram._frameworks import _session
+
+        statuses: list[int] = []
+        async with (
+            _session.session(path) as resources,
+            resources.quota("search").client(base_url=url) as http,
+        ):
+
+            async def one(i: int) -> None:
+                statuses.append((await http.get(f"/q/{i}")).status_code)
+
+            async with anyio.create_task_group() as tg:
+                for i in range(n):
+                    tg.start_soon(one, i)
+        await _session.aclose(path)
+        return statuses
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(240)
+async def test_ray_workers_share_the_jobs_quota(tmp_path: Path) -> None:
+    """Three Ray actors of one job, one provider's limit: the job's scheduler actor holds it."""
+    if os.environ.get("CI"):
+        import ray
+    else:
+        ray = pytest.importorskip("ray")
+    import importlib
+
+    importlib.import_module("ray.cloudpickle").register_pickle_by_value(sys.modules[__name__])
+    path = _config(tmp_path / "ray.toml", "shared")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        workers = [ray.remote(num_cpus=0)(RayWorker).remote() for _ in range(WORKERS)]
+        async with QuotaServer(Limit(requests=RATE, requests_burst=RATE)) as server:
+            with anyio.fail_after(180):
+                statuses = await anyio.to_thread.run_sync(
+                    ray.get, [w.send.remote(str(path), server.url, REQUESTS) for w in workers]
+                )
+    finally:
+        ray.shutdown()
+    assert [sorted(s) for s in statuses] == [[200] * REQUESTS] * WORKERS
+    assert len(server.accepted) == WORKERS * REQUESTS
+    assert server.rejected == []
