@@ -128,6 +128,30 @@ async def _tangram(url: str, key: str, factor: float) -> AsyncIterator[Send]:
         yield send
 
 
+@contextlib.asynccontextmanager
+async def _tangram_job(url: str, key: str, factor: float) -> AsyncIterator[Send]:
+    """The same quota as the job's (``mode = "shared"``, the adapters' default): run by
+    the job's scheduler process, which sends each request this process hands it.
+
+    Opened as ``_session`` opens a ``[quota.NAME]`` table, but with the key's burst set as
+    in the arm above (a config's ``requests = "50/s"`` has a burst of 50).
+    """
+    from tangram._shared._node import open_node
+    from tangram._shared._quotas import JobQuota
+
+    rate = tangram.Rate(LIMIT * factor, burst=BURST)
+    keys = [{"name": "k", "requests": rate, "headers": {"Authorization": f"Bearer {key}"}}]
+    capacity = Quota([ApiKey(**keys[0])], name="job").capacity()
+    async with open_node(capacity=capacity, config=f"api-quota-{key}-{time.time()}") as remote:
+        quota = JobQuota(remote.actor, "job", keys, {})
+        async with quota.client(base_url=url) as client:
+
+            async def send() -> int:
+                return (await client.get("/v1")).status_code
+
+            yield send
+
+
 async def _drive(client: Client, url: str, key: str, factor: float, seconds: float) -> Run:
     """Run one arm's batch for ``seconds``; its start time and how many requests failed."""
     failed = 0
@@ -227,6 +251,8 @@ async def main(quick: bool) -> dict[str, object]:
             name = f"{arm}_{setting.split()[0]}"
             arms[name] = (client, factor)
             labels[name] = f"{arm}, {setting}"
+    arms["tangram_job"] = (_tangram_job, 1.0)
+    labels["tangram_job"] = "tangram, right, the job's quota"
     named = await _run_all(arms, settle, window)
     print(_table({labels[k]: v for k, v in named.items()}, settle))
 
@@ -244,6 +270,14 @@ async def main(quick: bool) -> dict[str, object]:
         ">= 1",
         ours["share_of_limit"] >= right["share_of_limit"],
     )
+    # The job's quota (shared mode): the same client, its requests sent by the job's
+    # scheduler process, one message each way per request.
+    job = named["tangram_job"]
+    targets["job_share_of_limit"] = target(
+        job["share_of_limit"], ">= 0.95", job["share_of_limit"] >= 0.95
+    )
+    targets["job_429s"] = target(job["rejected_429"], "== 0", job["rejected_429"] == 0)
+    targets["job_none_failed"] = target(job["failed"], "== 0", job["failed"] == 0)
     for setting in ("3x", "half"):
         ours, verl = named[f"tangram_{setting}"], named[f"verl_{setting}"]
         targets[f"{setting}_share_of_limit"] = target(
