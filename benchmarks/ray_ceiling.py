@@ -12,6 +12,12 @@ What it measures
       the messages it received per action (every protocol call: a proxy's batch, a
       heartbeat, a placement). The *knee* is the first worker count after which more
       workers add less than 10 % of actions per second.
+    - *probe*: one worker, one action at a time: the cost of a message that carries one
+      action, which the protocol model takes (a sandbox run's messages carry one each).
+    - *quota*: 4 workers each running 8 loops of GET requests through a job's quota
+      (``[quota.NAME]`` in shared mode: the job's actor sends them) to a loopback
+      server with no limit: requests per second and the actor's CPU per request,
+      against the probe's action. No target: per-node quota leases are not built.
     - *sandbox*: a host agent on each of 1 to 8 nodes (the embedded local backend, 2
       cores each), and workers on those nodes whose trajectories each open a sandbox and
       run ``true`` in it back to back: the verl adapter's path. Twice: as shipped, with
@@ -151,6 +157,28 @@ class Worker:
         async with tray.connect(name=NAME, create=False):
             await anyio.sleep(max(0.0, start + seconds - time.time()))
         return []
+
+    async def quota(self, url: str, start: float, seconds: float) -> list[float]:
+        """``TASKS`` loops of GET requests through the job's quota (its actor sends them)."""
+        from tangram._shared._quotas import JobQuota
+
+        spans: list[float] = []
+        async with tray.connect(name=NAME, create=False) as remote:
+            quota = JobQuota(remote.actor, "api", [{"name": "k", "concurrency": 64}], {})
+            async with quota.client(base_url=url) as http:
+                await http.get("/warm")  # the quota built at the actor: not timed
+                await anyio.sleep(max(0.0, start - time.time()))
+
+                async def loop() -> None:
+                    while time.time() < start + seconds:
+                        began = time.perf_counter()
+                        await http.get("/q")
+                        spans.append(time.perf_counter() - began)
+
+                async with anyio.create_task_group() as tg:
+                    for _ in range(TASKS):
+                        tg.start_soon(loop)
+        return spans
 
     async def timed(
         self, trajectories: int, start: float, seconds: float
@@ -309,6 +337,28 @@ async def _probe_arm(remote: tray.RemoteRuntime, worker: Any, seconds: float) ->
         f"  probe, one action at a time: p50 {row['p50_ms']} ms, actor "
         f"{row['actor_cpu_ms_per_action']} ms CPU and {row['messages_per_action']} messages "
         "per action",
+        file=sys.stderr,
+        flush=True,
+    )
+    return row
+
+
+async def _quota_arm(
+    remote: tray.RemoteRuntime, workers: list[Any], seconds: float
+) -> dict[str, Any]:
+    """API requests through the job's quota, which its actor sends (a loopback server
+    here, with no limit): what a quota request costs the job's actor, against the probe's
+    action. No target: the issue's per-node quota leases are not built."""
+    from tangram.testing import QuotaServer
+
+    async with QuotaServer() as server:
+        start = _start_at(len(workers))
+        calls = [w.quota.remote(server.url, start, seconds) for w in workers]
+        _, row = await _window(remote, calls, seconds)
+    print(
+        f"  quota, {len(workers)} workers: {row['actions_per_s']} requests/s, p50 "
+        f"{row['p50_ms']} ms, actor {row['actor_cpu_ms_per_action']} ms CPU and "
+        f"{row['messages_per_action']} messages per request",
         file=sys.stderr,
         flush=True,
     )
@@ -592,6 +642,7 @@ async def _bench(
         async with tray.connect(name=NAME, capacity={"cpu": CAPACITY}) as remote:
             acquire = await _acquire_arm(remote, workers, plan["workers"], plan["seconds"])
             probe = await _probe_arm(remote, workers[0], plan["seconds"])
+            quota = await _quota_arm(remote, workers[:4], plan["seconds"])
             idle = await _idle_arm(remote, workers[: shape["workers"]], plan["seconds"])
             # The node arm's widest window's polls: each agent's, passing its workers'
             # beats on, and this driver's.
@@ -602,7 +653,14 @@ async def _bench(
     finally:
         for root in roots:
             shutil.rmtree(root, ignore_errors=True)
-    return {"acquire": acquire, "probe": probe, "sandbox": sandbox, "idle": idle, "bare": bare}
+    return {
+        "acquire": acquire,
+        "probe": probe,
+        "quota": quota,
+        "sandbox": sandbox,
+        "idle": idle,
+        "bare": bare,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -686,6 +744,10 @@ def main(argv: list[str] | None = None) -> int:
         "nodes": plan["nodes"],
         "acquire": acquire,
         "probe": one,
+        "quota": rows["quota"],
+        "quota_actor_cpu_vs_probe": round(
+            rows["quota"]["actor_cpu_ms_per_action"] / one["actor_cpu_ms_per_action"], 3
+        ),
         "sandbox": sandbox,
         "knee_workers": knee(acquire),
         "actor_cpu_ms_per_action_median": statistics.median(

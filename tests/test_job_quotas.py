@@ -27,6 +27,7 @@ import pytest
 
 from tangram import Runtime
 from tangram._frameworks import _session
+from tangram._shared import _quotas
 from tangram._shared._quotas import QuotaDesk, _portable, _rebuilt
 from tangram.errors import InvalidSettingError, QuotaDeadlineError
 from tangram.testing import Limit, QuotaServer
@@ -127,6 +128,8 @@ async def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     path.write_text(
         "[quota.search]\n"  # no mode: shared
         'keys = [{ name = "a", concurrency = 1, headers = { Authorization = "Bearer a" } }]\n'
+        "[quota.wide]\n"
+        'keys = [{ name = "w", concurrency = 500, headers = { Authorization = "Bearer w" } }]\n'
     )
     try:
         async with _session.session(path) as resources:
@@ -177,6 +180,178 @@ async def test_what_cannot_travel_to_the_jobs_scheduler_is_refused_at_the_call(j
     async with quota.client(base_url="http://127.0.0.1:9") as http:
         with pytest.raises(InvalidSettingError, match="trace"):
             await http.get("/x", extensions={"trace": trace})
+
+
+@pytest.mark.anyio
+async def test_a_worker_joins_after_the_jobs_quota_cut_its_rates(tmp_path: Path) -> None:
+    """AIMD changes the job's rates at run time; a worker stating the configured ones
+    still joins (it was refused as stating another capacity)."""
+    config = tmp_path / "cut.toml"
+    config.write_text(
+        "[quota.search]\n"
+        'keys = [{ name = "a", requests = "40/s", headers = { Authorization = "Bearer a" } }]\n'
+    )
+    env = dict(
+        os.environ,
+        TANGRAM_CONFIG=str(config),
+        TANGRAM_RUN_DIR=str(tmp_path / "run"),
+        TANGRAM_JOB=f"cut-{tmp_path.name}",
+    )
+    async with QuotaServer(Limit(requests=4, requests_burst=2)) as server:
+        first = await anyio.run_process(
+            [sys.executable, "-c", WORKER, server.url, "30"], env=env, check=False
+        )
+        assert first.returncode == 0, first.stderr.decode()[-3000:]
+        assert server.rejected  # the provider refused: AIMD cut the key's rates
+        later = await anyio.run_process(
+            [sys.executable, "-c", WORKER, server.url, "1"], env=env, check=False
+        )
+    assert later.returncode == 0, later.stderr.decode()[-3000:]
+    assert json.loads(later.stdout.decode().splitlines()[-1])["statuses"] == [200]
+
+
+@pytest.mark.anyio
+async def test_a_killed_workers_request_gives_its_slot_back(job: Any, tmp_path: Path) -> None:
+    """A worker killed mid-request hangs up on the job's scheduler, which cancels the
+    request there: the key's one slot does not wait for the 30 s answer."""
+    script = tmp_path / "slot.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import anyio, sys
+            from tangram._frameworks import _session
+
+            async def main() -> None:
+                async with _session.session(sys.argv[2]) as resources:
+                    async with resources.quota("search").client(timeout=60) as http:
+                        print("sending", flush=True)
+                        await http.get(sys.argv[1] + "/slow")
+
+            anyio.run(main)
+            """
+        )
+    )
+    quota = job.quota("search")
+    server = QuotaServer(latency=30.0)
+    async with (
+        server,
+        await anyio.open_process(
+            [sys.executable, str(script), server.url, str(tmp_path / "slot.toml")]
+        ) as worker,
+    ):
+        assert worker.stdout is not None
+        assert b"sending" in await worker.stdout.receive()
+        with anyio.fail_after(20):
+            while server.in_flight("a") == 0:  # noqa: ASYNC110 - the server's count
+                await anyio.sleep(0.05)
+        worker.kill()
+        await worker.wait()
+        server.latency = 0.0
+        async with quota.client(base_url=server.url, timeout=60.0) as http:
+            with anyio.fail_after(10):  # a slot held to the first's answer fails this
+                response = await http.get("/fast")
+    assert response.status_code == 200
+
+
+async def _raw_server(answer: bytes, seen: list[bytes]) -> Any:
+    """A loopback HTTP/1.1 server that answers ``answer`` to one request per connection
+    and keeps each request's bytes: what the provider saw, framing included."""
+
+    async def serve(stream: Any) -> None:
+        data = b""
+        async with stream:
+            while b"\r\n\r\n" not in data:
+                data += await stream.receive()
+            head, _, body = data.partition(b"\r\n\r\n")
+            length = next(
+                (
+                    int(line.split(b":", 1)[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                ),
+                0,
+            )
+            while len(body) < length:
+                body += await stream.receive()
+            seen.append(head + b"\r\n\r\n" + body)
+            await stream.send(answer)
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    return listener, serve
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("mode", ["shared", "local"])
+async def test_headers_reason_and_a_streamed_body_arrive_as_sent(
+    mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Header bytes that are not ASCII, a reason phrase of the provider's own, and a body
+    given as a stream (sent whole once read: never chunk-framed beside a length)."""
+    monkeypatch.setenv("TANGRAM_RUN_DIR", str(tmp_path / "run"))
+    monkeypatch.setenv("TANGRAM_JOB", f"wire-{tmp_path.name}")
+    path = _config(tmp_path / "wire.toml", mode)
+    answer = b"HTTP/1.1 299 Custom Reason\r\nX-Name: caf\xe9\r\nContent-Length: 2\r\n\r\nok"
+    seen: list[bytes] = []
+    listener, serve = await _raw_server(answer, seen)
+
+    async def body() -> Any:
+        yield b"abc"
+        yield b"def"
+
+    try:
+        async with listener, anyio.create_task_group() as tg:
+            tg.start_soon(listener.serve, serve)
+            port = listener.extra(anyio.abc.SocketAttribute.local_port)
+            async with (
+                _session.session(path) as resources,
+                resources.quota("search").client(base_url=f"http://127.0.0.1:{port}") as http,
+            ):
+                response = await http.post(
+                    "/x", content=body(), headers={"X-Mine": "d\xe9j\xe0".encode("latin-1")}
+                )
+            tg.cancel_scope.cancel()
+    finally:
+        await _session.aclose(path)
+    assert response.status_code == 299
+    assert response.reason_phrase == "Custom Reason"
+    assert (b"X-Name", b"caf\xe9") in response.headers.raw
+    assert response.text == "ok"
+    head, _, sent = seen[0].partition(b"\r\n\r\n")
+    assert sent == b"abcdef"
+    assert b"transfer-encoding" not in head.lower()
+    assert b"content-length: 6" in head.lower()
+    assert b"x-mine: d\xe9j\xe0" in head.lower()
+
+
+@pytest.mark.anyio
+async def test_more_requests_in_flight_than_a_connection_pool_holds(job: Any) -> None:
+    """The quota's slots bound what is in flight, not a pool of 100 connections: of 150
+    requests at once more than 100 reach the server together, none failed on the pool."""
+    quota = job.quota("wide")
+    assert quota.stats()["w"].sent == 0  # before its first answer: zeros, as a Quota
+    async with QuotaServer(latency=3.0) as server, quota.client(base_url=server.url) as http:
+        codes: list[int] = []
+
+        async def one() -> None:
+            codes.append((await http.get("/q")).status_code)
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(150):
+                tg.start_soon(one)
+    assert codes == [200] * 150
+    assert server.peak_in_flight["w"] > 100  # httpx's pool held 100, and failed the rest
+    assert quota.stats()["w"].failed == 0
+
+
+def test_a_cancellation_no_request_claims_is_forgotten(monkeypatch: pytest.MonkeyPatch) -> None:
+    desk = QuotaDesk(Runtime({"x": 1}))
+    now = 1000.0
+    monkeypatch.setattr(_quotas.time, "monotonic", lambda: now)
+    desk.cancel("early")  # its request may still come: kept
+    assert "early" in desk._cancelled
+    now += _quotas._FORGET + 1
+    desk.cancel("later")
+    assert list(desk._cancelled) == ["later"]
 
 
 def test_a_worker_stating_other_keys_is_refused() -> None:

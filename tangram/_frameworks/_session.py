@@ -364,7 +364,9 @@ async def _open(config: Config, stack: contextlib.AsyncExitStack) -> Resources:
     capacity: dict[str, object] = {}
     quotas = _quotas(config, capacity)
     if shared:
-        return await _open_on_job(config, stack, capacity, quotas)
+        # Not the quotas' kinds: the job's scheduler adds them when it builds each quota,
+        # and its AIMD changes their rates, which a later worker would find "other".
+        return await _open_on_job(config, stack, {}, quotas)
     sandboxes = None
     if config.sandbox is not None:
         sandboxes = await stack.enter_async_context(_sandbox_pool(config.sandbox))

@@ -35,6 +35,11 @@ def outgoing(
         url = url.copy_with(scheme=base.scheme, host=base.host, port=base.port)
     headers = request.headers.copy()
     headers.update(key.key.headers)
+    if "transfer-encoding" in headers:
+        # A streamed body was read whole (a retry resends it): it goes out as the bytes
+        # it is, framed by the length httpx gives it, not as chunks it no longer is.
+        del headers["transfer-encoding"]
+        headers.pop("content-length", None)
     return httpx.Request(
         request.method,
         url,

@@ -30,7 +30,7 @@ from ..errors import (
     SettingTypeError,
 )
 from ._cluster import ClusterSchedulerActor
-from ._protocol import DEFAULT_HEARTBEAT, DEFAULT_TIMEOUT, lost
+from ._protocol import DEFAULT_HEARTBEAT, DEFAULT_TIMEOUT, SCHEDULER_CALLS, lost
 from ._proxy import RemoteRuntime, attach
 
 __all__ = ["LOOKUP_SECONDS", "connect"]
@@ -136,7 +136,7 @@ async def connect(
             "name": name,
             "namespace": namespace,
             "get_if_exists": True,
-            "max_concurrency": 10_000,
+            "max_concurrency": SCHEDULER_CALLS,
             "num_cpus": 0,
             # Ray spreads zero-CPU actors over the nodes; the scheduler stays with its
             # creator, so losing a worker node never takes the limits with it. Not soft:

@@ -34,7 +34,7 @@ from .._runtime._run import Runtime
 from ..errors import SchedulerUnavailableError
 from ._agent import BackendSpec, HostAgentActor
 from ._cluster import ClusterSchedulerActor
-from ._protocol import DEFAULT_HEARTBEAT, DEFAULT_TIMEOUT, IDLE
+from ._protocol import DEFAULT_HEARTBEAT, DEFAULT_TIMEOUT, IDLE, SCHEDULER_CALLS
 from ._proxy import RemoteRuntime, attach, check_capacity
 
 __all__ = ["IDLE", "NAMESPACE", "agent_name", "host_name", "open_shared", "scheduler_name"]
@@ -93,7 +93,7 @@ async def open_shared(
         namespace=NAMESPACE,
         get_if_exists=True,
         lifetime="detached",
-        max_concurrency=10_000,
+        max_concurrency=SCHEDULER_CALLS,
         num_cpus=0,
         # Beside the worker that made it: Ray would spread a zero-CPU actor anywhere.
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),

@@ -48,6 +48,13 @@ DEFAULT_HEARTBEAT = 1.0
 DEFAULT_TIMEOUT = 10.0
 """Seconds without a heartbeat after which the actor reclaims a lease."""
 
+SCHEDULER_CALLS = 1_000_000
+"""Calls the job's actor runs at once (Ray's ``max_concurrency``): two per proxy (its send
+and its poll) and one per API request of a job's quota until it is answered, waiting for
+its budget included, and a job's backlog of API requests can pass 10,000. A waiting call
+is a coroutine, so the bound costs nothing until reached, and reached it would queue
+heartbeats behind API requests: it is set past any backlog."""
+
 IDLE = 2
 """A job's scheduler ends after this many lease timeouts with no worker's proxy.
 

@@ -25,8 +25,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import os
 import pickle
+import time
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -45,9 +46,18 @@ __all__ = ["JobQuota", "QuotaDesk"]
 #: The request extensions that travel with a request: tangram's own (tokens, deadline,
 #: idempotent) and httpx's timeouts, all plain values.
 _EXTENSIONS = ("tangram.tokens", "tangram.deadline", "tangram.idempotent", "timeout")
+#: And with a response: what the provider said besides its status and headers.
+_ANSWERED = ("reason_phrase", "http_version")
+#: ``client()`` settings of the connection, which the job's scheduler makes: refused, not
+#: silently dropped (httpx ignores them beside a transport of its caller's).
+_CONNECTION = ("transport", "mounts", "verify", "cert", "http1", "http2", "limits", "proxy")
+#: Seconds a cancellation that came before its request is kept for it: far past any
+#: delivery delay between one caller's two calls, and it bounds what the book holds.
+_FORGET = 300.0
 
 Spec = tuple[list[dict[str, Any]], dict[str, Any]]  # (keys, options) of one [quota.NAME]
-Wire = tuple[str, str, list[tuple[str, str]], bytes, dict[str, Any]]
+Headers = list[tuple[bytes, bytes]]  # raw, as sent: a header need not be ASCII
+Wire = tuple[str, str, Headers, bytes, dict[str, Any]]
 
 
 class QuotaDesk:
@@ -59,8 +69,10 @@ class QuotaDesk:
         self._transport: httpx.AsyncHTTPTransport | None = None
         self._calls: dict[str, asyncio.Task[Any]] = {}
         # Calls cancelled before their request arrived (an actor runs one caller's calls
-        # in any order): the request, when it comes, is answered as cancelled at once.
-        self._cancelled: set[str] = set()
+        # in any order), with when: the request, when it comes, is answered as cancelled
+        # at once. A cancellation that crossed its answer is never claimed: forgotten
+        # after ``_FORGET`` seconds.
+        self._cancelled: dict[str, float] = {}
 
     def open(self, name: str, keys: list[dict[str, Any]], options: dict[str, Any]) -> None:
         """Build quota ``name`` here, once: later workers must state the same keys.
@@ -88,17 +100,22 @@ class QuotaDesk:
     async def send(self, name: str, call: str, wire: Wire) -> tuple[Any, ...]:
         """One worker's request, sent under quota ``name``: the answer, or what it raised.
 
-        Answered as ``("ok", status, headers, raw body, stats)``, ``("raised", error,
-        stats)`` or ``("cancelled",)``: errors travel as values, so that an httpx error
-        reaches the worker as the same class, not as the transport's failure.
+        Answered as ``("ok", status, headers, raw body, extensions, stats)``,
+        ``("raised", error, stats)`` or ``("cancelled",)``: errors travel as values, so
+        that an httpx error reaches the worker as the same class, not as the transport's
+        failure.
         """
-        if call in self._cancelled:
-            self._cancelled.discard(call)
+        if self._cancelled.pop(call, None) is not None:
             return ("cancelled",)
         task = asyncio.ensure_future(self._send(name, wire))
         self._calls[call] = task
         try:
             await asyncio.wait({task})
+        except asyncio.CancelledError:
+            # This call itself was cancelled (the socket's caller hung up, the scheduler
+            # closes): the request goes with it, and its slot.
+            task.cancel()
+            raise
         finally:
             self._calls.pop(call, None)
         if task.cancelled():
@@ -107,13 +124,16 @@ class QuotaDesk:
         error = task.exception()
         if error is not None:
             return ("raised", _portable(error), stats)
-        status, headers, raw = task.result()
-        return ("ok", status, headers, raw, stats)
+        status, headers, raw, answered = task.result()
+        return ("ok", status, headers, raw, answered, stats)
 
-    async def _send(self, name: str, wire: Wire) -> tuple[int, list[tuple[str, str]], bytes]:
+    async def _send(self, name: str, wire: Wire) -> tuple[int, Headers, bytes, dict[str, Any]]:
         method, url, headers, content, extensions = wire
         if self._transport is None:
-            self._transport = httpx.AsyncHTTPTransport()
+            # No bound on connections: the quota's own slots bound what is in flight,
+            # and httpx's 100 made requests the quota admitted fail on the pool.
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+            self._transport = httpx.AsyncHTTPTransport(limits=limits)
         request = httpx.Request(method, url, headers=headers, content=content)
         request.extensions.update(extensions)
         response = await self._quotas[name][1].send(request, self._transport)
@@ -123,14 +143,19 @@ class QuotaDesk:
             raw = b"".join([chunk async for chunk in response.aiter_raw()])
         finally:
             await response.aclose()  # the request's slot is given back here
-        return response.status_code, response.headers.multi_items(), raw
+        answered = {k: response.extensions[k] for k in _ANSWERED if k in response.extensions}
+        return response.status_code, list(response.headers.raw), raw, answered
 
     def cancel(self, call: str) -> None:
         task = self._calls.get(call)
-        if task is None:
-            self._cancelled.add(call)
-        else:
+        if task is not None:
             task.cancel()
+            return
+        now = time.monotonic()
+        for old, at in list(self._cancelled.items()):
+            if now - at > _FORGET:
+                del self._cancelled[old]
+        self._cancelled[call] = now
 
     async def aclose(self) -> None:
         for task in list(self._calls.values()):
@@ -168,8 +193,6 @@ class JobQuota:
     """``resources.quota(name)`` in shared mode: a Quota's ``client()`` and ``stats()``,
     each request admitted and sent by the job's scheduler under the job's limits."""
 
-    _calls = itertools.count(1)
-
     def __init__(
         self,
         actor: Any,
@@ -182,7 +205,9 @@ class JobQuota:
         self._spec: Spec = ([dict(k) for k in keys], dict(options))
         self._opened = False
         self._stats: dict[str, KeyStats] = {}
-        self._prefix = f"{os.getpid()}-{id(self):x}-"
+        # Call ids unique across the job: pids repeat across nodes and containers.
+        self._prefix = f"{uuid.uuid4().hex}-"
+        self._calls = itertools.count(1)
 
     def __repr__(self) -> str:
         return f"<tangram job quota {self.name!r}>"
@@ -193,19 +218,26 @@ class JobQuota:
         Keyword arguments go to ``httpx.AsyncClient``, as for
         :meth:`tangram.quota.Quota.client`.
 
-        :raises InvalidSettingError: ``transport=``: the job's scheduler sends the
-            requests, and a transport of this process cannot travel there.
+        :raises InvalidSettingError: a setting of the connection (``transport=``,
+            ``verify=``, ``limits=``, ``http2=`` ...): the job's scheduler makes the
+            connections.
         """
-        if "transport" in kwargs:
+        refused = sorted(k for k in kwargs if k in _CONNECTION)
+        if refused:
             raise InvalidSettingError(
                 f"quota {self.name!r} is the job's (mode = 'shared'): its scheduler sends "
-                "the requests, so a `transport=` of this process cannot be used; use "
-                "mode = 'local' for a quota of this process"
+                f"the requests over connections of its own, so {', '.join(refused)} cannot "
+                "be set here; use mode = 'local' for a quota of this process"
             )
         return httpx.AsyncClient(transport=_JobTransport(self), **kwargs)
 
     def stats(self) -> dict[str, KeyStats]:
-        """Each key's figures as of this process's latest answer (the job's, all workers')."""
+        """Each key's figures as of this process's latest answer (the job's, all workers'):
+        zeros before its first, as a Quota that has sent nothing."""
+        if not self._stats:
+            from .._quota._keys import KeyStats
+
+            return {k["name"]: KeyStats(0, 0, 0, 0, 0, False, 1.0) for k in self._spec[0]}
         return dict(self._stats)
 
     async def _open(self) -> None:
@@ -231,7 +263,7 @@ class JobQuota:
         wire: Wire = (
             request.method,
             str(request.url),
-            request.headers.multi_items(),
+            list(request.headers.raw),
             content,
             extensions,
         )
@@ -256,9 +288,11 @@ class JobQuota:
         self._stats = answer[-1]
         if answer[0] == "raised":
             raise _rebuilt(answer[1], request)
-        _, status, headers, raw, _ = answer
+        _, status, headers, raw, answered, _ = answer
         stream = httpx.ByteStream(raw)
-        return httpx.Response(status, headers=headers, stream=stream, request=request)
+        return httpx.Response(
+            status, headers=headers, stream=stream, request=request, extensions=answered
+        )
 
 
 class _JobTransport(httpx.AsyncBaseTransport):
