@@ -354,6 +354,31 @@ def test_a_cancellation_no_request_claims_is_forgotten(monkeypatch: pytest.Monke
     assert list(desk._cancelled) == ["later"]
 
 
+@pytest.mark.anyio
+async def test_a_worker_stating_other_keys_fails_when_it_joins(job: Any, tmp_path: Path) -> None:
+    """At its session's start, not at a first API request hours into the run; and the
+    job's kinds include the quota's from the first worker on."""
+    assert "search.a.concurrency" in job.scheduler.capacity
+    path = tmp_path / "slot.toml"  # the job's file, changed under a running job
+    path.write_text(path.read_text().replace("concurrency = 1", "concurrency = 2"))
+    code = textwrap.dedent(
+        """
+        import anyio, sys
+        from tangram._frameworks import _session
+
+        async def main() -> None:
+            async with _session.session(sys.argv[1]):
+                pass
+
+        anyio.run(main)
+        """
+    )
+    joined = await anyio.run_process([sys.executable, "-c", code, str(path)], check=False)
+    assert joined.returncode != 0
+    assert "ConfigError: [quota.search]" in joined.stderr.decode()
+    assert "same quotas" in joined.stderr.decode()
+
+
 def test_a_worker_stating_other_keys_is_refused() -> None:
     desk = QuotaDesk(Runtime({"x": 1}))
     keys = [{"name": "a", "requests": "5/s"}]

@@ -44,6 +44,7 @@ from .._runtime._group import Gate
 from .._runtime._run import _enter_current, _exit_current
 from .._sandbox._backend import SandboxBackend, backend_class
 from .._sandbox._pool import SandboxPool
+from ..errors import InvalidSettingError
 from ._config import (
     ENV_VAR,
     Config,
@@ -435,6 +436,14 @@ async def _open_on_job(
         from .._shared._quotas import JobQuota
 
         quotas = {q.name: JobQuota(remote.actor, q.name, q.keys, q.options) for q in config.quotas}
+        for name, quota in quotas.items():
+            # Built at the scheduler now, not at a first request: a worker stating other
+            # keys fails here, and the quotas' kinds are the job's from the start.
+            try:
+                await quota._open()
+            except InvalidSettingError as exc:
+                raise ConfigError(f"[quota.{name}]: {exc}") from exc
+        await remote._refresh()
     return Resources(
         remote,
         config,

@@ -92,6 +92,7 @@ class QuotaDesk:
                 )
             return
         quota = Quota([ApiKey(**k) for k in keys], name=name, runtime=self._runtime, **options)
+        quota._attach()  # its kinds are the job's from now on, as a first request makes them
         self._quotas[name] = (spec, quota)
 
     def stats(self, name: str) -> dict[str, KeyStats]:
