@@ -143,7 +143,7 @@ async def _tangram_job(url: str, key: str, factor: float) -> AsyncIterator[Send]
     keys = [{"name": "k", "requests": rate, "headers": {"Authorization": f"Bearer {key}"}}]
     capacity = Quota([ApiKey(**keys[0])], name="job").capacity()
     async with open_node(capacity=capacity, config=f"api-quota-{key}-{time.time()}") as remote:
-        quota = JobQuota(remote.actor, "job", keys, {})
+        quota = JobQuota(remote, "job", keys, {})
         async with quota.client(base_url=url) as client:
 
             async def send() -> int:

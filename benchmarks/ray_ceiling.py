@@ -164,7 +164,7 @@ class Worker:
 
         spans: list[float] = []
         async with tray.connect(name=NAME, create=False) as remote:
-            quota = JobQuota(remote.actor, "api", [{"name": "k", "concurrency": 64}], {})
+            quota = JobQuota(remote, "api", [{"name": "k", "concurrency": 64}], {})
             async with quota.client(base_url=url) as http:
                 await http.get("/warm")  # the quota built at the actor: not timed
                 await anyio.sleep(max(0.0, start - time.time()))

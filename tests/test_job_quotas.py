@@ -25,9 +25,10 @@ import anyio
 import httpx
 import pytest
 
-from tangram import Runtime
+from tangram import Rate, Runtime
 from tangram._frameworks import _session
 from tangram._shared import _quotas
+from tangram._shared._cluster import ClusterSchedulerActor
 from tangram._shared._quotas import QuotaDesk, _portable, _rebuilt
 from tangram.errors import InvalidSettingError, QuotaDeadlineError
 from tangram.testing import Limit, QuotaServer
@@ -379,6 +380,135 @@ async def test_a_worker_stating_other_keys_fails_when_it_joins(job: Any, tmp_pat
     assert "same quotas" in joined.stderr.decode()
 
 
+@pytest.mark.anyio
+async def test_the_scheduler_states_a_quotas_kinds_as_configured(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What a joining worker's capacity is compared with: AIMD's cut aside."""
+    monkeypatch.setattr(ClusterSchedulerActor, "_node_id", lambda self: "here")  # no Ray
+    actor = ClusterSchedulerActor({"x": 1}, None, 1.0, 10.0, "token")
+    try:
+        await actor.quota_open("search", [{"name": "a", "requests": "40/s"}], {})
+        runtime = await actor._ready()
+        runtime.set_capacity({"search.a.requests": Rate(4, burst=1)})  # as AIMD cuts it
+        assert runtime.capacity["search.a.requests"].total == 4
+        info = await actor.info()
+        assert info["capacity"]["search.a.requests"].total == 40
+        assert info["capacity"]["x"].total == 1
+    finally:
+        await actor.close()
+
+
+@pytest.mark.anyio
+async def test_a_dropped_workers_requests_end_at_the_scheduler(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On Ray a dead worker's call runs on (Ray cancels no actor call for its caller):
+    the scheduler ends it when it drops the worker, a lease timeout after its last beat,
+    and its slot comes back then, not at the provider's answer."""
+    monkeypatch.setattr(ClusterSchedulerActor, "_node_id", lambda self: "here")  # no Ray
+    actor = ClusterSchedulerActor({"x": 1}, None, 1.0, 10.0, "token")
+    try:
+        await actor.quota_open("q", [{"name": "w", "concurrency": 1}], {})
+        actor._client("worker")  # a proxy the scheduler knows, as after its first poll
+        async with QuotaServer(latency=30.0) as server, anyio.create_task_group() as tg:
+            answers: list[tuple[Any, ...]] = []
+
+            async def send() -> None:
+                wire = ("GET", f"{server.url}/slow", [(b"authorization", b"Bearer w")], b"", {})
+                answers.append(await actor.quota_send("q", "worker-1", wire))
+
+            tg.start_soon(send)
+            with anyio.fail_after(10):
+                while server.in_flight("w") == 0:  # noqa: ASYNC110 - the server's count
+                    await anyio.sleep(0.02)
+            runtime = await actor._ready()
+            assert runtime.stats().resources["q.w.concurrency"].held == 1
+            actor._drop_client("worker", expired=True)
+            with anyio.fail_after(5):
+                while not answers:  # noqa: ASYNC110 - the call's own answer
+                    await anyio.sleep(0.02)
+        assert answers == [("cancelled",)]
+        assert runtime.stats().resources["q.w.concurrency"].held == 0
+    finally:
+        await actor.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("mode", ["shared", "local"])
+async def test_a_key_with_its_own_url_says_that_host(
+    mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``ApiKey(url=...)`` sends to its own host, and names it in ``Host`` (the client's
+    was the base URL's: a provider behind a name-based proxy would refuse it)."""
+    monkeypatch.setenv("TANGRAM_RUN_DIR", str(tmp_path / "run"))
+    monkeypatch.setenv("TANGRAM_JOB", f"host-{tmp_path.name}")
+    seen: list[bytes] = []
+    listener, serve = await _raw_server(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n", seen)
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    path = tmp_path / "host.toml"
+    path.write_text(
+        f'mode = "{mode}"\n[quota.search]\n'
+        f'keys = [{{ name = "a", concurrency = 1, url = "http://127.0.0.1:{port}" }}]\n'
+    )
+    try:
+        async with listener, anyio.create_task_group() as tg:
+            tg.start_soon(listener.serve, serve)
+            async with (
+                _session.session(path) as resources,
+                resources.quota("search").client(base_url="http://localhost:1") as http,
+            ):
+                response = await http.get("/x")
+            tg.cancel_scope.cancel()
+    finally:
+        await _session.aclose(path)
+    assert response.status_code == 200
+    assert f"host: 127.0.0.1:{port}\r\n".encode() in seen[0].lower()
+
+
+def test_a_scheduler_has_half_its_files_for_connections(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past httpx's 100, short of every file the process has (its heartbeats need some)."""
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(_quotas.resource, "setrlimit", lambda _, limits: calls.append(limits))
+    for soft, hard, most in [
+        (256, 256, 128),
+        (1024, 524288, _quotas._MOST_CONNECTIONS),  # raised to the hard limit first
+        (20, 20, 16),
+        (_quotas.resource.RLIM_INFINITY,) * 2 + (_quotas._MOST_CONNECTIONS,),
+    ]:
+        monkeypatch.setattr(_quotas.resource, "getrlimit", lambda _, s=soft, h=hard: (s, h))
+        assert _quotas._connections() == most
+    assert calls == [(524288, 524288)]
+
+
+@pytest.mark.anyio
+async def test_requests_past_the_connections_wait_for_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Within their deadline, not failing on httpx's pool timeout as the key's failure."""
+    monkeypatch.setattr(_quotas, "_connections", lambda: 2)
+    async with Runtime({"x": 1}) as runtime, QuotaServer(latency=0.3) as server:
+        desk = QuotaDesk(runtime)
+        desk.open("q", [{"name": "w", "concurrency": 50}], {})
+        headers = [(b"authorization", b"Bearer w")]
+        timeout = {"connect": 5.0, "read": 5.0, "write": 5.0, "pool": 0.05}
+        answers: list[tuple[Any, ...]] = []
+
+        async def one(i: int) -> None:
+            wire = ("GET", f"{server.url}/{i}", headers, b"", {"timeout": timeout})
+            answers.append(await desk.send("q", f"c-{i}", wire))
+
+        try:
+            async with anyio.create_task_group() as tg:
+                for i in range(8):
+                    tg.start_soon(one, i)
+        finally:
+            await desk.aclose()
+    assert [a[:2] for a in answers] == [("ok", 200)] * 8
+    assert server.peak_in_flight["w"] == 2
+    assert desk.stats("q")["w"].failed == 0
+
+
 def test_a_worker_stating_other_keys_is_refused() -> None:
     desk = QuotaDesk(Runtime({"x": 1}))
     keys = [{"name": "a", "requests": "5/s"}]
@@ -436,8 +566,10 @@ class RayWorker:
 
 @pytest.mark.anyio
 @pytest.mark.timeout(240)
-async def test_ray_workers_share_the_jobs_quota(tmp_path: Path) -> None:
-    """Three Ray actors of one job, one provider's limit: the job's scheduler actor holds it."""
+@pytest.mark.parametrize("mode", ["shared", "ray"])
+async def test_ray_workers_share_the_jobs_quota(mode: str, tmp_path: Path) -> None:
+    """Three Ray actors of one job, one provider's limit: the job's scheduler actor holds
+    it (``shared``), or the named scheduler actor they all reach (``ray``)."""
     if os.environ.get("CI"):
         import ray
     else:
@@ -445,7 +577,8 @@ async def test_ray_workers_share_the_jobs_quota(tmp_path: Path) -> None:
     import importlib
 
     importlib.import_module("ray.cloudpickle").register_pickle_by_value(sys.modules[__name__])
-    path = _config(tmp_path / "ray.toml", "shared")
+    extra = f'[ray]\nname = "quota-{tmp_path.name}"\ndetached = true\n' if mode == "ray" else ""
+    path = _config(tmp_path / "ray.toml", mode, extra)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         workers = [ray.remote(num_cpus=0)(RayWorker).remote() for _ in range(WORKERS)]

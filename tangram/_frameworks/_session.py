@@ -361,13 +361,10 @@ async def _host(config: Config, hosted: _Hosted) -> None:
 
 
 async def _open(config: Config, stack: contextlib.AsyncExitStack) -> Resources:
-    shared = config.mode == "shared"
+    quotas = _quotas(config)
+    if config.mode == "shared":
+        return await _open_on_job(config, stack, quotas)
     capacity: dict[str, object] = {}
-    quotas = _quotas(config, capacity)
-    if shared:
-        # Not the quotas' kinds: the job's scheduler adds them when it builds each quota,
-        # and its AIMD changes their rates, which a later worker would find "other".
-        return await _open_on_job(config, stack, {}, quotas)
     sandboxes = None
     if config.sandbox is not None:
         sandboxes = await stack.enter_async_context(_sandbox_pool(config.sandbox))
@@ -376,12 +373,20 @@ async def _open(config: Config, stack: contextlib.AsyncExitStack) -> Resources:
     if config.gpu is not None:
         gpu = await stack.enter_async_context(_gpu_pool(config.gpu))
         capacity.update(gpu.capacity())
+    # A process's own quotas (local), or the creator's statement of a named actor's kinds
+    # (ray: a worker looking it up states none, so AIMD's changes to their rates are never
+    # "another capacity").
+    for quota in quotas.values():
+        capacity.update(quota.capacity())
     scheduler = await stack.enter_async_context(open_scheduler(config, capacity=capacity))
+    if config.mode == "ray":  # a named actor's proxy: its quotas are the actor's too
+        quotas = await _job_quotas(scheduler, config)
     return Resources(scheduler, config, sandboxes, gpu, quotas)
 
 
-def _quotas(config: Config, capacity: dict[str, object]) -> dict[str, Any]:
-    """The config's API quotas, built here; their resources are added to ``capacity``."""
+def _quotas(config: Config) -> dict[str, Any]:
+    """The config's API quotas, built here: each a Quota of this process's (local mode),
+    or built only to check its table where a scheduler of the job runs it."""
     quotas: dict[str, Any] = {}
     if config.quotas:
         try:
@@ -401,15 +406,34 @@ def _quotas(config: Config, capacity: dict[str, object]) -> dict[str, Any]:
                 quotas[q.name] = Quota(keys, name=q.name, **q.options)
             except (TypeError, ValueError) as exc:
                 raise ConfigError(f"[quota.{q.name}]: {exc}") from exc
-            capacity.update(quotas[q.name].capacity())
+    return quotas
+
+
+async def _job_quotas(remote: Any, config: Config) -> dict[str, Any]:
+    """The config's quotas as the job scheduler's: it runs each, once for the job, and
+    sends every worker's requests (:mod:`tangram._shared._quotas`).
+
+    Not in the capacity a worker states: the scheduler adds their kinds when it builds
+    each quota, and its AIMD changes their rates, which a later worker would find
+    "another capacity". Built at the scheduler now, not at a first request: a worker
+    stating other keys fails here, and the quotas' kinds are the job's from the start.
+    """
+    if not config.quotas:
+        return {}
+    from .._shared._quotas import JobQuota
+
+    quotas = {q.name: JobQuota(remote, q.name, q.keys, q.options) for q in config.quotas}
+    for name, quota in quotas.items():
+        try:
+            await quota._open()
+        except InvalidSettingError as exc:
+            raise ConfigError(f"[quota.{name}]: {exc}") from exc
+    await remote._refresh()
     return quotas
 
 
 async def _open_on_job(
-    config: Config,
-    stack: contextlib.AsyncExitStack,
-    capacity: dict[str, object],
-    quotas: dict[str, Any],
+    config: Config, stack: contextlib.AsyncExitStack, quotas: dict[str, Any]
 ) -> Resources:
     """Shared mode: a proxy on the job's scheduler, pools on the node agents.
 
@@ -428,22 +452,10 @@ async def _open_on_job(
     if config.gpu is not None:
         agent["services"] = [functools.partial(_torch_service, s) for s in config.gpu.services]
         agent["devices"] = _devices(config.gpu) or None
-    merged = {**capacity, **config.capacity}
-    remote = await stack.enter_async_context(open_shared(config, capacity=merged, **agent))
-    if quotas:
-        # Built here only to check the tables; the job's scheduler runs each quota, once
-        # for the job, and sends every worker's requests (:mod:`tangram._shared._quotas`).
-        from .._shared._quotas import JobQuota
-
-        quotas = {q.name: JobQuota(remote.actor, q.name, q.keys, q.options) for q in config.quotas}
-        for name, quota in quotas.items():
-            # Built at the scheduler now, not at a first request: a worker stating other
-            # keys fails here, and the quotas' kinds are the job's from the start.
-            try:
-                await quota._open()
-            except InvalidSettingError as exc:
-                raise ConfigError(f"[quota.{name}]: {exc}") from exc
-        await remote._refresh()
+    remote = await stack.enter_async_context(
+        open_shared(config, capacity=dict(config.capacity), **agent)
+    )
+    quotas = await _job_quotas(remote, config) if quotas else {}
     return Resources(
         remote,
         config,

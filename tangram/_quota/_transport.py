@@ -30,10 +30,12 @@ def outgoing(
 ) -> httpx.Request:
     """``request`` as it goes out with ``key``: its URL and headers, and ``trace`` hooked in."""
     url = request.url
+    headers = request.headers.copy()
     if key.key.url is not None:
         base = httpx.URL(key.key.url)
         url = url.copy_with(scheme=base.scheme, host=base.host, port=base.port)
-    headers = request.headers.copy()
+        # The Host the client wrote is the old URL's: httpx writes the key's.
+        headers.pop("host", None)
     headers.update(key.key.headers)
     if "transfer-encoding" in headers:
         # A streamed body was read whole (a retry resends it): it goes out as the bytes

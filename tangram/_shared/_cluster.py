@@ -65,6 +65,8 @@ class ClusterSchedulerActor(SchedulerActor):
     def _drop_client(self, cid: str, *, expired: bool = False) -> bool:
         if not super()._drop_client(cid, expired=expired):
             return False
+        if self._desk is not None:
+            self._desk.drop(cid)  # its API requests, waiting or in flight
         for trajectory, agent in self._book.orphans(cid):
             # The agent cancels what still runs there: the cores its commands hold return.
             agent.close.remote(trajectory)
@@ -224,6 +226,10 @@ class ClusterSchedulerActor(SchedulerActor):
         that decides that node's cores, or ``None``. A worker connecting there opens its
         sandboxes on it and beats through it, as one that started it does."""
         facts = await super().info()
+        if self._desk is not None:
+            # A quota's kinds as configured, not as AIMD has cut them: what a worker that
+            # states the same quota compares with.
+            facts["capacity"] = facts["capacity"].with_updates(self._desk.configured())
         if node is not None:
             on = self._on_node.get(node)
             facts["home"] = None if on is None else on[:2]

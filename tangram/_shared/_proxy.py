@@ -230,6 +230,11 @@ class RemoteRuntime(RunMixin):
         return self._actor
 
     @property
+    def client_id(self) -> str:
+        """This proxy's id at the scheduler: what names its leases and its requests."""
+        return self._id
+
+    @property
     def capacity(self) -> Capacity:
         """The capacity as of the last refresh (connect, or ``set_capacity`` from here)."""
         return self._actions.capacity

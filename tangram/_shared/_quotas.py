@@ -14,8 +14,9 @@ far below what one scheduler answers a second (``benchmarks/ray_ceiling.py``). P
 leases of a quota, which would keep even those messages on the node, are not built.
 
 A worker cancelled while its request waits or is in flight says so, and the scheduler
-cancels the request there, so its slot comes back at once. A worker that dies mid-request
-leaves the request to end at the scheduler, within its deadline, and its slot with it.
+cancels the request there, so its slot comes back at once. So it does for a worker that
+dies mid-request: at once without Ray (its connection drops, and the call with it), and
+on Ray when the worker's proxy is dropped, a lease timeout after its last heartbeat.
 The body travels by value both ways; what is a callable of this process (a ``trace``
 extension, a ``transport=`` to wrap) cannot travel and is refused at the call.
 """
@@ -26,8 +27,8 @@ import asyncio
 import contextlib
 import itertools
 import pickle
+import resource
 import time
-import uuid
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,7 @@ from ._protocol import lost, task_failed
 
 if TYPE_CHECKING:
     from .._quota._keys import KeyStats
+    from ._proxy import RemoteRuntime
     from .._quota._quota import Quota
     from .._runtime._run import Runtime
 
@@ -54,6 +56,10 @@ _CONNECTION = ("transport", "mounts", "verify", "cert", "http1", "http2", "limit
 #: Seconds a cancellation that came before its request is kept for it: far past any
 #: delivery delay between one caller's two calls, and it bounds what the book holds.
 _FORGET = 300.0
+#: Connections the scheduler opens to providers at most: past httpx's 100 (requests the
+#: quota admitted failed on its pool), and never so many that the process, which also
+#: answers every worker's heartbeats, runs out of files (see ``_connections``).
+_MOST_CONNECTIONS = 4096
 
 Spec = tuple[list[dict[str, Any]], dict[str, Any]]  # (keys, options) of one [quota.NAME]
 Headers = list[tuple[bytes, bytes]]  # raw, as sent: a header need not be ASCII
@@ -66,6 +72,7 @@ class QuotaDesk:
     def __init__(self, runtime: Runtime) -> None:
         self._runtime = runtime
         self._quotas: dict[str, tuple[Spec, Quota]] = {}
+        self._configured: dict[str, object] = {}
         self._transport: httpx.AsyncHTTPTransport | None = None
         self._calls: dict[str, asyncio.Task[Any]] = {}
         # Calls cancelled before their request arrived (an actor runs one caller's calls
@@ -92,8 +99,13 @@ class QuotaDesk:
                 )
             return
         quota = Quota([ApiKey(**k) for k in keys], name=name, runtime=self._runtime, **options)
+        self._configured.update(quota.capacity())  # before AIMD changes any rate
         quota._attach()  # its kinds are the job's from now on, as a first request makes them
         self._quotas[name] = (spec, quota)
+
+    def configured(self) -> dict[str, object]:
+        """The quotas' kinds as configured: AIMD changes the runtime's rates, not these."""
+        return dict(self._configured)
 
     def stats(self, name: str) -> dict[str, KeyStats]:
         return self._quotas[name][1].stats()
@@ -131,12 +143,14 @@ class QuotaDesk:
     async def _send(self, name: str, wire: Wire) -> tuple[int, Headers, bytes, dict[str, Any]]:
         method, url, headers, content, extensions = wire
         if self._transport is None:
-            # No bound on connections: the quota's own slots bound what is in flight,
-            # and httpx's 100 made requests the quota admitted fail on the pool.
-            limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+            most = _connections()
+            limits = httpx.Limits(max_connections=most, max_keepalive_connections=most)
             self._transport = httpx.AsyncHTTPTransport(limits=limits)
         request = httpx.Request(method, url, headers=headers, content=content)
         request.extensions.update(extensions)
+        # A request waits for a connection within its deadline, never failing on the
+        # pool: a PoolTimeout would count against its key as the provider's failure.
+        request.extensions["timeout"] = {**extensions.get("timeout", {}), "pool": None}
         response = await self._quotas[name][1].send(request, self._transport)
         try:
             # Raw, as the provider encoded it: the worker's client decodes it by the
@@ -146,6 +160,13 @@ class QuotaDesk:
             await response.aclose()  # the request's slot is given back here
         answered = {k: response.extensions[k] for k in _ANSWERED if k in response.extensions}
         return response.status_code, list(response.headers.raw), raw, answered
+
+    def drop(self, client: str) -> None:
+        """The worker ``client`` is gone (silent past the lease timeout, or left): its
+        requests end here too, and their slots come back."""
+        for call, task in list(self._calls.items()):
+            if call.startswith(f"{client}-"):
+                task.cancel()
 
     def cancel(self, call: str) -> None:
         task = self._calls.get(call)
@@ -163,6 +184,21 @@ class QuotaDesk:
             task.cancel()
         if self._transport is not None:
             await self._transport.aclose()
+
+
+def _connections() -> int:
+    """How many connections the scheduler may open: half its open files, with its soft
+    limit raised to the hard one first, and ``_MOST_CONNECTIONS`` at most. A flood of
+    requests to a slow provider on a key without a concurrency limit had every file of
+    the process in use, and its heartbeats' sockets failed with them."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+    if soft == resource.RLIM_INFINITY:
+        return _MOST_CONNECTIONS
+    return max(16, min(_MOST_CONNECTIONS, soft // 2))
 
 
 def _portable(error: BaseException) -> tuple[str, Any]:
@@ -196,18 +232,19 @@ class JobQuota:
 
     def __init__(
         self,
-        actor: Any,
+        remote: RemoteRuntime,
         name: str,
         keys: Sequence[Mapping[str, Any]],
         options: Mapping[str, Any],
     ) -> None:
         self.name = name
-        self._actor = actor
+        self._actor = remote.actor
         self._spec: Spec = ([dict(k) for k in keys], dict(options))
         self._opened = False
         self._stats: dict[str, KeyStats] = {}
-        # Call ids unique across the job: pids repeat across nodes and containers.
-        self._prefix = f"{uuid.uuid4().hex}-"
+        # Call ids unique across the job (pids repeat across nodes and containers), and
+        # the proxy's: the scheduler ends a worker's requests when it drops the worker.
+        self._prefix = f"{remote.client_id}-"
         self._calls = itertools.count(1)
 
     def __repr__(self) -> str:
@@ -284,7 +321,8 @@ class JobQuota:
             raise
         if answer[0] == "cancelled":
             raise SchedulerUnavailableError(
-                f"the job's scheduler cancelled quota {self.name!r}'s request (it is closing)"
+                f"the job's scheduler cancelled quota {self.name!r}'s request: it is closing, "
+                "or it heard no heartbeat of this process for longer than the lease timeout"
             )
         self._stats = answer[-1]
         if answer[0] == "raised":
