@@ -39,9 +39,9 @@ from ._protocol import lost, task_failed
 
 if TYPE_CHECKING:
     from .._quota._keys import KeyStats
-    from ._proxy import RemoteRuntime
     from .._quota._quota import Quota
     from .._runtime._run import Runtime
+    from ._proxy import RemoteRuntime
 
 __all__ = ["JobQuota", "QuotaDesk"]
 
