@@ -95,17 +95,17 @@ except ImportError:  # pragma: no cover - the benchmark needs the extra
     print("ray_ceiling: needs Ray (pip install 'tangram[ray]')", file=sys.stderr)
     raise
 
+from _ceiling_model import CORES_PER_NODE, _idle_costs, model_check
+
 import tangram.ray as tray
 from tangram._core._beats import relay_wait
 from tangram._shared._agent import HostAgentActor
 from tangram._shared._protocol import DEFAULT_HEARTBEAT, DEFAULT_TIMEOUT
-from tangram._sim._scaleout import Costs, Job, model
 from tangram.errors import SandboxBrokenError
 
 NAME = "tangram-ceiling"
 CAPACITY = 4096
 TASKS = 8  # acquire loops per worker
-CORES_PER_NODE = 2
 MESSAGES_GOAL = 0.05
 CPU_GOAL = 0.10  # the job actor's CPU time per sandbox action, node-decided over central
 MODES = ("central", "node")  # who decides a node's cores: the job's actor (before), the node
@@ -526,11 +526,12 @@ def _cpu(pid: int) -> float:
 
 async def _idle_arm(
     remote: tray.RemoteRuntime, workers: list[Any], seconds: float
-) -> tuple[float, float]:
-    """The job actor's CPU while proxies only heartbeat: per second, and per heartbeat.
+) -> list[tuple[float, float]]:
+    """The job actor's heartbeats and CPU, per second, while proxies only heartbeat.
 
-    Twice, with one proxy and with all of ``workers``: the CPU per second is a fixed part
-    (the actor process's own timers and threads) and a part per heartbeat, two unknowns.
+    Twice, with one proxy and with all of ``workers``. The CPU per second is a fixed part
+    (the actor process's own timers and threads) and a part per heartbeat; the fixed part
+    is read in ``_idle_costs``, with a heartbeat priced as the probe's message.
     """
     points = []
     for chosen in (workers[:1], workers):
@@ -541,89 +542,11 @@ async def _idle_arm(
         span = seconds + (time.time() - start - seconds if time.time() > start else 0.0)
         beats = (after["heartbeats"] - before["heartbeats"]) / span
         points.append((beats, (after["cpu_seconds"] - before["cpu_seconds"]) / span))
-    (b1, c1), (b2, c2) = points
-    beat = max((c2 - c1) / (b2 - b1), 0.0) if b2 > b1 else c2 / max(b2, 1e-9)
-    idle = max(c1 - beat * b1, 0.0)
-    print(
-        f"  idle: actor {1e3 * idle:.2f} ms CPU per second and {1e3 * beat:.3f} ms per "
-        f"heartbeat ({b1:.1f} and {b2:.1f} heartbeats/s)",
-        file=sys.stderr,
-        flush=True,
-    )
-    return idle, beat
+    return points
 
 
 def _backend(root: str) -> Any:
     return functools.partial(tangram.LocalBackend, cores=list(range(CORES_PER_NODE)), root=root)
-
-
-def model_check(
-    row: dict[str, Any],
-    shape: dict[str, Any],
-    idle: tuple[float, float],
-    send: float,
-    latency: float,
-) -> dict[str, Any]:
-    """What the protocol model (``tangram._sim._scaleout``) predicts for one sandbox window.
-
-    Its costs come from the other arms, not from this window: the actor's CPU per second
-    and per heartbeat from the idle arm (a placement taken to cost what a heartbeat
-    does: neither decides anything), a message's from the probe, one worker acting one
-    action at a time (``send``, each message carrying one action as a run's do), the
-    agent's per call from the window's agents (half of their CPU per run: the model
-    charges a call and a release). The workload is
-    the window's: its nodes, trajectories and workers, no think time, and each run's
-    time on a core inferred from the runs per second measured. Who decides what is the
-    arm's: in the central arm the job's actor decides cores and places every sandbox and
-    every proxy polls it; in the node arm, as shipped, the agents decide, a sandbox opens
-    on its worker's node and idle workers beat through their agent. The model opens the
-    sandboxes but does not close them, nor start or end the proxies, and its nodes never
-    spill a sandbox: those messages are added here (a placement per trajectory at its
-    close in the central arm; in the node arm a place and an unplace per sandbox past a
-    core each on its node, and each worker's first poll and its home; in both a departure
-    per worker and the driver's own poll, once a second).
-    """
-    count = row["nodes"]
-    trajectories = shape["workers"] * shape["trajectories"]
-    per_node = max(1, trajectories // count)
-    workers = max(1, shape["workers"] // count)
-    agent = row["agent_cpu_ms_per_action"] / 2e3
-    busy = min(CORES_PER_NODE, per_node) * count / max(row["actions_per_s"], 1e-9)
-    if per_node <= CORES_PER_NODE:  # cores do not bind: a run's cycle is all its time
-        busy -= 2 * latency + agent
-    shipped = row["mode"] == "node"
-    job = Job(
-        nodes=count,
-        trajectories=per_node,
-        cores=CORES_PER_NODE,
-        workers=workers,
-        think=0.0,
-        seconds=max(busy, 1e-3),
-        actions=10**6,
-        cores_by="node" if shipped else "job",
-        placement_by="node" if shipped else "job",
-        heartbeats_by="node" if shipped else "proxy",
-    )
-    costs = Costs(
-        actor=send, agent=agent, latency=latency, beat=idle[1], place=idle[1], idle=idle[0]
-    )
-    predicted = model(job, costs, horizon=shape["seconds"], warmup=0.0, seed=count)
-    if shipped:
-        spilled = count * max(0, per_node - CORES_PER_NODE)
-        closing = 2 * spilled + 3 * shape["workers"]
-    else:
-        closing = trajectories + shape["workers"]
-    closing += shape["seconds"]  # the driver's own poll, once a heartbeat (1 s)
-    runs = max(predicted.actions_per_s * shape["seconds"], 1.0)
-    messages = predicted.actor_messages_per_action + closing / runs
-    cpu = predicted.actor_load * shape["seconds"] / runs + closing * idle[1] / runs
-    return {
-        "actions_per_s": round(predicted.actions_per_s, 1),
-        "messages_per_action": round(messages, 4),
-        "actor_cpu_ms_per_action": round(1e3 * cpu, 4),
-        "messages_ratio": round(messages / max(row["messages_per_action"], 1e-9), 3),
-        "actor_cpu_ratio": round(1e3 * cpu / max(row["actor_cpu_ms_per_action"], 1e-9), 3),
-    }
 
 
 def knee(rows: list[dict[str, Any]]) -> int:
@@ -642,7 +565,6 @@ async def _bench(
         async with tray.connect(name=NAME, capacity={"cpu": CAPACITY}) as remote:
             acquire = await _acquire_arm(remote, workers, plan["workers"], plan["seconds"])
             probe = await _probe_arm(remote, workers[0], plan["seconds"])
-            quota = await _quota_arm(remote, workers[:4], plan["seconds"])
             idle = await _idle_arm(remote, workers[: shape["workers"]], plan["seconds"])
             # The node arm's widest window's polls: each agent's, passing its workers'
             # beats on, and this driver's.
@@ -650,6 +572,9 @@ async def _bench(
             waits = [relay] * max(plan["agents"]) + [DEFAULT_HEARTBEAT]
             bare = await _bare_arm(max(2 * plan["seconds"], 3 * relay), waits)
             sandbox = await _sandbox_arm(remote, workers, node_ids, plan["agents"], shape, roots)
+            # Last: its requests' garbage and connections stay out of the windows the
+            # protocol model's costs come from.
+            quota = await _quota_arm(remote, workers[:4], plan["seconds"])
     finally:
         for root in roots:
             shutil.rmtree(root, ignore_errors=True)
@@ -707,8 +632,9 @@ def main(argv: list[str] | None = None) -> int:
     send = one["actor_cpu_ms_per_action"] / max(one["messages_per_action"], 1e-9) / 1e3
     # One way: half the single worker's acquire round trip, less the actor's part of it.
     latency = max((one["p50_ms"] / 1e3 - send * one["messages_per_action"]) / 2, 1e-4)
+    idle = _idle_costs(rows["idle"], send)
     for row in sandbox:
-        row["model"] = model_check(row, shape, rows["idle"], send, latency)
+        row["model"] = model_check(row, shape, idle, send, latency)
         print(
             f"  model, {row['mode']:7s} {row['nodes']} nodes: runs/s "
             f"{row['model']['actions_per_s']} (measured {row['actions_per_s']}), messages/run "
@@ -761,8 +687,8 @@ def main(argv: list[str] | None = None) -> int:
         "actor_cpu_floor_vs_central": round(floor, 3),
         "setup_s": round(setup, 1),
         "costs": {
-            "actor_idle_ms_per_s": round(1e3 * rows["idle"][0], 4),
-            "actor_beat_ms": round(1e3 * rows["idle"][1], 4),
+            "actor_idle_ms_per_s": round(1e3 * idle[0], 4),
+            "actor_beat_ms": round(1e3 * idle[1], 4),
             "actor_send_ms": round(1e3 * send, 4),
             "latency_ms": round(1e3 * latency, 4),
             "agent_call_ms": max(r["agent_cpu_ms_per_action"] for r in node),
