@@ -247,11 +247,19 @@ async def test_the_wrapper_puts_an_unchanged_tool_under_the_api_limits(
 
 
 @pytest.mark.anyio
-async def test_an_api_judge_reward_goes_through_the_quota(tmp_path: Path) -> None:
-    """compute_score with ``quota``: every judge request is admitted by the key's limits."""
+@pytest.mark.parametrize("mode", ["local", "shared"])
+async def test_an_api_judge_reward_goes_through_the_quota(
+    mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """compute_score with ``quota``: every judge request is admitted by the key's limits,
+    of this process (``local``) or of the job (``shared``, the default: its scheduler
+    sends them; here the node's scheduler process, without Ray). In shared mode every
+    judge request raised ``SettingTypeError`` before."""
+    monkeypatch.setenv("TANGRAM_RUN_DIR", str(tmp_path / "run"))
+    monkeypatch.setenv("TANGRAM_JOB", f"judge-{tmp_path.name}")
     toml = tmp_path / "judge.toml"
     toml.write_text(
-        'mode = "local"\n'
+        f'mode = "{mode}"\n'
         "[quota.judge]\n"
         'keys = [{ name = "a", requests = "50/s", concurrency = 2, '
         'headers = { Authorization = "Bearer a" } }]\n'
