@@ -361,9 +361,9 @@ async def _host(config: Config, hosted: _Hosted) -> None:
 
 
 async def _open(config: Config, stack: contextlib.AsyncExitStack) -> Resources:
-    quotas = _quotas(config)
+    quotas = _quotas(config)  # each table checked before anything opens
     if config.mode == "shared":
-        return await _open_on_job(config, stack, quotas)
+        return await _open_on_job(config, stack)
     capacity: dict[str, object] = {}
     sandboxes = None
     if config.sandbox is not None:
@@ -413,10 +413,11 @@ async def _job_quotas(remote: Any, config: Config) -> dict[str, Any]:
     """The config's quotas as the job scheduler's: it runs each, once for the job, and
     sends every worker's requests (:mod:`tangram._shared._quotas`).
 
-    Not in the capacity a worker states: the scheduler adds their kinds when it builds
-    each quota, and its AIMD changes their rates, which a later worker would find
-    "another capacity". Built at the scheduler now, not at a first request: a worker
-    stating other keys fails here, and the quotas' kinds are the job's from the start.
+    The scheduler adds their kinds when it builds each quota, and its AIMD changes their
+    rates: it reports them as configured (what a later worker states, in ``ray`` mode; in
+    shared mode workers state only ``[capacity]``). Built at the scheduler now, not at a
+    first request: a worker stating other keys fails here, and the quotas' kinds are the
+    job's from the start.
     """
     if not config.quotas:
         return {}
@@ -432,9 +433,7 @@ async def _job_quotas(remote: Any, config: Config) -> dict[str, Any]:
     return quotas
 
 
-async def _open_on_job(
-    config: Config, stack: contextlib.AsyncExitStack, quotas: dict[str, Any]
-) -> Resources:
+async def _open_on_job(config: Config, stack: contextlib.AsyncExitStack) -> Resources:
     """Shared mode: a proxy on the job's scheduler, pools on the node agents.
 
     The pools are described, not built, here: this node's agent builds them on first
@@ -455,7 +454,7 @@ async def _open_on_job(
     remote = await stack.enter_async_context(
         open_shared(config, capacity=dict(config.capacity), **agent)
     )
-    quotas = await _job_quotas(remote, config) if quotas else {}
+    quotas = await _job_quotas(remote, config)
     return Resources(
         remote,
         config,
