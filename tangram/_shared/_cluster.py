@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .._core._policy import Policy
@@ -195,13 +195,21 @@ class ClusterSchedulerActor(SchedulerActor):
         """Name ``node``'s newest deciding agent that still serves as the home of the
         workers there, and tell those without one (a first agent, or one that took over
         from an agent gone or stopping)."""
+        cid = self._newest_serving(lambda agent: self._agent_nodes.get(agent) == node)
+        if cid is None:
+            self._on_node.pop(node, None)
+            return
+        name, _, agent = self._deciding[cid]
+        self._on_node[node] = (name, agent, cid)
+        self._rehome(node, [c for c, at in self._located.items() if at == node])
+
+    def _newest_serving(self, where: Callable[[str], bool]) -> str | None:
+        """The client id of the newest deciding agent that still serves, of those
+        ``where`` accepts: the home a node's workers are given."""
         for cid in reversed(self._deciding):
-            if self._agent_nodes.get(cid) == node and cid not in self._stopping:
-                name, _, agent = self._deciding[cid]
-                self._on_node[node] = (name, agent, cid)
-                self._rehome(node, [c for c, at in self._located.items() if at == node])
-                return
-        self._on_node.pop(node, None)
+            if cid not in self._stopping and where(cid):
+                return cid
+        return None
 
     def _rehome(self, node: str, cids: list[str]) -> None:
         """Tell workers on ``node`` with no home that its deciding agent is their home.
@@ -311,10 +319,9 @@ class ClusterSchedulerActor(SchedulerActor):
         await self._ready()
         # Only an agent that still serves: one dropped since the worker heard of it
         # would leave the worker homed to nobody, skipped when a replacement starts.
-        for agent_cid in reversed(self._deciding):
-            if self._deciding[agent_cid][0] == host and agent_cid not in self._stopping:
-                self._homes[cid] = agent_cid
-                return
+        agent_cid = self._newest_serving(lambda agent: self._deciding[agent][0] == host)
+        if agent_cid is not None:
+            self._homes[cid] = agent_cid
 
     async def place(
         self, trajectory: str, cid: str | None = None, spilled: tuple[str, int] | None = None
