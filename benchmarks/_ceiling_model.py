@@ -11,6 +11,8 @@ import statistics
 import sys
 from typing import Any
 
+from tangram._core._beats import relay_wait
+from tangram._shared._protocol import DEFAULT_HEARTBEAT, DEFAULT_TIMEOUT
 from tangram._sim._scaleout import Costs, Job, model
 
 CORES_PER_NODE = 2
@@ -61,7 +63,7 @@ def model_check(
     spill a sandbox: those messages are added here (a placement per trajectory at its
     close in the central arm; in the node arm a place and an unplace per sandbox past a
     core each on its node, and each worker's first poll and its home; in both a departure
-    per worker and the driver's own poll, once a second).
+    per worker and the driver's own poll, every ``relay_wait`` as it holds nothing there).
     """
     count = row["nodes"]
     trajectories = shape["workers"] * shape["trajectories"]
@@ -93,7 +95,8 @@ def model_check(
         closing = 2 * spilled + 3 * shape["workers"]
     else:
         closing = trajectories + shape["workers"]
-    closing += shape["seconds"]  # the driver's own poll, once a heartbeat (1 s)
+    # The driver's own poll: it holds nothing at the actor, so at the relay's pace.
+    closing += shape["seconds"] / relay_wait(DEFAULT_HEARTBEAT, DEFAULT_TIMEOUT)
     runs = max(predicted.actions_per_s * shape["seconds"], 1.0)
     messages = predicted.actor_messages_per_action + closing / runs
     cpu = predicted.actor_load * shape["seconds"] / runs + closing * idle[1] / runs

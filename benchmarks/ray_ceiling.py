@@ -51,8 +51,10 @@ Why
     this machine's 2 cores, so count work (CPU and messages per action), not wall
     throughput, when reading the node sweep. Targets from the issue, printed met or not:
     messages to the job actor on a CPU-sandbox action's path <= 0.05 per action; the job
-    actor's CPU time per sandbox action <= 10 % of the central arm's, in the same run;
-    and never more cores held on a node than it has.
+    actor's CPU time per sandbox action <= 10 % of the central arm's, in the same run,
+    both read while the workers run (a worker's connecting and leaving, paid once per
+    worker in a training job, are reported apart, per worker, and the whole window's
+    ratio beside the target); and never more cores held on a node than it has.
 
 How
     ``--quick``: 4 nodes, workers 1, 4 and 16 for 2 s each, the sandbox arm at 1 and 4
@@ -219,10 +221,11 @@ async def _bare_arm(seconds: float, waits: list[float]) -> float:
     entry of ``waits``, each waiting that long per call.
 
     The node arm's widest window as shipped polls the job's actor so: each agent passing
-    its workers' beats on (``relay_wait``) and the driver's own proxy once a heartbeat,
-    with the scheduler's concurrency. The floor under the job actor's CPU per action: the
-    actor must hear that its proxies live, and at this machine's action rates Ray's own
-    cost of an actor (most of it fixed, whatever it answers) is most of what is left.
+    its workers' beats on, and the driver's own proxy, which holds nothing there (both
+    every ``relay_wait``), with the scheduler's concurrency. The floor under the job
+    actor's CPU per action: the actor must hear that its proxies live, and at this
+    machine's action rates Ray's own cost of an actor (most of it fixed, whatever it
+    answers) is most of what is left.
     Read from ``/proc`` in clock ticks (10 ms), so over ``seconds`` it is good to
     ``10 ms / seconds`` per second.
     """
@@ -302,6 +305,22 @@ async def _window(
         "heartbeats_per_s": round((after["heartbeats"] - before["heartbeats"]) / seconds, 2),
         "placements": after["placements"] - before["placements"],
     }
+
+
+async def _running(
+    remote: tray.RemoteRuntime, start: float, seconds: float
+) -> tuple[dict[str, float], dict[str, float]]:
+    """The job actor's counters when a window's runs start and when they end.
+
+    Between the two the workers are connected and running: what a job pays per action
+    once its workers are up. The whole window adds each worker's connecting (its first
+    poll, its home) and leaving, which a training job pays once per worker, not per
+    action; in a window of seconds they are close to half the actor's CPU per run.
+    """
+    await anyio.sleep(max(0.0, start - time.time()))
+    first = await _counters(remote)
+    await anyio.sleep(max(0.0, start + seconds - time.time()))
+    return first, await _counters(remote)
 
 
 def _start_at(workers: int) -> float:
@@ -459,14 +478,23 @@ async def _sandbox_window(
     start = _start_at(len(chosen))
     calls = [w.sandbox.remote(shape["trajectories"], start, shape["seconds"]) for w in chosen]
     before = sum(_cpu(pid) for _, pid, _ in agents)
+    running = asyncio.ensure_future(_running(remote, start, shape["seconds"]))
     spans, row = await _window(remote, calls, shape["seconds"])
+    first, last = await running
     agent_cpu = sum(_cpu(pid) for _, pid, _ in agents) - before
+    runs = max(len(spans), 1)
+    running_cpu = last["cpu_seconds"] - first["cpu_seconds"]
     stats = await remote.stats()
     peaks = {kind: stats.resources[kind].peak for kind, _, _ in agents}
     row = {
         "mode": mode,
         "nodes": count,
         **row,
+        "running_actor_cpu_ms_per_action": round(1e3 * running_cpu / runs, 4),
+        "running_messages_per_action": round((last["messages"] - first["messages"]) / runs, 4),
+        "actor_cpu_ms_per_worker_start": round(
+            (row["actor_cpu_ms_per_action"] * runs - 1e3 * running_cpu) / len(chosen), 3
+        ),
         "mean_run_ms": round(1e3 * statistics.fmean(spans), 3) if spans else None,
         "agent_cpu_ms_per_action": round(1e3 * agent_cpu / max(len(spans), 1), 4),
         "peak_cores": peaks,
@@ -475,8 +503,10 @@ async def _sandbox_window(
     print(
         f"  sandbox, {mode:7s} {count} nodes: {row['actions_per_s']:6.1f} runs/s, "
         f"p50 {row['p50_ms']} ms, p99 {row['p99_ms']} ms; per run: actor "
-        f"{row['actor_cpu_ms_per_action']} ms CPU, {row['messages_per_action']} messages "
-        f"({row['action_messages_per_action']} on the action's path); peak cores {peaks}",
+        f"{row['actor_cpu_ms_per_action']} ms CPU ({row['running_actor_cpu_ms_per_action']} "
+        f"while running), {row['messages_per_action']} messages "
+        f"({row['action_messages_per_action']} on the action's path); per worker's start "
+        f"and end {row['actor_cpu_ms_per_worker_start']} ms; peak cores {peaks}",
         file=sys.stderr,
         flush=True,
     )
@@ -567,9 +597,9 @@ async def _bench(
             probe = await _probe_arm(remote, workers[0], plan["seconds"])
             idle = await _idle_arm(remote, workers[: shape["workers"]], plan["seconds"])
             # The node arm's widest window's polls: each agent's, passing its workers'
-            # beats on, and this driver's.
+            # beats on, and this driver's (which holds nothing there): all at one pace.
             relay = relay_wait(DEFAULT_HEARTBEAT, DEFAULT_TIMEOUT)
-            waits = [relay] * max(plan["agents"]) + [DEFAULT_HEARTBEAT]
+            waits = [relay] * (max(plan["agents"]) + 1)
             bare = await _bare_arm(max(2 * plan["seconds"], 3 * relay), waits)
             sandbox = await _sandbox_arm(remote, workers, node_ids, plan["agents"], shape, roots)
             # Last: its requests' garbage and connections stay out of the windows the
@@ -652,17 +682,22 @@ def main(argv: list[str] | None = None) -> int:
     node = [r for r in sandbox if r["mode"] == "node"]
     central = {r["nodes"]: r for r in sandbox if r["mode"] == "central"}
     worst_messages = max(r["action_messages_per_action"] for r in node)
-    cpu_ratio = max(
-        r["actor_cpu_ms_per_action"] / central[r["nodes"]]["actor_cpu_ms_per_action"] for r in node
-    )
+
+    def worst_ratio(key: str) -> float:
+        return max(r[key] / central[r["nodes"]][key] for r in node)
+
+    # Read while the workers run: a worker's start and end are paid once per worker in
+    # a training job, not per action (the whole window's ratio is reported beside it).
+    cpu_ratio = worst_ratio("running_actor_cpu_ms_per_action")
+    with_starts = worst_ratio("actor_cpu_ms_per_action")
     # The same ratio for an actor that only answers as many proxies' heartbeats: what no
     # protocol gets under at these action rates (the bound the CPU target is read against).
     floor = max(
         1e3
         * rows["bare"]
-        * r["wall_s"]
+        * shape["seconds"]
         / max(r["actions"], 1)
-        / central[r["nodes"]]["actor_cpu_ms_per_action"]
+        / central[r["nodes"]]["running_actor_cpu_ms_per_action"]
         for r in node
     )
     figures = {
@@ -685,6 +720,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "bare_actor_cpu_ms_per_s": round(1e3 * rows["bare"], 3),
         "actor_cpu_floor_vs_central": round(floor, 3),
+        "actor_cpu_vs_central_with_starts": round(with_starts, 3),
         "setup_s": round(setup, 1),
         "costs": {
             "actor_idle_ms_per_s": round(1e3 * idle[0], 4),

@@ -64,9 +64,15 @@ from tangram._sim._scaleout import Costs, Job, model
 
 COSTS = Costs(actor=0.0017, agent=0.001, latency=0.001, beat=0.0003, place=0.0003, idle=0.022)
 DESIGNS: dict[str, dict[str, Any]] = {
-    "before": {"cores_by": "job", "placement_by": "job", "heartbeats_by": "proxy"},
-    "job placement": {"placement_by": "job", "heartbeats_by": "proxy"},
-    "node placement": {"heartbeats_by": "proxy"},
+    # Before issue 30 every proxy polled the job's actor every heartbeat, idle or not.
+    "before": {
+        "cores_by": "job",
+        "placement_by": "job",
+        "heartbeats_by": "proxy",
+        "idle_polls": "heartbeat",
+    },
+    "job placement": {"placement_by": "job", "heartbeats_by": "proxy", "idle_polls": "heartbeat"},
+    "node placement": {"heartbeats_by": "proxy", "idle_polls": "heartbeat"},
     "shipped": {},
     "shipped, 3 s beat": {"heartbeat": 3.0},
 }

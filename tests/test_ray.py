@@ -341,6 +341,60 @@ async def test_a_workers_home_counts_as_a_placement_not_on_an_actions_path() -> 
         await actor.close()
 
 
+class _Recorded:
+    """A handle on a local scheduler actor, as Ray's would call it, that notes each poll's
+    leases and wait."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+        self.polls: list[tuple[list[int], float]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.actor, name)
+        polls = self.polls
+
+        class _Method:
+            @staticmethod
+            def remote(*args: Any) -> asyncio.Future[Any]:
+                if name == "poll":
+                    polls.append((list(args[1]), args[2]))
+                return asyncio.ensure_future(method(*args))
+
+        return _Method
+
+
+async def test_a_proxy_holding_nothing_polls_at_the_relay_pace_and_leases_at_the_heartbeat() -> (
+    None
+):
+    """Only leases need a beat a heartbeat: a driver or worker with nothing at the job's
+    actor polls it every ``relay_wait``, which keeps it inside the lease timeout, and a
+    request is granted at once whatever the poll in flight waits for."""
+    from tangram._core._beats import relay_wait
+    from tangram._shared._proxy import attach
+    from tangram._shared._scheduler import SchedulerActor
+
+    actor = SchedulerActor({"cpu": 2}, None, heartbeat=0.1, timeout=1.0, token="t")
+    handle = _Recorded(actor)
+    idle_wait = relay_wait(0.1, 1.0)
+    assert idle_wait > 0.1
+    try:
+        async with attach(handle) as remote:
+            await anyio.sleep(0.05)
+            assert handle.polls == [([], idle_wait)]
+            asked = anyio.current_time()
+            async with remote.acquire(cpu=1) as lease:
+                # Not held back until the idle poll in flight returns.
+                assert anyio.current_time() - asked < idle_wait / 2
+                await anyio.sleep(3 * idle_wait)
+            beats = [wait for leases, wait in handle.polls if lease.lease_id in leases]
+            assert beats and set(beats) == {0.1}
+            assert (await actor.counters())["reclaimed"] == 0
+            await anyio.sleep(3 * idle_wait)
+            assert handle.polls[-1] == ([], idle_wait)
+    finally:
+        await actor.close()
+
+
 async def test_the_scheduler_counts_the_messages_it_receives() -> None:
     """Every protocol call reaches the count ``benchmarks/ray_ceiling.py`` divides by the
     actions: a batch, a heartbeat, a departure; the actor's CPU time only grows."""

@@ -6,6 +6,7 @@ is a sum of latencies and CPU costs the test can write down.
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from tangram._sim._scaleout import Costs, Job, model
@@ -54,9 +55,15 @@ def test_heartbeats_and_placements_reach_the_jobs_actor_as_set() -> None:
     old = _alone(**shape, placement_by="job", heartbeats_by="proxy")
     before = model(old, COSTS, horizon=30.0, warmup=5.0)
     local = model(_alone(**shape), COSTS, horizon=30.0, warmup=5.0)  # both on the node
-    # Per second: 4 nodes x (3 workers + 1 agent) heartbeats; per action: 2 placements / 5.
-    expected = (4 * 4) / (before.actions_per_s) + 2 / 5
+    # Per second: 4 nodes x (1 agent, holding the node's cores, each heartbeat, and 3
+    # workers, holding nothing there, every (10 s - 1 s) / 3 = 3 s); per action: 2
+    # placements / 5.
+    expected = 4 * (1 + 3 / 3) / before.actions_per_s + 2 / 5
     assert before.actor_messages_per_action == pytest.approx(expected, rel=0.05)
+    # Before idle proxies kept the agents' pace: 4 nodes x (3 workers + 1 agent) a second.
+    older = model(attrs.evolve(old, idle_polls="heartbeat"), COSTS, horizon=30.0, warmup=5.0)
+    expected = 4 * 4 / older.actions_per_s + 2 / 5
+    assert older.actor_messages_per_action == pytest.approx(expected, rel=0.05)
     # Relayed: each node's agent polls once for itself and its workers, every
     # (lease timeout 10 s - heartbeat 1 s) / 3 = 3 s: 4 nodes x 1/3 a second.
     assert local.actor_messages_per_action == pytest.approx((4 / 3) / local.actions_per_s, rel=0.05)

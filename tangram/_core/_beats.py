@@ -11,7 +11,9 @@ keeps two thirds as the margin for late calls: at the defaults (1 s, 10 s) it po
 3 s instead of twice a second, which is most of the job actor's calls at 1,000 nodes
 (``benchmarks/scale_model.py``). Never more often than twice a heartbeat, as before;
 at the tightest timeout allowed (twice the heartbeat) that is the pace, and the margin
-half a heartbeat.
+half a heartbeat. A proxy that polls the job's actor itself while it holds nothing
+there and waits for nothing (a driver, a worker on a node with no agent) keeps the same
+pace: only leases need a beat a heartbeat.
 """
 
 from __future__ import annotations

@@ -369,12 +369,18 @@ class RemoteRuntime(RunMixin):
             if local is not None and await self._beat_locally(local):
                 continue
             relayed, self._relayed = self._relayed, set()
-            # An agent that passes beats on polls at the pace that keeps its workers
-            # inside the lease timeout (the rule and its margin: ``relay_wait``).
+            # An agent that passes beats on, and a proxy with nothing waiting or held
+            # here, poll at the pace that keeps them (and the workers whose beats they
+            # pass on) inside the lease timeout, with its margin (``relay_wait``): only
+            # leases need the heartbeat's pace. An idle driver's or worker's poll a second
+            # was most of what the job's actor heard from a node whose agent decides its
+            # cores (``benchmarks/ray_ceiling.py``). A request is sent at once whatever
+            # the wait, and its grant ends the poll.
             self._relays = self._relays or bool(relayed)
+            idle = not (self._pending or self._leases)
             wait = (
                 relay_wait(self._heartbeat, self._lease_timeout)
-                if self._relays
+                if self._relays or idle
                 else self._heartbeat
             )
             self.calls += 1

@@ -19,7 +19,9 @@ node's agent, which passes all their beats on in one poll of the job's actor eve
 timeout; twice a heartbeat before). Before issue 30 the agent also asked the job's
 actor for the cores, and told it of the release; until the node placed its workers'
 sandboxes, the job's actor placed each one (a message when it opens and one when it
-closes), and every proxy (each worker's and each agent's) beat to the job's actor.
+closes), and every proxy beat to the job's actor every heartbeat; a worker's holds
+nothing there (its agent holds the cores), and as shipped such a proxy polls at the
+agents' pace instead (``Job.idle_polls``).
 
 What it leaves out, on purpose: the sandbox's start-up and process spawns (an action's
 seconds are its whole run), GPU services and quotas, and failures. Pure: no clock, no I/O.
@@ -80,7 +82,9 @@ class Job:
     Who decides what: ``cores`` (a sandbox action's grant) and ``placement`` (which host
     a sandbox opens on) by the job's actor or the node's agent; ``heartbeats`` from every
     proxy to the job's actor, or from each node's agent for its workers too. As shipped:
-    all three on the node.
+    all three on the node. ``idle_polls``: how often a worker's proxy that polls the
+    job's actor itself while holding nothing there does (its node's agent holds the
+    cores): at the agents' pace as shipped, or every heartbeat as before.
     """
 
     nodes: int
@@ -97,6 +101,7 @@ class Job:
     cores_by: Literal["job", "node"] = "node"
     placement_by: Literal["job", "node"] = "node"
     heartbeats_by: Literal["proxy", "node"] = "node"
+    idle_polls: Literal["heartbeat", "relay"] = "relay"
 
 
 @attrs.frozen
@@ -274,8 +279,9 @@ class _Model:
         job = self.job
         beat = self.costs.beat
         for node in range(job.nodes):
-            if job.heartbeats_by == "proxy":  # every worker and the agent poll the actor
-                for _ in range(job.workers + 1):
+            if job.heartbeats_by == "proxy":  # the agent, which holds the node's cores
+                idle = job.workers if job.idle_polls == "heartbeat" else 0
+                for _ in range(1 + idle):
                     self.to_actor(now, cost=beat)
             else:  # the node's workers beat to their agent
                 for _ in range(job.workers):
@@ -283,13 +289,15 @@ class _Model:
         if now + job.heartbeat < self.horizon:
             self.at(now + job.heartbeat, self.heartbeat)
 
-    def relay(self, now: float) -> None:
-        """A node's agent polls the job's actor, passing its workers' beats on, at the
-        proxy's pace (:func:`~tangram._core._beats.relay_wait`)."""
-        self.to_actor(now, cost=self.costs.beat)
+    def relay(self, now: float, polls: int = 1) -> None:
+        """``polls`` proxies that hold nothing at the job's actor poll it at the pace of
+        :func:`~tangram._core._beats.relay_wait`: a node's agent passing its workers'
+        beats on, or (every proxy beating to the job's actor) a node's workers."""
+        for _ in range(polls):
+            self.to_actor(now, cost=self.costs.beat)
         wait = relay_wait(self.job.heartbeat, self.job.lease_timeout)
         if now + wait < self.horizon:
-            self.at(now + wait, self.relay)
+            self.at(now + wait, functools.partial(self.relay, polls=polls))
 
     def run(self) -> ModelResult:
         job, rng = self.job, self.rng
@@ -298,10 +306,15 @@ class _Model:
                 start = rng.uniform(0.0, max(job.think, job.seconds))
                 self.at(start, functools.partial(self.open_sandbox, node, traj))
         self.at(rng.uniform(0.0, job.heartbeat), self.heartbeat)
-        if job.heartbeats_by == "node":  # each agent from its own start
-            wait = relay_wait(job.heartbeat, job.lease_timeout)
-            for _ in range(job.nodes):
-                self.at(rng.uniform(0.0, wait), self.relay)
+        # Each agent from its own start; or each node's workers, which hold nothing at
+        # the job's actor (their node's agent holds the cores).
+        if job.heartbeats_by == "node":
+            polls = 1
+        else:
+            polls = job.workers if job.idle_polls == "relay" else 0
+        wait = relay_wait(job.heartbeat, job.lease_timeout)
+        for _ in range(job.nodes if polls else 0):
+            self.at(rng.uniform(0.0, wait), functools.partial(self.relay, polls=polls))
         events = self.events
         while events and events[0][0] < self.horizon:
             now, _, handler = heapq.heappop(events)
