@@ -46,7 +46,8 @@ def model_check(
     send: float,
     latency: float,
 ) -> dict[str, Any]:
-    """What the protocol model (``tangram._sim._scaleout``) predicts for one sandbox window.
+    """What the protocol model (``tangram._sim._scaleout``) predicts for one sandbox
+    window's running part: from its runs' start to their deadline, the workers connected.
 
     Its costs come from the other arms, not from this window: a message's from the
     probe, one worker acting one action at a time (``send``, each message carrying one
@@ -58,12 +59,12 @@ def model_check(
     time on a core inferred from the runs per second measured. Who decides what is the
     arm's: in the central arm the job's actor decides cores and places every sandbox and
     every proxy polls it; in the node arm, as shipped, the agents decide, a sandbox opens
-    on its worker's node and idle workers beat through their agent. The model opens the
-    sandboxes but does not close them, nor start or end the proxies, and its nodes never
-    spill a sandbox: those messages are added here (a placement per trajectory at its
-    close in the central arm; in the node arm a place and an unplace per sandbox past a
-    core each on its node, and each worker's first poll and its home; in both a departure
-    per worker and the driver's own poll, every ``relay_wait`` as it holds nothing there).
+    on its worker's node and idle workers beat through their agent. The model's nodes
+    never spill a sandbox, and it has no driver: those messages are added here (in the
+    node arm a placement per sandbox past a core each on its node; in both the driver's
+    own poll, every ``relay_wait`` as it holds nothing there). What falls outside the
+    running part (each worker's connecting and leaving, sandboxes closing) is measured
+    apart, per worker, not modelled.
     """
     count = row["nodes"]
     trajectories = shape["workers"] * shape["trajectories"]
@@ -90,20 +91,18 @@ def model_check(
         actor=send, agent=agent, latency=latency, beat=idle[1], place=idle[1], idle=idle[0]
     )
     predicted = model(job, costs, horizon=shape["seconds"], warmup=0.0, seed=count)
-    if shipped:
-        spilled = count * max(0, per_node - CORES_PER_NODE)
-        closing = 2 * spilled + 3 * shape["workers"]
-    else:
-        closing = trajectories + shape["workers"]
+    spilled = count * max(0, per_node - CORES_PER_NODE) if shipped else 0
     # The driver's own poll: it holds nothing at the actor, so at the relay's pace.
-    closing += shape["seconds"] / relay_wait(DEFAULT_HEARTBEAT, DEFAULT_TIMEOUT)
+    extra = spilled + shape["seconds"] / relay_wait(DEFAULT_HEARTBEAT, DEFAULT_TIMEOUT)
     runs = max(predicted.actions_per_s * shape["seconds"], 1.0)
-    messages = predicted.actor_messages_per_action + closing / runs
-    cpu = predicted.actor_load * shape["seconds"] / runs + closing * idle[1] / runs
+    messages = predicted.actor_messages_per_action + extra / runs
+    cpu = predicted.actor_load * shape["seconds"] / runs + extra * idle[1] / runs
+    measured_messages = row["running_messages_per_action"]
+    measured_cpu = row["running_actor_cpu_ms_per_action"]
     return {
         "actions_per_s": round(predicted.actions_per_s, 1),
         "messages_per_action": round(messages, 4),
         "actor_cpu_ms_per_action": round(1e3 * cpu, 4),
-        "messages_ratio": round(messages / max(row["messages_per_action"], 1e-9), 3),
-        "actor_cpu_ratio": round(1e3 * cpu / max(row["actor_cpu_ms_per_action"], 1e-9), 3),
+        "messages_ratio": round(messages / max(measured_messages, 1e-9), 3),
+        "actor_cpu_ratio": round(1e3 * cpu / max(measured_cpu, 1e-9), 3),
     }

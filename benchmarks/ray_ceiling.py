@@ -559,19 +559,20 @@ async def _idle_arm(
 ) -> list[tuple[float, float]]:
     """The job actor's heartbeats and CPU, per second, while proxies only heartbeat.
 
-    Twice, with one proxy and with all of ``workers``. The CPU per second is a fixed part
-    (the actor process's own timers and threads) and a part per heartbeat; the fixed part
-    is read in ``_idle_costs``, with a heartbeat priced as the probe's message.
+    Twice, with one proxy and with all of ``workers``, read once they are connected and
+    until they leave (as the sandbox windows' running part is). The CPU per second is a
+    fixed part (the actor process's own timers and threads) and a part per heartbeat;
+    the fixed part is read in ``_idle_costs``, with a heartbeat priced as the probe's
+    message.
     """
     points = []
     for chosen in (workers[:1], workers):
         start = _start_at(len(chosen))
-        before = await _counters(remote)
+        running = asyncio.ensure_future(_running(remote, start, seconds))
         await asyncio.gather(*[w.idle.remote(start, seconds) for w in chosen])
-        after = await _counters(remote)
-        span = seconds + (time.time() - start - seconds if time.time() > start else 0.0)
-        beats = (after["heartbeats"] - before["heartbeats"]) / span
-        points.append((beats, (after["cpu_seconds"] - before["cpu_seconds"]) / span))
+        first, last = await running
+        beats = (last["heartbeats"] - first["heartbeats"]) / seconds
+        points.append((beats, (last["cpu_seconds"] - first["cpu_seconds"]) / seconds))
     return points
 
 
@@ -668,9 +669,10 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"  model, {row['mode']:7s} {row['nodes']} nodes: runs/s "
             f"{row['model']['actions_per_s']} (measured {row['actions_per_s']}), messages/run "
-            f"{row['model']['messages_per_action']} (measured {row['messages_per_action']}), "
-            f"actor ms/run {row['model']['actor_cpu_ms_per_action']} "
-            f"(measured {row['actor_cpu_ms_per_action']})",
+            f"{row['model']['messages_per_action']} (measured "
+            f"{row['running_messages_per_action']}), actor ms/run "
+            f"{row['model']['actor_cpu_ms_per_action']} (measured "
+            f"{row['running_actor_cpu_ms_per_action']}), while the workers run",
             file=sys.stderr,
             flush=True,
         )
