@@ -127,13 +127,14 @@ async def _acquires(deadline: float, spans: list[float]) -> None:
 
 
 async def _runs(
-    remote: tray.RemoteRuntime, trajectory: str, deadline: float, spans: list[float]
+    remote: tray.RemoteRuntime, trajectory: str, deadline: float, runs: list[tuple[float, float]]
 ) -> None:
+    """Back-to-back runs until ``deadline``: each one's time and when it ended."""
     async with remote.sandbox(trajectory) as sbx:
         while time.time() < deadline:
             began = time.perf_counter()
             result = await sbx.run("true")
-            spans.append(time.perf_counter() - began)
+            runs.append((time.perf_counter() - began, time.time()))
             if not result.ok:
                 raise RuntimeError(f"`true` failed in the sandbox: {result!r}")
 
@@ -194,14 +195,16 @@ class Worker:
                     tg.start_soon(_timed_runs, remote, start + seconds, runs)
         return runs
 
-    async def sandbox(self, trajectories: int, start: float, seconds: float) -> list[float]:
-        spans: list[float] = []
+    async def sandbox(
+        self, trajectories: int, start: float, seconds: float
+    ) -> list[tuple[float, float]]:
+        runs: list[tuple[float, float]] = []
         async with tray.connect(name=NAME, create=False) as remote:
             await anyio.sleep(max(0.0, start - time.time()))
             async with anyio.create_task_group() as tg:
                 for _ in range(trajectories):
-                    tg.start_soon(_runs, remote, uuid.uuid4().hex, start + seconds, spans)
-        return spans
+                    tg.start_soon(_runs, remote, uuid.uuid4().hex, start + seconds, runs)
+        return runs
 
 
 @ray.remote(num_cpus=0)
@@ -313,9 +316,11 @@ async def _running(
     """The job actor's counters when a window's runs start and when they end.
 
     Between the two the workers are connected and running: what a job pays per action
-    once its workers are up. The whole window adds each worker's connecting (its first
-    poll, its home) and leaving, which a training job pays once per worker, not per
-    action; in a window of seconds they are close to half the actor's CPU per run.
+    once its workers are up, over the runs that ended in between. The whole window adds
+    each worker's connecting (its first poll, its home), its trajectories' last runs
+    (ending after the deadline) and its leaving, which a training job pays once per
+    worker, not per action; in a window of seconds they are close to half the actor's
+    CPU per run.
     """
     await anyio.sleep(max(0.0, start - time.time()))
     first = await _counters(remote)
@@ -476,13 +481,24 @@ async def _sandbox_window(
     count = len(agents)
     chosen = _placed(workers, nodes, count, shape["workers"])
     start = _start_at(len(chosen))
-    calls = [w.sandbox.remote(shape["trajectories"], start, shape["seconds"]) for w in chosen]
+    ends: list[float] = []
+
+    async def spans_of(call: Any) -> list[float]:
+        report = await call
+        ends.extend(ended for _, ended in report)
+        return [span for span, _ in report]
+
+    calls = [
+        spans_of(w.sandbox.remote(shape["trajectories"], start, shape["seconds"])) for w in chosen
+    ]
     before = sum(_cpu(pid) for _, pid, _ in agents)
     running = asyncio.ensure_future(_running(remote, start, shape["seconds"]))
     spans, row = await _window(remote, calls, shape["seconds"])
     first, last = await running
     agent_cpu = sum(_cpu(pid) for _, pid, _ in agents) - before
-    runs = max(len(spans), 1)
+    # The runs that ended while the workers ran: each trajectory's last run ends after
+    # the deadline, and its messages fall outside the running part.
+    runs = max(sum(1 for ended in ends if ended <= start + shape["seconds"]), 1)
     running_cpu = last["cpu_seconds"] - first["cpu_seconds"]
     stats = await remote.stats()
     peaks = {kind: stats.resources[kind].peak for kind, _, _ in agents}
@@ -493,7 +509,7 @@ async def _sandbox_window(
         "running_actor_cpu_ms_per_action": round(1e3 * running_cpu / runs, 4),
         "running_messages_per_action": round((last["messages"] - first["messages"]) / runs, 4),
         "actor_cpu_ms_per_worker_start": round(
-            (row["actor_cpu_ms_per_action"] * runs - 1e3 * running_cpu) / len(chosen), 3
+            (row["actor_cpu_ms_per_action"] * len(spans) - 1e3 * running_cpu) / len(chosen), 3
         ),
         "mean_run_ms": round(1e3 * statistics.fmean(spans), 3) if spans else None,
         "agent_cpu_ms_per_action": round(1e3 * agent_cpu / max(len(spans), 1), 4),
