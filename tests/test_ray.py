@@ -378,7 +378,9 @@ async def test_a_proxy_holding_nothing_polls_at_the_relay_pace_and_leases_at_the
     idle_wait = relay_wait(0.1, 1.0)
     assert idle_wait > 0.1
     try:
-        async with attach(handle) as remote:
+        # The actor's info, given: asking a local actor for it would start Ray here.
+        info = {"heartbeat": 0.1, "timeout": 1.0, "capacity": {"cpu": 2}}
+        async with attach(handle, info=info) as remote:
             await anyio.sleep(0.05)
             assert handle.polls == [([], idle_wait)]
             asked = anyio.current_time()
@@ -393,6 +395,7 @@ async def test_a_proxy_holding_nothing_polls_at_the_relay_pace_and_leases_at_the
             assert handle.polls[-1] == ([], idle_wait)
     finally:
         await actor.close()
+    assert not ray.is_initialized()  # the module's own cluster starts later
 
 
 async def test_the_scheduler_counts_the_messages_it_receives() -> None:
