@@ -398,6 +398,27 @@ async def test_a_proxy_holding_nothing_polls_at_the_relay_pace_and_leases_at_the
     assert not ray.is_initialized()  # the module's own cluster starts later
 
 
+async def test_an_idle_proxy_never_polls_more_often_than_a_heartbeat() -> None:
+    """Under a lease timeout of less than four heartbeats the relay's pace is faster than
+    a heartbeat: an idle proxy keeps the heartbeat's, as before."""
+    from tangram._core._beats import relay_wait
+    from tangram._shared._proxy import attach
+    from tangram._shared._scheduler import SchedulerActor
+
+    assert relay_wait(0.2, 0.4) < 0.2
+    actor = SchedulerActor({"cpu": 2}, None, heartbeat=0.2, timeout=0.4, token="t")
+    handle = _Recorded(actor)
+    info = {"heartbeat": 0.2, "timeout": 0.4, "capacity": {"cpu": 2}}
+    try:
+        async with attach(handle, info=info) as remote:
+            await anyio.sleep(0.5)
+            assert remote.calls >= 1
+            assert {wait for _, wait in handle.polls} == {0.2}
+    finally:
+        await actor.close()
+    assert not ray.is_initialized()
+
+
 async def test_the_scheduler_counts_the_messages_it_receives() -> None:
     """Every protocol call reaches the count ``benchmarks/ray_ceiling.py`` divides by the
     actions: a batch, a heartbeat, a departure; the actor's CPU time only grows."""

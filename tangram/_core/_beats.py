@@ -13,7 +13,7 @@ keeps two thirds as the margin for late calls: at the defaults (1 s, 10 s) it po
 at the tightest timeout allowed (twice the heartbeat) that is the pace, and the margin
 half a heartbeat. A proxy that polls the job's actor itself while it holds nothing
 there and waits for nothing (a driver, a worker on a node with no agent) keeps the same
-pace: only leases need a beat a heartbeat.
+pace, though never more often than a heartbeat: only leases need a beat a heartbeat.
 """
 
 from __future__ import annotations

@@ -377,12 +377,15 @@ class RemoteRuntime(RunMixin):
             # cores (``benchmarks/ray_ceiling.py``). A request is sent at once whatever
             # the wait, and its grant ends the poll.
             self._relays = self._relays or bool(relayed)
-            idle = not (self._pending or self._leases)
-            wait = (
-                relay_wait(self._heartbeat, self._lease_timeout)
-                if self._relays or idle
-                else self._heartbeat
-            )
+            relay = relay_wait(self._heartbeat, self._lease_timeout)
+            if self._relays:
+                wait = relay
+            elif not (self._pending or self._leases):
+                # Never more often than a heartbeat: under a lease timeout of less than
+                # four heartbeats the relay's pace is the faster one.
+                wait = max(self._heartbeat, relay)
+            else:
+                wait = self._heartbeat
             self.calls += 1
             try:
                 events = await self._actor.poll.remote(

@@ -124,7 +124,7 @@ class SchedulerActor:
         # Calls received from proxies and agents: what scale-out has to keep off the job's
         # one actor (benchmarks/ray_ceiling.py counts them per action).
         self.messages = 0
-        self.heartbeats = 0  # of which polls: one per proxy per heartbeat, not per action
+        self.heartbeats = 0  # of which polls: a proxy's per heartbeat or relay wait, not per action
         self.placements = 0  # where a sandbox or service block goes (one per block), homes
         self._gates: dict[float, Gate] = {}
         self._members: dict[int, _Member] = {}
