@@ -11,7 +11,7 @@ import statistics
 import sys
 from typing import Any
 
-from tangram._core._beats import relay_wait
+from tangram._core._beats import idle_wait
 from tangram._shared._protocol import DEFAULT_HEARTBEAT, DEFAULT_TIMEOUT
 from tangram._sim._scaleout import Costs, Job, model
 
@@ -62,7 +62,7 @@ def model_check(
     on its worker's node and idle workers beat through their agent. The model's nodes
     never spill a sandbox, and it has no driver: those messages are added here (in the
     node arm a placement per sandbox past a core each on its node; in both the driver's
-    own poll, every ``relay_wait`` as it holds nothing there). What falls outside the
+    own poll, every ``idle_wait`` as it holds nothing there). What falls outside the
     running part (each worker's connecting and leaving, sandboxes closing) is measured
     apart, per worker, not modelled.
     """
@@ -93,7 +93,7 @@ def model_check(
     predicted = model(job, costs, horizon=shape["seconds"], warmup=0.0, seed=count)
     spilled = count * max(0, per_node - CORES_PER_NODE) if shipped else 0
     # The driver's own poll: it holds nothing at the actor, so at the relay's pace.
-    extra = spilled + shape["seconds"] / relay_wait(DEFAULT_HEARTBEAT, DEFAULT_TIMEOUT)
+    extra = spilled + shape["seconds"] / idle_wait(DEFAULT_HEARTBEAT, DEFAULT_TIMEOUT)
     runs = max(predicted.actions_per_s * shape["seconds"], 1.0)
     messages = predicted.actor_messages_per_action + extra / runs
     cpu = predicted.actor_load * shape["seconds"] / runs + extra * idle[1] / runs

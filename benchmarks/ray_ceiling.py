@@ -100,7 +100,7 @@ except ImportError:  # pragma: no cover - the benchmark needs the extra
 from _ceiling_model import CORES_PER_NODE, _idle_costs, model_check
 
 import tangram.ray as tray
-from tangram._core._beats import relay_wait
+from tangram._core._beats import idle_wait, relay_wait
 from tangram._shared._agent import HostAgentActor
 from tangram._shared._protocol import DEFAULT_HEARTBEAT, DEFAULT_TIMEOUT
 from tangram.errors import SandboxBrokenError
@@ -614,9 +614,9 @@ async def _bench(
             probe = await _probe_arm(remote, workers[0], plan["seconds"])
             idle = await _idle_arm(remote, workers[: shape["workers"]], plan["seconds"])
             # The node arm's widest window's polls: each agent's, passing its workers'
-            # beats on, and this driver's (which holds nothing there): all at one pace.
+            # beats on, and this driver's, which holds nothing there.
             relay = relay_wait(DEFAULT_HEARTBEAT, DEFAULT_TIMEOUT)
-            waits = [relay] * (max(plan["agents"]) + 1)
+            waits = [relay] * max(plan["agents"]) + [idle_wait(DEFAULT_HEARTBEAT, DEFAULT_TIMEOUT)]
             bare = await _bare_arm(max(2 * plan["seconds"], 3 * relay), waits)
             sandbox = await _sandbox_arm(remote, workers, node_ids, plan["agents"], shape, roots)
             # Last: its requests' garbage and connections stay out of the windows the

@@ -18,9 +18,16 @@ pace, though never more often than a heartbeat: only leases need a beat a heartb
 
 from __future__ import annotations
 
-__all__ = ["relay_wait"]
+__all__ = ["idle_wait", "relay_wait"]
 
 
 def relay_wait(heartbeat: float, lease_timeout: float) -> float:
     """Seconds an agent that passes beats on waits in each poll of the job's actor."""
     return max(heartbeat / 2, (lease_timeout - heartbeat) / 3)
+
+
+def idle_wait(heartbeat: float, lease_timeout: float) -> float:
+    """Seconds a proxy that holds nothing at the job's actor and waits for nothing there
+    waits in each poll of it: the relay's pace, but never more often than a heartbeat
+    (under a lease timeout of less than four heartbeats the relay's is the faster)."""
+    return max(heartbeat, relay_wait(heartbeat, lease_timeout))

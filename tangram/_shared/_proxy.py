@@ -28,7 +28,7 @@ import anyio.abc
 import anyio.lowlevel
 
 from .._core._action import Action
-from .._core._beats import relay_wait
+from .._core._beats import idle_wait, relay_wait
 from .._core._estimator import Estimator
 from .._core._resources import Capacity, parse_capacity
 from .._runtime._actions import Actions, duration
@@ -377,13 +377,10 @@ class RemoteRuntime(RunMixin):
             # cores (``benchmarks/ray_ceiling.py``). A request is sent at once whatever
             # the wait, and its grant ends the poll.
             self._relays = self._relays or bool(relayed)
-            relay = relay_wait(self._heartbeat, self._lease_timeout)
             if self._relays:
-                wait = relay
+                wait = relay_wait(self._heartbeat, self._lease_timeout)
             elif not (self._pending or self._leases):
-                # Never more often than a heartbeat: under a lease timeout of less than
-                # four heartbeats the relay's pace is the faster one.
-                wait = max(self._heartbeat, relay)
+                wait = idle_wait(self._heartbeat, self._lease_timeout)
             else:
                 wait = self._heartbeat
             self.calls += 1

@@ -21,7 +21,8 @@ actor for the cores, and told it of the release; until the node placed its worke
 sandboxes, the job's actor placed each one (a message when it opens and one when it
 closes), and every proxy beat to the job's actor every heartbeat; a worker's holds
 nothing there (its agent holds the cores), and as shipped such a proxy polls at the
-agents' pace instead (``Job.idle_polls``).
+agents' pace instead, never faster than a heartbeat
+(:func:`~tangram._core._beats.idle_wait`, ``Job.idle_polls``).
 
 What it leaves out, on purpose: the sandbox's start-up and process spawns (an action's
 seconds are its whole run), GPU services and quotas, and failures. Pure: no clock, no I/O.
@@ -40,7 +41,7 @@ from typing import Literal
 import attrs
 
 from .._core._action import Action
-from .._core._beats import relay_wait
+from .._core._beats import idle_wait, relay_wait
 from .._core._demand import build_demand
 from .._core._efficiency import Estimate, Linear
 from .._core._estimator import Estimator
@@ -289,15 +290,15 @@ class _Model:
         if now + job.heartbeat < self.horizon:
             self.at(now + job.heartbeat, self.heartbeat)
 
-    def relay(self, now: float, polls: int = 1) -> None:
-        """``polls`` proxies that hold nothing at the job's actor poll it at the pace of
-        :func:`~tangram._core._beats.relay_wait`: a node's agent passing its workers'
-        beats on, or (every proxy beating to the job's actor) a node's workers."""
+    def relay(self, now: float, polls: int, wait: float) -> None:
+        """``polls`` proxies that hold nothing at the job's actor poll it every ``wait``:
+        a node's agent passing its workers' beats on
+        (:func:`~tangram._core._beats.relay_wait`), or (every proxy beating to the job's
+        actor) a node's workers (:func:`~tangram._core._beats.idle_wait`)."""
         for _ in range(polls):
             self.to_actor(now, cost=self.costs.beat)
-        wait = relay_wait(self.job.heartbeat, self.job.lease_timeout)
         if now + wait < self.horizon:
-            self.at(now + wait, functools.partial(self.relay, polls=polls))
+            self.at(now + wait, functools.partial(self.relay, polls=polls, wait=wait))
 
     def run(self) -> ModelResult:
         job, rng = self.job, self.rng
@@ -309,12 +310,15 @@ class _Model:
         # Each agent from its own start; or each node's workers, which hold nothing at
         # the job's actor (their node's agent holds the cores).
         if job.heartbeats_by == "node":
-            polls = 1
+            polls, wait = 1, relay_wait(job.heartbeat, job.lease_timeout)
         else:
             polls = job.workers if job.idle_polls == "relay" else 0
-        wait = relay_wait(job.heartbeat, job.lease_timeout)
+            wait = idle_wait(job.heartbeat, job.lease_timeout)
         for _ in range(job.nodes if polls else 0):
-            self.at(rng.uniform(0.0, wait), functools.partial(self.relay, polls=polls))
+            self.at(
+                rng.uniform(0.0, wait),
+                functools.partial(self.relay, polls=polls, wait=wait),
+            )
         events = self.events
         while events and events[0][0] < self.horizon:
             now, _, handler = heapq.heappop(events)
