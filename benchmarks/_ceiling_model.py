@@ -92,7 +92,7 @@ def model_check(
     )
     predicted = model(job, costs, horizon=shape["seconds"], warmup=0.0, seed=count)
     spilled = count * max(0, per_node - CORES_PER_NODE) if shipped else 0
-    # The driver's own poll: it holds nothing at the actor, so at the relay's pace.
+    # The driver's own poll: it holds nothing at the actor (``idle_wait``).
     extra = spilled + shape["seconds"] / idle_wait(DEFAULT_HEARTBEAT, DEFAULT_TIMEOUT)
     runs = max(predicted.actions_per_s * shape["seconds"], 1.0)
     messages = predicted.actor_messages_per_action + extra / runs
