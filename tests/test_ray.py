@@ -325,6 +325,65 @@ async def test_a_grant_made_as_a_silent_process_is_dropped_fails_its_request() -
         await actor.close()
 
 
+@pytest.mark.parametrize("state", ["holding", "waiting", "idle"])
+async def test_the_schedulers_own_stall_drops_no_proxy_and_reclaims_no_lease(state: str) -> None:
+    """A scheduler whose loop stalls (a long collection, a blocking call, a starved core)
+    heard nothing while it stalled, so its proxies' silence then is its own: none is
+    dropped and no lease reclaimed for it. In a node's scheduler process the node's agent
+    is one of those proxies, and a dropped agent took its host's cores with it. Swept
+    over what the proxy has at the actor: a lease, a waiting request, nothing."""
+    from tangram._shared._protocol import COMPLETED
+    from tangram._shared._scheduler import SchedulerActor
+
+    actor = SchedulerActor({"cpu": 1}, None, heartbeat=0.05, timeout=0.3, token="t")
+    try:
+        events = await actor.send("a", [(1, {"cpu": 1}, "held", None, None, None)], [], [])
+        lease = events[0][2]
+        leases = [lease]
+        if state == "waiting":
+            await actor.send("a", [(2, {"cpu": 1}, "waiter", None, None, None)], [], [])
+        elif state == "idle":
+            await actor.send("a", [], [(lease, COMPLETED)], [])
+            leases = []
+        await actor.poll("a", leases, 0.0)
+        await anyio.sleep(0.1)  # the watchdog runs
+        time.sleep(3 * 0.3)  # noqa: ASYNC251 - the stall under test
+        await anyio.sleep(0.1)  # the watchdog's next ticks, inside the timeout
+        counters = await actor.counters()
+        assert counters["clients"] == 1
+        assert counters["reclaimed"] == 0
+        assert counters["leases"] == len(leases)
+        # A proxy that stays silent once the scheduler runs again is still dropped.
+        await wait_for(lambda: _no_clients(actor), 5)
+    finally:
+        await actor.close()
+
+
+async def test_an_agent_left_without_its_scheduler_does_not_count_its_own_stall() -> None:
+    """An agent whose scheduler is gone serves its node's workers while they beat to it,
+    and ends once none has for ``IDLE`` lease timeouts: its own stall is not their
+    silence, but their silence after it still ends it."""
+    from tangram._shared._agent import HostAgentActor
+
+    agent = HostAgentActor.__new__(HostAgentActor)  # the serving loop alone, no actor
+    agent._stop = asyncio.Event()
+    agent._last_beat = time.monotonic()
+    idle = 1.5
+    serving = asyncio.ensure_future(agent._serve_while(lambda: agent._serving(idle)))
+    try:
+        await asyncio.sleep(0.05)
+        time.sleep(2 * idle)  # noqa: ASYNC251 - the stall under test
+        await asyncio.sleep(0.1)
+        assert not serving.done()
+        await asyncio.wait_for(serving, 5)
+    finally:
+        serving.cancel()
+
+
+async def _no_clients(actor: Any) -> bool:
+    return (await actor.counters())["clients"] == 0
+
+
 async def test_a_workers_home_counts_as_a_placement_not_on_an_actions_path() -> None:
     """``ray_ceiling`` reads messages less heartbeats and placements as those on an
     action's path: a worker's ``home``, once per worker, is where its sandboxes live."""

@@ -53,7 +53,7 @@ from ..errors import (
     SettingTypeError,
     UnknownResourceError,
 )
-from ._protocol import IDLE, logger, lost, task_failed
+from ._protocol import IDLE, logger, lost, stalled, task_failed
 from ._proxy import RemoteRuntime, attach
 from ._reports import FULL, Outbox, snapshot
 
@@ -306,11 +306,15 @@ class HostAgentActor:
             self._end()
 
     async def _serve_while(self, condition: Callable[[], bool]) -> None:
-        """Until stopped or ``condition`` fails, checked once a second."""
+        """Until stopped or ``condition`` fails, checked once a second; a workers' beat is
+        as old as the time this agent ran since (its own stall is not their silence)."""
         assert self._stop is not None
         while not self._stop.is_set() and condition():
+            since = time.monotonic()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), 1.0)
+            if self._last_beat is not None:
+                self._last_beat += stalled(since, 1.0)
 
     def _serving(self, idle: float) -> bool:
         """Whether a worker of this node has beaten here within ``idle`` seconds."""

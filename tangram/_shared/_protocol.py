@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from typing import Any
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "died",
     "logger",
     "lost",
+    "stalled",
     "task_failed",
 ]
 
@@ -109,3 +111,12 @@ def task_failed() -> tuple[type[Any], ...]:
     if ray_exceptions is None:
         return (ActorTaskError,)
     return (ray_exceptions.RayTaskError, ActorTaskError)
+
+
+def stalled(since: float, period: float) -> float:
+    """Seconds a timer set ``period`` seconds after ``since`` (``time.monotonic()``) woke
+    late: its own loop's stall (a long collection, a blocking call, a core other
+    processes starved). Who watches others' silence heard nothing meanwhile, so that
+    silence is not theirs: the scheduler's watchdog and a host agent left without its
+    scheduler count only the time they ran."""
+    return max(0.0, time.monotonic() - since - period)

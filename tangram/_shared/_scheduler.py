@@ -27,7 +27,7 @@ from .._core._resources import Capacity
 from .._runtime._group import Gate
 from .._runtime._run import Runtime
 from ..errors import LeaseReleasedError
-from ._protocol import CANCELLED, FAILED, logger
+from ._protocol import CANCELLED, FAILED, logger, stalled
 
 __all__ = ["SchedulerActor"]
 
@@ -416,8 +416,20 @@ class SchedulerActor:
         return True
 
     async def _watchdog(self) -> None:
+        tick = self._heartbeat / 2
         while True:
-            await anyio.sleep(self._heartbeat / 2)
+            since = time.monotonic()
+            await anyio.sleep(tick)
+            # Only the time this actor ran counts toward the lease timeout: a proxy's
+            # silence while it stalled is not the proxy's (a node's agent dropped for it
+            # took its node's cores).
+            late = stalled(since, tick)
+            if late > 0:
+                self._last_user += late
+                for client in self._clients.values():
+                    client.seen += late
+                for held in self._held.values():
+                    held.beat += late
             now = time.monotonic()
             for lease_id, held in list(self._held.items()):
                 if now - held.beat > self._timeout and self._release(lease_id, CANCELLED):
