@@ -238,8 +238,8 @@ async def _bare_arm(seconds: float, waits: list[float]) -> float:
     stop = time.monotonic() + seconds
 
     async def poller(wait: float) -> None:
-        while time.monotonic() < stop:
-            await bare.poll.remote(wait)
+        while (left := stop - time.monotonic()) > 0:
+            await bare.poll.remote(min(wait, left))
 
     began, before = time.monotonic(), _cpu(pid)
     async with anyio.create_task_group() as tg:
