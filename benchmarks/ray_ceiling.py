@@ -224,8 +224,8 @@ async def _bare_arm(seconds: float, waits: list[float]) -> float:
     entry of ``waits``, each waiting that long per call.
 
     The node arm's widest window as shipped polls the job's actor so: each agent passing
-    its workers' beats on, and the driver's own proxy, which holds nothing there (both
-    every ``relay_wait``), with the scheduler's concurrency. The floor under the job
+    its workers' beats on, and the driver's own proxy, which holds nothing there (every
+    ``relay_wait`` and ``idle_wait``), with the scheduler's concurrency. The floor under the job
     actor's CPU per action: the actor must hear that its proxies live, and at this
     machine's action rates Ray's own cost of an actor (most of it fixed, whatever it
     answers) is most of what is left.

@@ -314,7 +314,8 @@ class HostAgentActor:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), 1.0)
             if self._last_beat is not None:
-                self._last_beat += stalled(since, 1.0)
+                late = stalled(since, 1.0)
+                self._last_beat = min(self._last_beat + late, time.monotonic())
 
     def _serving(self, idle: float) -> bool:
         """Whether a worker of this node has beaten here within ``idle`` seconds."""

@@ -424,13 +424,15 @@ class SchedulerActor:
             # silence while it stalled is not the proxy's (a node's agent dropped for it
             # took its node's cores).
             late = stalled(since, tick)
-            if late > 0:
-                self._last_user += late
-                for client in self._clients.values():
-                    client.seen += late
-                for held in self._held.values():
-                    held.beat += late
             now = time.monotonic()
+            if late > 0:
+                # Never past now: a call queued during the stall, run before this tick,
+                # was heard now, not later.
+                self._last_user = min(self._last_user + late, now)
+                for client in self._clients.values():
+                    client.seen = min(client.seen + late, now)
+                for held in self._held.values():
+                    held.beat = min(held.beat + late, now)
             for lease_id, held in list(self._held.items()):
                 if now - held.beat > self._timeout and self._release(lease_id, CANCELLED):
                     self.reclaimed += 1
