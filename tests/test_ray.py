@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import importlib
+import itertools
 import os
 import shutil
 import subprocess
@@ -272,6 +273,24 @@ def test_the_host_book_counts_the_sandboxes_an_agent_placed_itself() -> None:
     book.note("gone", 5)  # a host that left: nothing to count
 
 
+def test_the_host_book_counts_open_blocks_on_a_host_that_comes_back() -> None:
+    """A host dropped and added again (its agent heard after a stall, or a replacement
+    under its name) counts the blocks placed there that have not ended: each one's
+    ``unplace`` will, so its load never goes below what the book placed."""
+    from tangram._shared._placement import HostBook
+
+    book = HostBook()
+    book.add("a", "cpu@a", 2, "agent-a", "cid-a", None)
+    book.place("t1", "cid-w")
+    book.place("t2", "cid-w")
+    assert book.drop("cid-a") == {"cpu@a": 0}
+    book.add("a", "cpu@a", 2, "agent-a", "cid-a", None)
+    assert book.describe()["a"]["placed"] == 2
+    book.unplace("t1")
+    book.unplace("t2")
+    assert book.describe()["a"]["placed"] == 0
+
+
 def test_the_host_book_hands_back_the_sandboxes_of_a_dropped_proxy() -> None:
     from tangram._shared._placement import HostBook
 
@@ -359,6 +378,170 @@ async def test_the_schedulers_own_stall_drops_no_proxy_and_reclaims_no_lease(sta
         await actor.close()
 
 
+@pytest.mark.parametrize("stalls", [[], [3.0], [0.5] * 12, [0.2, 3.0, 0.2], [3.0, 3.0]])
+@pytest.mark.parametrize("heard", ["before", "at the first wake"])
+def test_a_silence_is_forgiven_only_the_watchers_longest_stall_after_the_last_word(
+    stalls: list[float], heard: str
+) -> None:
+    """The rule every silence judgement in shared mode uses (``Heard``), swept over
+    patterns of late wakes: one long stall, a busy loop's many, a last word heard at a
+    wake (queued during the stall, it ran first): none of that stall is forgiven."""
+    from tangram._shared._protocol import Heard
+
+    tick = 0.05
+    wakes = list(itertools.accumulate(tick + late for late in stalls))
+    heard_at = wakes[0] - 0.001 if heard != "before" and wakes else 0.0
+    last = Heard(heard_at)
+    for late, wake in zip(stalls, wakes, strict=True):
+        last.stalled(late, wake)
+    now = (wakes[-1] if wakes else 0.0) + tick
+    forgiven = max(
+        (min(late, max(0.0, wake - heard_at)) for late, wake in zip(stalls, wakes, strict=True)),
+        default=0.0,
+    )
+    assert last.silence(now) == pytest.approx(now - heard_at - forgiven)
+    assert last.silence(now) >= now - heard_at - max(stalls, default=0.0)
+    last.hear(now)  # a word resets what was forgiven
+    assert last.silence(now + 1.0) == pytest.approx(1.0)
+
+
+async def test_a_proxy_heard_during_the_schedulers_stall_is_judged_from_then() -> None:
+    """A call queued while the scheduler stalled runs when it wakes: the proxy was heard
+    then, so if it dies after that call its lease is reclaimed and it is dropped one
+    ``lease_timeout`` later, not a stall's length later too."""
+    from tangram._shared._scheduler import SchedulerActor
+
+    timeout = 0.3
+    actor = SchedulerActor({"cpu": 1}, None, heartbeat=0.05, timeout=timeout, token="t")
+    try:
+        events = await actor.send("a", [(1, {"cpu": 1}, "held", None, None, None)], [], [])
+        lease = events[0][2]
+        await anyio.sleep(0.1)  # the watchdog runs
+        # Out of the timers' batch, so the watchdog wakes after the queued call, as a
+        # call delivered during a stall runs first.
+        await asyncio.sleep(0)
+        last = asyncio.ensure_future(actor.poll("a", [lease], 0.0))  # runs at the wake
+        time.sleep(10 * timeout)  # noqa: ASYNC251 - the stall under test
+        woke = time.monotonic()
+        await last
+        await wait_for(lambda: _no_clients(actor), 10)
+        # A stall's length (3 s) later with the credit moving the last call past the wake.
+        assert time.monotonic() - woke < 5 * timeout
+        assert (await actor.counters())["reclaimed"] == 1
+    finally:
+        await actor.close()
+
+
+async def test_a_busy_scheduler_still_drops_a_dead_proxy_within_its_longest_stall(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A scheduler late because it is busy (each tick late by blocks of work) still
+    hears the living between its blocks, so only its longest stall is forgiven a dead
+    proxy: it is dropped, and its lease reclaimed, within ``lease_timeout`` plus two of
+    the watchdog's latest wakes (the stall forgiven, then the tick that judges), while a
+    live proxy heard between the blocks stays."""
+    from tangram._shared import _scheduler
+
+    timeout, block, tick = 0.3, 0.5, 0.025
+    lateness = _Lateness(monkeypatch, _scheduler)
+    dropped: dict[str, float] = {}
+
+    class Recorded(_scheduler.SchedulerActor):
+        def _drop_client(self, cid: str, *, expired: bool = False) -> bool:
+            dropped.setdefault(cid, time.monotonic())
+            return super()._drop_client(cid, expired=expired)
+
+    actor = Recorded({"cpu": 2}, None, heartbeat=2 * tick, timeout=timeout, token="t")
+
+    async def alive() -> None:
+        while True:
+            await actor.poll("b", [], 0.0)
+            await asyncio.sleep(0.01)
+
+    tasks: list[asyncio.Future[None]] = []
+    try:
+        events = await actor.send("a", [(1, {"cpu": 1}, "held", None, None, None)], [], [])
+        await actor.poll("a", [events[0][2]], 0.0)  # a's last call: it dies now
+        await actor.poll("b", [], 0.0)
+        died = time.monotonic()
+        tasks = [asyncio.ensure_future(alive()), asyncio.ensure_future(_busy(block))]
+        await wait_for(lambda: _dropped(dropped, "a"), 60)
+        # Crediting every late tick, the dead proxy outlived twelve of them (18 s).
+        assert dropped["a"] - died <= timeout + 2 * lateness.longest + 2 * tick + 0.1
+        assert actor.reclaimed == 1
+        assert "b" not in dropped
+    finally:
+        for task in tasks:
+            task.cancel()
+        await actor.close()
+
+
+@pytest.mark.parametrize("heard", ["before", "during"])
+async def test_a_busy_agent_left_without_its_scheduler_still_ends(
+    heard: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The orphaned agent's watch has the scheduler's rule: its longest stall is forgiven
+    its workers' silence, not the sum of its late ticks, and not a stall before a beat
+    it heard (one queued while it stalled, heard at the wake)."""
+    from tangram._shared import _agent
+
+    period, block, idle = 0.05, 0.5, 0.3
+    agent = _agent.HostAgentActor.__new__(_agent.HostAgentActor)  # the loop alone
+    agent._stop = asyncio.Event()
+    agent._heard = None
+    agent._beat_heard()
+    ended: list[float] = []
+
+    def serving() -> bool:
+        if agent._serving(idle):
+            return True
+        ended.append(time.monotonic())
+        return False
+
+    task = asyncio.ensure_future(agent._serve_while(serving, period=period))
+    busy: asyncio.Future[None] | None = None
+    try:
+        await asyncio.sleep(0.1)
+        if heard == "during":
+            asyncio.get_running_loop().call_soon(agent._beat_heard)  # runs at the wake
+            time.sleep(10 * idle)  # noqa: ASYNC251 - the stall under test
+        lateness = _Lateness(monkeypatch, _agent)
+        start = time.monotonic()
+        busy = asyncio.ensure_future(_busy(block))
+        await asyncio.wait_for(task, 60)
+        assert ended[0] - start <= idle + 2 * lateness.longest + 2 * period + 0.1
+    finally:
+        task.cancel()
+        if busy is not None:
+            busy.cancel()
+
+
+class _Lateness:
+    """Records the longest late wake of a module's watch (its ``stalled``)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, module: Any) -> None:
+        self.longest = 0.0
+        measure = module.stalled
+
+        def stalled(since: float, period: float) -> float:
+            late: float = measure(since, period)
+            self.longest = max(self.longest, late)
+            return late
+
+        monkeypatch.setattr(module, "stalled", stalled)
+
+
+async def _busy(block: float) -> None:
+    """A loop kept busy: blocks of ``block`` seconds of work, others run between them."""
+    while True:
+        time.sleep(block)  # noqa: ASYNC251 - the busy loop under test
+        await asyncio.sleep(0)
+
+
+async def _dropped(dropped: dict[str, float], cid: str) -> bool:
+    return cid in dropped
+
+
 async def test_an_agent_left_without_its_scheduler_does_not_count_its_own_stall() -> None:
     """An agent whose scheduler is gone serves its node's workers while they beat to it,
     and ends once none has for ``IDLE`` lease timeouts: its own stall is not their
@@ -367,7 +550,8 @@ async def test_an_agent_left_without_its_scheduler_does_not_count_its_own_stall(
 
     agent = HostAgentActor.__new__(HostAgentActor)  # the serving loop alone, no actor
     agent._stop = asyncio.Event()
-    agent._last_beat = time.monotonic()
+    agent._heard = None
+    agent._beat_heard()
     idle = 1.5
     serving = asyncio.ensure_future(agent._serve_while(lambda: agent._serving(idle)))
     try:
@@ -428,30 +612,30 @@ async def test_a_proxy_holding_nothing_polls_at_the_relay_pace_and_leases_at_the
     """Only leases need a beat a heartbeat: a driver or worker with nothing at the job's
     actor polls it every ``relay_wait``, which keeps it inside the lease timeout, and a
     request is granted at once whatever the poll in flight waits for."""
-    from tangram._core._beats import relay_wait
+    from tangram._core._beats import idle_wait, relay_wait
     from tangram._shared._proxy import attach
     from tangram._shared._scheduler import SchedulerActor
 
     actor = SchedulerActor({"cpu": 2}, None, heartbeat=0.1, timeout=1.0, token="t")
     handle = _Recorded(actor)
-    idle_wait = relay_wait(0.1, 1.0)
-    assert idle_wait > 0.1
+    pace = idle_wait(0.1, 1.0)
+    assert pace == relay_wait(0.1, 1.0) > 0.1  # at this timeout, the relay's pace
     try:
         # The actor's info, given: asking a local actor for it would start Ray here.
         info = {"heartbeat": 0.1, "timeout": 1.0, "capacity": {"cpu": 2}}
         async with attach(handle, info=info) as remote:
             await anyio.sleep(0.05)
-            assert handle.polls == [([], idle_wait)]
+            assert handle.polls == [([], pace)]
             asked = anyio.current_time()
             async with remote.acquire(cpu=1) as lease:
                 # Not held back until the idle poll in flight returns.
-                assert anyio.current_time() - asked < idle_wait / 2
-                await anyio.sleep(3 * idle_wait)
+                assert anyio.current_time() - asked < pace / 2
+                await anyio.sleep(3 * pace)
             beats = [wait for leases, wait in handle.polls if lease.lease_id in leases]
             assert beats and set(beats) == {0.1}
             assert (await actor.counters())["reclaimed"] == 0
-            await anyio.sleep(3 * idle_wait)
-            assert handle.polls[-1] == ([], idle_wait)
+            await anyio.sleep(3 * pace)
+            assert handle.polls[-1] == ([], pace)
     finally:
         await actor.close()
     assert not ray.is_initialized()  # the module's own cluster starts later
@@ -553,6 +737,50 @@ class _Forgetful(_QuietAgent):
         self.forget = forget  # type: ignore[misc,assignment]
 
 
+@pytest.mark.parametrize("then", ["heard again", "replaced", "died"])
+async def test_an_agent_dropped_for_its_silence_brings_its_node_back_when_heard(
+    then: str,
+) -> None:
+    """The job's actor judges a node's agent by its polls, so one whose own loop stalled
+    past ``lease_timeout`` is dropped, and its node's cores leave the job. Heard again
+    (its next poll), it is alive: its host comes back as it registered, with its cores,
+    and is its node's workers' home again. One whose name a replacement took, or whose
+    process died meanwhile, stays gone."""
+    from tangram._shared._cluster import ClusterSchedulerActor
+
+    actor = ClusterSchedulerActor({"cpu": 1}, None, heartbeat=0.05, timeout=0.3, token="t")
+    agent, replacement = _QuietAgent(), _QuietAgent()
+
+    async def dropped() -> bool:
+        return "agent-a" not in actor._clients
+
+    try:
+        await actor.poll("agent-a", [], 0.0)
+        await actor.add_host("a", "cpu@a", 2, agent, "agent-a", None, True, "node-a")
+        assert actor._runtime.capacity["cpu@a"].total == 2
+        await wait_for(dropped, 5)  # its loop stalled: no poll within the timeout
+        assert await actor.hosts() == {}
+        assert actor._runtime.capacity["cpu@a"].total == 0
+        if then == "replaced":
+            await actor.poll("agent-b", [], 0.0)
+            await actor.add_host("a", "cpu@a", 3, replacement, "agent-b", None, True, "node-a")
+        elif then == "died":
+            actor._agent_died("agent-a", "a")
+        events = await actor.poll("agent-a", [], 0.0)
+        assert [event[0] for event in events] == ["expired"]
+        hosts = await actor.hosts()
+        if then == "died":
+            assert hosts == {}
+            assert actor._runtime.capacity["cpu@a"].total == 0
+            return
+        units = 2 if then == "heard again" else 3
+        assert hosts["a"]["units"] == units
+        assert actor._runtime.capacity["cpu@a"].total == units
+        assert actor._on_node["node-a"][2] == ("agent-a" if then == "heard again" else "agent-b")
+    finally:
+        await actor.close()
+
+
 async def test_relayed_beats_keep_workers_alive_and_only_their_home_forgets_them() -> None:
     """The scheduler actor's side of beats passed on by a node's agent, driven directly.
 
@@ -573,9 +801,9 @@ async def test_relayed_beats_keep_workers_alive_and_only_their_home_forgets_them
         await actor.add_host("b", "cpu@b", 2, other, "agent-b", None, True)
         await actor.poll("w", [], 0.0)
         await actor.home("w", "a")
-        actor._clients["w"].seen -= 4.0  # silent for 4 of its 5 s
+        actor._clients["w"].heard.at -= 4.0  # silent for 4 of its 5 s
         await actor.poll("agent-a", [], 0.0, ["w", "never-seen"])
-        assert actor._clients["w"].seen > time.monotonic() - 1.0
+        assert actor._clients["w"].heard.at > time.monotonic() - 1.0
         assert "never-seen" not in actor._clients
         assert actor._drop_client("w", expired=True)
         assert home.forgotten == ["w"] and other.forgotten == []

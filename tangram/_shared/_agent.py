@@ -53,7 +53,7 @@ from ..errors import (
     SettingTypeError,
     UnknownResourceError,
 )
-from ._protocol import IDLE, logger, lost, stalled, task_failed
+from ._protocol import IDLE, Heard, logger, lost, stalled, task_failed
 from ._proxy import RemoteRuntime, attach
 from ._reports import FULL, Outbox, snapshot
 
@@ -192,7 +192,7 @@ class HostAgentActor:
         self._units = 0  # the node's cores, once started
         self._opening = 0  # ``open_here`` calls between the check and the sandbox
         self._forgotten: dict[str, None] = {}  # dropped workers, newest last
-        self._last_beat: float | None = None  # when a worker of this node last beat here
+        self._heard: Heard | None = None  # when a worker of this node last beat here
         self._reserved: set[str] = set()  # trajectories whose sandbox is being opened
         self._started: asyncio.Future[dict[str, Any]] | None = None
         self._stop: asyncio.Event | None = None
@@ -305,21 +305,29 @@ class HostAgentActor:
             logger.warning("host agent %r: its scheduler is gone; it ends", self._name)
             self._end()
 
-    async def _serve_while(self, condition: Callable[[], bool]) -> None:
-        """Until stopped or ``condition`` fails, checked once a second; a workers' beat is
-        as old as the time this agent ran since (its own stall is not their silence)."""
+    async def _serve_while(self, condition: Callable[[], bool], period: float = 1.0) -> None:
+        """Until stopped or ``condition`` fails, checked each ``period``; its own stall is
+        not its workers' silence (see :class:`Heard`)."""
         assert self._stop is not None
         while not self._stop.is_set() and condition():
             since = time.monotonic()
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), 1.0)
-            if self._last_beat is not None:
-                late = stalled(since, 1.0)
-                self._last_beat = min(self._last_beat + late, time.monotonic())
+                await asyncio.wait_for(self._stop.wait(), period)
+            if self._heard is not None:
+                self._heard.stalled(stalled(since, period), time.monotonic())
 
     def _serving(self, idle: float) -> bool:
         """Whether a worker of this node has beaten here within ``idle`` seconds."""
-        return self._last_beat is not None and time.monotonic() - self._last_beat <= idle
+        heard = self._heard
+        return heard is not None and heard.silence(time.monotonic()) <= idle
+
+    def _beat_heard(self) -> None:
+        """A worker of this node beat here: the agent serves its node a while longer."""
+        now = time.monotonic()
+        if self._heard is None:
+            self._heard = Heard(now)
+        else:
+            self._heard.hear(now)
 
     # What the transport decides: the node's scheduler process (:mod:`._node`) hosts its
     # agent itself and replaces these three.
@@ -497,7 +505,7 @@ class HostAgentActor:
         worker must try the job's actor itself. Either way the beat keeps this agent
         serving its node (see ``_outlive``).
         """
-        self._last_beat = time.monotonic()
+        self._beat_heard()
         remote = self._remote
         if remote is None or remote._error is not None or not remote._open:
             return False

@@ -36,6 +36,7 @@ __all__ = [
     "IDLE",
     "ActorLostError",
     "ActorTaskError",
+    "Heard",
     "died",
     "logger",
     "lost",
@@ -116,7 +117,40 @@ def task_failed() -> tuple[type[Any], ...]:
 def stalled(since: float, period: float) -> float:
     """Seconds a timer set ``period`` seconds after ``since`` (``time.monotonic()``) woke
     late: its own loop's stall (a long collection, a blocking call, a core other
-    processes starved). Who watches others' silence heard nothing meanwhile, so that
-    silence is not theirs: the scheduler's watchdog and a host agent left without its
-    scheduler count only the time they ran."""
+    processes starved, a block of its own work). See :class:`Heard` for what a watcher
+    forgives of it."""
     return max(0.0, time.monotonic() - since - period)
+
+
+class Heard:
+    """When a watcher last heard from someone, and how much of the silence since was the
+    watcher's own stall: it heard nothing while it stalled, so that silence is not theirs
+    (the scheduler's watchdog dropped every proxy, a node's agent with its cores, after
+    its own long collection).
+
+    Only the longest stall within one silence is forgiven, not the sum of every late
+    tick: a loop late because it is busy still hears the living between its blocks, and
+    a dead peer's units must not be held for as many blocks as it takes for the ticks'
+    own running time to add up. So whoever stays silent is judged at most ``timeout``
+    plus the watcher's longest stall of wall time after its last word. Only the part of a
+    stall after that word counts: a call queued during a stall runs at the wake, and its
+    sender was heard then.
+    """
+
+    __slots__ = ("_credit", "at")
+
+    def __init__(self, now: float) -> None:
+        self.at = now
+        self._credit = 0.0
+
+    def hear(self, now: float) -> None:
+        self.at = now
+        self._credit = 0.0
+
+    def stalled(self, late: float, now: float) -> None:
+        """The watcher woke at ``now``, ``late`` seconds late (see :func:`stalled`)."""
+        self._credit = max(self._credit, min(late, now - self.at))
+
+    def silence(self, now: float) -> float:
+        """Seconds of silence that are theirs: the wall time less the forgiven stall."""
+        return now - self.at - self._credit

@@ -27,7 +27,7 @@ from .._core._resources import Capacity
 from .._runtime._group import Gate
 from .._runtime._run import Runtime
 from ..errors import LeaseReleasedError
-from ._protocol import CANCELLED, FAILED, logger, stalled
+from ._protocol import CANCELLED, FAILED, Heard, logger, stalled
 
 __all__ = ["SchedulerActor"]
 
@@ -42,7 +42,7 @@ class _Client:
     """What the actor knows of one proxy: its queue of events, waits and held leases."""
 
     def __init__(self, now: float) -> None:
-        self.seen = now
+        self.heard = Heard(now)
         self.events: list[tuple[Any, ...]] = []
         self.wake = asyncio.Event()
         self.waiting: dict[int, asyncio.Task[None]] = {}
@@ -64,14 +64,14 @@ class _Client:
 
 
 class _Held:
-    __slots__ = ("beat", "cid", "client", "follower", "lease", "request")
+    __slots__ = ("cid", "client", "follower", "heard", "lease", "request")
 
     def __init__(self, lease: Any, cid: str, client: _Client, request: int, now: float) -> None:
         self.lease = lease
         self.cid = cid
         self.client = client
         self.request = request
-        self.beat = now
+        self.heard = Heard(now)  # its last heartbeat
         self.follower: asyncio.Task[None] | None = None
 
 
@@ -111,7 +111,7 @@ class SchedulerActor:
         self._timeout = timeout
         self._token = token
         self._idle = idle
-        self._last_user = time.monotonic()
+        self._user = Heard(time.monotonic())  # when a proxy serving users was last here
         self._clients: dict[str, _Client] = {}
         self._held: dict[int, _Held] = {}
         self._ids = itertools.count(1)
@@ -181,7 +181,8 @@ class SchedulerActor:
             gone = self._expired.pop(cid, None)
             if gone is not None:
                 client.post(("expired", *gone))
-        client.seen = now
+                self._rejoined(cid)
+        client.heard.hear(now)
         return client
 
     async def send(
@@ -236,20 +237,20 @@ class SchedulerActor:
         self.heartbeats += 1
         await self._ready()
         client = self._client(cid)
-        now = client.seen
+        now = client.heard.at
         if node is not None:
             self._locate(cid, node)
         for other in relayed:
             known = self._clients.get(other)
             if known is not None:
-                known.seen = now
+                known.heard.hear(now)
             elif other in self._expired:
                 self._client(other)
                 self._returned(other, cid)
         for lease_id in leases:
             held = self._held.get(lease_id)
             if held is not None and held.cid == cid:
-                held.beat = now
+                held.heard.hear(now)
             else:  # reclaimed while this proxy was silent (and maybe forgotten with it)
                 client.post(("reclaimed", lease_id))
         if not client.events:
@@ -420,36 +421,33 @@ class SchedulerActor:
         while True:
             since = time.monotonic()
             await anyio.sleep(tick)
-            # Only the time this actor ran counts toward the lease timeout: a proxy's
-            # silence while it stalled is not the proxy's (a node's agent dropped for it
-            # took its node's cores).
+            # A proxy's silence while this actor stalled is not the proxy's (a node's
+            # agent dropped for it took its node's cores): see Heard for what is forgiven.
             late = stalled(since, tick)
             now = time.monotonic()
             if late > 0:
-                # Never past now: a call queued during the stall, run before this tick,
-                # was heard now, not later.
-                self._last_user = min(self._last_user + late, now)
+                self._user.stalled(late, now)
                 for client in self._clients.values():
-                    client.seen = min(client.seen + late, now)
+                    client.heard.stalled(late, now)
                 for held in self._held.values():
-                    held.beat = min(held.beat + late, now)
+                    held.heard.stalled(late, now)
             for lease_id, held in list(self._held.items()):
-                if now - held.beat > self._timeout and self._release(lease_id, CANCELLED):
+                if held.heard.silence(now) > self._timeout and self._release(lease_id, CANCELLED):
                     self.reclaimed += 1
                     held.client.post(("reclaimed", lease_id))
                     logger.warning(
                         "reclaimed lease %d of %s: no heartbeat for %.1f s",
                         lease_id,
                         held.cid,
-                        now - held.beat,
+                        now - held.heard.at,
                     )
             for cid, client in list(self._clients.items()):
-                if now - client.seen > self._timeout:
+                if client.heard.silence(now) > self._timeout:
                     self._drop_client(cid, expired=True)
             if set(self._clients) - self._own_clients():
-                self._last_user = now
-            elif self._idle is not None and now - self._last_user > self._idle:
-                logger.info("no client for %.1f s: the scheduler actor ends", now - self._last_user)
+                self._user.hear(now)
+            elif self._idle is not None and self._user.silence(now) > self._idle:
+                logger.info("no client for %.1f s: the scheduler actor ends", now - self._user.at)
                 try:
                     ended = await self._retire()
                 except Exception:  # an actor left running after its job is the worse failure
@@ -458,7 +456,10 @@ class SchedulerActor:
                     return
                 if ended:
                     return
-                self._last_user = now
+                self._user.hear(now)
+
+    def _rejoined(self, cid: str) -> None:
+        """Proxy ``cid``, dropped for its silence, is heard again: it was alive."""
 
     def _returned(self, cid: str, relayed_by: str) -> None:
         """Proxy ``cid``, dropped while alive, came back in ``relayed_by``'s poll."""
