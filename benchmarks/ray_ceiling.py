@@ -32,9 +32,10 @@ What it measures
       the heartbeats and placements, which include a worker's telling the job's actor
       which node's agent is its home, once per worker),
       and the most cores each node's kind ever held against the cores it has.
-    - *fault*: after the node arm's widest window, the same workers again for twice as
-      long, and one node's agent killed halfway: the runs per second of the other nodes
-      after the kill over before (none may run on the dead node after it). The nodes
+    - *fault*: after the node arm's widest window, the same workers again (for 4 s
+      under ``--quick``, else twice the window), and one node's agent killed halfway:
+      the runs per second of the other nodes after the kill over before (none may run
+      on the dead node after it). The nodes
       share this machine's cores, so the dead node's share goes to the others: a ratio
       under 1 is a loss, one above is that share.
     - *bare*: an async Ray actor that decides nothing and only answers long polls, as
@@ -57,8 +58,9 @@ Why
     ratio beside the target); and never more cores held on a node than it has.
 
 How
-    ``--quick``: 4 nodes, workers 1, 4 and 16 for 2 s each, the sandbox arm at 1 and 4
-    nodes with 4 workers x 2 trajectories for 3 s each. Full: 8 nodes, workers 1 to 64,
+    ``--quick``: 4 nodes, workers 1, 4 and 16 for 1.5 s each, the sandbox arm at 1 and 4
+    nodes with 4 workers x 2 trajectories for 3 s each, the bare actor for two relay
+    waits (three in full). Full: 8 nodes, workers 1 to 64,
     the sandbox arm at 1, 2, 4 and 8 nodes with 8 workers x 4 trajectories. The cluster, the
     workers and the agents start before any timed window (excluded). The last line of
     stdout is one JSON object (``"bench": "ray_ceiling"``); the exit status is 0 whether
@@ -112,10 +114,24 @@ MESSAGES_GOAL = 0.05
 CPU_GOAL = 0.10  # the job actor's CPU time per sandbox action, node-decided over central
 MODES = ("central", "node")  # who decides a node's cores: the job's actor (before), the node
 KNEE_GAIN = 1.10
-QUICK = {"nodes": 4, "workers": (1, 4, 16), "seconds": 2.0, "agents": (1, 4)}
-QUICK_SANDBOX = {"workers": 4, "trajectories": 2, "seconds": 3.0}
-FULL = {"nodes": 8, "workers": (1, 2, 4, 8, 16, 32, 64), "seconds": 4.0, "agents": (1, 2, 4, 8)}
-FULL_SANDBOX = {"workers": 8, "trajectories": 4, "seconds": 5.0}
+QUICK = {
+    "nodes": 4,
+    "workers": (1, 4, 16),
+    "acquire": 1.5,
+    "seconds": 2.0,
+    "agents": (1, 4),
+    "relays": 2,
+}
+QUICK_SANDBOX = {"workers": 4, "trajectories": 2, "seconds": 3.0, "fault_seconds": 4.0}
+FULL = {
+    "nodes": 8,
+    "workers": (1, 2, 4, 8, 16, 32, 64),
+    "acquire": 4.0,
+    "seconds": 4.0,
+    "agents": (1, 2, 4, 8),
+    "relays": 3,
+}
+FULL_SANDBOX = {"workers": 8, "trajectories": 4, "seconds": 5.0, "fault_seconds": 10.0}
 
 
 async def _acquires(deadline: float, spans: list[float]) -> None:
@@ -219,7 +235,7 @@ class Bare:
         return []
 
 
-async def _bare_arm(seconds: float, waits: list[float]) -> float:
+async def _bare_arm(bare: Any, seconds: float, waits: list[float]) -> float:
     """CPU seconds per second of an actor that only answers long polls, one poller per
     entry of ``waits``, each waiting that long per call.
 
@@ -232,9 +248,7 @@ async def _bare_arm(seconds: float, waits: list[float]) -> float:
     Read from ``/proc`` in clock ticks (10 ms), so over ``seconds`` it is good to
     ``10 ms / seconds`` per second.
     """
-    bare = Bare.options(max_concurrency=10_000).remote()  # type: ignore[attr-defined]
-    pid = await bare.pid.remote()
-    await anyio.sleep(1.0)  # past its start-up
+    pid = await bare.pid.remote()  # started with the workers: past its start-up
     stop = time.monotonic() + seconds
 
     async def poller(wait: float) -> None:
@@ -430,29 +444,32 @@ async def _sandbox_arm(
     rows = []
     for mode in MODES:
         agents: list[tuple[str, int, Any]] = []  # kind, pid, actor
+
+        async def start(index: int, mode: str = mode) -> tuple[str, int, Any]:
+            root = tempfile.mkdtemp(prefix=f"tangram-ceiling-{mode}-{index}-")
+            os.chmod(root, 0o755)  # the sandbox user (nobody, as root) walks through
+            roots.append(root)
+            name = f"{mode[0]}{index}"
+            if mode == "central":
+                actor, pid = await _start_central(remote, name, node_ids[index], root)
+            else:
+                agent = await tray.start_agent(
+                    remote, name=name, node_id=node_ids[index], backend=_backend(root)
+                )
+                actor, pid = agent.actor, agent.pid
+            return f"cpu@{name}", pid, actor
+
         try:
             for count in agents_at:
-                while len(agents) < count:
-                    index = len(agents)
-                    root = tempfile.mkdtemp(prefix=f"tangram-ceiling-{mode}-{index}-")
-                    os.chmod(root, 0o755)  # the sandbox user (nobody, as root) walks through
-                    roots.append(root)
-                    name = f"{mode[0]}{index}"
-                    if mode == "central":
-                        actor, pid = await _start_central(remote, name, node_ids[index], root)
-                    else:
-                        agent = await tray.start_agent(
-                            remote, name=name, node_id=node_ids[index], backend=_backend(root)
-                        )
-                        actor, pid = agent.actor, agent.pid
-                    agents.append((f"cpu@{name}", pid, actor))
+                # Started together, outside the windows: only their number is measured.
+                new = range(len(agents), count)
+                agents.extend(await asyncio.gather(*(start(index) for index in new)))
                 window = _sandbox_window(remote, workers, len(node_ids), mode, agents, shape)
                 rows.append(await window)
             if mode == "node" and len(agents) > 1:
                 rows[-1]["fault"] = await _fault_window(workers, len(node_ids), agents, shape)
         finally:
-            for _, _, actor in agents:
-                await _stop(actor)
+            await asyncio.gather(*(_stop(actor) for _, _, actor in agents))
     return rows
 
 
@@ -536,7 +553,7 @@ async def _fault_window(
     after, over before. All nodes share this machine's cores, so the dead node's share
     of them goes to the others: read a ratio under 1 as a loss, one above as that."""
     chosen = _placed(workers, nodes, len(agents), shape["workers"])
-    seconds = 2 * shape["seconds"]
+    seconds = shape["fault_seconds"]
     start = _start_at(len(chosen))
     calls = [w.timed.remote(shape["trajectories"], start, seconds) for w in chosen]
     await anyio.sleep(max(0.0, start + seconds / 2 - time.time()))
@@ -605,19 +622,25 @@ def knee(rows: list[dict[str, Any]]) -> int:
 
 
 async def _bench(
-    workers: list[Any], node_ids: list[str], plan: dict[str, Any], shape: dict[str, Any]
+    workers: list[Any],
+    bare_actor: Any,
+    node_ids: list[str],
+    plan: dict[str, Any],
+    shape: dict[str, Any],
 ) -> dict[str, Any]:
     roots: list[str] = []
     try:
         async with tray.connect(name=NAME, capacity={"cpu": CAPACITY}) as remote:
-            acquire = await _acquire_arm(remote, workers, plan["workers"], plan["seconds"])
+            acquire = await _acquire_arm(remote, workers, plan["workers"], plan["acquire"])
             probe = await _probe_arm(remote, workers[0], plan["seconds"])
             idle = await _idle_arm(remote, workers[: shape["workers"]], plan["seconds"])
             # The node arm's widest window's polls: each agent's, passing its workers'
             # beats on, and this driver's, which holds nothing there.
             relay = relay_wait(DEFAULT_HEARTBEAT, DEFAULT_TIMEOUT)
             waits = [relay] * max(plan["agents"]) + [idle_wait(DEFAULT_HEARTBEAT, DEFAULT_TIMEOUT)]
-            bare = await _bare_arm(max(2 * plan["seconds"], 3 * relay), waits)
+            bare = await _bare_arm(
+                bare_actor, max(2 * plan["seconds"], plan["relays"] * relay), waits
+            )
             sandbox = await _sandbox_arm(remote, workers, node_ids, plan["agents"], shape, roots)
             # Last: its requests' garbage and connections stay out of the windows the
             # protocol model's costs come from.
@@ -660,14 +683,16 @@ def main(argv: list[str] | None = None) -> int:
             ).remote()
             for i in range(count)
         ]
-        ray.get([w.ready.remote() for w in workers])
+        # The bare arm's actor, started with them: its start-up is not in its window.
+        bare = Bare.options(max_concurrency=10_000).remote()  # type: ignore[attr-defined]
+        ray.get([w.ready.remote() for w in workers] + [bare.pid.remote()])
         setup = time.monotonic() - started
         print(
             f"ray_ceiling: {len(node_ids)} nodes, {count} workers up in {setup:.1f} s",
             file=sys.stderr,
             flush=True,
         )
-        rows = anyio.run(_bench, workers, node_ids, plan, shape)
+        rows = anyio.run(_bench, workers, bare, node_ids, plan, shape)
     finally:
         ray.shutdown()
         cluster.shutdown()

@@ -135,7 +135,7 @@ CALLS_GOAL = 0.5
 # Seconds between one worker's calls in the adapter-latency arm: 16 workers then make 32
 # calls/s, three times the 200 ms tool calls the host's two cores can run in a second.
 ADAPTER_THINK = 0.5
-ADAPTER_SECONDS = 3.0  # a window under --quick (else --seconds): 100 calls or so
+ADAPTER_SECONDS = 2.0  # a window under --quick (else --seconds): 64 calls or so
 ADAPTER_ROUNDS = {True: 2, False: 3}  # windows per mode, the modes alternating; quick, full
 ADAPTER_GOAL_MS = 5.0
 MODES = ("shared", "local")
