@@ -274,9 +274,9 @@ def test_the_host_book_counts_the_sandboxes_an_agent_placed_itself() -> None:
 
 
 def test_the_host_book_counts_open_blocks_on_a_host_that_comes_back() -> None:
-    """A host dropped and added again (its agent heard after a stall, or a replacement
-    under its name) counts the blocks placed there that have not ended: each one's
-    ``unplace`` will, so its load never goes below what the book placed."""
+    """A host dropped and added again (a replacement agent under its name) counts the
+    sandboxes placed there that have not ended: each one's ``unplace`` will, so its
+    load never goes below what the book placed."""
     from tangram._shared._placement import HostBook
 
     book = HostBook()
@@ -380,29 +380,30 @@ async def test_the_schedulers_own_stall_drops_no_proxy_and_reclaims_no_lease(sta
 
 @pytest.mark.parametrize("stalls", [[], [3.0], [0.5] * 12, [0.2, 3.0, 0.2], [3.0, 3.0]])
 @pytest.mark.parametrize("heard", ["before", "at the first wake"])
-def test_a_silence_is_forgiven_only_the_watchers_longest_stall_after_the_last_word(
+def test_a_silence_is_forgiven_the_watchers_own_lateness_after_the_last_word_bounded(
     stalls: list[float], heard: str
 ) -> None:
     """The rule every silence judgement in shared mode uses (``Heard``), swept over
-    patterns of late wakes: one long stall, a busy loop's many, a last word heard at a
-    wake (queued during the stall, it ran first): none of that stall is forgiven."""
+    patterns of late wakes: one long stall (forgiven whole), a busy loop's many (their
+    sum, up to one timeout), a last word heard at a wake (queued during the stall, it
+    ran first: none of that stall is forgiven)."""
     from tangram._shared._protocol import Heard
 
-    tick = 0.05
+    tick, cap = 0.05, 1.0
     wakes = list(itertools.accumulate(tick + late for late in stalls))
     heard_at = wakes[0] - 0.001 if heard != "before" and wakes else 0.0
     last = Heard(heard_at)
     for late, wake in zip(stalls, wakes, strict=True):
         last.stalled(late, wake)
     now = (wakes[-1] if wakes else 0.0) + tick
-    forgiven = max(
-        (min(late, max(0.0, wake - heard_at)) for late, wake in zip(stalls, wakes, strict=True)),
-        default=0.0,
-    )
-    assert last.silence(now) == pytest.approx(now - heard_at - forgiven)
-    assert last.silence(now) >= now - heard_at - max(stalls, default=0.0)
+    theirs = [
+        min(late, max(0.0, wake - heard_at)) for late, wake in zip(stalls, wakes, strict=True)
+    ]
+    forgiven = max(max(theirs, default=0.0), min(sum(theirs), cap))
+    assert last.silence(now, cap) == pytest.approx(now - heard_at - forgiven)
+    assert last.silence(now, cap) >= now - heard_at - max([*stalls, cap])
     last.hear(now)  # a word resets what was forgiven
-    assert last.silence(now + 1.0) == pytest.approx(1.0)
+    assert last.silence(now + 1.0, cap) == pytest.approx(1.0)
 
 
 async def test_a_proxy_heard_during_the_schedulers_stall_is_judged_from_then() -> None:
@@ -432,14 +433,14 @@ async def test_a_proxy_heard_during_the_schedulers_stall_is_judged_from_then() -
         await actor.close()
 
 
-async def test_a_busy_scheduler_still_drops_a_dead_proxy_within_its_longest_stall(
+async def test_a_busy_scheduler_still_drops_a_dead_proxy_within_a_bound(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A scheduler late because it is busy (each tick late by blocks of work) still
-    hears the living between its blocks, so only its longest stall is forgiven a dead
-    proxy: it is dropped, and its lease reclaimed, within ``lease_timeout`` plus two of
-    the watchdog's latest wakes (the stall forgiven, then the tick that judges), while a
-    live proxy heard between the blocks stays."""
+    """A scheduler late because it is busy (each tick late by blocks of work) forgives
+    a dead proxy's silence the sum of its late wakes only up to one timeout (or its
+    longest): it is dropped, and its lease reclaimed, within ``lease_timeout`` plus the
+    larger of the two and the late tick that judges it, while a live proxy heard
+    between the blocks stays."""
     from tangram._shared import _scheduler
 
     timeout, block, tick = 0.3, 0.5, 0.025
@@ -467,7 +468,8 @@ async def test_a_busy_scheduler_still_drops_a_dead_proxy_within_its_longest_stal
         tasks = [asyncio.ensure_future(alive()), asyncio.ensure_future(_busy(block))]
         await wait_for(lambda: _dropped(dropped, "a"), 60)
         # Crediting every late tick, the dead proxy outlived twelve of them (18 s).
-        assert dropped["a"] - died <= timeout + 2 * lateness.longest + 2 * tick + 0.1
+        longest = lateness.longest
+        assert dropped["a"] - died <= timeout + max(longest, timeout) + longest + 2 * tick + 0.1
         assert actor.reclaimed == 1
         assert "b" not in dropped
     finally:
@@ -476,13 +478,63 @@ async def test_a_busy_scheduler_still_drops_a_dead_proxy_within_its_longest_stal
         await actor.close()
 
 
+@pytest.mark.parametrize("holding", [True, False])
+@pytest.mark.parametrize("block", [0.15, 0.3, 0.6])
+async def test_a_busy_scheduler_keeps_a_live_proxy_whose_polls_it_answers_late(
+    holding: bool, block: float
+) -> None:
+    """Ray hands an async actor each call from another thread, so a long poll takes
+    several of a busy loop's passes to land and to answer, each with one block of work
+    in it. The proxy waited on this actor meanwhile: that is not its silence. A live
+    proxy long-polling so (at a heartbeat with a lease, at the idle pace without) is
+    neither dropped nor has its lease reclaimed, however many passes its polls take."""
+    import concurrent.futures
+    import threading
+
+    from tangram._core._beats import idle_wait
+    from tangram._shared._scheduler import SchedulerActor
+
+    heartbeat, timeout = 0.1, 1.0
+    actor = SchedulerActor({"cpu": 2}, None, heartbeat=heartbeat, timeout=timeout, token="t")
+    loop = asyncio.get_running_loop()
+    stop = threading.Event()
+    events = await actor.send("live", [(1, {"cpu": 1}, "held", None, None, None)], [], [])
+    leases = [events[0][2]] if holding else []
+    if not holding:
+        await actor.send("live", [], [(events[0][2], 0)], [])
+    wait = heartbeat if holding else idle_wait(heartbeat, timeout)
+
+    def proxy() -> None:
+        while not stop.is_set():
+            call = asyncio.run_coroutine_threadsafe(actor.poll("live", leases, wait), loop)
+            try:
+                call.result(30)
+            except concurrent.futures.CancelledError:  # the actor closed under its poll
+                if not stop.is_set():
+                    raise
+
+    thread = threading.Thread(target=proxy, daemon=True)
+    thread.start()
+    busy = asyncio.ensure_future(_busy(block))
+    try:
+        await asyncio.sleep(5 * timeout)
+        assert "live" in actor._clients
+        assert actor.reclaimed == 0
+    finally:
+        busy.cancel()
+        stop.set()
+        await asyncio.sleep(0.2)
+        await actor.close()
+        thread.join(5)
+
+
 @pytest.mark.parametrize("heard", ["before", "during"])
 async def test_a_busy_agent_left_without_its_scheduler_still_ends(
     heard: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The orphaned agent's watch has the scheduler's rule: its longest stall is forgiven
-    its workers' silence, not the sum of its late ticks, and not a stall before a beat
-    it heard (one queued while it stalled, heard at the wake)."""
+    """The orphaned agent's watch has the scheduler's rule: its workers' silence is
+    forgiven its late ticks only up to a bound, and not a stall before a beat it heard
+    (one queued while it stalled, heard at the wake)."""
     from tangram._shared import _agent
 
     period, block, idle = 0.05, 0.5, 0.3
@@ -509,7 +561,8 @@ async def test_a_busy_agent_left_without_its_scheduler_still_ends(
         start = time.monotonic()
         busy = asyncio.ensure_future(_busy(block))
         await asyncio.wait_for(task, 60)
-        assert ended[0] - start <= idle + 2 * lateness.longest + 2 * period + 0.1
+        longest = lateness.longest
+        assert ended[0] - start <= idle + max(longest, idle) + longest + 2 * period + 0.1
     finally:
         task.cancel()
         if busy is not None:
@@ -735,50 +788,6 @@ class _Forgetful(_QuietAgent):
                 return _answered()
 
         self.forget = forget  # type: ignore[misc,assignment]
-
-
-@pytest.mark.parametrize("then", ["heard again", "replaced", "died"])
-async def test_an_agent_dropped_for_its_silence_brings_its_node_back_when_heard(
-    then: str,
-) -> None:
-    """The job's actor judges a node's agent by its polls, so one whose own loop stalled
-    past ``lease_timeout`` is dropped, and its node's cores leave the job. Heard again
-    (its next poll), it is alive: its host comes back as it registered, with its cores,
-    and is its node's workers' home again. One whose name a replacement took, or whose
-    process died meanwhile, stays gone."""
-    from tangram._shared._cluster import ClusterSchedulerActor
-
-    actor = ClusterSchedulerActor({"cpu": 1}, None, heartbeat=0.05, timeout=0.3, token="t")
-    agent, replacement = _QuietAgent(), _QuietAgent()
-
-    async def dropped() -> bool:
-        return "agent-a" not in actor._clients
-
-    try:
-        await actor.poll("agent-a", [], 0.0)
-        await actor.add_host("a", "cpu@a", 2, agent, "agent-a", None, True, "node-a")
-        assert actor._runtime.capacity["cpu@a"].total == 2
-        await wait_for(dropped, 5)  # its loop stalled: no poll within the timeout
-        assert await actor.hosts() == {}
-        assert actor._runtime.capacity["cpu@a"].total == 0
-        if then == "replaced":
-            await actor.poll("agent-b", [], 0.0)
-            await actor.add_host("a", "cpu@a", 3, replacement, "agent-b", None, True, "node-a")
-        elif then == "died":
-            actor._agent_died("agent-a", "a")
-        events = await actor.poll("agent-a", [], 0.0)
-        assert [event[0] for event in events] == ["expired"]
-        hosts = await actor.hosts()
-        if then == "died":
-            assert hosts == {}
-            assert actor._runtime.capacity["cpu@a"].total == 0
-            return
-        units = 2 if then == "heard again" else 3
-        assert hosts["a"]["units"] == units
-        assert actor._runtime.capacity["cpu@a"].total == units
-        assert actor._on_node["node-a"][2] == ("agent-a" if then == "heard again" else "agent-b")
-    finally:
-        await actor.close()
 
 
 async def test_relayed_beats_keep_workers_alive_and_only_their_home_forgets_them() -> None:

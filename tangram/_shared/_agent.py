@@ -319,7 +319,7 @@ class HostAgentActor:
     def _serving(self, idle: float) -> bool:
         """Whether a worker of this node has beaten here within ``idle`` seconds."""
         heard = self._heard
-        return heard is not None and heard.silence(time.monotonic()) <= idle
+        return heard is not None and heard.silence(time.monotonic(), idle) <= idle
 
     def _beat_heard(self) -> None:
         """A worker of this node beat here: the agent serves its node a while longer."""

@@ -59,16 +59,10 @@ class ClusterSchedulerActor(SchedulerActor):
         # Each worker's Ray node, as its polls say: a worker there with no home is told
         # of an agent that starts deciding the node's cores (a first, or a replacement).
         self._located: dict[str, str] = {}
-        self._watches: dict[str, asyncio.Task[None]] = {}  # one per deciding agent
+        self._watches: set[asyncio.Task[None]] = set()  # one per deciding agent
         self._desk: QuotaDesk | None = None  # the job's API quotas, from a first use
-        # How each agent registered (``add_host``'s arguments), by client id; kept past
-        # a drop for silence, to bring the host back if the agent is heard again.
-        self._registered: dict[str, tuple[Any, ...]] = {}
-        self._lapsed: set[str] = set()
 
     def _drop_client(self, cid: str, *, expired: bool = False) -> bool:
-        # An agent silent while it stopped was leaving anyway: it does not come back.
-        lapses = expired and cid in self._registered and cid not in self._stopping
         if not super()._drop_client(cid, expired=expired):
             return False
         if self._desk is not None:
@@ -84,10 +78,6 @@ class ClusterSchedulerActor(SchedulerActor):
         gone = self._book.drop(cid)
         if gone:
             self._runtime.set_capacity(gone)
-        if lapses:
-            self._lapsed.add(cid)
-        else:
-            self._registered.pop(cid, None)
         deciding = self._deciding.pop(cid, None)
         if deciding is not None:
             self._stopping.discard(cid)
@@ -105,34 +95,11 @@ class ClusterSchedulerActor(SchedulerActor):
         return True
 
     async def close(self) -> None:
-        for task in list(self._watches.values()):
+        for task in list(self._watches):
             task.cancel()
         if self._desk is not None:
             await self._desk.aclose()
         await super().close()
-
-    def _rejoined(self, cid: str) -> None:
-        """An agent dropped for its silence (its own loop stalled past the timeout) is
-        heard again: its node's cores and devices come back to the job, unless its
-        name went to a replacement meanwhile."""
-        if cid not in self._lapsed:
-            return
-        self._lapsed.discard(cid)
-        args = self._registered[cid]
-        if args[0] in self._book.describe():
-            self._registered.pop(cid)
-            return
-        logger.warning("host agent %r is heard again: its node's capacity is back", args[0])
-        self._register(*args)
-
-    def _agent_died(self, cid: str, name: str) -> None:
-        """Its process is gone: it is dropped now, and never comes back."""
-        self._lapsed.discard(cid)
-        self._registered.pop(cid, None)
-        if self._drop_client(cid):
-            logger.warning(
-                "host agent %r is gone: its node's cores and devices leave the job", name
-            )
 
     def _returned(self, cid: str, relayed_by: str) -> None:
         """A worker dropped while alive came back in ``relayed_by``'s poll: that agent is
@@ -171,22 +138,8 @@ class ClusterSchedulerActor(SchedulerActor):
         decides: bool = False,
         node: str | None = None,
     ) -> None:
-        await self._ready()
-        self._register(name, resource, units, agent, cid, gpu, decides, node)
-
-    def _register(
-        self,
-        name: str,
-        resource: str,
-        units: int,
-        agent: Any,
-        cid: str,
-        gpu: Mapping[str, Any] | None,
-        decides: bool,
-        node: str | None,
-    ) -> None:
-        self._registered[cid] = (name, resource, units, agent, cid, gpu, decides, node)
-        self._runtime.set_capacity(self._book.add(name, resource, units, agent, cid, gpu))
+        runtime = await self._ready()
+        runtime.set_capacity(self._book.add(name, resource, units, agent, cid, gpu))
         if decides:
             kinds = [resource] if gpu is None else [resource, gpu["resource"]]
             self._deciding[cid] = (name, kinds, agent)
@@ -204,8 +157,6 @@ class ClusterSchedulerActor(SchedulerActor):
         take its name. The call it waits on (``ended``) fails the moment Ray knows the
         actor died; a node lost without a word is still dropped by the lease timeout.
         """
-        if cid in self._watches:  # an agent heard again after a drop: still watched
-            return
 
         async def watch() -> None:
             while True:
@@ -217,7 +168,11 @@ class ClusterSchedulerActor(SchedulerActor):
                     if not died(exc):  # unreachable for now, not dead: ask again
                         await asyncio.sleep(self._heartbeat)
                         continue
-                    self._agent_died(cid, name)
+                    if self._drop_client(cid):
+                        logger.warning(
+                            "host agent %r is gone: its node's cores and devices leave the job",
+                            name,
+                        )
                     return
                 # Stopping: closing its sandboxes and services until its proxy leaves. It
                 # is nobody's new home from now on.
@@ -228,8 +183,8 @@ class ClusterSchedulerActor(SchedulerActor):
                 return
 
         task = asyncio.get_running_loop().create_task(watch())
-        self._watches[cid] = task
-        task.add_done_callback(lambda _: self._watches.pop(cid, None))
+        self._watches.add(task)
+        task.add_done_callback(self._watches.discard)
 
     def _locate(self, cid: str, node: str) -> None:
         if self._located.get(cid) != node:

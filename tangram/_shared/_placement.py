@@ -80,8 +80,8 @@ class HostBook:
     ) -> dict[str, object]:
         """Register a host agent (whose proxy is ``cid``); returns the capacity it adds."""
         host = _Host(name, resource, units, agent, cid, gpu)
-        # Blocks placed on a host of this name not yet ended (an agent heard again after
-        # a drop, or its replacement) count on it: each one's ``unplace`` will.
+        # Blocks placed on a host of this name not yet ended (a replacement of an agent
+        # that was dropped) count on it: each one's ``unplace`` will.
         host.placed = sum(1 for placed in self._placements.values() if placed == name)
         self._hosts[name] = host
         updates: dict[str, object] = {resource: units}

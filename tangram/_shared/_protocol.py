@@ -124,33 +124,37 @@ def stalled(since: float, period: float) -> float:
 
 class Heard:
     """When a watcher last heard from someone, and how much of the silence since was the
-    watcher's own stall: it heard nothing while it stalled, so that silence is not theirs
-    (the scheduler's watchdog dropped every proxy, a node's agent with its cores, after
-    its own long collection).
+    watcher's own lateness: it heard nothing while it stalled, so that silence is not
+    theirs (the scheduler's watchdog dropped every proxy, a node's agent with its cores,
+    after its own long collection).
 
-    Only the longest stall within one silence is forgiven, not the sum of every late
-    tick: a loop late because it is busy still hears the living between its blocks, and
-    a dead peer's units must not be held for as many blocks as it takes for the ticks'
-    own running time to add up. So whoever stays silent is judged at most ``timeout``
-    plus the watcher's longest stall of wall time after its last word. Only the part of a
-    stall after that word counts: a call queued during a stall runs at the wake, and its
-    sender was heard then.
+    Forgiven: the watcher's longest late wake within the silence, or the sum of its late
+    wakes up to ``cap`` (one timeout), whichever is more. The longest covers one stall of
+    any length. The capped sum covers a loop late because it is busy, where a live peer's
+    every round trip takes several of its late passes; uncapped, it held a dead peer's
+    units for as many passes as it took the ticks' own running time to reach the timeout
+    (18 s against a 0.3 s timeout). So whoever stays silent is judged at most
+    ``timeout`` plus the larger of the longest late wake and ``cap`` after its last word,
+    at the watcher's next wake. Only the part of a late wake after that word counts: a
+    call queued during a stall runs at the wake, and its sender was heard then.
     """
 
-    __slots__ = ("_credit", "at")
+    __slots__ = ("_longest", "_sum", "at")
 
     def __init__(self, now: float) -> None:
         self.at = now
-        self._credit = 0.0
+        self._longest = self._sum = 0.0
 
     def hear(self, now: float) -> None:
         self.at = now
-        self._credit = 0.0
+        self._longest = self._sum = 0.0
 
     def stalled(self, late: float, now: float) -> None:
         """The watcher woke at ``now``, ``late`` seconds late (see :func:`stalled`)."""
-        self._credit = max(self._credit, min(late, now - self.at))
+        theirs = max(0.0, min(late, now - self.at))
+        self._longest = max(self._longest, theirs)
+        self._sum += theirs
 
-    def silence(self, now: float) -> float:
-        """Seconds of silence that are theirs: the wall time less the forgiven stall."""
-        return now - self.at - self._credit
+    def silence(self, now: float, cap: float) -> float:
+        """Seconds of silence that are theirs: the wall time less what is forgiven."""
+        return now - self.at - max(self._longest, min(self._sum, cap))

@@ -49,6 +49,7 @@ class _Client:
         self.granted: dict[int, int] = {}  # request id -> lease id
         self.leases: set[int] = set()
         self.settling = 0
+        self.polling = 0  # its polls held here: it waits on this actor, not silent
 
     def post(self, event: tuple[Any, ...]) -> None:
         self.events.append(event)
@@ -181,7 +182,6 @@ class SchedulerActor:
             gone = self._expired.pop(cid, None)
             if gone is not None:
                 client.post(("expired", *gone))
-                self._rejoined(cid)
         client.heard.hear(now)
         return client
 
@@ -253,9 +253,23 @@ class SchedulerActor:
                 held.heard.hear(now)
             else:  # reclaimed while this proxy was silent (and maybe forgotten with it)
                 client.post(("reclaimed", lease_id))
-        if not client.events:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(client.wake.wait(), wait)
+        # While held here, and until it is answered, the proxy waits on this actor: the
+        # passes a poll takes to land, wait and answer (a busy loop's, each with a block
+        # of work in it; Ray hands each call over from another thread) are not its
+        # silence. A dead proxy's last poll holds its units at most one wait longer.
+        client.polling += 1
+        try:
+            if not client.events:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(client.wake.wait(), wait)
+        finally:
+            client.polling -= 1
+        answered = time.monotonic()
+        client.heard.hear(answered)
+        for lease_id in leases:
+            held = self._held.get(lease_id)
+            if held is not None and held.cid == cid:
+                held.heard.hear(answered)
         return client.take()
 
     async def disconnect(self, cid: str, releases: list[tuple[int, int]]) -> None:
@@ -432,7 +446,11 @@ class SchedulerActor:
                 for held in self._held.values():
                     held.heard.stalled(late, now)
             for lease_id, held in list(self._held.items()):
-                if held.heard.silence(now) > self._timeout and self._release(lease_id, CANCELLED):
+                if held.client.polling:  # its poll is held here: see ``poll``
+                    continue
+                if held.heard.silence(now, self._timeout) > self._timeout and self._release(
+                    lease_id, CANCELLED
+                ):
                     self.reclaimed += 1
                     held.client.post(("reclaimed", lease_id))
                     logger.warning(
@@ -442,11 +460,11 @@ class SchedulerActor:
                         now - held.heard.at,
                     )
             for cid, client in list(self._clients.items()):
-                if client.heard.silence(now) > self._timeout:
+                if not client.polling and client.heard.silence(now, self._timeout) > self._timeout:
                     self._drop_client(cid, expired=True)
             if set(self._clients) - self._own_clients():
                 self._user.hear(now)
-            elif self._idle is not None and self._user.silence(now) > self._idle:
+            elif self._idle is not None and self._user.silence(now, self._idle) > self._idle:
                 logger.info("no client for %.1f s: the scheduler actor ends", now - self._user.at)
                 try:
                     ended = await self._retire()
@@ -457,9 +475,6 @@ class SchedulerActor:
                 if ended:
                     return
                 self._user.hear(now)
-
-    def _rejoined(self, cid: str) -> None:
-        """Proxy ``cid``, dropped for its silence, is heard again: it was alive."""
 
     def _returned(self, cid: str, relayed_by: str) -> None:
         """Proxy ``cid``, dropped while alive, came back in ``relayed_by``'s poll."""
