@@ -29,8 +29,10 @@ def make_action(
     efficiency: Efficiency | None = None,
     kind: str = "action",
     trajectory: str | None = None,
+    learned: bool = False,
 ) -> Action:
-    """An action as ``Runtime.acquire`` would build it, with an exact estimate."""
+    """An action as ``Runtime.acquire`` would build it: with an exact estimate (a
+    caller's hint), or ``learned``, one said to be its kind's."""
     cap = parse_capacity(capacity)
     return Action(
         next(_ids),
@@ -38,6 +40,7 @@ def make_action(
         trajectory,
         build_demand(amounts, cap),
         Estimate(seconds, efficiency if efficiency is not None else Linear()),
+        learned,
     )
 
 

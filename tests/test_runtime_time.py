@@ -72,6 +72,32 @@ async def test_fcfs_admission_order_equals_arrival_order() -> None:
         assert_idle(runtime)
 
 
+async def test_a_new_trajectorys_first_action_waits_its_turn_among_its_kind() -> None:
+    """Two trajectories run 30 ms actions back to back on two cores; six more come 50 ms
+    in. The newcomers' first actions came while the kind's estimate still leaned on the
+    prior, so they were filed many times their size, and every later action of the same
+    kind passed them until they fell due: they waited up to 1.48 s (written first, this failed
+    so). As alike as anyone knows, they wait in arrival order: at most three runs of
+    their kind, two at a time, go first."""
+    waits: dict[int, float] = {}
+    async with tangram.Runtime(capacity={"cpu": 2}) as runtime:
+
+        async def trajectory(index: int, start: float, stop: float) -> None:
+            await anyio.sleep(start)
+            while anyio.current_time() < stop:
+                asked = anyio.current_time()
+                async with runtime.acquire(cpu=1, kind="run", trajectory=f"t{index}"):
+                    waits.setdefault(index, anyio.current_time() - asked)
+                    await anyio.sleep(0.03)
+
+        began = anyio.current_time()
+        async with anyio.create_task_group() as tg:
+            for index in range(8):
+                tg.start_soon(trajectory, index, 0.0 if index < 2 else 0.05, began + 2.0)
+        assert_idle(runtime)
+    assert max(waits.values()) <= 4 * 0.03 + 1e-6, waits
+
+
 @pytest.mark.parametrize(
     "capacity", [pytest.param(tangram.Rate(5, burst=5), id="Rate"), pytest.param("5/s", id="text")]
 )

@@ -17,6 +17,9 @@ class Action:
     ``kind`` groups actions whose durations are alike (``"run_tests"``, ``"judge"``); the
     estimator learns per kind. ``trajectory`` names the rollout the action belongs to, for
     accounting and for executors that keep per-trajectory state (a sandbox).
+    ``learned``: ``estimate`` is the kind's, from the estimator, not the action's own (a
+    caller's hint, a trace's exact size): actions alike in kind and demand then look
+    alike to the policy, and the queue keeps them in arrival order (``_queue._Alike``).
     """
 
     id: int
@@ -24,3 +27,4 @@ class Action:
     trajectory: str | None
     demand: Demand
     estimate: Estimate
+    learned: bool = False

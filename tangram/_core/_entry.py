@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 from ._action import Action
 
@@ -26,6 +27,7 @@ class Entry:
     __slots__ = (
         "action",
         "admitted_at",
+        "alike",
         "arrival",
         "deadline",
         "emax",
@@ -60,8 +62,10 @@ class Entry:
         self.admitted_at = math.nan
         self.unit_time = 0.0
         self.deadline = math.inf
-        # Where the ledger files it in a priority-ordered line (None: arrival order).
+        # Where the ledger files it in a priority-ordered line (None: arrival order), or
+        # the run of actions alike to it that it waits in (``_queue._Alike``).
         self.key: tuple[int, float, int, Entry] | None = None
+        self.alike: Any = None
 
     def __repr__(self) -> str:
         return f"<Entry #{self.action.id} {self.action.kind} state={self.state} units={self.units}>"

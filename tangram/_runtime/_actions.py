@@ -96,7 +96,7 @@ class Actions:
             )
             guess = Estimate(max(given, 1e-9), efficiency)
         self._ids += 1
-        return Action(self._ids, kind, trajectory, built, guess)
+        return Action(self._ids, kind, trajectory, built, guess, learned=given is None)
 
     def _demand(self, amounts: Mapping[str, object]) -> Demand:
         # A hit must also match each amount's type: True == 1 and hash(True) == hash(1), so

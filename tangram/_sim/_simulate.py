@@ -217,7 +217,9 @@ def simulate(
                     guess = Estimate(step.seconds_at_1, step.efficiency)
                 else:
                     guess = learner.predict(step.kind)
-                action = Action(ids, step.kind, name, demands[(name, index)], guess)
+                action = Action(
+                    ids, step.kind, name, demands[(name, index)], guess, estimates == "learned"
+                )
                 if pool is not None and step.service is not None:
                     hold = pool.arrive(action, step, index, now, push)
                     changed = changed or (hold is not None and ledger.may_admit(hold))
@@ -470,7 +472,8 @@ class _Pool:
         action = waiter[0]
         restore = self.residency.restore_cost(service)
         guess = Estimate(action.estimate.seconds_at_1 + restore, action.estimate.efficiency)
-        entry = self.ledger.submit(attrs.evolve(action, estimate=guess), now)
+        # The restore makes the estimate this grant's own, not its kind's.
+        entry = self.ledger.submit(attrs.evolve(action, estimate=guess, learned=False), now)
         hold = _Hold(service, entry, spec.gpus)
         self.live[service].append(hold)
         self.taking[service] += 1
