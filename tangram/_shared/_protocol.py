@@ -142,8 +142,7 @@ class Heard:
     __slots__ = ("_longest", "_sum", "at")
 
     def __init__(self, now: float) -> None:
-        self.at = now
-        self._longest = self._sum = 0.0
+        self.hear(now)
 
     def hear(self, now: float) -> None:
         self.at = now
