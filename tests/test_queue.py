@@ -13,10 +13,11 @@ import math
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from strategies import make_action
 
-from tangram._core._entry import Entry
-from tangram._core._queue import Queue, _rank
+from tangram._core._entry import DONE, RUNNING, Entry
+from tangram._core._queue import Queue, _Alike, _rank
 from tangram._core._resources import parse_capacity
 
 KINDS = ("a", "b", "c", "d")
@@ -163,3 +164,78 @@ def test_a_group_that_empties_is_forgotten() -> None:
     assert len(queue) == 0
     assert list(queue.ordered({"a"})) == []
     assert queue._groups == {} and queue._needing == {"a": {}}
+
+
+class QueueMachine(RuleBasedStateMachine):
+    """Any interleaving of joining, leaving and falling due keeps the queue's books:
+    every waiting entry read once, in the policy's order, the alike in arrival order,
+    and no run left behind empty (a review's stateful check, kept)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queue = Queue(priority=True)
+        self.seq = 0
+        self.now = 0.0
+        self.live: list[Entry] = []
+        self.gone: list[Entry] = []
+
+    @rule(
+        kinds=st.one_of(
+            st.just({"a"}), st.sets(st.sampled_from(KINDS[:3]), min_size=1, max_size=2)
+        ),
+        filing=st.one_of(
+            st.none(),
+            st.tuples(
+                st.sampled_from([0.1, 0.5, 1.0, 2.0]), st.sampled_from([math.inf, 0.5, 1.0, 3.0])
+            ),
+        ),
+        learned=_sized,
+    )
+    def add(self, kinds: set[str], filing: tuple[float, float] | None, learned: str | None) -> None:
+        self.seq += 1
+        action = make_action(
+            dict.fromkeys(sorted(kinds), 1), CAP, kind=learned or "own", learned=bool(learned)
+        )
+        entry = Entry(action, self.seq, self.now)
+        self.queue.add(entry, None if filing is None else (filing[0], self.now + filing[1]))
+        self.live.append(entry)
+
+    @precondition(lambda self: self.live)
+    @rule(index=st.integers(0, 1000), admitted=st.booleans())
+    def remove(self, index: int, admitted: bool) -> None:
+        entry = self.live.pop(index % len(self.live))
+        entry.state = RUNNING if admitted else DONE
+        self.queue.remove(entry)
+        self.gone.append(entry)
+
+    @rule(later=st.sampled_from([0.0, 0.3, 1.0]))
+    def fall_due(self, later: float) -> None:
+        self.now += later
+        self.queue.fall_due(self.now)
+
+    @invariant()
+    def books_kept(self) -> None:
+        whole = list(self.queue.ordered())
+        assert sorted(e.seq for e in whole) == sorted(e.seq for e in self.live)
+        assert all(e.alike is None for e in self.gone)
+        for group in self.queue._groups.values():
+            assert group.line is not None
+            runs = [item for item in group.line if isinstance(item, _Alike)]
+            assert {id(r) for r in runs} == {id(r) for r in group.alike.values()}
+            for run in runs:
+                assert run.entries and all(e.alike is run for e in run.entries)
+        ranked = [_rank(e) for e in whole if _rank(e) is not None]
+        assert [r[:3] for r in ranked] == sorted(r[:3] for r in ranked)  # type: ignore[index]
+        alike: dict[tuple[object, ...], list[int]] = {}
+        for entry in whole:
+            if entry.action.learned and _rank(entry) is not None:
+                alike.setdefault((entry.action.kind, entry.action.demand), []).append(entry.seq)
+        assert all(seqs == sorted(seqs) for seqs in alike.values())
+        for open_ in ({"a"}, {"b"}, {"a", "b"}, {"a", "c"}):
+            read = list(self.queue.ordered(open_))
+            assert len(read) == len(set(read))
+            assert {e for e in whole if set(e.action.demand.kinds) <= open_} <= set(read)
+
+
+TestQueueMachine = QueueMachine.TestCase
+TestQueueMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

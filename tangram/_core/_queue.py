@@ -62,6 +62,14 @@ class _Alike:
         self.key: tuple[Any, ...] = ()
 
 
+def _ahead(entry: Entry) -> list[Entry]:
+    """``entry``, and the alike ahead of it in its run, in arrival order."""
+    alike = entry.alike
+    if alike is None:
+        return [entry]
+    return [*itertools.takewhile(lambda e: e is not entry, alike.entries), entry]
+
+
 def _entries(line: Line) -> Iterator[Entry]:
     """The line's entries in order, each run of alike entries in arrival order.
 
@@ -219,13 +227,20 @@ class Queue:
         """Move entries whose due time has come ahead of every entry not yet due."""
         due = self._due
         while due and due[0][0] <= now:
-            at, seq, entry = heapq.heappop(due)
-            if entry.state == WAITING and _rank(entry) is not None and entry in self._all:
-                group = self._groups[entry.action.demand.kinds]
-                group.unfile(entry)
-                entry.key = (0, at, seq, entry)
-                assert group.line is not None
-                group.line.add(entry.key)
+            at, _, entry = heapq.heappop(due)
+            rank = _rank(entry)
+            if entry.state != WAITING or rank is None or rank[0] == 0 or entry not in self._all:
+                continue  # gone, in arrival order, or due already (with a later alike)
+            group = self._groups[entry.action.demand.kinds]
+            assert group.line is not None
+            # The alike ahead of it in its run fall due with it, at its time, in arrival
+            # order: each has its own allowance, from the estimate it came with, and a
+            # later one, sized by a lower estimate learned since, falls due first (each
+            # moves once, whoever falls due first).
+            for moving in _ahead(entry):
+                group.unfile(moving)
+                moving.key = (0, at, moving.seq, moving)
+                group.line.add(moving.key)
 
     def next_due(self) -> float:
         """When the earliest entry not yet due falls due (``inf``: none)."""
