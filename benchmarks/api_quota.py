@@ -265,10 +265,15 @@ async def main(quick: bool) -> dict[str, object]:
         ours["share_of_limit"], ">= 0.95", ours["share_of_limit"] >= 0.95
     )
     targets["right_429s"] = target(ours["rejected_429"], "== 0", ours["rejected_429"] == 0)
+    # As in the comparisons below: verl's share above the limit is the server's burst
+    # spent in the window, which does not last (``_sustainable``), and where verl takes
+    # the limit, level within 2% (the plateau's 1% and a request of the quick window).
+    versus = ours["share_of_limit"] / _sustainable(right["share_of_limit"])
+    at_limit = right["share_of_limit"] >= 0.99
     targets["right_vs_verl_right"] = target(
-        ours["share_of_limit"] / right["share_of_limit"],
-        ">= 1",
-        ours["share_of_limit"] >= right["share_of_limit"],
+        versus,
+        ">= 0.98 (verl at the limit)" if at_limit else ">= 1",
+        versus >= 0.98 if at_limit else versus >= 1,
     )
     # The job's quota (shared mode): the same client, its requests sent by the job's
     # scheduler process, one message each way per request.
