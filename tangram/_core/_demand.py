@@ -68,12 +68,13 @@ class Elastic:
             raise DemandTypeError(f"`resizable` must be a bool (got {self.resizable!r})")
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class Demand:
     """A validated demand: rigid amounts, and the elastic range when there is one.
 
     ``minimum`` is what must be free to start (rigid amounts plus the elastic ``min``).
     Built by :func:`build_demand` against a capacity, so every amount is known to fit.
+    Its hash is kept: the queue files alike actions by kind and demand at every arrival.
     """
 
     rigid: tuple[tuple[str, float], ...]

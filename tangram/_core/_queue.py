@@ -65,27 +65,24 @@ class _Alike:
 def _ahead(entry: Entry) -> list[Entry]:
     """``entry``, and the alike ahead of it in its run, in arrival order."""
     alike = entry.alike
-    if alike is None:
+    if alike is None or next(iter(alike.entries)) is entry:  # most often its first
         return [entry]
     return [*itertools.takewhile(lambda e: e is not entry, alike.entries), entry]
 
 
 def _entries(line: Line) -> Iterator[Entry]:
-    """The line's entries in order, each run of alike entries in arrival order.
-
-    Chained, not a generator: a pass reads a window of entries, and a run's are then
-    read at C speed."""
-    return itertools.chain.from_iterable(map(_expand, line))
-
-
-def _expand(item: Entry | _Alike) -> Iterable[Entry]:
-    return item.entries if type(item) is _Alike else (item,)  # type: ignore[return-value]
+    """The line's entries in order, each run of alike entries in arrival order."""
+    for item in line:
+        if item.__class__ is _Alike:
+            yield from item.entries
+        else:
+            yield item
 
 
 class _Group:
     """The waiting actions that need exactly ``kinds``, in arrival and in priority order."""
 
-    __slots__ = ("alike", "kinds", "lane", "line", "queue")
+    __slots__ = ("alike", "due", "kinds", "lane", "line", "queue")
 
     def __init__(self, kinds: tuple[str, ...], priority: bool) -> None:
         self.kinds = kinds
@@ -93,16 +90,25 @@ class _Group:
         self.line = Line() if priority else None
         self.lane: OrderedDict[Entry, None] = OrderedDict()  # entries keeping arrival order
         self.alike: dict[tuple[str, Any], _Alike] = {}  # the runs in the line, by name
+        # Entries fallen due, in the order they fell: by due time, as they fall in that
+        # order (``Queue.fall_due``), so they need no sorted line, and once the line is
+        # longer than a pass reads, many do.
+        self.due: OrderedDict[Entry, None] = OrderedDict()
+
+    def keyed(self) -> Iterator[Entry]:
+        """The entries filed by priority: those fallen due, then the line."""
+        assert self.line is not None
+        line = _entries(self.line) if self.alike else iter(self.line)
+        return itertools.chain(self.due, line) if self.due else line
 
     def ordered(self) -> Iterator[Entry]:
         if self.line is None:
             return iter(self.queue)
-        line = _entries(self.line) if self.alike else iter(self.line)
         if not self.lane:
-            return line
-        if not self.line:
+            return self.keyed()
+        if not self.line and not self.due:
             return iter(self.lane)
-        return _alternate(line, iter(self.lane))
+        return _alternate(self.keyed(), iter(self.lane))
 
     def file(self, entry: Entry, work: float) -> None:
         """File a priority entry by ``work``: with the entries alike to it, if learned."""
@@ -126,11 +132,16 @@ class _Group:
         entry.alike = alike
 
     def unfile(self, entry: Entry) -> None:
-        """Take a priority entry out of the line (or out of its run)."""
+        """Take a priority entry out of the line (or out of its run, or the fallen due)."""
         assert self.line is not None
         alike = entry.alike
         if alike is None:
-            self.line.remove(entry.key)  # type: ignore[arg-type]
+            key = entry.key
+            assert key is not None
+            if key[0] == 0:
+                del self.due[entry]
+            else:
+                self.line.remove(key)
             return
         entry.alike = None
         del alike.entries[entry]
@@ -148,7 +159,7 @@ class Queue:
     long line of either never hides the other from a pass's window.
     """
 
-    __slots__ = ("_all", "_anywhere", "_due", "_groups", "_needing", "_priority")
+    __slots__ = ("_all", "_anywhere", "_due", "_fallen", "_groups", "_needing", "_priority")
 
     def __init__(self, priority: bool) -> None:
         self._priority = priority
@@ -164,6 +175,7 @@ class Queue:
         self._anywhere: dict[_Group, None] = {}
         # Entries not yet due, by the time they fall due.
         self._due: list[tuple[float, int, Entry]] = []
+        self._fallen = 0  # entries fallen due so far: the order they fell in
 
     def __len__(self) -> int:
         return len(self._all)
@@ -232,15 +244,16 @@ class Queue:
             if entry.state != WAITING or rank is None or rank[0] == 0 or entry not in self._all:
                 continue  # gone, in arrival order, or due already (with a later alike)
             group = self._groups[entry.action.demand.kinds]
-            assert group.line is not None
             # The alike ahead of it in its run fall due with it, at its time, in arrival
             # order: each has its own allowance, from the estimate it came with, and a
             # later one, sized by a lower estimate learned since, falls due first (each
-            # moves once, whoever falls due first).
+            # moves once, whoever falls due first). Ranked by due time, then by the
+            # order they fell in, which is the order of the group's fallen due.
             for moving in _ahead(entry):
                 group.unfile(moving)
-                moving.key = (0, at, moving.seq, moving)
-                group.line.add(moving.key)
+                self._fallen += 1
+                moving.key = (0, at, self._fallen, moving)
+                group.due[moving] = None
 
     def next_due(self) -> float:
         """When the earliest entry not yet due falls due (``inf``: none)."""
@@ -305,8 +318,8 @@ def _merge(groups: list[_Group], heads: list[Entry] | None = None) -> Iterator[E
     lanes: list[Iterator[Entry]] = []
     for group in groups:
         assert group.line is not None
-        if group.line:
-            lines.append(_entries(group.line) if group.alike else iter(group.line))
+        if group.line or group.due:
+            lines.append(group.keyed())
         if group.lane:
             lanes.append(iter(group.lane))
     if heads:
