@@ -14,10 +14,11 @@ Within a group, actions of one kind and one demand whose sizes are the kind's es
 estimate (:class:`_Alike`). Each used to be filed by the estimate it came with, frozen:
 early in a kind's life the estimator still leans on its prior, so the first actions came
 with estimates many times their size, and every later action of the same kind, as long
-as anyone knew, passed them until they fell due: a new trajectory's first sandbox run
-waited 1.45 s behind 30 ms runs in process, and about 3 s over Ray
-(``tests/test_core_queue.py``). Actions with sizes of their own are
-filed by them, as before.
+as anyone knew, passed them until they fell due: a new trajectory's first action waited
+1.48 s behind 30 ms actions of its kind on a virtual clock (``tests/test_runtime_time.py``),
+and a sandbox run about 3 s over Ray. When one of a run falls due, those ahead of it fall
+due with it; the fallen due wait in a list per group, in the order they fell. Actions
+with sizes of their own are filed by them, as before.
 
 Pure: no clock, no I/O.
 """
