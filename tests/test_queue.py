@@ -8,6 +8,7 @@ entries sized by their kind's estimate, alike in kind and demand, keep arrival o
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from strategies import make_action
 
+from tangram import Elastic
 from tangram._core._entry import DONE, RUNNING, Entry
 from tangram._core._queue import Queue, _Alike, _rank
 from tangram._core._resources import parse_capacity
@@ -239,3 +241,47 @@ class QueueMachine(RuleBasedStateMachine):
 
 TestQueueMachine = QueueMachine.TestCase
 TestQueueMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_an_entry_dated_due_before_a_time_already_passed_is_read_in_due_order() -> None:
+    """The fallen due of a group are kept in the order they fall, which is by due time
+    while every due comes after the last pass; a policy of the caller's may date one
+    earlier (a review found the fallen-due list then read out of order)."""
+    cap = parse_capacity({"a": 4, "b": 4})
+    queue = Queue(priority=True)
+    first = Entry(make_action({"a": 1}, cap), 1, 0.0)
+    queue.add(first, (1.0, 8.0))
+    queue.fall_due(10.0)
+    earlier = Entry(make_action({"a": 1}, cap), 2, 10.0)
+    queue.add(earlier, (1.0, 5.0))  # due before the pass at 10
+    other = Entry(make_action({"b": 1}, cap), 3, 10.0)
+    queue.add(other, (1.0, 6.0))
+    queue.fall_due(11.0)
+    assert list(queue.ordered()) == [earlier, other, first]
+
+
+@dataclasses.dataclass
+class _Unhashable:
+    """An efficiency of a caller's that defines equality and so has no hash."""
+
+    fraction: float
+
+    def speedup(self, units: float) -> float:
+        return 1.0 / ((1.0 - self.fraction) + self.fraction / units)
+
+
+def test_a_learned_action_whose_demand_cannot_be_hashed_is_filed_by_its_own_size() -> None:
+    """Alike actions are found by kind and demand; a demand holding an efficiency that
+    cannot be hashed is filed alone, as any action sized by itself (a review found
+    that filing raised TypeError in `acquire`)."""
+    queue = Queue(priority=True)
+    elastic = Elastic(1, 4, efficiency=_Unhashable(0.5))
+    entries = [
+        Entry(make_action({"a": elastic}, CAP, kind="x", learned=True), seq, 0.0) for seq in (1, 2)
+    ]
+    for entry, work in zip(entries, (2.0, 1.0), strict=True):
+        queue.add(entry, (work, math.inf))
+    assert list(queue.ordered()) == [entries[1], entries[0]]
+    for entry in entries:
+        queue.remove(entry)
+    assert len(queue) == 0 and queue._groups == {}

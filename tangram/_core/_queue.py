@@ -120,7 +120,12 @@ class _Group:
             self.line.add(entry.key)
             return
         name = (action.kind, action.demand)
-        alike = self.alike.get(name)
+        try:
+            alike = self.alike.get(name)
+        except TypeError:  # an efficiency of the caller's that cannot be hashed: its own
+            entry.key = (1, work, entry.seq, entry)
+            self.line.add(entry.key)
+            return
         if alike is None:
             alike = self.alike[name] = _Alike(name)
             alike.key = (1, work, entry.seq, alike)
@@ -250,11 +255,18 @@ class Queue:
             # later one, sized by a lower estimate learned since, falls due first (each
             # moves once, whoever falls due first). Ranked by due time, then by the
             # order they fell in, which is the order of the group's fallen due.
+            fallen = group.due
+            # In the order they fall, which is by due time, unless a policy of the caller's
+            # dated one before a time already passed: then sorted again (rare, and so
+            # paid only then).
+            late = bool(fallen) and at < next(reversed(fallen)).key[1]  # type: ignore[index]
             for moving in _ahead(entry):
                 group.unfile(moving)
                 self._fallen += 1
                 moving.key = (0, at, self._fallen, moving)
-                group.due[moving] = None
+                fallen[moving] = None
+            if late:
+                group.due = OrderedDict.fromkeys(sorted(fallen, key=_rank))  # type: ignore[arg-type]
 
     def next_due(self) -> float:
         """When the earliest entry not yet due falls due (``inf``: none)."""
