@@ -18,8 +18,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from strategies import make_action
 
 from tangram import Elastic
-from tangram._core._entry import DONE, RUNNING, Entry
-from tangram._core._queue import Queue, _Alike, _rank
+from tangram._core._entry import DONE, RUNNING, Entry, Run
+from tangram._core._queue import Queue, _rank
 from tangram._core._resources import parse_capacity
 
 KINDS = ("a", "b", "c", "d")
@@ -222,7 +222,7 @@ class QueueMachine(RuleBasedStateMachine):
         assert all(e.alike is None for e in self.gone)
         for group in self.queue._groups.values():
             assert group.line is not None
-            runs = [item for item in group.line if isinstance(item, _Alike)]
+            runs = [item for item in group.line if isinstance(item, Run)]
             assert {id(r) for r in runs} == {id(r) for r in group.alike.values()}
             for run in runs:
                 assert run.entries and all(e.alike is run for e in run.entries)

@@ -19,7 +19,7 @@ class Action:
     accounting and for executors that keep per-trajectory state (a sandbox).
     ``learned``: ``estimate`` is the kind's, from the estimator, not the action's own (a
     caller's hint, a trace's exact size): actions alike in kind and demand then look
-    alike to the policy, and the queue keeps them in arrival order (``_queue._Alike``).
+    alike to the policy, and the queue keeps them in arrival order (``_entry.Run``).
     """
 
     id: int

@@ -8,12 +8,13 @@ can live beside it without importing each other.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 from ._action import Action
 
-__all__ = ["DONE", "RUNNING", "WAITING", "Entry"]
+__all__ = ["DONE", "RUNNING", "WAITING", "Entry", "Run"]
 
 WAITING, RUNNING, DONE = 0, 1, 2
 # Remaining work never drops below this share of the estimate, so an action that runs past
@@ -63,9 +64,9 @@ class Entry:
         self.unit_time = 0.0
         self.deadline = math.inf
         # Where the ledger files it in a priority-ordered line (None: arrival order), or
-        # the run of actions alike to it that it waits in (``_queue._Alike``).
+        # the run of actions alike to it that it waits in.
         self.key: tuple[int, float, int, Entry] | None = None
-        self.alike: Any = None
+        self.alike: Run | None = None
 
     def __repr__(self) -> str:
         return f"<Entry #{self.action.id} {self.action.kind} state={self.state} units={self.units}>"
@@ -83,3 +84,17 @@ class Entry:
             return self.rem
         left = self.rem - (now - self.mark) * self.speed(self.units)
         return max(left, _REMAINING_FLOOR * self.t1)
+
+
+class Run:
+    """Waiting actions of one kind and demand sized by the kind's estimate: as alike as
+    anyone knows, so they keep arrival order among themselves, and stand in the line as
+    one key, which the newest of them moves to the kind's newest estimate (one move,
+    however many wait)."""
+
+    __slots__ = ("entries", "key", "name")
+
+    def __init__(self, name: tuple[str, Any]) -> None:
+        self.name = name
+        self.entries: OrderedDict[Entry, None] = OrderedDict()
+        self.key: tuple[Any, ...] = ()

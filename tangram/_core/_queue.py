@@ -11,7 +11,7 @@ changes no admission; its cost is the number of groups, not of waiters.
 
 Within a group, actions of one kind and one demand whose sizes are the kind's estimate
 (``Action.learned``) wait as one run, in arrival order, placed in the line by the newest
-estimate (:class:`_Alike`). Each used to be filed by the estimate it came with, frozen:
+estimate (:class:`~._entry.Run`). Each used to be filed by the estimate it came with, frozen:
 early in a kind's life the estimator still leans on its prior, so the first actions came
 with estimates many times their size, and every later action of the same kind, as long
 as anyone knew, passed them until they fell due: a new trajectory's first action waited
@@ -33,7 +33,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator
 from operator import attrgetter, itemgetter
 from typing import Any
 
-from ._entry import WAITING, Entry
+from ._entry import WAITING, Entry, Run
 from ._line import Line
 
 __all__ = ["Queue"]
@@ -49,20 +49,6 @@ def _rank(entry: Entry) -> tuple[Any, ...] | None:
     return entry.key if alike is None else alike.key
 
 
-class _Alike:
-    """Waiting actions of one kind and demand sized by the kind's estimate: as alike as
-    anyone knows, so they keep arrival order among themselves, and stand in the line as
-    one key, which the newest of them moves to the kind's newest estimate (one move,
-    however many wait)."""
-
-    __slots__ = ("entries", "key", "name")
-
-    def __init__(self, name: tuple[str, Any]) -> None:
-        self.name = name
-        self.entries: OrderedDict[Entry, None] = OrderedDict()
-        self.key: tuple[Any, ...] = ()
-
-
 def _ahead(entry: Entry) -> list[Entry]:
     """``entry``, and the alike ahead of it in its run, in arrival order."""
     alike = entry.alike
@@ -74,7 +60,7 @@ def _ahead(entry: Entry) -> list[Entry]:
 def _entries(line: Line) -> Iterator[Entry]:
     """The line's entries in order, each run of alike entries in arrival order."""
     for item in line:
-        if item.__class__ is _Alike:
+        if item.__class__ is Run:
             yield from item.entries
         else:
             yield item
@@ -90,7 +76,7 @@ class _Group:
         self.queue: OrderedDict[Entry, None] = OrderedDict()
         self.line = Line() if priority else None
         self.lane: OrderedDict[Entry, None] = OrderedDict()  # entries keeping arrival order
-        self.alike: dict[tuple[str, Any], _Alike] = {}  # the runs in the line, by name
+        self.alike: dict[tuple[str, Any], Run] = {}  # the runs in the line, by name
         # Entries fallen due, in the order they fell: by due time, as they fall in that
         # order (``Queue.fall_due``), so they need no sorted line, and once the line is
         # longer than a pass reads, many do.
@@ -115,19 +101,19 @@ class _Group:
         """File a priority entry by ``work``: with the entries alike to it, if learned."""
         assert self.line is not None
         action = entry.action
-        if not action.learned:
-            entry.key = (1, work, entry.seq, entry)
-            self.line.add(entry.key)
-            return
-        name = (action.kind, action.demand)
-        try:
-            alike = self.alike.get(name)
-        except TypeError:  # an efficiency of the caller's that cannot be hashed: its own
+        name = (action.kind, action.demand) if action.learned else None
+        alike = None
+        if name is not None:
+            try:
+                alike = self.alike.get(name)
+            except TypeError:  # an efficiency of the caller's that cannot be hashed:
+                name = None  # filed by its own size, as a sized action is
+        if name is None:
             entry.key = (1, work, entry.seq, entry)
             self.line.add(entry.key)
             return
         if alike is None:
-            alike = self.alike[name] = _Alike(name)
+            alike = self.alike[name] = Run(name)
             alike.key = (1, work, entry.seq, alike)
             self.line.add(alike.key)
         elif work != alike.key[1]:
