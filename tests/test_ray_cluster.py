@@ -736,3 +736,72 @@ async def test_a_nodes_workers_follow_its_agent_as_it_starts_dies_and_is_replace
     finally:
         ray.kill(resident)
         shutil.rmtree(root, ignore_errors=True)
+
+
+STALL_SECONDS = 3 * 2.0  # three of the next test's lease timeouts
+
+
+class _Stalling(tangram.LocalBackend):
+    """A backend whose first sandbox blocks its agent's event loop, as a long garbage
+    collection or a blocking call in a backend does: the process lives, its proxy is
+    silent past the lease timeout."""
+
+    stalled = False
+
+    async def create(self, host: Any) -> Any:
+        if not _Stalling.stalled:
+            _Stalling.stalled = True
+            time.sleep(STALL_SECONDS)  # noqa: ASYNC251 - the agent's stall under test
+        return await super().create(host)
+
+
+async def test_an_agent_whose_own_loop_stalls_past_the_lease_timeout_comes_back(
+    cluster: dict[str, Any],
+) -> None:
+    """Issue 30, F5, on a real cluster. The agent's loop blocks three lease timeouts
+    while it opens a sandbox: the job's actor lapses it (its cores lend nothing, it is
+    placed nothing, its name stays), and once it is heard again its node is the job's
+    again: the sandbox opened in the stall runs, and its cores are back. Before, the
+    agent was dropped for good and its node left the job for the rest of the run."""
+    name = f"stall-{uuid.uuid4().hex[:8]}"
+    root = tempfile.mkdtemp(prefix="tangram-stall-")
+    os.chmod(root, 0o755)
+    backend = functools.partial(_Stalling, cores=[0], root=root)
+    try:
+        async with tray.connect(
+            name=name, capacity={"cpu": 1}, heartbeat=HEARTBEAT, lease_timeout=2.0
+        ) as job:
+            agent = await tray.start_agent(
+                job, name="s", node_id=cluster["nodes"]["a"].node_id, backend=backend
+            )
+            try:
+                seen: list[bool] = []
+
+                async def watch() -> None:
+                    while True:
+                        hosts = await job.actor.hosts.remote()
+                        seen.append(hosts["s"]["lapsed"] if "s" in hosts else None)
+                        await anyio.sleep(0.2)
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(watch)
+                    async with job.sandbox("in-the-stall") as sbx:
+                        assert sbx.host == "s"
+                        assert (await sbx.run("echo back")).stdout == b"back\n"
+
+                    async def back() -> bool:
+                        hosts = await job.actor.hosts.remote()
+                        return "s" in hosts and not hosts["s"]["lapsed"]
+
+                    await wait_for(back, 10.0)
+                    tg.cancel_scope.cancel()
+                assert True in seen, seen  # it lapsed during the stall
+                assert None not in seen, seen  # and was never dropped
+                info = await job.actor.info.remote()
+                assert info["capacity"]["cpu@s"].total == 1
+                async with job.sandbox("after") as sbx:
+                    assert sbx.host == "s"
+            finally:
+                await agent.aclose()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

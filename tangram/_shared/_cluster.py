@@ -23,6 +23,7 @@ from ._scheduler import SchedulerActor
 
 if TYPE_CHECKING:
     from ._quotas import QuotaDesk, Wire
+    from ._scheduler import _Client
 
 __all__ = ["ClusterSchedulerActor"]
 
@@ -61,9 +62,35 @@ class ClusterSchedulerActor(SchedulerActor):
         self._located: dict[str, str] = {}
         self._watches: set[asyncio.Task[None]] = set()  # one per deciding agent
         self._desk: QuotaDesk | None = None  # the job's API quotas, from a first use
+        # Agents dropped for their silence but not known dead, by client id: their hosts
+        # stay in the book at no capacity until they are heard again (``_client``).
+        self._lapsed: set[str] = set()
+
+    def _client(self, cid: str) -> _Client:
+        client = super()._client(cid)
+        if cid in self._lapsed and cid not in self._stopping:
+            self._lapsed.discard(cid)
+            back = self._book.resume(cid)
+            if back:
+                self._runtime.set_capacity(back)
+                logger.warning(
+                    "host agent %s is heard again: %s lent again",
+                    self._deciding.get(cid, (cid,))[0],
+                    ", ".join(sorted(back)),
+                )
+        return client
 
     def _drop_client(self, cid: str, *, expired: bool = False) -> bool:
-        if not super()._drop_client(cid, expired=expired):
+        """Forget a proxy; an agent's that went silent while alive only lapses.
+
+        An agent's own loop can stall past the lease timeout (a long GC, a blocking
+        call) with its node and sandboxes intact; dropping it would take its node's
+        cores out of the job for good. So it lapses: its hosts lend nothing and the book
+        places nothing there, but its name, its placements and its workers' homes stay,
+        and it is back when heard. Its process's death (the watched ``ended`` call), its
+        own departure, or a silence while stopping drops it for good.
+        """
+        if not super()._drop_client(cid, expired=expired) and cid not in self._lapsed:
             return False
         if self._desk is not None:
             self._desk.drop(cid)  # its API requests, waiting or in flight
@@ -75,6 +102,17 @@ class ClusterSchedulerActor(SchedulerActor):
         if home is not None:
             # The sandboxes it opened on its own node, unknown to the book, close too.
             home[2].forget.remote(cid)
+        if expired and cid not in self._stopping:
+            lapsed = self._book.lapse(cid)
+            if lapsed is not None:
+                self._lapsed.add(cid)
+                self._runtime.set_capacity(lapsed)
+                logger.warning(
+                    "host agent %s stopped answering; it lends nothing until heard again",
+                    self._deciding.get(cid, (cid,))[0],
+                )
+                return True
+        self._lapsed.discard(cid)
         gone = self._book.drop(cid)
         if gone:
             self._runtime.set_capacity(gone)
@@ -175,8 +213,12 @@ class ClusterSchedulerActor(SchedulerActor):
                         )
                     return
                 # Stopping: closing its sandboxes and services until its proxy leaves. It
-                # is nobody's new home from now on.
+                # is nobody's new home from now on; a lapsed one, which may never be heard
+                # again and has no call left here to fail when it dies, leaves now.
                 self._stopping.add(cid)
+                if cid in self._lapsed:
+                    self._drop_client(cid)
+                    return
                 where = self._agent_nodes.get(cid)
                 if where is not None:
                     self._name_home(where)

@@ -25,6 +25,7 @@ class _Host:
         "cid",
         "gpu_resource",
         "gpus",
+        "lapsed",
         "name",
         "placed",
         "reported",
@@ -57,6 +58,7 @@ class _Host:
         self.resident: frozenset[str] = frozenset(() if gpu is None else gpu["resident"])
         self.seen_seq = 0  # the agent's residency report this copy is from
         self.calls = 0  # open ``remote.service`` blocks placed here
+        self.lapsed = False  # its agent went silent while alive: nothing new goes here
 
 
 class HostBook:
@@ -84,10 +86,7 @@ class HostBook:
         # that was dropped) count on it: each one's ``unplace`` will.
         host.placed = sum(1 for placed in self._placements.values() if placed == name)
         self._hosts[name] = host
-        updates: dict[str, object] = {resource: units}
-        if host.gpu_resource is not None:
-            updates[host.gpu_resource] = host.gpus
-        return updates
+        return self._capacity(host, 1)
 
     def drop(self, cid: str) -> dict[str, object]:
         """A proxy is gone: its service blocks end, its hosts leave; returns the capacity lost."""
@@ -98,10 +97,43 @@ class HostBook:
         for host in [h for h in self._hosts.values() if h.cid == cid]:
             logger.warning("host agent %r stopped answering; its capacity is now 0", host.name)
             del self._hosts[host.name]
-            gone[host.resource] = 0
-            if host.gpu_resource is not None:
-                gone[host.gpu_resource] = 0
+            gone.update(self._capacity(host, 0))
         return gone
+
+    def lapse(self, cid: str) -> dict[str, object] | None:
+        """Proxy ``cid``'s agent went silent but may be alive: its hosts take nothing new.
+
+        Unlike :meth:`drop`, each keeps its name, what is placed on it, and its open
+        service blocks, so that the agent picks up where it was when it is heard again
+        (:meth:`resume`), and what ends meanwhile is counted off where it was counted on.
+
+        :returns: the capacity it lends no more, or ``None`` when ``cid`` has no host.
+        """
+        hosts = [h for h in self._hosts.values() if h.cid == cid]
+        if not hosts:
+            return None
+        gone: dict[str, object] = {}
+        for host in hosts:
+            host.lapsed = True
+            gone.update(self._capacity(host, 0))
+        return gone
+
+    def resume(self, cid: str) -> dict[str, object]:
+        """Proxy ``cid``'s lapsed agent is heard again: returns the capacity it lends again."""
+        back: dict[str, object] = {}
+        for host in self._hosts.values():
+            if host.cid == cid and host.lapsed:
+                host.lapsed = False
+                back.update(self._capacity(host, 1))
+        return back
+
+    @staticmethod
+    def _capacity(host: _Host, share: int) -> dict[str, object]:
+        """``host``'s kinds at ``share`` (0 or 1) of what it registered."""
+        updates: dict[str, object] = {host.resource: host.units * share}
+        if host.gpu_resource is not None:
+            updates[host.gpu_resource] = host.gpus * share
+        return updates
 
     def describe(self) -> dict[str, dict[str, Any]]:
         return {
@@ -115,6 +147,7 @@ class HostBook:
                 "services": sorted(h.services),
                 "resident": sorted(h.resident),
                 "calls": h.calls,
+                "lapsed": h.lapsed,
             }
             for h in self._hosts.values()
         }
@@ -159,10 +192,15 @@ class HostBook:
                 f"trajectory {trajectory!r} already has an open sandbox (on host {name!r}): "
                 "one block per trajectory at a time"
             )
-        if not self._hosts:
-            raise SchedulerUnavailableError("no host agent is registered with the scheduler")
+        serving = [h for h in self._hosts.values() if not h.lapsed]
+        if not serving:
+            raise SchedulerUnavailableError(
+                "no host agent is registered with the scheduler"
+                if not self._hosts
+                else f"no host agent answers the scheduler now (lapsed: {sorted(self._hosts)})"
+            )
         host = min(
-            self._hosts.values(),
+            serving,
             key=lambda h: ((h.placed + h.reported) / max(h.units, 1), h.name),
         )
         host.placed += 1
@@ -206,7 +244,9 @@ class HostBook:
         :raises UnknownResourceError: no registered host serves ``service`` (also a
             ``LookupError``), as ``GpuPool.use`` for a name it lacks.
         """
-        serving = [h for h in self._hosts.values() if service in h.services and h.gpus > 0]
+        serving = [
+            h for h in self._hosts.values() if service in h.services and h.gpus > 0 and not h.lapsed
+        ]
         if not serving:
             offered = sorted({s for h in self._hosts.values() for s in h.services})
             raise UnknownResourceError(
