@@ -345,10 +345,12 @@ async def _capacity(actor: Any, kind: str) -> float:
 
 async def test_an_agent_dropped_for_its_own_stall_lapses_and_its_node_comes_back() -> None:
     """F5 (issue 30). An agent whose own loop stalls past the lease timeout is alive: it
-    lapses, not leaves. While lapsed its node's capacity is 0 and the book places nothing
-    there, but its name stays taken and it stays its workers' home, so a worker dropped
-    meanwhile is still forgotten there and what the book placed there still closes. Heard
-    again (even with its ``expired`` record evicted), its capacity is back."""
+    lapses, not leaves. While lapsed its node's capacity is 0, the book places nothing
+    there and no worker connecting on its node is sent to it, but its name stays taken
+    and it stays the home of the workers it had, so a worker dropped meanwhile is still
+    forgotten there and what the book placed there still closes. Heard again (even with
+    its ``expired`` record evicted), its capacity is back, and a worker that connected
+    on its node meanwhile is told it is home."""
     from tangram._shared._cluster import ClusterSchedulerActor
 
     actor = ClusterSchedulerActor({"cpu": 1}, None, heartbeat=0.05, timeout=60.0, token="t")
@@ -364,7 +366,11 @@ async def test_an_agent_dropped_for_its_own_stall_lapses_and_its_node_comes_back
         hosts = await actor.hosts()
         assert hosts["a"]["lapsed"] and not hosts["b"]["lapsed"]
         assert [(await actor.place(t, "x"))[0] for t in ("t2", "t3", "t4")] == ["b"] * 3
-        assert (await actor.info("node-1"))["home"] == ("a", a)
+        assert (await actor.info("node-1"))["home"] is None
+        assert await actor.poll("v", [], 0.0, (), "node-1") == []  # not sent to a stalled agent
+        assert actor._homes["w"] == "agent-a"
+        await actor.home("u", "a")  # it opened one there before it heard: still forgotten
+        assert actor._homes["u"] == "agent-a"
         await actor.disconnect("w", [])
         assert a.forgotten == ["w"]
         await actor.disconnect("x", [])
@@ -376,6 +382,8 @@ async def test_an_agent_dropped_for_its_own_stall_lapses_and_its_node_comes_back
         assert not (await actor.hosts())["a"]["lapsed"]
         assert (await actor.place("t5", "y"))[0] == "a"
         assert events == []  # it held nothing here: its own runtime decides its cores
+        assert (await actor.info("node-1"))["home"] == ("a", a)
+        assert actor._clients["v"].take() == [("home", "a", a)]
     finally:
         await actor.close()
 
@@ -442,5 +450,45 @@ async def test_a_job_left_with_only_lapsed_agents_retires_and_stops_them() -> No
             await asyncio.sleep(0.05)
         assert a.stopped == 1 and b.stopped == 1
         assert a in killed and b in killed
+    finally:
+        await actor.close()
+
+
+class _Stalled(_Lapsing):
+    """A lapsed agent's handle: its loop is stalled, so its report never comes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reports = 0
+        outer = self
+
+        class report:
+            @staticmethod
+            def remote() -> asyncio.Future[None]:
+                outer.reports += 1
+                return _unanswered()
+
+        self.report = report  # type: ignore[misc,assignment]
+
+
+async def test_the_jobs_stats_do_not_wait_on_a_lapsed_agent() -> None:
+    """``stats()`` asks each deciding agent for its books and waits up to a lease timeout
+    for an answer; a lapsed agent's loop is stalled, so each call waited the whole
+    timeout and left one more call on it. Its last books stand for it instead."""
+    from tangram._shared._cluster import ClusterSchedulerActor
+
+    actor = ClusterSchedulerActor({"cpu": 1}, None, heartbeat=0.05, timeout=2.0, token="t")
+    stalled = _Stalled()
+    try:
+        await actor.poll("agent-a", [], 0.0)
+        await actor.add_host("a", "cpu@a", 2, stalled, "agent-a", None, True)
+        await actor.report("agent-a", _node_report(1, held=1.0))
+        assert actor._drop_client("agent-a", expired=True)
+        started = time.monotonic()
+        for _ in range(3):
+            stats = await actor.stats()
+        assert time.monotonic() - started < 1.0
+        assert stalled.reports == 0
+        assert stats.kinds["sandbox"].completed == 1
     finally:
         await actor.close()

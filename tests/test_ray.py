@@ -289,6 +289,17 @@ def test_the_host_book_counts_open_blocks_on_a_host_that_comes_back() -> None:
     book.unplace("t1")
     book.unplace("t2")
     assert book.describe()["a"]["placed"] == 0
+    # So too the service blocks open there: the old agent's lapsed, or gone, or alive.
+    book = HostBook()
+    gpu = {"resource": "gpu@a", "units": 2, "services": ["s"], "resident": []}
+    for leave in (book.lapse, book.drop, lambda cid: None):
+        book.add("a", "cpu@a", 2, "agent-a", "cid-a", gpu)
+        ticket, _, _ = book.place_service("cid-w", "s")
+        leave("cid-a")
+        book.add("a", "cpu@a", 2, "agent-a2", "cid-a2", gpu)
+        assert book.describe()["a"]["calls"] == 1
+        book.unplace_service(ticket, 0, [])
+        assert book.describe()["a"]["calls"] == 0
 
 
 def test_the_host_book_hands_back_the_sandboxes_of_a_dropped_proxy() -> None:

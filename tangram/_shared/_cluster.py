@@ -78,6 +78,7 @@ class ClusterSchedulerActor(SchedulerActor):
                     self._deciding.get(cid, (cid,))[0],
                     ", ".join(sorted(back)),
                 )
+            self._name_home_of(cid)
         return client
 
     def _drop_client(self, cid: str, *, expired: bool = False) -> bool:
@@ -86,9 +87,10 @@ class ClusterSchedulerActor(SchedulerActor):
         An agent's own loop can stall past the lease timeout (a long GC, a blocking
         call) with its node and sandboxes intact; dropping it would take its node's
         cores out of the job for good. So it lapses: its hosts lend nothing and the book
-        places nothing there, but its name, its placements and its workers' homes stay,
-        and it is back when heard. Its process's death (the watched ``ended`` call), its
-        own departure, or a silence while stopping drops it for good.
+        places nothing there and no new worker is sent to it, but its name, its
+        placements and its workers' homes stay, and it is back when heard. Its process's
+        death (the watched ``ended`` call), its own departure, or a silence while
+        stopping drops it for good.
         """
         if not super()._drop_client(cid, expired=expired) and cid not in self._lapsed:
             return False
@@ -102,7 +104,9 @@ class ClusterSchedulerActor(SchedulerActor):
         if home is not None:
             # The sandboxes it opened on its own node, unknown to the book, close too.
             home[2].forget.remote(cid)
-        if expired and cid not in self._stopping:
+        # Only an agent whose death the watch would tell: one that decides its node's cores
+        # (the node process's own agent lives and dies with this scheduler).
+        if expired and cid in self._deciding and cid not in self._stopping:
             lapsed = self._book.lapse(cid)
             if lapsed is not None:
                 self._lapsed.add(cid)
@@ -111,6 +115,7 @@ class ClusterSchedulerActor(SchedulerActor):
                     "host agent %s stopped answering; it lends nothing until heard again",
                     self._deciding.get(cid, (cid,))[0],
                 )
+                self._name_home_of(cid)
                 return True
         self._lapsed.discard(cid)
         gone = self._book.drop(cid)
@@ -233,6 +238,12 @@ class ClusterSchedulerActor(SchedulerActor):
             self._located[cid] = node
             self._rehome(node, [cid])
 
+    def _name_home_of(self, cid: str) -> None:
+        """Name again the home of the node of agent ``cid``, if it decides one."""
+        where = self._agent_nodes.get(cid)
+        if where is not None:
+            self._name_home(where)
+
     def _name_home(self, node: str) -> None:
         """Name ``node``'s newest deciding agent that still serves as the home of the
         workers there, and tell those without one (a first agent, or one that took over
@@ -245,11 +256,12 @@ class ClusterSchedulerActor(SchedulerActor):
         self._on_node[node] = (name, agent, cid)
         self._rehome(node, [c for c, at in self._located.items() if at == node])
 
-    def _newest_serving(self, where: Callable[[str], bool]) -> str | None:
+    def _newest_serving(self, where: Callable[[str], bool], *, lapsed: bool = False) -> str | None:
         """The client id of the newest deciding agent that still serves, of those
-        ``where`` accepts: the home a node's workers are given."""
+        ``where`` accepts: the home a node's workers are given. A lapsed one (stalled)
+        is no new worker's home, unless ``lapsed``: a worker that already chose it."""
         for cid in reversed(self._deciding):
-            if cid not in self._stopping and where(cid):
+            if cid not in self._stopping and (lapsed or cid not in self._lapsed) and where(cid):
                 return cid
         return None
 
@@ -325,7 +337,11 @@ class ClusterSchedulerActor(SchedulerActor):
     async def stats(self) -> Any:
         """The job's stats, with each deciding node's books asked for first."""
         runtime = await self._ready()
-        deciding = [(cid, agent) for cid, (_, _, agent) in self._deciding.items()]
+        # A lapsed agent's loop is stalled: its last books stand for it, not a call on it
+        # that would wait a lease timeout each time.
+        deciding = [
+            (cid, agent) for cid, (_, _, agent) in self._deciding.items() if cid not in self._lapsed
+        ]
 
         async def ask(cid: str, agent: Any) -> None:
             call = asyncio.ensure_future(agent.report.remote())
@@ -361,7 +377,9 @@ class ClusterSchedulerActor(SchedulerActor):
         await self._ready()
         # Only an agent that still serves: one dropped since the worker heard of it
         # would leave the worker homed to nobody, skipped when a replacement starts.
-        agent_cid = self._newest_serving(lambda agent: self._deciding[agent][0] == host)
+        agent_cid = self._newest_serving(
+            lambda agent: self._deciding[agent][0] == host, lapsed=True
+        )
         if agent_cid is not None:
             self._homes[cid] = agent_cid
 

@@ -83,8 +83,9 @@ class HostBook:
         """Register a host agent (whose proxy is ``cid``); returns the capacity it adds."""
         host = _Host(name, resource, units, agent, cid, gpu)
         # Blocks placed on a host of this name not yet ended (a replacement of an agent
-        # that was dropped) count on it: each one's ``unplace`` will.
+        # dropped, lapsed or alive) count on it: each one's ``unplace`` will.
         host.placed = sum(1 for placed in self._placements.values() if placed == name)
+        host.calls = sum(1 for placed, _ in self._service_calls.values() if placed == name)
         self._hosts[name] = host
         return self._capacity(host, 1)
 
@@ -243,10 +244,15 @@ class HostBook:
 
         :raises UnknownResourceError: no registered host serves ``service`` (also a
             ``LookupError``), as ``GpuPool.use`` for a name it lacks.
+        :raises SchedulerUnavailableError: every host that serves it has lapsed.
         """
-        serving = [
-            h for h in self._hosts.values() if service in h.services and h.gpus > 0 and not h.lapsed
-        ]
+        serving = [h for h in self._hosts.values() if service in h.services and h.gpus > 0]
+        if serving and all(h.lapsed for h in serving):
+            raise SchedulerUnavailableError(
+                f"no host agent that serves {service!r} answers the scheduler now "
+                f"(lapsed: {sorted(h.name for h in serving)})"
+            )
+        serving = [h for h in serving if not h.lapsed]
         if not serving:
             offered = sorted({s for h in self._hosts.values() for s in h.services})
             raise UnknownResourceError(
