@@ -492,3 +492,72 @@ async def test_the_jobs_stats_do_not_wait_on_a_lapsed_agent() -> None:
         assert stats.kinds["sandbox"].completed == 1
     finally:
         await actor.close()
+
+
+class _FailedStart(_Lapsing):
+    """An agent whose start failed after it registered: its ``ended`` raises the start's
+    error, and whoever started it kills it, so it never calls again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+        class ended:
+            @staticmethod
+            def remote() -> asyncio.Future[None]:
+                failed = asyncio.get_running_loop().create_future()
+                failed.set_exception(
+                    ray.exceptions.RayTaskError("ended", "", RuntimeError("start failed"))
+                )
+                return failed
+
+        self.ended = ended  # type: ignore[misc,assignment]
+
+
+async def test_only_an_agent_whose_death_is_watched_lapses() -> None:
+    """A lapse ends when the agent is heard or its watched call fails. An agent whose
+    watch has ended (its start failed, so it was killed) has neither: its silence drops
+    it for good, or its name and node would be held at 0 for the rest of the job."""
+    from tangram._shared._cluster import ClusterSchedulerActor
+
+    actor = ClusterSchedulerActor({"cpu": 1}, None, heartbeat=0.05, timeout=60.0, token="t")
+    actor._node_id = lambda: "head"  # type: ignore[method-assign]
+    try:
+        await actor.poll("agent-a", [], 0.0)
+        await actor.add_host("a", "cpu@a", 2, _FailedStart(), "agent-a", None, True, "node-1")
+        await _settle()
+        assert actor._drop_client("agent-a", expired=True)
+        assert "a" not in await actor.hosts() and not actor._lapsed
+    finally:
+        await actor.close()
+
+
+async def test_a_lapsed_agent_under_a_name_taken_since_touches_nothing_of_the_new_one() -> None:
+    """Two agents under one name (the scheduler actor does not refuse it; ``start_agent``
+    does, but two can race past its check): the older, lapsed and heard again, is no
+    longer in the book. Its reports do not write the new one's sandbox count, and it is
+    still the scheduler's own client, not a user that keeps the job alive, and is
+    stopped when the job retires."""
+    from tangram._shared._cluster import ClusterSchedulerActor
+
+    actor = ClusterSchedulerActor({"cpu": 1}, None, heartbeat=0.05, timeout=60.0, token="t")
+    actor._node_id = lambda: "head"  # type: ignore[method-assign]
+    actor._kill = lambda agent: None  # type: ignore[method-assign]
+    actor._end = lambda: None  # type: ignore[method-assign]
+    old, new = _Lapsing(), _Lapsing()
+    try:
+        for cid in ("agent-old", "agent-new"):
+            await actor.poll(cid, [], 0.0)
+        await actor.add_host("a", "cpu@a", 2, old, "agent-old", None, True, "node-1")
+        await _settle()
+        assert actor._drop_client("agent-old", expired=True)
+        await actor.add_host("a", "cpu@a", 2, new, "agent-new", None, True, "node-1")
+        await actor.poll("agent-old", [], 0.0)  # heard again
+        report = _node_report(1, held=0.0)
+        report["sandboxes"] = 7
+        await actor.report("agent-old", report)
+        assert (await actor.hosts())["a"]["sandboxes"] == 0
+        assert actor._own_clients() >= {"agent-old", "agent-new"}
+        assert await actor._retire()
+        assert old.stopped == 1 and new.stopped == 1
+    finally:
+        await actor.close()

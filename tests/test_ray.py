@@ -310,7 +310,7 @@ def test_the_host_book_hands_back_the_sandboxes_of_a_dropped_proxy() -> None:
     book.place("t1", "cid-w")
     book.place("t2", "cid-w")
     book.place("t3", "cid-v")
-    assert book.agents() == [("cid-a", "agent-a")]
+    assert book.agents() == {"cid-a": "agent-a"}
     # The worker's proxy went silent: its two sandboxes are to be closed on their agent,
     # and they no longer count on the host; the other worker's stays.
     assert sorted(book.orphans("cid-w")) == [("t1", "agent-a"), ("t2", "agent-a")]

@@ -60,7 +60,9 @@ class ClusterSchedulerActor(SchedulerActor):
         # Each worker's Ray node, as its polls say: a worker there with no home is told
         # of an agent that starts deciding the node's cores (a first, or a replacement).
         self._located: dict[str, str] = {}
-        self._watches: set[asyncio.Task[None]] = set()  # one per deciding agent
+        # One per deciding agent, by client id, while it runs: only a watched agent may
+        # lapse, as only its watch would tell that a silent one is dead.
+        self._watches: dict[str, asyncio.Task[None]] = {}
         self._desk: QuotaDesk | None = None  # the job's API quotas, from a first use
         # Agents dropped for their silence but not known dead, by client id: their hosts
         # stay in the book at no capacity until they are heard again (``_client``).
@@ -74,7 +76,7 @@ class ClusterSchedulerActor(SchedulerActor):
             if back:
                 self._runtime.set_capacity(back)
                 logger.warning(
-                    "host agent %s is heard again: %s lent again",
+                    "host agent %r is heard again: its capacity is back (%s)",
                     self._deciding.get(cid, (cid,))[0],
                     ", ".join(sorted(back)),
                 )
@@ -104,15 +106,15 @@ class ClusterSchedulerActor(SchedulerActor):
         if home is not None:
             # The sandboxes it opened on its own node, unknown to the book, close too.
             home[2].forget.remote(cid)
-        # Only an agent whose death the watch would tell: one that decides its node's cores
-        # (the node process's own agent lives and dies with this scheduler).
-        if expired and cid in self._deciding and cid not in self._stopping:
+        # Only an agent whose death its watch would tell (one that decides its node's
+        # cores, started and not stopping): else nothing would ever end its lapse.
+        if expired and cid in self._watches and cid not in self._stopping:
             lapsed = self._book.lapse(cid)
             if lapsed is not None:
                 self._lapsed.add(cid)
                 self._runtime.set_capacity(lapsed)
                 logger.warning(
-                    "host agent %s stopped answering; it lends nothing until heard again",
+                    "host agent %r stopped answering; its capacity is 0 until it is heard",
                     self._deciding.get(cid, (cid,))[0],
                 )
                 self._name_home_of(cid)
@@ -138,7 +140,7 @@ class ClusterSchedulerActor(SchedulerActor):
         return True
 
     async def close(self) -> None:
-        for task in list(self._watches):
+        for task in list(self._watches.values()):
             task.cancel()
         if self._desk is not None:
             await self._desk.aclose()
@@ -150,12 +152,19 @@ class ClusterSchedulerActor(SchedulerActor):
         if relayed_by in self._deciding:
             self._homes[cid] = relayed_by
 
+    def _agents(self) -> dict[str, Any]:
+        """Every agent's handle by its client id: the book's, and deciding agents whose
+        name another took meanwhile (their node's, out of the book but still serving)."""
+        agents = {cid: agent for cid, (_, _, agent) in self._deciding.items()}
+        agents.update(self._book.agents())
+        return agents
+
     def _own_clients(self) -> set[str]:
-        return {cid for cid, _ in self._book.agents()}
+        return set(self._agents())
 
     async def _retire(self) -> bool:
         """Stop the agents (their sandboxes and services) before this actor ends."""
-        agents = [agent for _, agent in self._book.agents()]
+        agents = list(self._agents().values())
         with contextlib.suppress(*lost(), asyncio.TimeoutError):
             await asyncio.wait_for(
                 asyncio.gather(*(agent.stop.remote() for agent in agents)), self._timeout
@@ -230,8 +239,8 @@ class ClusterSchedulerActor(SchedulerActor):
                 return
 
         task = asyncio.get_running_loop().create_task(watch())
-        self._watches.add(task)
-        task.add_done_callback(self._watches.discard)
+        self._watches[cid] = task
+        task.add_done_callback(lambda _: self._watches.pop(cid, None))
 
     def _locate(self, cid: str, node: str) -> None:
         if self._located.get(cid) != node:
@@ -322,7 +331,7 @@ class ClusterSchedulerActor(SchedulerActor):
         if deciding is not None and (last is None or node["seq"] > last["seq"]):
             self._nodes[cid] = node
             if "sandboxes" in node:
-                self._book.note(deciding[0], node["sandboxes"])
+                self._book.note(deciding[0], node["sandboxes"], cid)
 
     def _check(self, demand: dict[str, object]) -> None:
         decided = self._decided

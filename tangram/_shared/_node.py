@@ -254,10 +254,11 @@ async def _serve(listener: socket.socket, spec: Mapping[str, Any]) -> None:
     await server.listen(listener)
     await scheduler.done.wait()
     server.close()
-    if scheduler._book.agents():  # stopped by a signal: the agent's sandboxes go first
+    agents = scheduler._agents()
+    if agents:  # stopped by a signal: the agent's sandboxes go first
         with contextlib.suppress(*lost(), asyncio.TimeoutError):
             await asyncio.wait_for(
-                asyncio.gather(*(a.stop.remote() for _, a in scheduler._book.agents())),
+                asyncio.gather(*(a.stop.remote() for a in agents.values())),
                 spec["lease_timeout"],
             )
     with contextlib.suppress(Exception):

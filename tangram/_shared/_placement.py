@@ -96,7 +96,8 @@ class HostBook:
                 self._end_service_call(ticket)
         gone: dict[str, object] = {}
         for host in [h for h in self._hosts.values() if h.cid == cid]:
-            logger.warning("host agent %r stopped answering; its capacity is now 0", host.name)
+            if not host.lapsed:  # a lapsed one said so when it lapsed
+                logger.warning("host agent %r stopped answering; its capacity is now 0", host.name)
             del self._hosts[host.name]
             gone.update(self._capacity(host, 0))
         return gone
@@ -153,9 +154,9 @@ class HostBook:
             for h in self._hosts.values()
         }
 
-    def agents(self) -> list[tuple[str, Any]]:
-        """Every registered host agent, as (its proxy's id, its actor handle)."""
-        return [(h.cid, h.agent) for h in self._hosts.values()]
+    def agents(self) -> dict[str, Any]:
+        """Every registered host agent's actor handle, by its proxy's id."""
+        return {h.cid: h.agent for h in self._hosts.values()}
 
     def orphans(self, cid: str) -> list[tuple[str, Any]]:
         """Forget the sandboxes proxy ``cid`` opened: (trajectory, agent) for each to close.
@@ -210,16 +211,17 @@ class HostBook:
             self._owners[trajectory] = cid
         return host.name, host.agent
 
-    def note(self, name: str, sandboxes: int) -> None:
+    def note(self, name: str, sandboxes: int, cid: str | None = None) -> None:
         """Host ``name``'s workers have ``sandboxes`` open there that this book did not place.
 
         Workers place their sandboxes on their own node's agent while it has a core per
         sandbox, without this book (``HostAgentActor.open_here``); their agent says how
         many when it reports or one of them spills here, and a host's load counts them
-        beside the book's own.
+        beside the book's own. ``cid``: the agent's proxy, when the agent says so itself;
+        an agent whose name another took since speaks for its own node, not this host.
         """
         host = self._hosts.get(name)
-        if host is not None:
+        if host is not None and (cid is None or host.cid == cid):
             host.reported = sandboxes
 
     def agent(self, name: str) -> Any | None:
