@@ -531,31 +531,41 @@ async def test_only_an_agent_whose_death_is_watched_lapses() -> None:
         await actor.close()
 
 
-async def test_a_lapsed_agent_under_a_name_taken_since_touches_nothing_of_the_new_one() -> None:
-    """Two agents under one name (the scheduler actor does not refuse it; ``start_agent``
-    does, but two can race past its check): the older, lapsed and heard again, is no
-    longer in the book. Its reports do not write the new one's sandbox count, and it is
-    still the scheduler's own client, not a user that keeps the job alive, and is
-    stopped when the job retires."""
+async def test_two_agents_under_one_name_each_keep_to_their_own() -> None:
+    """Two agents under one name (the scheduler actor takes a second while the first
+    serves; ``start_agent`` refuses it, but two can race past its check): the older is
+    out of the book. Its reports, and a spill by a worker at home there, do not write
+    the newer's count of open sandboxes; a worker records as its home the agent it was
+    told of, not the newest of that name; both are the scheduler's own clients, not
+    users that keep the job alive, and both are stopped when the job retires. A name
+    held by a lapsed agent is refused: that agent may come back to it."""
     from tangram._shared._cluster import ClusterSchedulerActor
+    from tangram.errors import InvalidSettingError
 
     actor = ClusterSchedulerActor({"cpu": 1}, None, heartbeat=0.05, timeout=60.0, token="t")
     actor._node_id = lambda: "head"  # type: ignore[method-assign]
     actor._kill = lambda agent: None  # type: ignore[method-assign]
     actor._end = lambda: None  # type: ignore[method-assign]
-    old, new = _Lapsing(), _Lapsing()
+    old, new, third = _Lapsing(), _Lapsing(), _Lapsing()
     try:
-        for cid in ("agent-old", "agent-new"):
+        for cid in ("agent-old", "agent-new", "agent-third", "w", "v"):
             await actor.poll(cid, [], 0.0)
         await actor.add_host("a", "cpu@a", 2, old, "agent-old", None, True, "node-1")
-        await _settle()
-        assert actor._drop_client("agent-old", expired=True)
+        await actor.home("w", "a", old)
         await actor.add_host("a", "cpu@a", 2, new, "agent-new", None, True, "node-1")
-        await actor.poll("agent-old", [], 0.0)  # heard again
         report = _node_report(1, held=0.0)
         report["sandboxes"] = 7
         await actor.report("agent-old", report)
-        assert (await actor.hosts())["a"]["sandboxes"] == 0
+        await actor.place("t1", "w", ("a", 9))
+        assert (await actor.hosts())["a"]["sandboxes"] == 1  # t1 alone
+        await _settle()
+        assert actor._drop_client("agent-new", expired=True)  # the newer lapses
+        assert (await actor.info("node-1"))["home"] == ("a", old)
+        await actor.home("v", "a", old)
+        assert actor._homes == {"w": "agent-old", "v": "agent-old"}
+        with pytest.raises(InvalidSettingError, match="lapsed"):
+            await actor.add_host("a", "cpu@a", 2, third, "agent-third", None, True, "node-1")
+        assert (await actor.hosts())["a"]["lapsed"]
         assert actor._own_clients() >= {"agent-old", "agent-new"}
         assert await actor._retire()
         assert old.stopped == 1 and new.stopped == 1

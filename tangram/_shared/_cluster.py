@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .._core._policy import Policy
-from ..errors import InvalidDemandError
+from ..errors import InvalidDemandError, InvalidSettingError
 from ._placement import HostBook
 from ._protocol import died, logger, lost, task_failed
 from ._reports import merge, record
@@ -191,6 +191,11 @@ class ClusterSchedulerActor(SchedulerActor):
         node: str | None = None,
     ) -> None:
         runtime = await self._ready()
+        if self._book.holder(name) in self._lapsed - {cid}:
+            raise InvalidSettingError(
+                f"`name`: host agent {name!r} has lapsed (silent past the lease timeout, "
+                "not known dead) and keeps its name until it is heard again or dies"
+            )
         runtime.set_capacity(self._book.add(name, resource, units, agent, cid, gpu))
         if decides:
             kinds = [resource] if gpu is None else [resource, gpu["resource"]]
@@ -374,21 +379,26 @@ class ClusterSchedulerActor(SchedulerActor):
         await self._ready()
         return self._book.describe()
 
-    async def home(self, cid: str, host: str) -> None:
-        """Worker ``cid`` opens sandboxes on host ``host``'s agent itself, from now on.
+    async def home(self, cid: str, host: str, agent: Any = None) -> None:
+        """Worker ``cid`` opens sandboxes on ``agent`` (host ``host``) itself, from now on.
 
         Told once, before its first: when the worker is dropped, that agent (only) is
         asked to close them. Counted as a placement: it says where sandboxes live, once
-        per worker, on no action's path.
+        per worker, on no action's path. The agent is named by its handle: another of
+        the same name (a replacement) may be the newest, or may have lapsed.
         """
         self.messages += 1
         self.placements += 1
         await self._ready()
+
+        def told(other: str) -> bool:
+            name, _, handle = self._deciding[other]
+            return name == host and (agent is None or handle == agent)
+
         # Only an agent that still serves: one dropped since the worker heard of it
-        # would leave the worker homed to nobody, skipped when a replacement starts.
-        agent_cid = self._newest_serving(
-            lambda agent: self._deciding[agent][0] == host, lapsed=True
-        )
+        # would leave the worker homed to nobody, skipped when a replacement starts. A
+        # lapsed one does: the worker opens its sandboxes there once it is heard again.
+        agent_cid = self._newest_serving(told, lapsed=True)
         if agent_cid is not None:
             self._homes[cid] = agent_cid
 
@@ -399,8 +409,8 @@ class ClusterSchedulerActor(SchedulerActor):
         self.messages += 1
         self.placements += 1
         await self._ready()
-        if spilled is not None:
-            self._book.note(*spilled)
+        if spilled is not None:  # said by a worker of that host's agent, if it has a home
+            self._book.note(*spilled, self._homes.get(cid) if cid is not None else None)
         return self._book.place(trajectory, cid)
 
     async def unplace(self, trajectory: str) -> None:

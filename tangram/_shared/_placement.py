@@ -224,6 +224,11 @@ class HostBook:
         if host is not None and (cid is None or host.cid == cid):
             host.reported = sandboxes
 
+    def holder(self, name: str) -> str | None:
+        """The proxy id of the agent registered as host ``name``, if one is."""
+        host = self._hosts.get(name)
+        return None if host is None else host.cid
+
     def agent(self, name: str) -> Any | None:
         """Host ``name``'s agent, if it is registered."""
         host = self._hosts.get(name)

@@ -553,7 +553,7 @@ class RemoteRuntime(RunMixin):
         The job's actor hears of it first, so that it can have that agent close them if
         this proxy is dropped.
         """
-        await self._actor.home.remote(self._id, host)
+        await self._actor.home.remote(self._id, host, agent)
         self._local = (host, agent)
 
     async def _refresh(self) -> None:
