@@ -548,7 +548,7 @@ async def test_two_agents_under_one_name_each_keep_to_their_own() -> None:
     actor._end = lambda: None  # type: ignore[method-assign]
     old, new, third = _Lapsing(), _Lapsing(), _Lapsing()
     try:
-        for cid in ("agent-old", "agent-new", "agent-third", "w", "v"):
+        for cid in ("agent-old", "agent-new", "agent-third", "w", "v", "u", "x"):
             await actor.poll(cid, [], 0.0)
         await actor.add_host("a", "cpu@a", 2, old, "agent-old", None, True, "node-1")
         await actor.home("w", "a", old)
@@ -558,14 +558,28 @@ async def test_two_agents_under_one_name_each_keep_to_their_own() -> None:
         await actor.report("agent-old", report)
         await actor.place("t1", "w", ("a", 9))
         assert (await actor.hosts())["a"]["sandboxes"] == 1  # t1 alone
+        # Nor a spill by a worker with no recorded home (dropped, back by its own poll).
+        await actor.home("x", "a", old)
+        assert actor._drop_client("x", expired=True)
+        await actor.poll("x", [], 0.0)
+        await actor.place("t2", "x", ("a", 9))
+        assert (await actor.hosts())["a"]["sandboxes"] == 2  # t1 and t2
         await _settle()
         assert actor._drop_client("agent-new", expired=True)  # the newer lapses
         assert (await actor.info("node-1"))["home"] == ("a", old)
         await actor.home("v", "a", old)
         assert actor._homes == {"w": "agent-old", "v": "agent-old"}
+        await actor.home("u", "a")  # a caller that names no handle: the serving one
+        assert actor._homes == {"w": "agent-old", "v": "agent-old", "u": "agent-old"}
         with pytest.raises(InvalidSettingError, match="lapsed"):
             await actor.add_host("a", "cpu@a", 2, third, "agent-third", None, True, "node-1")
         assert (await actor.hosts())["a"]["lapsed"]
+        # The older, out of the book, stalls too: it lapses as well, and stays the
+        # scheduler's own when it is heard again, never a user keeping the job alive.
+        assert actor._drop_client("agent-old", expired=True)
+        assert "agent-old" in actor._lapsed
+        await actor.poll("agent-old", [], 0.0)
+        assert "agent-old" not in actor._lapsed
         assert actor._own_clients() >= {"agent-old", "agent-new"}
         assert await actor._retire()
         assert old.stopped == 1 and new.stopped == 1

@@ -109,16 +109,16 @@ class ClusterSchedulerActor(SchedulerActor):
         # Only an agent whose death its watch would tell (one that decides its node's
         # cores, started and not stopping): else nothing would ever end its lapse.
         if expired and cid in self._watches and cid not in self._stopping:
-            lapsed = self._book.lapse(cid)
-            if lapsed is not None:
-                self._lapsed.add(cid)
+            self._lapsed.add(cid)
+            lapsed = self._book.lapse(cid)  # none: its name went to another since
+            if lapsed:
                 self._runtime.set_capacity(lapsed)
-                logger.warning(
-                    "host agent %r stopped answering; its capacity is 0 until it is heard",
-                    self._deciding.get(cid, (cid,))[0],
-                )
-                self._name_home_of(cid)
-                return True
+            logger.warning(
+                "host agent %r stopped answering; its capacity is 0 until it is heard",
+                self._deciding[cid][0],
+            )
+            self._name_home_of(cid)
+            return True
         self._lapsed.discard(cid)
         gone = self._book.drop(cid)
         if gone:
@@ -397,8 +397,9 @@ class ClusterSchedulerActor(SchedulerActor):
 
         # Only an agent that still serves: one dropped since the worker heard of it
         # would leave the worker homed to nobody, skipped when a replacement starts. A
-        # lapsed one does: the worker opens its sandboxes there once it is heard again.
-        agent_cid = self._newest_serving(told, lapsed=True)
+        # lapsed one does, where no other fits: the worker opens its sandboxes there
+        # once it is heard again.
+        agent_cid = self._newest_serving(told) or self._newest_serving(told, lapsed=True)
         if agent_cid is not None:
             self._homes[cid] = agent_cid
 
@@ -410,7 +411,9 @@ class ClusterSchedulerActor(SchedulerActor):
         self.placements += 1
         await self._ready()
         if spilled is not None:  # said by a worker of that host's agent, if it has a home
-            self._book.note(*spilled, self._homes.get(cid) if cid is not None else None)
+            home = self._homes.get(cid) if cid is not None else None
+            if cid is None or home is not None:
+                self._book.note(*spilled, home)
         return self._book.place(trajectory, cid)
 
     async def unplace(self, trajectory: str) -> None:
