@@ -585,3 +585,22 @@ async def test_two_agents_under_one_name_each_keep_to_their_own() -> None:
         assert old.stopped == 1 and new.stopped == 1
     finally:
         await actor.close()
+
+
+async def test_an_agent_gone_by_its_departure_does_not_lapse_if_heard_after() -> None:
+    """An agent's proxy that left (``disconnect``) is dropped for good, while the call
+    its watch waits on may not have returned yet: a late call of that proxy, silent in
+    turn, is an ordinary client's, not a lapse of an agent no longer deciding."""
+    from tangram._shared._cluster import ClusterSchedulerActor
+
+    actor = ClusterSchedulerActor({"cpu": 1}, None, heartbeat=0.05, timeout=60.0, token="t")
+    actor._node_id = lambda: "head"  # type: ignore[method-assign]
+    try:
+        await _two_agents(actor)
+        await actor.disconnect("agent-a", [])
+        assert "a" not in await actor.hosts() and "agent-a" in actor._watches
+        await actor.poll("agent-a", [], 0.0)
+        assert actor._drop_client("agent-a", expired=True)
+        assert "agent-a" not in actor._lapsed and "a" not in await actor.hosts()
+    finally:
+        await actor.close()

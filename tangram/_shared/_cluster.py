@@ -107,8 +107,8 @@ class ClusterSchedulerActor(SchedulerActor):
             # The sandboxes it opened on its own node, unknown to the book, close too.
             home[2].forget.remote(cid)
         # Only an agent whose death its watch would tell (one that decides its node's
-        # cores, started and not stopping): else nothing would ever end its lapse.
-        if expired and cid in self._watches and cid not in self._stopping:
+        # cores, started, not stopping and not gone): else nothing would end its lapse.
+        if expired and cid in self._deciding and cid in self._watches and cid not in self._stopping:
             self._lapsed.add(cid)
             lapsed = self._book.lapse(cid)  # none: its name went to another since
             if lapsed:
