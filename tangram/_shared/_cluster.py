@@ -77,7 +77,7 @@ class ClusterSchedulerActor(SchedulerActor):
                 self._runtime.set_capacity(back)
                 logger.warning(
                     "host agent %r is heard again: its capacity is back (%s)",
-                    self._deciding.get(cid, (cid,))[0],
+                    self._deciding[cid][0],  # only a deciding agent lapses
                     ", ".join(sorted(back)),
                 )
             self._name_home_of(cid)
@@ -110,7 +110,7 @@ class ClusterSchedulerActor(SchedulerActor):
         # cores, started, not stopping and not gone): else nothing would end its lapse.
         if expired and cid in self._deciding and cid in self._watches and cid not in self._stopping:
             self._lapsed.add(cid)
-            lapsed = self._book.lapse(cid)  # none: its name went to another since
+            lapsed = self._book.lapse(cid)
             if lapsed:
                 self._runtime.set_capacity(lapsed)
             logger.warning(

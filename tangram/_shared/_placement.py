@@ -102,20 +102,19 @@ class HostBook:
             gone.update(self._capacity(host, 0))
         return gone
 
-    def lapse(self, cid: str) -> dict[str, object] | None:
+    def lapse(self, cid: str) -> dict[str, object]:
         """Proxy ``cid``'s agent went silent but may be alive: its hosts take nothing new.
 
         Unlike :meth:`drop`, each keeps its name, what is placed on it, and its open
         service blocks, so that the agent picks up where it was when it is heard again
         (:meth:`resume`), and what ends meanwhile is counted off where it was counted on.
 
-        :returns: the capacity it lends no more, or ``None`` when ``cid`` has no host.
+        :returns: the capacity it lends no more (none where its name went to another).
         """
-        hosts = [h for h in self._hosts.values() if h.cid == cid]
-        if not hosts:
-            return None
         gone: dict[str, object] = {}
-        for host in hosts:
+        for host in self._hosts.values():
+            if host.cid != cid:
+                continue
             host.lapsed = True
             gone.update(self._capacity(host, 0))
         return gone
