@@ -1,0 +1,206 @@
+"""The GPU pool's scheduling rules, each a test that fails when its behaviour goes.
+
+CPU devices stand in for GPUs (see ``tests/test_gpu.py``).
+"""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+from _gpu_models import MIB, GatedService, SlowRestore, SpyRuntime, inputs, torch_service
+from conftest import wait_until
+
+import tangram
+from tangram import gpu
+from tangram.gpu import Device, GpuPool
+
+# -- the scheduling bullets, each a test that fails when the behaviour goes ---------------
+
+
+@pytest.mark.anyio
+async def test_an_action_goes_where_its_service_is_resident_not_where_memory_is_freest() -> None:
+    big = GatedService("big", memory="4MiB")
+    judge = GatedService("judge")
+    judge.gate.set()
+    devices = [Device("cpu:0", "4MiB"), Device("cpu:1", "1MiB")]
+    pool = GpuPool([big, judge], devices=devices, warm=False)
+    async with pool, tangram.Runtime(capacity=pool.capacity()):
+        async with anyio.create_task_group() as tg:
+
+            async def hold_big() -> None:
+                async with pool.use("big") as svc:
+                    await svc(0)
+
+            tg.start_soon(hold_big)
+            await big.started.wait()
+            async with pool.use("judge") as svc:  # cpu:0 is granted to big: only cpu:1 fits
+                assert svc.devices[0].name == "cpu:1"
+                await svc(1)
+            big.gate.set()
+        await wait_until(lambda: pool.usage()["cpu:0"]["granted"] == 0)
+        # cpu:0 is now 4 MiB free, cpu:1 1 MiB: the most free memory says cpu:0, but the
+        # judge is resident on cpu:1, and running there costs no restore.
+        async with pool.use("judge") as svc:
+            assert svc.devices[0].name == "cpu:1"
+            await svc(2)
+        stats = pool.service_stats()["judge"]
+        assert (stats["restores"], stats["hits"]) == (1, 1)
+        assert pool.residency() == {"big": [("cpu:0",)], "judge": [("cpu:1",)]}
+
+
+@pytest.mark.anyio
+async def test_an_evicted_service_is_estimated_at_its_learnt_restore_plus_run() -> None:
+    services = [torch_service("judge", 1), torch_service("other", 2)]
+    pool = GpuPool(services, devices=[Device("cpu:0", "1MiB")], warm=False)
+    async with pool:
+        runtime = SpyRuntime(capacity=pool.capacity())
+        runtime.estimates = []
+        async with runtime:
+            for name in ("judge", "other", "judge"):  # other evicts judge in between
+                async with pool.use(name) as svc:
+                    await svc(inputs(0))
+                await wait_until(
+                    lambda: all(s["replicas_live"] == 0 for s in pool.service_stats().values())
+                )
+                if name == "other":
+                    learnt = pool.service_stats()["judge"]
+        assert pool.service_stats()["judge"]["restores"] == 2
+    restore, run = learnt["restore_seconds"], learnt["run_seconds"]
+    assert isinstance(restore, float) and isinstance(run, float)
+    assert runtime.estimates[2] == pytest.approx(restore + run)
+    assert runtime.estimates[2] != pytest.approx(MIB / gpu.DEFAULT_RESTORE_BANDWIDTH + run)
+
+
+@pytest.mark.anyio
+async def test_restore_time_is_the_lease_overhead_in_the_runtime_stats() -> None:
+    slow = SlowRestore("slow", 0.05)
+    slow.gate.set()
+    pool = GpuPool([slow], devices=[Device("cpu:0", "1MiB")], warm=False)
+    async with pool, tangram.Runtime(capacity=pool.capacity()) as runtime:
+        for _ in range(2):  # a restore, then a resident hit
+            async with pool.use("slow") as svc:
+                await svc(0)
+            await wait_until(lambda: pool.service_stats()["slow"]["replicas_live"] == 0)
+        kind = runtime.stats().kinds["gpu:slow"]
+    assert len(slow.restored) == 1
+    assert kind.completed == 2
+    # Two grants: one waited 50 ms for its restore, the resident hit for nothing.
+    assert kind.overhead.count == 2
+    assert kind.overhead.mean * 2 >= 0.05
+
+
+@pytest.mark.anyio
+async def test_eviction_skips_a_replica_with_a_running_action_even_when_it_is_the_lru() -> None:
+    a, b, c = GatedService("a"), GatedService("b"), GatedService("c")
+    b.gate.set()
+    c.gate.set()
+    pool = GpuPool([a, b, c], devices=[Device("cpu:0", "2MiB")])
+    async with pool, tangram.Runtime(capacity=pool.capacity()):
+        async with anyio.create_task_group() as tg:
+
+            async def hold_a() -> None:
+                async with pool.use("a") as svc:
+                    assert await svc(1) == "a:1"
+
+            tg.start_soon(hold_a)  # a is used first, so least recently, and keeps running
+            await a.started.wait()
+            async with pool.use("c") as svc:
+                await svc(2)
+            await wait_until(lambda: pool.usage()["cpu:0"]["granted"] == MIB)
+            # b's grant fits beside a's; making room evicts c, the idle one, not a.
+            async with pool.use("b") as svc:
+                assert await svc(3) == "b:3"
+                assert pool.residency() == {"a": [("cpu:0",)], "b": [("cpu:0",)], "c": []}
+            a.gate.set()
+        assert pool.service_stats()["a"]["evictions"] == 0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("batching", "max_batch", "runs"),
+    [(True, None, [1, 5]), (False, None, [1] * 6), (True, 2, [1, 2, 2, 1])],
+)
+async def test_waiting_actions_of_one_service_run_batched_as_the_service_allows(
+    batching: bool, max_batch: int | None, runs: list[int]
+) -> None:
+    service = GatedService("judge", batching=batching, max_batch=max_batch)
+    pool = GpuPool([service], devices=[Device("cpu:0", "4MiB")])
+    async with pool, tangram.Runtime(capacity=pool.capacity()):
+        results: list[str] = []
+
+        async def action(k: int) -> None:
+            async with pool.use("judge") as svc:
+                results.append(await svc(k))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(action, 0)
+            await service.started.wait()
+            for k in range(1, 6):
+                tg.start_soon(action, k)
+            await wait_until(lambda: pool.service_stats()["judge"]["replicas_live"] == 1)
+            for _ in range(50):
+                await anyio.lowlevel.checkpoint()
+            service.gate.set()
+        assert sorted(results) == [f"judge:{k}" for k in range(6)]
+        assert [n for _, n in service.runs] == runs
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("why", ["max_replicas", "no_room_now"])
+async def test_no_elastic_replica_past_max_replicas_or_without_room_now(why: str) -> None:
+    judge = GatedService("judge", max_replicas=1 if why == "max_replicas" else 2)
+    other = GatedService("other")
+    devices = [Device("cpu:0", "1MiB"), Device("cpu:1", "1MiB")]
+    pool = GpuPool([judge, other], devices=devices)
+    async with pool, tangram.Runtime(capacity=pool.capacity()):
+        seen: list[str] = []
+
+        async def action(name: str) -> None:
+            async with pool.use(name) as svc:
+                seen.append(f"{name}@{svc.devices[0].name}")
+                await svc(0)
+
+        async with anyio.create_task_group() as tg:
+            if why == "no_room_now":
+                tg.start_soon(action, "other")
+                await other.started.wait()
+            tg.start_soon(action, "judge")
+            await judge.started.wait()
+            tg.start_soon(action, "judge")
+            for _ in range(50):
+                await anyio.lowlevel.checkpoint()
+            # The second action joined the first replica rather than start another.
+            assert pool.service_stats()["judge"]["replicas_live"] == 1
+            judge.gate.set()
+            other.gate.set()
+        judges = [s for s in seen if s.startswith("judge")]
+        assert len(judges) == 2 and len(set(judges)) == 1
+
+
+@pytest.mark.anyio
+async def test_an_action_joining_a_withdrawn_replica_is_served() -> None:
+    """The last waiter leaves (its request is withdrawn) and, before the replica's task
+    sees that, a new action joins it: the task asks again instead of failing the action."""
+    a, b = GatedService("a"), GatedService("b")
+    b.gate.set()
+    pool = GpuPool([a, b], devices=[Device("cpu:0", "1MiB")])
+    async with pool, tangram.Runtime(capacity=pool.capacity()) as runtime:
+        async with anyio.create_task_group() as tg:
+
+            async def hold_a() -> None:
+                async with pool.use("a") as svc:
+                    await svc(1)
+
+            async def release_a() -> None:
+                await anyio.sleep(0.05)
+                a.gate.set()
+
+            tg.start_soon(hold_a)
+            await a.started.wait()
+            with anyio.move_on_after(0.02):
+                async with pool.use("b"):
+                    pytest.fail("b cannot fit while a runs")
+            tg.start_soon(release_a)
+            async with pool.use("b") as svc:  # entered with no checkpoint since the leave
+                assert await svc(2) == "b:2"
+        await wait_until(lambda: runtime.stats().resources["gpu_mem:cpu:0"].held == 0)
