@@ -21,11 +21,7 @@ MIB = 2**20
 
 
 def reward_model(seed: int, width: int = 64) -> torch.nn.Module:
-    """A small reward head, seeded by its own generator.
-
-    Not ``torch.manual_seed``: the pool loads services concurrently in worker threads, and
-    the global generator shared between them would make the weights depend on timing.
-    """
+    """A small reward head, seeded by its own generator (see ``seeded``)."""
     model = torch.nn.Sequential(
         torch.nn.Linear(16, width),
         torch.nn.BatchNorm1d(width),  # buffers too, one of them int64
@@ -33,16 +29,26 @@ def reward_model(seed: int, width: int = 64) -> torch.nn.Module:
         torch.nn.GELU(),
         torch.nn.Linear(width, 1),
     )
-    generator = torch.Generator().manual_seed(seed)
+    generator = seeded(model, seed)
     with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
         norm = model[1]
         assert isinstance(norm, torch.nn.BatchNorm1d)
         assert norm.running_mean is not None and norm.running_var is not None
         norm.running_mean.copy_(torch.randn(width, generator=generator))
         norm.running_var.uniform_(0.5, 2.0, generator=generator)
     return model.eval()
+
+
+def seeded(model: torch.nn.Module, seed: int) -> torch.Generator:
+    """Set ``model``'s weights from a generator of its own, seeded, and return it for what
+    else the caller draws. Not ``torch.manual_seed``: the pool loads services
+    concurrently in worker threads, and the global generator shared between them would
+    make the weights depend on timing."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    return generator
 
 
 def torch_service(name: str, seed: int, memory: str = "1MiB", **kw: Any) -> TorchService:

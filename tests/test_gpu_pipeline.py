@@ -10,7 +10,7 @@ from typing import Any
 
 import anyio
 import pytest
-from _gpu_models import MIB, GatedService, inputs, reward_model, torch_service
+from _gpu_models import MIB, GatedService, inputs, reward_model, seeded, torch_service
 from conftest import wait_until
 
 import tangram
@@ -24,7 +24,7 @@ torch = pytest.importorskip("torch")  # the ``gpu`` extra; tests need no GPU, on
 
 
 def deep_model(seed: int, width: int = 64) -> torch.nn.Sequential:
-    """Seven layers, four with weights, seeded by its own generator (see reward_model)."""
+    """Seven layers, four with weights, seeded by its own generator (see ``seeded``)."""
     model = torch.nn.Sequential(
         torch.nn.Linear(16, width),
         torch.nn.GELU(),
@@ -34,10 +34,7 @@ def deep_model(seed: int, width: int = 64) -> torch.nn.Sequential:
         torch.nn.Tanh(),
         torch.nn.Linear(width, 1),
     )
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    seeded(model, seed)
     return model.eval()
 
 
@@ -143,12 +140,9 @@ class Tied(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        generator = torch.Generator().manual_seed(11)
         self.a = torch.nn.Linear(16, 16)
         self.b = torch.nn.Linear(16, 16)
-        with torch.no_grad():
-            for param in self.parameters():
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+        seeded(self, 11)
         self.b.weight = self.a.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
