@@ -17,7 +17,6 @@ settled at 86.5% of the real limit on ``benchmarks/api_quota.py``.
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import attrs
@@ -40,13 +39,6 @@ _KEEP = 10.0
 _DENSE = 0.1
 # Windows of refusals after which a key that could not measure the limit cuts anyway.
 _BLIND = 3.0
-# A gap between a client's sends of this many of the provider's refills (at the rate it
-# accepted meanwhile, at most its limit) is a pause of the client (a stall, or a wait the
-# provider asked for), which may have overflowed the provider's bucket (see
-# ``_resume_after_pause``), not the client's pace: a shorter one loses nothing to a
-# bucket of this many requests or more, and a smaller bucket's losses err low, on the
-# safe side.
-_PAUSE = 4.0
 
 _positive = validator(number, strict=True, finite=False, **SETTING_ERRORS)
 _fraction = validator(number, strict=True, maximum=1.0, **SETTING_ERRORS)
@@ -136,15 +128,14 @@ def adapt_down(
     # cut blind): what the provider accepts of it is the measure.
     if key.overload_at == math.inf:
         key.overload_at, key.overload_sent = now, sent_at
-        key.overload_refused = []
-    key.overload_refused.append(sent_at)
+        key.overload_refusals = 0
+    key.overload_refusals += 1
     if now - key.overload_at < adapt.window or now - key.cut_at < adapt.cooldown:
         return
-    _resume_after_pause(key, sent_at)
     measure = _measure(adapt, key, sent_at)
     if measure is None and now - key.overload_at < _BLIND * adapt.window:
         return  # too little sent to measure yet (a request stuck in flight)
-    if measure is not None and len(key.overload_refused) >= _DENSE * measure[1]:
+    if measure is not None and key.overload_refusals >= _DENSE * measure[1]:
         # Refused all along: the provider was taking its rate, and that was measured.
         key.refused = min(key.share, measure[0])
         share = key.refused * adapt.decrease
@@ -160,41 +151,6 @@ def adapt_down(
     key.cut_at = key.adapted_at = now
     key.overload_at = math.inf
     runtime.set_capacity(key.rates())
-
-
-def _resume_after_pause(key: KeyState, sent_at: float) -> None:
-    """Start the measure over from the first refusal after the client's last pause.
-
-    The measure counts what the provider accepted while it refused, which is its rate
-    only while the client kept sending: through a pause of the client (a GC pause, a
-    loaded machine's stall) the provider's bucket fills and overflows, and counted, a
-    0.3 s stall read as 88% of the limit, 0.5 s as 68%, each then held for ``hold``
-    seconds. Leaving only the pause out counts the burst the bucket saved up for after
-    it (13% too high, see ``_measure``), and counting between refusals around it was
-    thrown by the arrival order of a burst's requests (up to 15% too high on a loaded
-    machine). After the pause, once the provider refuses again, its bucket is empty
-    and the count is as at a first refusal; a client that pauses every window never
-    measures, and cuts blind after ``_BLIND`` windows.
-    """
-    start = key.overload_sent
-    end = min(sent_at, min(key.sending, default=sent_at))
-    taken = sorted(sent for _, sent, _ in key.answered if start <= sent < end)
-    if len(taken) < 2:
-        return
-    refill = (taken[-1] - taken[0]) / (len(taken) - 1)
-    sends = sorted([*taken, *(t for t in key.overload_refused if start <= t <= end)])
-    resumed = max(
-        (b for a, b in itertools.pairwise(sends) if b - a > _PAUSE * refill), default=None
-    )
-    if resumed is None:
-        return
-    # After a pause the client sends its backlog at once, and that burst takes what the
-    # bucket saved up in an order of arrival that its times of sending do not tell: the
-    # count starts a refill after it (counted from the first refusal after it, three
-    # requests of the burst accepted in that same millisecond read 1% over the limit,
-    # and the plateau under it was over it too).
-    key.overload_refused = [t for t in key.overload_refused if t >= resumed + refill]
-    key.overload_sent = min(key.overload_refused, default=sent_at)
 
 
 def _measure(adapt: Adapt, key: KeyState, sent_at: float) -> tuple[float, int] | None:

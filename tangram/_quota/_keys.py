@@ -231,9 +231,8 @@ class KeyState:
         # one: AIMD measures the limit meanwhile.
         self.overload_at = math.inf
         self.overload_sent = math.inf
-        # When each refused request since then was sent: dense refusals show a rate above
-        # the limit, sparse ones bunching.
-        self.overload_refused: list[float] = []
+        # Refusals since then: dense ones show a rate above the limit, sparse ones bunching.
+        self.overload_refusals = 0
         self.refused_at = -math.inf
         self.failures = 0
         self.waiting: dict[str, float] = dict.fromkeys(self.configured, 0.0)
