@@ -1,7 +1,7 @@
 """The shared scheduler's actor (``tangram/_shared/_scheduler.py``) and its agents' watch,
 driven directly in this process: grants to silent processes, the watchers' own stalls,
-a busy loop's lateness, and the polls a proxy sends. No cluster is started: each test
-checks that Ray stayed uninitialised where it could have started one.
+a busy loop's lateness, and the polls a proxy sends. No cluster is started, and the
+tests that attach a proxy check that Ray stayed uninitialised.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ async def test_a_grant_made_as_a_silent_process_is_dropped_fails_its_request() -
     A silent process's lease is reclaimed first (its last heartbeat is older than its last
     call), the units go to its own waiting request, and the process is dropped a moment
     later with that new lease. It never saw the grant, so the request must be failed when
-    it comes back, or its ``acquire`` would wait forever (found as a hang of the test
-    above on a loaded machine).
+    it comes back, or its ``acquire`` would wait forever (found as a hang of
+    ``tests/test_ray.py``'s late-release test on a loaded machine).
     """
     from tangram._shared._scheduler import SchedulerActor
 
