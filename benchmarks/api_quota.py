@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import sys
 import time
@@ -153,7 +154,18 @@ async def _tangram_job(url: str, key: str, factor: float) -> AsyncIterator[Send]
 
 
 async def _drive(client: Client, url: str, key: str, factor: float, seconds: float) -> Run:
-    """Run one arm's batch for ``seconds``; its start time and how many requests failed."""
+    """Run one arm's batch for ``seconds``; its start time and how many requests failed.
+
+    What the process holds by now (the arms before, verl and what it imports) is frozen
+    out of the garbage collector first: a full collection over it stopped the loop for
+    130-306 ms, past what any client's budget carries (tangram's key holds 2.5 requests,
+    50 ms, at 50/s), and whichever arm it fell in lost a tenth of its window (89% of the
+    limit instead of 99%, in one run of three on a loaded machine; with the collector
+    off, 98-99% in three). A rollout process with a large heap meets the same pauses:
+    see docs/quotas.md.
+    """
+    gc.collect()
+    gc.freeze()
     failed = 0
     stopped = False
     async with client(url, key, factor) as send:
