@@ -410,10 +410,9 @@ class ClusterSchedulerActor(SchedulerActor):
         self.messages += 1
         self.placements += 1
         await self._ready()
-        if spilled is not None:  # said by a worker of that host's agent, if it has a home
-            home = self._homes.get(cid) if cid is not None else None
-            if cid is None or home is not None:
-                self._book.note(*spilled, home)
+        # Said by a worker of that host's agent: counted there only if its home is known.
+        if spilled is not None and (cid is None or cid in self._homes):
+            self._book.note(*spilled, self._homes.get(cid) if cid is not None else None)
         return self._book.place(trajectory, cid)
 
     async def unplace(self, trajectory: str) -> None:
