@@ -191,6 +191,70 @@ def test_no_wake_when_blocked_by_a_count() -> None:
     assert len(plan.admits) == 1 and plan.wake_at is None  # a completion will wake it
 
 
+# -- a rate budget lent elsewhere (a node's share of a job's API rate) -----------------------
+
+
+@pytest.mark.parametrize("policy", [ElasticPolicy(), FcfsPolicy()])
+def test_a_rate_limited_to_nothing_grants_nothing_and_books_no_wake(policy: Policy) -> None:
+    cap = {"api": Rate(10.0, burst=5.0)}
+    ledger = ledger_for(cap, policy)
+    ledger.limit_rate("api", 0.0, 0.0, 0.0)
+    entry = ledger.submit(make_action({"api": 1}, cap), 0.0)
+    plan = ledger.step(100.0)
+    assert plan.admits == [] and plan.wake_at is None  # no refill: lending it back plans
+    assert entry.state == WAITING and ledger.wanted["api"] == 1.0
+    ledger.limit_rate("api", 2.0, 1.0, 100.0)
+    plan = ledger.step(100.0)
+    assert plan.admits == [] and plan.wake_at == pytest.approx(100.5, abs=1e-5)
+    assert ledger.step(100.5).admits == [(entry, 0)]
+    assert ledger.spent["api"] == 1.0 and ledger.wanted["api"] == 0.0
+
+
+def test_a_kind_limited_before_it_is_installed_starts_empty() -> None:
+    """A node's share of a job's rate grows from nothing, never from a full bucket."""
+    cap = {"cpu": 1}
+    ledger = ledger_for(cap)
+    ledger.limit_rate("api@n", 4.0, 2.0, 0.0)
+    wider = {"cpu": 1, "api@n": Rate(100.0, burst=50.0)}
+    ledger.set_capacity(parse_capacity(wider), 0.0)
+    assert ledger.tokens["api@n"] == 2.0  # the limit's burst, not the capacity's 50
+    assert (ledger.rates["api@n"], ledger.bursts["api@n"]) == (4.0, 2.0)
+
+
+def test_a_limit_cuts_saved_tokens_and_keeps_waiters_the_capacity_could_fit() -> None:
+    cap = {"api": Rate(10.0, burst=8.0)}
+    ledger = ledger_for(cap)
+    assert ledger.tokens["api"] == 8.0
+    ledger.limit_rate("api", 1.0, 2.0, 0.0)
+    assert ledger.tokens["api"] == 2.0
+    big = ledger.submit(make_action({"api": 5}, cap), 0.0)  # more than the limit's burst
+    ledger.step(0.0)
+    assert big.state == WAITING  # not failed: the capacity, 8, could fit it
+    assert ledger.set_capacity(parse_capacity(cap), 1.0) == []  # the limit stays
+    assert (ledger.rates["api"], ledger.bursts["api"]) == (1.0, 2.0)
+    ledger.limit_rate("api", 10.0, 8.0, 1.0)
+    ledger.step(1.3)
+    assert big.state == RUNNING
+
+
+def test_a_limit_never_raises_a_rate_past_its_capacity() -> None:
+    cap = {"api": Rate(3.0, burst=3.0)}
+    ledger = ledger_for(cap)
+    ledger.limit_rate("api", 50.0, 50.0, 0.0)
+    assert (ledger.rates["api"], ledger.bursts["api"]) == (3.0, 3.0)
+
+
+def test_a_withdrawn_waiter_is_no_longer_wanted() -> None:
+    cap = {"api": Rate(1.0, burst=1.0)}
+    ledger = ledger_for(cap)
+    ledger.limit_rate("api", 0.0, 0.0, 0.0)
+    entries = [ledger.submit(make_action({"api": 1}, cap), 0.0) for _ in range(3)]
+    assert ledger.wanted["api"] == 3.0
+    ledger.withdraw(entries[0])
+    ledger.withdraw(entries[0])  # twice: counted once
+    assert ledger.wanted["api"] == 2.0
+
+
 # -- capacity changes -----------------------------------------------------------------------
 
 

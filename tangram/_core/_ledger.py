@@ -43,6 +43,13 @@ class Ledger:
         self.rates: dict[str, float] = {}
         self.bursts: dict[str, float] = {}
         self.tokens: dict[str, float] = {}
+        # A rate budget's refill and cap may sit below its capacity's while part of it is
+        # lent elsewhere (``limit_rate``); demands are still judged by the capacity's.
+        self._limits: dict[str, tuple[float, float]] = {}
+        # Per rate kind: units taken so far, and units the waiting entries ask for. What a
+        # lender of the budget reads to size this scheduler's share of it.
+        self.spent: dict[str, float] = {}
+        self.wanted: dict[str, float] = {}
         self.unit_seconds: dict[str, float] = {}
         self.peak: dict[str, float] = {}
         # Kinds with a unit to give: free, or held above a resizable action's minimum;
@@ -109,6 +116,7 @@ class Ledger:
     def submit(self, action: Action, now: float) -> Entry:
         self._seq += 1
         entry = Entry(action, self._seq, now)
+        self._want(entry, 1.0)
         self._queue.add(entry, None if self._priority is None else self._priority(entry, self))
         return entry
 
@@ -117,6 +125,12 @@ class Ledger:
         if entry.state == WAITING:
             entry.state = _GONE
             self._queue.remove(entry)
+            self._want(entry, -1.0)
+
+    def _want(self, entry: Entry, sign: float) -> None:
+        for kind, amount in entry.action.demand.rigid:
+            if kind in self.wanted:
+                self.wanted[kind] = max(0.0, self.wanted[kind] + sign * amount)
 
     def finish(
         self, entry: Entry, now: float, seconds: float | None = None, ok: bool = True
@@ -171,6 +185,26 @@ class Ledger:
         self.evictions += plan.evicted
         return plan
 
+    def limit_rate(self, kind: str, per_second: float, burst: float, now: float) -> None:
+        """Refill ``kind`` at ``per_second`` up to ``burst``, at most its capacity's.
+
+        The rest of the budget is lent elsewhere (another node's share of a job's API
+        rate): saved-up tokens above the new cap are dropped, none are added, and no
+        waiter is failed, since the capacity, which decides what can ever fit, is unchanged.
+        A rate of zero stops the refill.
+        """
+        self._refill(now)
+        self._limits[kind] = (per_second, burst)
+        resource = self.capacity.get(kind)
+        if resource is not None:  # else it starts so when installed: empty, at this cap
+            self._limit(kind, resource.total, resource.burst)
+
+    def _limit(self, kind: str, total: float, burst: float) -> None:
+        per_second, cap = self._limits.get(kind, (total, burst))
+        self.rates[kind] = min(total, per_second)
+        self.bursts[kind] = min(burst, cap)
+        self.tokens[kind] = min(self.tokens.get(kind, self.bursts[kind]), self.bursts[kind])
+
     def set_capacity(self, capacity: Capacity, now: float) -> list[Entry]:
         """Install new capacities; return (and withdraw) waiting entries that can never fit."""
         self._account(now)
@@ -188,9 +222,9 @@ class Ledger:
         for name, resource in capacity.items():
             if resource.shape is Shape.RATE:
                 self.open.add(name)
-                self.rates[name] = resource.total
-                self.bursts[name] = resource.burst
-                self.tokens[name] = min(self.tokens.get(name, resource.burst), resource.burst)
+                self._limit(name, resource.total, resource.burst)
+                self.spent.setdefault(name, 0.0)
+                self.wanted.setdefault(name, 0.0)
                 continue
             held = self.held.setdefault(name, 0.0)
             self.totals[name] = resource.total
@@ -204,7 +238,7 @@ class Ledger:
 
     def could_ever_fit(self, entry: Entry) -> bool:
         for kind, amount in entry.action.demand.minimum:
-            limit = self.bursts[kind] if kind in self.rates else self.totals[kind]
+            limit = self.capacity[kind].burst if kind in self.rates else self.totals[kind]
             if amount > limit + 1e-9:
                 return False
         return True
@@ -259,6 +293,8 @@ class Ledger:
         for kind, amount in demand.rigid:
             if kind in self.tokens:
                 self.tokens[kind] -= amount
+                self.spent[kind] += amount
+                self.wanted[kind] = max(0.0, self.wanted[kind] - amount)
             else:
                 self._hold(kind, amount, now)
                 self._reopen(kind)

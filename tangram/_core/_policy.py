@@ -323,6 +323,8 @@ def _rate_wait(state: State, scan: _Scan, need: Iterable[tuple[str, float]]) -> 
     for kind, amount in need:
         level = scan.tokens.get(kind)
         if level is not None and amount > level + _EPS:
+            if state.rates[kind] <= 0:
+                return None  # no refill until the budget is lent back, which plans anew
             # A microsecond past the exact refill time, so float rounding cannot leave the
             # budget a hair short when the timer fires.
             at = state.now + (amount - level) / state.rates[kind] + 1e-6
@@ -696,7 +698,8 @@ def _shadow(
         if kind in scan.tokens:
             level = scan.tokens[kind]
             if amount > level:
-                start = max(start, now + (amount - level) / state.rates[kind])
+                rate = state.rates[kind]
+                start = max(start, now + (amount - level) / rate if rate > 0 else math.inf)
             continue
         deficit[kind] = amount - (scan.free[kind] + scan.surplus.get(kind, 0.0))
     if any(d > _EPS for d in deficit.values()):

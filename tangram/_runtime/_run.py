@@ -497,6 +497,20 @@ class Runtime(RunMixin):
                 )
         self._reschedule()
 
+    def _limit_rate(self, kind: str, per_second: float, burst: float) -> None:
+        """Refill rate budget ``kind`` at ``per_second`` up to ``burst`` (the rest is lent).
+
+        For the shared layer, which lends a job's API rate to its nodes
+        (:mod:`tangram._shared._rates`); see :meth:`Ledger.limit_rate`.
+        """
+        now = self._now() if self._state is _State.RUNNING else self._ledger.now
+        self._ledger.limit_rate(kind, per_second, burst, now)
+        self._reschedule()
+
+    def _rate_use(self, kind: str) -> tuple[float, float]:
+        """Units of rate budget ``kind`` taken so far, and those its waiters ask for."""
+        return self._ledger.spent[kind], self._ledger.wanted[kind]
+
     def stats(self) -> Stats:
         """Utilisation per kind, queue lengths and per-kind time splits, as of now."""
         ledger = self._ledger

@@ -53,7 +53,8 @@ from ..errors import (
     SettingTypeError,
     UnknownResourceError,
 )
-from ._protocol import IDLE, Heard, logger, lost, stalled, task_failed
+from ._node_rates import NodeRates, lent_kinds
+from ._protocol import IDLE, SCHEDULER_CALLS, Heard, logger, lost, stalled, task_failed
 from ._proxy import RemoteRuntime, attach
 from ._reports import FULL, Outbox, snapshot
 
@@ -198,6 +199,7 @@ class HostAgentActor:
         self._stop: asyncio.Event | None = None
         self._main: asyncio.Task[None] | None = None
         self._cores: Runtime | None = None  # the node's own runtime, when it decides
+        self._rates: NodeRates | None = None  # its shares of the job's API rates, then
         self._cid: str | None = None  # its proxy's id: the job's actor files reports by it
         self._remote: RemoteRuntime | None = None  # its proxy on the job's actor
         self._outbox = Outbox()
@@ -253,6 +255,19 @@ class HostAgentActor:
                     self._node_id(),
                 )
                 await remote._refresh()
+                kinds = lent_kinds(remote.capacity)
+                if self._cores is not None and kinds:
+                    self._rates = NodeRates(
+                        self._cores,
+                        self._name,
+                        self._scheduler,
+                        remote._id,
+                        kinds,
+                        period=remote._heartbeat,
+                        timeout=remote._lease_timeout,
+                    )
+                    asker = asyncio.ensure_future(self._rates.run())
+                    stack.callback(asker.cancel)
                 self._started.set_result(
                     {
                         "name": self._name,
@@ -513,8 +528,33 @@ class HostAgentActor:
         remote._relayed.add(cid)
         return True
 
+    async def take(
+        self,
+        cid: str,
+        request: int,
+        demand: dict[str, float],
+        kind: str,
+        trajectory: str | None,
+        estimate: float | None,
+        wait_timeout: float | None,
+    ) -> dict[str, float] | None:
+        """A worker's call on API rates alone, granted from this node's shares of them
+        (:mod:`._node_rates`); ``None`` when they are not lent here."""
+        if self._rates is None:
+            return None
+        return await self._rates.take(
+            cid, request, demand, kind, trajectory, estimate, wait_timeout
+        )
+
+    async def give(self, cid: str, request: int, outcome: int) -> None:
+        """A worker's call on this node's API shares ended, or its wait was given up."""
+        if self._rates is not None:
+            self._rates.give(cid, request, outcome)
+
     async def forget(self, cid: str) -> None:
         """Proxy ``cid`` is gone: close the sandboxes it opened here without the job's actor."""
+        if self._rates is not None:
+            self._rates.forget(cid)
         self._forgotten[cid] = None
         if len(self._forgotten) > _FORGOTTEN_KEPT:
             self._forgotten.pop(next(iter(self._forgotten)))
@@ -672,7 +712,7 @@ async def start_agent(
     actor_class: Any = ray.remote(HostAgentActor)
     actor = actor_class.options(
         num_cpus=0,
-        max_concurrency=1_000,
+        max_concurrency=SCHEDULER_CALLS,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
     ).remote(name, remote.actor, backend, warm, services, devices)
     try:

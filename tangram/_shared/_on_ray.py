@@ -129,7 +129,7 @@ async def _start_agent(
         get_if_exists=True,
         lifetime="detached",
         num_cpus=0,
-        max_concurrency=1_000,
+        max_concurrency=SCHEDULER_CALLS,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
     ).remote(host, remote.actor, backend, warm, list(services), devices, timeout, True)
     try:

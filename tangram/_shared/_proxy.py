@@ -30,7 +30,7 @@ import anyio.lowlevel
 from .._core._action import Action
 from .._core._beats import idle_wait, relay_wait
 from .._core._estimator import Estimator
-from .._core._resources import Capacity, parse_capacity
+from .._core._resources import Capacity, Shape, parse_capacity
 from .._runtime._actions import Actions, duration
 from .._runtime._lease import LeaseBase
 from .._runtime._run import RunMixin
@@ -207,6 +207,12 @@ class RemoteRuntime(RunMixin):
         self._relayed: set[str] = set()
         self._relays = False
         self._lease_timeout = DEFAULT_TIMEOUT  # the scheduler's, once attached
+        # Calls on API rates alone go to this node's agent, which grants them from its
+        # share (:mod:`._node_rates`): the agent each such lease is given back to, and
+        # the kinds an agent said it is not lent.
+        self._taken: dict[int, Any] = {}
+        self._unlent: set[str] = set()
+        self._gives: dict[int, tuple[Any, int]] = {}  # given back, not yet sent
         self._requests = itertools.count(1)
         self._submits: dict[int, tuple[Any, ...]] = {}
         self._releases: list[tuple[int, int]] = []
@@ -255,6 +261,11 @@ class RemoteRuntime(RunMixin):
         if task_group is not None:
             task_group.cancel_scope.cancel()
             await task_group.__aexit__(None, None, None)
+        with anyio.CancelScope(shield=True):
+            # What the stop cut short: the node's agent would hold these calls' grants
+            # until the job's actor dropped this worker.
+            for request_id in list(self._gives):
+                await self._give(request_id)
         error = RuntimeClosedError("the remote runtime closed while this action was waiting")
         for pending in self._pending.values():
             pending.error = error
@@ -301,6 +312,10 @@ class RemoteRuntime(RunMixin):
             ) from self._error
         if not self._open:
             raise RuntimeClosedError("the remote runtime is not open")
+        if self._local is not None and self._lent(action):
+            lease = await self._enter_local(self._local[1], action, request)
+            if lease is not None:
+                return lease
         request_id = next(self._requests)
         pending = _Pending(action, anyio.current_time())
         self._pending[request_id] = pending
@@ -322,10 +337,64 @@ class RemoteRuntime(RunMixin):
         assert pending.lease is not None
         return pending.lease
 
+    def _lent(self, action: Action) -> bool:
+        """Whether ``action`` needs only API rates that this node's agent may be lent."""
+        demand = action.demand
+        if demand.elastic is not None or not demand.rigid:
+            return False
+        capacity = self._actions.capacity
+        return all(
+            kind not in self._unlent and capacity[kind].shape is Shape.RATE
+            for kind, _ in demand.rigid
+        )
+
+    async def _enter_local(
+        self, agent: Any, action: Action, request: tuple[Any, ...]
+    ) -> RemoteLease | None:
+        """Take ``action``'s API units from this node's share; ``None``: ask the job's actor."""
+        _, kind, trajectory, estimate, wait_timeout = request
+        demand = dict(action.demand.rigid)
+        request_id = next(self._requests)
+        queued_at = anyio.current_time()
+        try:
+            grant = await agent.take.remote(
+                self._id, request_id, demand, kind, trajectory, estimate, wait_timeout
+            )
+        except task_failed() as exc:
+            raise exc.cause from exc
+        except lost():
+            return None  # the agent is gone: the job's actor serves the call
+        except BaseException:
+            self._give_back(agent, request_id, CANCELLED)  # withdrawn, or granted meanwhile
+            raise
+        if grant is None:
+            self._unlent.update(demand)
+            return None
+        self._taken[request_id] = agent
+        return RemoteLease(action, -request_id, grant, None, queued_at, anyio.current_time())
+
+    def _give_back(self, agent: Any, request_id: int, outcome: int) -> None:
+        self._gives[request_id] = (agent, outcome)
+        if self._task_group is not None:
+            self._task_group.start_soon(self._give, request_id)
+
+    async def _give(self, request_id: int) -> None:
+        given = self._gives.get(request_id)
+        if given is None:
+            return
+        agent, outcome = given
+        with contextlib.suppress(*lost()):  # a gone agent took its node's grants with it
+            await agent.give.remote(self._id, request_id, outcome)
+        self._gives.pop(request_id, None)
+
     def _release(self, lease: RemoteLease, outcome: int) -> None:
         if not math.isnan(lease.finished_at):
             return
         lease.finished_at = anyio.current_time()
+        agent = self._taken.pop(-lease.lease_id, None)
+        if agent is not None:
+            self._give_back(agent, -lease.lease_id, outcome)
+            return
         self._leases.pop(lease.lease_id, None)
         # Sent even for a lease the actor reclaimed: it finds nothing and changes nothing.
         if self._error is None:

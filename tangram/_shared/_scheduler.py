@@ -23,11 +23,12 @@ from typing import Any
 import anyio
 
 from .._core._policy import Policy
-from .._core._resources import Capacity
+from .._core._resources import Capacity, Shape
 from .._runtime._group import Gate
 from .._runtime._run import Runtime
 from ..errors import LeaseReleasedError
 from ._protocol import CANCELLED, FAILED, Heard, logger, stalled
+from ._rates import RateBook, Share
 
 __all__ = ["SchedulerActor"]
 
@@ -127,8 +128,13 @@ class SchedulerActor:
         self.messages = 0
         self.heartbeats = 0  # of which polls: a proxy's per heartbeat or relay wait, not per action
         self.placements = 0  # where a sandbox or service block goes (one per block), homes
+        self.lends = 0  # of which agents' asks for their shares of the job's API rates
         self._gates: dict[float, Gate] = {}
         self._members: dict[int, _Member] = {}
+        # The job's API rates lent to its nodes' agents, and what this actor's own
+        # callers used of each: (when measured, units taken by then, units a second).
+        self._rates: dict[str, RateBook] = {}
+        self._pool_use: dict[str, tuple[float, float, float]] = {}
 
     async def _ready(self) -> Runtime:
         """Start the runtime on first use: the actor's loop exists only inside a method."""
@@ -401,6 +407,67 @@ class SchedulerActor:
         if member is not None:
             member.decided.set()
 
+    # -- API rates lent to nodes (see ._rates) ------------------------------------------
+
+    async def lend_rates(
+        self, cid: str, asks: dict[str, tuple[float, float, float, Share]]
+    ) -> dict[str, Share]:
+        """A node's agent asks for its shares of the job's API rates: ``{kind: (units a
+        second used, units waiting, largest waiting call, share it runs on)}``, answered
+        with ``{kind: share}``."""
+        self.messages += 1
+        self.lends += 1
+        runtime = await self._ready()
+        now = time.monotonic()
+        shares: dict[str, Share] = {}
+        for kind, (used, waiting, largest, applied) in asks.items():
+            book = self._rate_book(kind, runtime)
+            if book is None:  # not a rate of this job (any more): nothing to lend
+                shares[kind] = (0.0, 0.0)
+                continue
+            shares[kind] = book.ask(
+                cid,
+                float(used),
+                float(waiting),
+                float(largest),
+                (float(applied[0]), float(applied[1])),
+                now,
+            )
+            self._lend_pool(kind, book, runtime, now)
+        return shares
+
+    def _rate_book(self, kind: str, runtime: Runtime) -> RateBook | None:
+        resource = runtime.capacity.get(kind)
+        if resource is None or resource.shape is not Shape.RATE:
+            return None
+        book = self._rates.get(kind)
+        if book is None:
+            book = self._rates[kind] = RateBook(resource.total, resource.burst, self._heartbeat)
+        book.rate, book.burst = resource.total, resource.burst
+        return book
+
+    def _lend_pool(self, kind: str, book: RateBook, runtime: Runtime, now: float) -> None:
+        """This actor's own share of ``kind``: what no node is lent, applied at once."""
+        spent, wanted = runtime._rate_use(kind)
+        at, before, used = self._pool_use.get(kind, (now, spent, 0.0))
+        if now - at >= self._heartbeat:  # its use, measured over a heartbeat at least
+            used = (spent - before) / (now - at)
+            at, before = now, spent
+        self._pool_use[kind] = (at, before, used)
+        rate, burst = book.pool(used, wanted, min(wanted, book.burst))
+        runtime._limit_rate(kind, rate, burst)
+
+    def _unlend(self, cids: Sequence[str] | None = None, now: float | None = None) -> None:
+        """Take back the shares of ``cids`` (gone), or of the nodes silent past the timeout."""
+        runtime = self._runtime
+        for kind, book in self._rates.items():
+            gone = book.silent(now, self._timeout) if now is not None else list(cids or ())
+            if not gone:
+                continue
+            for cid in gone:
+                book.drop(cid)
+            self._lend_pool(kind, book, runtime, time.monotonic())
+
     def _drop_client(self, cid: str, *, expired: bool = False) -> bool:
         """Forget a proxy: what it waits for is withdrawn, what it holds released.
 
@@ -409,6 +476,7 @@ class SchedulerActor:
         for member in self._members.values():
             if member.cid == cid:
                 member.decided.set()  # a dead worker's samples are waited for no more
+        self._unlend([cid])
         client = self._clients.pop(cid, None)
         if client is None:
             return False
@@ -462,6 +530,7 @@ class SchedulerActor:
             for cid, client in list(self._clients.items()):
                 if not client.polling and client.heard.silence(now, self._timeout) > self._timeout:
                     self._drop_client(cid, expired=True)
+            self._unlend(now=now)
             if set(self._clients) - self._own_clients():
                 self._user.hear(now)
             elif self._idle is not None and self._user.silence(now, self._idle) > self._idle:
@@ -522,6 +591,7 @@ class SchedulerActor:
             "messages": self.messages,
             "heartbeats": self.heartbeats,
             "placements": self.placements,
+            "lends": self.lends,
             # The actor's whole process: its event loop, Ray's threads and serialisation.
             "cpu_seconds": time.process_time(),
         }

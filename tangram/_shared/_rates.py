@@ -1,0 +1,210 @@
+"""A job's API rates lent to its nodes, in shares that follow each node's demand.
+
+An API rate (a :class:`tangram.Rate` kind of the job's capacity) is one budget for the
+whole job, but asking the job's actor for every call would put one message per API call
+on the one actor. So, as rate limiters at scale shard a token bucket (Google's Doorman:
+leases of capacity that clients refresh, sized from what each says it wants), the job's
+actor lends each node's agent a *share*, a refill rate and a burst of its own, and the
+node grants its workers' calls from it. A node asks again every heartbeat while it holds
+or wants a share, saying what it wants (the rate it used since its last ask plus its
+backlog spread over one heartbeat), and at once when a call waits with no share to
+serve it.
+
+The rules, kept here so the book is the one place they live (pure: times are passed in):
+
+- **Never more than the job's budget.** A share grows only out of what no other node may
+  still be using: the book counts for each node the larger of what it was lent and what
+  it last said it runs on, so a cut frees its units only once the node has applied it.
+  Summed over the nodes and the job's actor, refill rates never pass the job's rate and
+  bursts never pass its burst, so calls in any window stay within burst + rate x window.
+- **Shares follow demand.** A member wants what it used since its last ask plus its
+  waiting calls spread over one heartbeat. While the job's rate covers every want, a
+  node is lent its want with room to double (``HEADROOM``). Past that, a member with no
+  call waiting keeps what it uses, and the rest is split in proportion to the calls
+  waiting: what one first-come-first-served line for the whole job would give each
+  waiting call. The job's actor (``POOL``: workers with no deciding agent, and calls
+  that need another kind too) is a member like any node; it keeps what the nodes are
+  not lent, and its own share is applied at once, in process.
+- **A burst reaches the largest call waiting.** A node's burst is its share of the job's
+  burst, at least its largest waiting call when the job's burst allows.
+- **Silence frees a share.** A node not heard for the lease timeout is dropped and its
+  share goes back; the node stops granting from it before then (:mod:`._node_rates`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import attrs
+
+__all__ = ["HEADROOM", "POOL", "RateBook", "Share"]
+
+# The job's actor's own member of every book.
+POOL = ""
+# A node's share while the job's rate covers every want: twice what it wants, so its
+# calls can double between two asks (one heartbeat) before they wait for the book; the
+# rest stays with the job's actor, which lends it at the next ask that needs it.
+HEADROOM = 2.0
+# Sums kept as members come and go are summed afresh this often, so float drift from
+# many small updates never grows (a full pass is O(members): one per this many asks).
+_RESUM = 1024
+
+Share = tuple[float, float]  # (units a second, burst)
+
+
+@attrs.define
+class _Member:
+    used: float = 0.0  # units a second since its last ask
+    waiting: float = 0.0  # units its waiting calls ask for
+    largest: float = 0.0  # its largest waiting call: its burst should reach it
+    granted: Share = (0.0, 0.0)  # what it was last lent
+    applied: Share = (0.0, 0.0)  # what it last said it runs on
+    heard: float = 0.0
+
+    def held(self) -> Share:
+        """What the member may be granting from: the larger of lent and applied."""
+        return (
+            max(self.granted[0], self.applied[0]),
+            max(self.granted[1], self.applied[1]),
+        )
+
+
+@attrs.define
+class _Sums:
+    """What the split reads of all members, kept as they change (an ask is O(1))."""
+
+    want: float = 0.0  # every member's want
+    waiting: float = 0.0  # every member's waiting units
+    calm: float = 0.0  # the use of the members with nothing waiting
+    rate: float = 0.0  # the nodes' held rates (not the job's actor's)
+    burst: float = 0.0  # the nodes' held bursts
+
+    def add(self, member: _Member, pool: bool, period: float, sign: float) -> None:
+        self.want += sign * (member.used + member.waiting / period)
+        self.waiting += sign * member.waiting
+        if member.waiting <= 0:
+            self.calm += sign * member.used
+        if not pool:
+            rate, burst = member.held()
+            self.rate += sign * rate
+            self.burst += sign * burst
+
+
+class RateBook:
+    """The shares of one rate kind: each node's and the job actor's (``POOL``).
+
+    ``period`` is the nodes' heartbeat: what a backlog is spread over in a want.
+    """
+
+    def __init__(self, rate: float, burst: float, period: float) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.period = period
+        self._members: dict[str, _Member] = {POOL: _Member()}
+        self._sums = _Sums()
+        self._changes = 0
+
+    def __contains__(self, member: str) -> bool:
+        return member in self._members
+
+    def nodes(self) -> Iterator[str]:
+        return (name for name in self._members if name != POOL)
+
+    def ask(
+        self,
+        member: str,
+        used: float,
+        waiting: float,
+        largest: float,
+        applied: Share,
+        now: float,
+    ) -> Share:
+        """A node's ask: its use, its waiting units and the share it runs on; answers
+        its new share. Only what no other member may be using is lent; call
+        :meth:`pool` after, to give the job's actor what the nodes are not lent."""
+        node = self._members.get(member)
+        if node is None:
+            node = self._members[member] = _Member()
+        else:
+            self._sums.add(node, False, self.period, -1.0)
+        node.used, node.waiting = max(0.0, used), max(0.0, waiting)
+        node.largest = max(0.0, largest)
+        node.applied = applied
+        node.heard = now
+        self._sums.add(node, False, self.period, 1.0)
+        rate, burst = self._target(node)
+        # The actor's own part of the split is not lent away: its share is cut at once
+        # (it is in process), but not below what its callers want of the split.
+        keep_rate, keep_burst = self._target(self._members[POOL], floor=True)
+        others_rate = self._sums.rate - node.held()[0]
+        others_burst = self._sums.burst - node.held()[1]
+        self._sums.add(node, False, self.period, -1.0)
+        node.granted = (
+            max(0.0, min(rate, self.rate - others_rate - keep_rate)),
+            max(0.0, min(burst, self.burst - others_burst - keep_burst)),
+        )
+        self._sums.add(node, False, self.period, 1.0)
+        self._changed()
+        return node.granted
+
+    def pool(self, used: float, waiting: float, largest: float) -> Share:
+        """The job actor's own share, given its callers' use and waiting units: all that
+        the nodes are not lent."""
+        pool = self._members[POOL]
+        self._sums.add(pool, True, self.period, -1.0)
+        pool.used, pool.waiting = max(0.0, used), max(0.0, waiting)
+        pool.largest = max(0.0, largest)
+        self._sums.add(pool, True, self.period, 1.0)
+        pool.granted = pool.applied = (
+            max(0.0, self.rate - self._sums.rate),
+            max(0.0, self.burst - self._sums.burst),
+        )
+        return pool.granted
+
+    def drop(self, member: str) -> None:
+        """Forget a node (gone, or silent past the timeout): its share comes back."""
+        if member != POOL and member in self._members:
+            self._sums.add(self._members.pop(member), False, self.period, -1.0)
+            self._changed()
+
+    def silent(self, now: float, timeout: float) -> list[str]:
+        """The nodes not heard from for ``timeout`` seconds."""
+        return [
+            name
+            for name, node in self._members.items()
+            if name != POOL and now - node.heard > timeout
+        ]
+
+    def lent(self) -> Share:
+        """What the nodes may be granting from, together."""
+        return max(0.0, self._sums.rate), max(0.0, self._sums.burst)
+
+    # -- rules ---------------------------------------------------------------------
+
+    def _changed(self) -> None:
+        self._changes += 1
+        if self._changes >= _RESUM:
+            self._changes = 0
+            self._sums = _Sums()
+            for name, member in self._members.items():
+                self._sums.add(member, name == POOL, self.period, 1.0)
+
+    def _target(self, member: _Member, *, floor: bool = False) -> Share:
+        """``member``'s share of the split (see the module's rules).
+
+        With ``floor``, no headroom: what the member must keep of the split.
+        """
+        sums = self._sums
+        want = member.used + member.waiting / self.period
+        if want <= 0 or sums.want <= 0:
+            return 0.0, 0.0
+        if sums.want <= self.rate:  # every want fits: each with room to grow
+            rate = min(self.rate * want / sums.want, want if floor else HEADROOM * want)
+        elif member.waiting <= 0:  # saturated, and nothing of its own waits: its use
+            rate = member.used * min(1.0, self.rate / max(sums.calm, 1e-12))
+        else:  # saturated: the rest by waiting calls, as one line for the job would
+            rate = max(0.0, self.rate - sums.calm) * member.waiting / max(sums.waiting, 1e-12)
+        burst = self.burst * rate / self.rate
+        if member.largest > burst and rate > 0:
+            burst = min(member.largest, self.burst)
+        return rate, burst

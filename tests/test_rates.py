@@ -1,0 +1,200 @@
+"""The book of a job's API rate lent to its nodes (pure: tangram/_shared/_rates.py).
+
+The safety rule is checked against a model of the protocol's lags: each node applies an
+answer only when it arrives, one ask in flight per node, and reports what it runs on in
+its next ask; the job's actor applies its own share at once.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tangram._shared._rates import _RESUM, HEADROOM, POOL, RateBook, _Sums
+
+R, B, PERIOD = 100.0, 20.0, 1.0
+
+
+class _Job:
+    """The book with nodes that apply their answers late, as the protocol lets them."""
+
+    def __init__(self, rate: float = R, burst: float = B) -> None:
+        self.book = RateBook(rate, burst, PERIOD)
+        self.running: dict[str, tuple[float, float]] = {}  # what each node grants from
+        self.flight: dict[str, tuple[float, float]] = {}  # answers not yet arrived
+        self.pool = (rate, burst)
+        self.now = 0.0
+
+    def ask(self, node: str, used: float, waiting: float = 0.0, largest: float = 1.0) -> None:
+        if node in self.flight:
+            return  # one ask in flight per node
+        applied = self.running.get(node, (0.0, 0.0))
+        self.flight[node] = self.book.ask(node, used, waiting, largest, applied, self.now)
+        self.pool_want(0.0)
+
+    def pool_want(self, used: float, waiting: float = 0.0, largest: float = 0.0) -> None:
+        self.pool = self.book.pool(used, waiting, largest)
+
+    def arrive(self, node: str) -> None:
+        if node in self.flight:
+            self.running[node] = self.flight.pop(node)
+
+    def expire(self, node: str) -> None:
+        """The node stops granting (its share's time ran out), then the actor drops it."""
+        self.running.pop(node, None)
+        self.flight.pop(node, None)
+        self.book.drop(node)
+        self.pool_want(0.0)
+
+    def in_use(self) -> tuple[float, float]:
+        rate = self.pool[0] + sum(r for r, _ in self.running.values())
+        burst = self.pool[1] + sum(b for _, b in self.running.values())
+        return rate, burst
+
+    def settle(
+        self,
+        demand: dict[str, tuple[float, float]],
+        pool: tuple[float, float] = (0.0, 0.0),
+        rounds: int = 8,
+    ) -> None:
+        """Asks with fixed (used, waiting) per node until the shares settle."""
+        for _ in range(rounds):
+            for node, (used, waiting) in demand.items():
+                self.ask(node, used, waiting)
+                self.pool_want(*pool)
+                self.arrive(node)
+            self.now += 1.0
+
+
+_events = st.lists(
+    st.tuples(
+        st.sampled_from(["ask", "arrive", "expire", "pool"]),
+        st.sampled_from(["a", "b", "c", "d"]),
+        st.floats(0.0, 400.0),
+        st.floats(0.0, 400.0),
+        st.floats(0.0, 30.0),
+    ),
+    max_size=80,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_events)
+def test_what_is_granted_from_never_passes_the_jobs_rate_or_burst(events: list) -> None:
+    job = _Job()
+    for what, node, used, waiting, largest in events:
+        if what == "ask":
+            job.ask(node, used, waiting, largest)
+        elif what == "arrive":
+            job.arrive(node)
+        elif what == "expire":
+            job.expire(node)
+        else:
+            job.pool_want(used, waiting, largest)
+        rate, burst = job.in_use()
+        assert rate <= R + 1e-9 and burst <= B + 1e-9, (rate, burst)
+        assert all(r >= 0 and b >= 0 for r, b in job.running.values())
+        assert job.pool[0] >= 0 and job.pool[1] >= 0
+
+
+def test_a_cut_frees_its_units_only_once_the_node_has_applied_it() -> None:
+    job = _Job()
+    job.settle({"a": (100.0, 300.0)})
+    assert job.running["a"][0] == pytest.approx(R)  # alone and oversubscribed: all of it
+    job.ask("a", 0.0)  # a's demand is gone: its share is cut, but not yet applied
+    job.ask("b", 0.0, 300.0)
+    assert job.flight["b"][0] == pytest.approx(0.0)  # a may still be granting at R
+    job.arrive("a")
+    job.arrive("b")
+    job.ask("a", 0.0)  # a says it runs on nothing now
+    job.ask("b", 0.0, 300.0)
+    assert job.flight["b"][0] == pytest.approx(R)
+
+
+def test_a_saturated_rate_is_split_by_the_calls_waiting() -> None:
+    """As one first-come-first-served line for the job would: per waiting call, not per
+    node, and not by what each happened to be lent before."""
+    job = _Job()
+    job.settle({"a": (90.0, 30.0), "b": (10.0, 10.0)}, rounds=1)
+    job.settle({"a": (90.0, 30.0), "b": (10.0, 10.0)}, rounds=2)
+    assert job.running["a"][0] == pytest.approx(75.0, rel=0.02)
+    assert job.running["b"][0] == pytest.approx(25.0, rel=0.02)
+    assert job.in_use()[0] == pytest.approx(R)
+    assert job.running["a"][1] == pytest.approx(B * 0.75, rel=0.02)
+
+
+def test_saturated_a_node_with_nothing_waiting_keeps_what_it_uses() -> None:
+    job = _Job()
+    job.settle({"a": (30.0, 0.0), "b": (70.0, 50.0)})
+    assert job.running["a"][0] == pytest.approx(30.0)
+    assert job.running["b"][0] == pytest.approx(70.0)
+
+
+def test_under_light_load_each_node_is_lent_room_to_grow_and_the_actor_keeps_the_rest() -> None:
+    job = _Job()
+    job.settle({"a": (10.0, 0.0), "b": (4.0, 1.0)})
+    assert job.running["a"][0] == pytest.approx(HEADROOM * 10.0)
+    assert job.running["b"][0] == pytest.approx(HEADROOM * 5.0)
+    assert job.pool[0] == pytest.approx(R - HEADROOM * 15.0)
+
+
+def test_a_node_that_wants_nothing_is_lent_nothing() -> None:
+    job = _Job()
+    job.settle({"a": (10.0, 0.0), "b": (0.0, 0.0)})
+    assert job.running["b"] == (0.0, 0.0)
+
+
+def test_the_jobs_own_callers_keep_their_part_of_the_split() -> None:
+    """Calls that reach the job's actor (a worker with no agent) are a member too."""
+    job = _Job()
+    job.settle({"a": (75.0, 30.0)}, pool=(25.0, 10.0))
+    assert job.pool[0] == pytest.approx(25.0, rel=0.02)
+    assert job.running["a"][0] == pytest.approx(75.0, rel=0.02)
+
+
+def test_a_burst_reaches_the_largest_waiting_call_when_the_job_burst_allows() -> None:
+    job = _Job()
+    for _ in range(4):
+        job.ask("a", 10.0, 0.0, largest=15.0)
+        job.arrive("a")
+    burst = job.running["a"][1]
+    assert burst == pytest.approx(15.0)  # not its rate's part of the burst, 20 * 20/100
+    job.ask("b", 10.0, 0.0, largest=50.0)
+    assert job.flight["b"][1] <= B - 15.0 + 1e-9  # never past the job's burst
+
+
+def test_a_silent_node_is_named_and_its_share_comes_back_when_dropped() -> None:
+    job = _Job()
+    job.settle({"a": (50.0, 300.0), "b": (50.0, 300.0)})
+    job.now += 10.0
+    job.ask("b", 50.0, 300.0)
+    assert job.book.silent(job.now, 5.0) == ["a"]
+    job.expire("a")
+    job.arrive("b")
+    job.ask("b", 50.0, 300.0)
+    assert job.flight["b"][0] == pytest.approx(R)
+    assert list(job.book.nodes()) == ["b"] and POOL in job.book
+
+
+@settings(max_examples=50, deadline=None)
+@given(_events)
+def test_the_sums_kept_as_members_change_are_the_sums_of_the_members(events: list) -> None:
+    """An ask costs O(1), not a pass over a thousand nodes: the sums it reads are kept
+    as members change, and must equal a fresh pass (a long run resums them too)."""
+    job = _Job()
+    for what, node, used, waiting, largest in events * (1 + _RESUM // max(len(events), 1)):
+        if what == "ask":
+            job.ask(node, used, waiting, largest)
+        elif what == "arrive":
+            job.arrive(node)
+        elif what == "expire":
+            job.expire(node)
+        else:
+            job.pool_want(used, waiting, largest)
+        fresh = _Sums()
+        for name, member in job.book._members.items():
+            fresh.add(member, name == POOL, PERIOD, 1.0)
+        kept = job.book._sums
+        for field in ("want", "waiting", "calm", "rate", "burst"):
+            assert getattr(kept, field) == pytest.approx(getattr(fresh, field), abs=1e-6)
