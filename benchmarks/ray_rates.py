@@ -53,7 +53,7 @@ from typing import Any
 import anyio
 
 import tangram
-from tangram._core._stats import nearest_rank
+from tangram._core._stats import most_in_window, nearest_rank
 
 try:
     import ray
@@ -103,16 +103,6 @@ class Worker:
         return calls
 
 
-def _most_in_window(times: list[float], window: float) -> int:
-    times = sorted(times)
-    most, first = 0, 0
-    for last, at in enumerate(times):
-        while at - times[first] > window:
-            first += 1
-        most = max(most, last - first + 1)
-    return most
-
-
 async def _counters(remote: tray.RemoteRuntime) -> dict[str, float]:
     counters: dict[str, float] = await remote.actor.counters.remote()
     return counters
@@ -141,7 +131,7 @@ async def _arm(
     spans = sorted(running)
     ramp = sorted(span for span, at in calls if at < start)
     rate, burst = plan["rate"], plan["burst"]
-    most = _most_in_window([at for _, at in calls], 1.0)
+    most = int(most_in_window([at for _, at in calls], 1.0))
     return {
         "arm": "leased" if leased else "central",
         "calls": len(running),

@@ -1,9 +1,11 @@
-"""Helpers shared by the Ray test modules (no Ray import: they take a proxy)."""
+"""Helpers shared by the Ray test modules (Ray imported only where a helper needs it)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Awaitable, Callable
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,3 +42,34 @@ def work_dir_holding(root: str, text: str) -> str:
     ]
     assert len(found) == 1, (root, text, found)
     return found[0]
+
+
+@contextlib.contextmanager
+def two_node_cluster(namespace: str) -> Iterator[dict[str, Any]]:
+    """A head and two worker nodes (resources ``node_a``, ``node_b``), each its own
+    raylet on this machine, with this process connected; all shut down after."""
+    import ray
+    import ray.cluster_utils
+
+    started = time.monotonic()
+    nodes = ray.cluster_utils.Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
+    )
+    try:
+        a = nodes.add_node(num_cpus=1, resources={"node_a": 1})
+        b = nodes.add_node(num_cpus=1, resources={"node_b": 1})
+        ray.init(
+            address=nodes.address,
+            log_to_driver=False,
+            namespace=f"{namespace}-{uuid.uuid4().hex[:8]}",
+        )
+        nodes.wait_for_nodes()
+        yield {
+            "cluster": nodes,
+            "head": ray.get_runtime_context().get_node_id(),
+            "nodes": {"a": a, "b": b},
+            "started": time.monotonic() - started,
+        }
+    finally:
+        ray.shutdown()
+        nodes.shutdown()

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 import tangram
+from tangram._core._stats import most_in_window
 from tangram._quota._adapt import adapt_down, adapt_up, note_accepted
 from tangram._quota._keys import DEFAULT_HEADROOM, DEFAULT_JITTER, KeyState
 from tangram.quota import (
@@ -57,18 +58,6 @@ async def _burst(client: httpx.AsyncClient, n: int, **kwargs: object) -> list[in
     return codes
 
 
-def _max_in_window(times: list[float], window: float, weights: list[float]) -> float:
-    best = total = 0.0
-    j = 0
-    for i, t in enumerate(times):
-        total += weights[i]
-        while times[j] < t - window:
-            total -= weights[j]
-            j += 1
-        best = max(best, total)
-    return best
-
-
 async def _open(
     stack: AsyncExitStack, server: QuotaServer, quota: Quota, **capacity: object
 ) -> tuple[tangram.Runtime, httpx.AsyncClient]:
@@ -91,7 +80,7 @@ async def test_known_limits_hold_with_no_429() -> None:
     assert server.peak_in_flight["k"] <= 3
     times = [t for t, _, _ in server.accepted]
     for window in (0.1, 0.5, 1.0):
-        assert _max_in_window(times, window, [1.0] * len(times)) <= 40 * window + 10
+        assert most_in_window(times, window) <= 40 * window + 10
     assert held == 0
 
 
@@ -168,7 +157,7 @@ async def test_token_weighted_limit_holds_over_any_window() -> None:
     times = [t for t, _, _ in server.accepted]
     weights = [float(w) for _, _, w in server.accepted]
     for window in (0.1, 0.25, 0.5, 1.0, 2.0):
-        assert _max_in_window(times, window, weights) <= 4000 * window + 2000 + 1e-6
+        assert most_in_window(times, window, weights) <= 4000 * window + 2000 + 1e-6
 
 
 async def test_under_estimate_is_charged_after_the_response() -> None:

@@ -47,6 +47,17 @@ class _Job:
         self.book.drop(node)
         self.pool_want(0.0)
 
+    def play(self, what: str, node: str, used: float, waiting: float, largest: float) -> None:
+        """One drawn event: an ask, an answer arriving, a node expiring, the pool's want."""
+        if what == "ask":
+            self.ask(node, used, waiting, largest)
+        elif what == "arrive":
+            self.arrive(node)
+        elif what == "expire":
+            self.expire(node)
+        else:
+            self.pool_want(used, waiting, largest)
+
     def in_use(self) -> tuple[float, float]:
         rate = self.pool[0] + sum(r for r, _ in self.running.values())
         burst = self.pool[1] + sum(b for _, b in self.running.values())
@@ -83,15 +94,8 @@ _events = st.lists(
 @given(_events)
 def test_what_is_granted_from_never_passes_the_jobs_rate_or_burst(events: list) -> None:
     job = _Job()
-    for what, node, used, waiting, largest in events:
-        if what == "ask":
-            job.ask(node, used, waiting, largest)
-        elif what == "arrive":
-            job.arrive(node)
-        elif what == "expire":
-            job.expire(node)
-        else:
-            job.pool_want(used, waiting, largest)
+    for event in events:
+        job.play(*event)
         rate, burst = job.in_use()
         assert rate <= R + 1e-9 and burst <= B + 1e-9, (rate, burst)
         assert all(r >= 0 and b >= 0 for r, b in job.running.values())
@@ -183,15 +187,8 @@ def test_the_sums_kept_as_members_change_are_the_sums_of_the_members(events: lis
     """An ask costs O(1), not a pass over a thousand nodes: the sums it reads are kept
     as members change, and must equal a fresh pass (a long run resums them too)."""
     job = _Job()
-    for what, node, used, waiting, largest in events * (1 + _RESUM // max(len(events), 1)):
-        if what == "ask":
-            job.ask(node, used, waiting, largest)
-        elif what == "arrive":
-            job.arrive(node)
-        elif what == "expire":
-            job.expire(node)
-        else:
-            job.pool_want(used, waiting, largest)
+    for event in events * (1 + _RESUM // max(len(events), 1)):
+        job.play(*event)
         fresh = _Sums()
         for name, member in job.book._members.items():
             fresh.add(member, name == POOL, PERIOD, 1.0)

@@ -28,7 +28,7 @@ from typing import Any
 
 import anyio
 import pytest
-from ray_support import held, wait_for, work_dir_holding
+from ray_support import held, two_node_cluster, wait_for, work_dir_holding
 
 import tangram
 from tangram.errors import (
@@ -47,7 +47,6 @@ else:
     ray = pytest.importorskip("ray")
     torch = pytest.importorskip("torch")
 
-import ray.cluster_utils
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 import tangram.ray as tray
@@ -108,28 +107,8 @@ def _services(*names: str) -> list[Any]:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[dict[str, Any]]:
-    started = time.monotonic()
-    nodes = ray.cluster_utils.Cluster(
-        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
-    )
-    try:
-        a = nodes.add_node(num_cpus=1, resources={"node_a": 1})
-        b = nodes.add_node(num_cpus=1, resources={"node_b": 1})
-        ray.init(
-            address=nodes.address,
-            log_to_driver=False,
-            namespace=f"tangram-cluster-{uuid.uuid4().hex[:8]}",
-        )
-        nodes.wait_for_nodes()
-        yield {
-            "cluster": nodes,
-            "head": ray.get_runtime_context().get_node_id(),
-            "nodes": {"a": a, "b": b},
-            "started": time.monotonic() - started,
-        }
-    finally:
-        ray.shutdown()
-        nodes.shutdown()
+    with two_node_cluster("tangram-cluster") as nodes:
+        yield nodes
 
 
 @pytest.fixture(scope="module")

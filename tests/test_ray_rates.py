@@ -25,8 +25,10 @@ from typing import Any
 
 import anyio
 import pytest
+from ray_support import two_node_cluster
 
 import tangram
+from tangram._core._stats import most_in_window
 from tangram.errors import SchedulerUnavailableError
 
 if os.environ.get("CI"):
@@ -34,7 +36,6 @@ if os.environ.get("CI"):
 else:
     ray = pytest.importorskip("ray")
 
-import ray.cluster_utils
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 import tangram.ray as tray
@@ -55,22 +56,8 @@ def anyio_backend() -> str:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[dict[str, Any]]:
-    nodes = ray.cluster_utils.Cluster(
-        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
-    )
-    try:
-        a = nodes.add_node(num_cpus=1, resources={"node_a": 1})
-        b = nodes.add_node(num_cpus=1, resources={"node_b": 1})
-        ray.init(
-            address=nodes.address,
-            log_to_driver=False,
-            namespace=f"tangram-rates-{uuid.uuid4().hex[:8]}",
-        )
-        nodes.wait_for_nodes()
-        yield {"head": ray.get_runtime_context().get_node_id(), "nodes": {"a": a, "b": b}}
-    finally:
-        ray.shutdown()
-        nodes.shutdown()
+    with two_node_cluster("tangram-rates") as nodes:
+        yield nodes
 
 
 @pytest.fixture
@@ -149,16 +136,6 @@ def _on(job: dict[str, Any], host: str) -> Any:
     ).remote()
 
 
-def _most_in_window(times: list[float], window: float) -> int:
-    times = sorted(times)
-    most, start = 0, 0
-    for end, at in enumerate(times):
-        while at - times[start] > window:
-            start += 1
-        most = max(most, end - start + 1)
-    return most
-
-
 async def test_api_calls_are_granted_on_their_node_within_the_jobs_rate(
     job: dict[str, Any],
 ) -> None:
@@ -178,7 +155,7 @@ async def test_api_calls_are_granted_on_their_node_within_the_jobs_rate(
     # windows allow that much (50 ms) of rate on top.
     slack = 0.05 * RATE
     for window in (0.25, 0.5, 1.0, 2.0):
-        most = _most_in_window(grants, window)
+        most = most_in_window(grants, window)
         assert most <= BURST + RATE * window + slack, (window, most)
     assert len(grants) >= 0.6 * RATE * seconds, len(grants)  # the leases do not starve it
     shares = sorted(len(result["grants"]) for result in results)
@@ -203,7 +180,7 @@ async def test_a_busy_node_is_lent_what_an_idle_node_does_not_use(job: dict[str,
     late = [at for at in result["grants"] if at >= result["grants"][0] + 1.5]
     rate = len(late) / (seconds - 1.5)
     assert rate >= 0.75 * RATE, rate
-    assert _most_in_window(result["grants"], 1.0) <= BURST + RATE * 1.0 + 0.05 * RATE
+    assert most_in_window(result["grants"], 1.0) <= BURST + RATE * 1.0 + 0.05 * RATE
 
 
 async def test_calls_from_a_node_without_an_agent_share_the_rate(job: dict[str, Any]) -> None:
@@ -215,7 +192,7 @@ async def test_calls_from_a_node_without_an_agent_share_the_rate(job: dict[str, 
     )
     assert results[0]["at_home"] and not results[1]["at_home"]
     grants = [at for result in results for at in result["grants"]]
-    assert _most_in_window(grants, 1.0) <= BURST + RATE * 1.0 + 0.05 * RATE
+    assert most_in_window(grants, 1.0) <= BURST + RATE * 1.0 + 0.05 * RATE
     assert len(results[1]["grants"]) >= 0.2 * len(grants), [len(r["grants"]) for r in results]
 
 

@@ -11,7 +11,7 @@ import pytest
 from conftest import wait_until
 
 import tangram
-from tangram._core._stats import Outcome, Recorder, Summary
+from tangram._core._stats import Outcome, Recorder, Summary, most_in_window
 
 
 def summary(values: list[float]) -> Summary:
@@ -133,3 +133,13 @@ async def test_runtime_stats_while_running() -> None:
         assert stats.kinds["judge"].completed == 1
         assert stats.resources["cpu"].peak == 4
         assert stats.resources["cpu"].utilisation == 0
+
+
+def test_most_in_window_counts_the_densest_stretch_whatever_the_order() -> None:
+    times = [5.0, 0.0, 0.4, 0.5, 3.0, 0.9, 1.6]
+    assert most_in_window(times, 1.0) == 4  # 0.0, 0.4, 0.5, 0.9
+    assert most_in_window(times, 0.1) == 2  # 0.4 and 0.5
+    assert most_in_window(times, 10.0) == len(times)
+    weights = [1.0, 1.0, 1.0, 1.0, 50.0, 1.0, 1.0]
+    assert most_in_window(times, 1.0, weights) == 50.0
+    assert most_in_window([], 1.0) == 0.0

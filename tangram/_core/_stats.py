@@ -161,6 +161,23 @@ class Timed(Protocol):
     finished_at: float
 
 
+def most_in_window(
+    times: Sequence[float], window: float, weights: Sequence[float] | None = None
+) -> float:
+    """The most units (one per time, unless weighted) at times within ``window`` of each
+    other: what a rate limit of ``burst + rate x window`` is judged against."""
+    order = sorted(range(len(times)), key=times.__getitem__)
+    best = total = 0.0
+    first = 0
+    for at in order:
+        total += 1.0 if weights is None else weights[at]
+        while times[order[first]] < times[at] - window:
+            total -= 1.0 if weights is None else weights[order[first]]
+            first += 1
+        best = max(best, total)
+    return best
+
+
 def split(lease: Timed) -> tuple[float, float, float]:
     """An ended action's queue, overhead and exec seconds.
 
