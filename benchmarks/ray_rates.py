@@ -87,7 +87,7 @@ class Worker:
         calls: list[tuple[float, float]] = []
         async with tray.connect(name=NAME, create=False) as remote:
             if not leased:
-                remote._unlent.add("api")  # the path before: the job's actor decides
+                remote._unlent.add(frozenset({"api"}))  # the path before: the job's actor decides
             await anyio.sleep(max(0.0, start - time.time()))
 
             async def loop() -> None:

@@ -244,6 +244,24 @@ def test_a_limit_never_raises_a_rate_past_its_capacity() -> None:
     assert (ledger.rates["api"], ledger.bursts["api"]) == (3.0, 3.0)
 
 
+def test_a_limit_lapses_at_its_time_and_grants_nothing_saved_before() -> None:
+    """A node's share is good until its lease runs out; a loop that stalled past that
+    must not grant from the tokens it saved or refilled meanwhile when it wakes."""
+    cap = {"api": Rate(10.0, burst=10.0)}
+    ledger = ledger_for(cap)
+    ledger.limit_rate("api", 0.0, 0.0, 0.0)
+    ledger.limit_rate("api", 10.0, 10.0, 0.0, until=1.0)
+    entries = [ledger.submit(make_action({"api": 1}, cap), 0.9) for _ in range(5)]
+    assert len(ledger.step(0.9).admits) == 5  # 9 tokens saved by then
+    late = [ledger.submit(make_action({"api": 1}, cap), 3.0) for _ in range(5)]
+    plan = ledger.step(3.0)  # woke long past the limit's time
+    assert plan.admits == [] and plan.wake_at is None
+    assert ledger.tokens["api"] == 0.0 and ledger.rates["api"] == 0.0
+    ledger.limit_rate("api", 10.0, 10.0, 3.0, until=5.0)  # lent again: from nothing
+    assert ledger.step(3.05).admits == [] and ledger.step(3.1).admits == [(late[0], 0)]
+    assert all(entry.state == RUNNING for entry in entries)
+
+
 def test_a_withdrawn_waiter_is_no_longer_wanted() -> None:
     cap = {"api": Rate(1.0, burst=1.0)}
     ledger = ledger_for(cap)

@@ -195,3 +195,37 @@ def test_the_sums_kept_as_members_change_are_the_sums_of_the_members(events: lis
         kept = job.book._sums
         for field in ("want", "waiting", "calm", "rate", "burst"):
             assert getattr(kept, field) == pytest.approx(getattr(fresh, field), abs=1e-6)
+
+
+def test_no_node_holds_a_burst_another_nodes_largest_call_needs() -> None:
+    """Two nodes whose calls are 6 of a burst of 10: both cannot hold 6 at once, so
+    neither is raised past its part (5), and their calls of 6 go to the job's actor,
+    whose own burst reaches them in turn. Raising one would starve the other for good."""
+    job = _Job(rate=10.0, burst=10.0)
+    for _ in range(6):
+        for node in ("a", "b"):
+            job.ask(node, 5.0, 12.0, largest=6.0)
+            job.arrive(node)
+    assert job.running["a"][1] == pytest.approx(5.0)
+    assert job.running["b"][1] == pytest.approx(5.0)
+    job.pool_want(0.0, 6.0, 6.0)
+    assert job.book._target(job.book._members[POOL])[1] == pytest.approx(6.0)
+
+
+def test_a_lone_nodes_burst_reaches_its_largest_call() -> None:
+    job = _Job(rate=10.0, burst=10.0)
+    for _ in range(4):
+        job.ask("a", 1.0, 0.5, largest=6.0)
+        job.arrive("a")
+    assert job.running["a"][1] == pytest.approx(6.0)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), -5.0])
+def test_an_ask_with_a_number_that_is_not_a_count_is_read_as_nothing(bad: float) -> None:
+    job = _Job()
+    job.settle({"a": (10.0, 0.0)})
+    job.ask("b", bad, bad, bad)
+    job.arrive("b")
+    assert job.running["b"] == (0.0, 0.0)
+    job.ask("a", 10.0)
+    assert job.flight["a"][0] == pytest.approx(HEADROOM * 10.0)

@@ -29,7 +29,7 @@ from ray_support import two_node_cluster
 
 import tangram
 from tangram._core._stats import most_in_window
-from tangram.errors import SchedulerUnavailableError
+from tangram.errors import SchedulerUnavailableError, WaitTimeoutError
 
 if os.environ.get("CI"):
     import ray
@@ -96,7 +96,9 @@ async def job(cluster: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
 class Caller:
     """A rollout process that makes API calls back to back, timing each grant."""
 
-    async def call(self, scheduler: str, seconds: float, concurrency: int = 4) -> dict[str, Any]:
+    async def call(
+        self, scheduler: str, seconds: float, concurrency: int = 4, amount: float = 1.0
+    ) -> dict[str, Any]:
         grants: list[float] = []
         async with tray.connect(
             name=scheduler, create=False, heartbeat=HEARTBEAT, lease_timeout=LEASE_TIMEOUT
@@ -105,7 +107,7 @@ class Caller:
 
             async def loop() -> None:
                 while time.time() < deadline:
-                    async with remote.acquire({"api": 1}, kind="search"):
+                    async with remote.acquire({"api": amount}, kind="search"):
                         grants.append(time.time())
 
             async with anyio.create_task_group() as tg:
@@ -126,6 +128,18 @@ class Caller:
                 return "SchedulerUnavailableError"
             except Exception as exc:
                 return f"{type(exc).__name__}: {exc}"
+        return "granted"
+
+    async def too_soon(self, scheduler: str) -> str:
+        """A call whose wait runs out before its node is lent anything: the error."""
+        async with tray.connect(
+            name=scheduler, create=False, heartbeat=HEARTBEAT, lease_timeout=LEASE_TIMEOUT
+        ) as remote:
+            try:
+                async with remote.acquire({"api": BURST}, kind="search", wait_timeout=1e-6):
+                    pass
+            except WaitTimeoutError as exc:
+                return str(exc)
         return "granted"
 
 
@@ -213,6 +227,51 @@ async def test_a_node_that_stops_calling_gives_its_share_back_at_once(
     assert not result["at_home"]
     late = [at for at in result["grants"] if at >= result["grants"][0] + 1.0]
     assert len(late) / (seconds - 1.0) >= 0.75 * RATE
+
+
+async def test_calls_larger_than_a_nodes_burst_are_served_in_turn(job: dict[str, Any]) -> None:
+    """Calls of 6 on a burst of 10 from two busy nodes: both cannot hold 6 of the burst
+    at once, so neither node's burst is raised to it; their calls go on to the job's
+    actor, where one line serves them in turn. Neither node starves, and every window
+    stays within the rate (counted in units)."""
+    seconds, amount = 4.0, 6.0
+    results = await anyio.to_thread.run_sync(
+        lambda: ray.get(
+            [_on(job, h).call.remote(job["name"], seconds, 3, amount) for h in ("a", "b")]
+        )
+    )
+    counts = sorted(len(result["grants"]) for result in results)
+    grants = [at for result in results for at in result["grants"]]
+    assert counts[0] >= 0.3 * len(grants), counts
+    assert len(grants) * amount >= 0.5 * RATE * seconds, counts
+    for window in (0.5, 1.0, 2.0):
+        units = most_in_window(grants, window) * amount
+        assert units <= BURST + RATE * window + 0.05 * RATE + amount, (window, units)
+
+
+async def test_a_rate_raised_at_the_jobs_actor_reaches_its_nodes(job: dict[str, Any]) -> None:
+    """The job's burst raised from 10 to 50 while its nodes hold shares: a node's call
+    of 30, over the burst the node last heard of, is served (by the job's actor), and
+    the node learns the new burst at its next ask, as the calls that follow show."""
+    remote: tray.RemoteRuntime = job["remote"]
+    warm = await anyio.to_thread.run_sync(
+        lambda: ray.get(_on(job, "a").call.remote(job["name"], 1.0))
+    )
+    assert warm["at_home"]
+    await remote.set_capacity({"api": tangram.Rate(RATE, burst=50.0)})
+    big = await anyio.to_thread.run_sync(
+        lambda: ray.get(_on(job, "a").call.remote(job["name"], 2.0, 1, 30.0))
+    )
+    assert len(big["grants"]) >= 3, big["grants"]
+
+
+async def test_a_nodes_errors_name_the_jobs_kinds(job: dict[str, Any]) -> None:
+    """A wait that runs out on a node's share says ``api``, as the job's actor would,
+    not the node's own kind for its share."""
+    text = await anyio.to_thread.run_sync(
+        lambda: ray.get(_on(job, "a").too_soon.remote(job["name"]))
+    )
+    assert "api" in text and "@" not in text, text
 
 
 async def test_the_jobs_actor_dying_fails_a_nodes_api_calls_loudly(

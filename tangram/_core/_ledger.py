@@ -45,7 +45,9 @@ class Ledger:
         self.tokens: dict[str, float] = {}
         # A rate budget's refill and cap may sit below its capacity's while part of it is
         # lent elsewhere (``limit_rate``); demands are still judged by the capacity's.
-        self._limits: dict[str, tuple[float, float]] = {}
+        # Each limit holds until a time: a lent share is good only so long (``limit_rate``).
+        self._limits: dict[str, tuple[float, float, float]] = {}
+        self._limited_until = math.inf  # the first such time
         # Per rate kind: units taken so far, and units the waiting entries ask for. What a
         # lender of the budget reads to size this scheduler's share of it.
         self.spent: dict[str, float] = {}
@@ -167,6 +169,8 @@ class Ledger:
     def step(self, now: float) -> Plan:
         """Ask the policy what to do now and apply it."""
         self.now = now
+        if now > self._limited_until:
+            self._expire_limits(now)
         if self.rates:
             self._refill(now)
         if self._queue.next_due() <= now:
@@ -185,22 +189,39 @@ class Ledger:
         self.evictions += plan.evicted
         return plan
 
-    def limit_rate(self, kind: str, per_second: float, burst: float, now: float) -> None:
-        """Refill ``kind`` at ``per_second`` up to ``burst``, at most its capacity's.
+    def limit_rate(
+        self, kind: str, per_second: float, burst: float, now: float, until: float = math.inf
+    ) -> None:
+        """Refill ``kind`` at ``per_second`` up to ``burst``, at most its capacity's, until
+        ``until``; then nothing, and nothing saved, until limited again.
 
         The rest of the budget is lent elsewhere (another node's share of a job's API
-        rate): saved-up tokens above the new cap are dropped, none are added, and no
-        waiter is failed, since the capacity, which decides what can ever fit, is unchanged.
-        A rate of zero stops the refill.
+        rate, good until its lease runs out): saved-up tokens above the new cap are
+        dropped, none are added, and no waiter is failed, since the capacity, which
+        decides what can ever fit, is unchanged. A rate of zero stops the refill. The
+        time is checked at each step, before any grant, so a loop that stalled past it
+        grants nothing from the lapsed share when it wakes.
         """
         self._refill(now)
-        self._limits[kind] = (per_second, burst)
+        self._limits[kind] = (per_second, burst, until)
+        self._limited_until = min(self._limited_until, until)
         resource = self.capacity.get(kind)
         if resource is not None:  # else it starts so when installed: empty, at this cap
             self._limit(kind, resource.total, resource.burst)
 
+    def _expire_limits(self, now: float) -> None:
+        self._limited_until = math.inf
+        for kind, (_, _, until) in list(self._limits.items()):
+            if until < now:
+                self._limits[kind] = (0.0, 0.0, math.inf)
+                if kind in self.rates:
+                    self.tokens[kind] = 0.0
+                    self._limit(kind, self.capacity[kind].total, self.capacity[kind].burst)
+            else:
+                self._limited_until = min(self._limited_until, until)
+
     def _limit(self, kind: str, total: float, burst: float) -> None:
-        per_second, cap = self._limits.get(kind, (total, burst))
+        per_second, cap, _ = self._limits.get(kind, (total, burst, math.inf))
         self.rates[kind] = min(total, per_second)
         self.bursts[kind] = min(burst, cap)
         self.tokens[kind] = min(self.tokens.get(kind, self.bursts[kind]), self.bursts[kind])

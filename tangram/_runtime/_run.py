@@ -497,14 +497,17 @@ class Runtime(RunMixin):
                 )
         self._reschedule()
 
-    def _limit_rate(self, kind: str, per_second: float, burst: float) -> None:
-        """Refill rate budget ``kind`` at ``per_second`` up to ``burst`` (the rest is lent).
+    def _limit_rate(
+        self, kind: str, per_second: float, burst: float, until: float = math.inf
+    ) -> None:
+        """Refill rate budget ``kind`` at ``per_second`` up to ``burst`` until ``until``
+        (this loop's clock), the rest being lent elsewhere.
 
         For the shared layer, which lends a job's API rate to its nodes
         (:mod:`tangram._shared._rates`); see :meth:`Ledger.limit_rate`.
         """
         now = self._now() if self._state is _State.RUNNING else self._ledger.now
-        self._ledger.limit_rate(kind, per_second, burst, now)
+        self._ledger.limit_rate(kind, per_second, burst, now, until)
         self._reschedule()
 
     def _rate_use(self, kind: str) -> tuple[float, float]:

@@ -259,9 +259,8 @@ class HostAgentActor:
                 if self._cores is not None and kinds:
                     self._rates = NodeRates(
                         self._cores,
+                        remote,
                         self._name,
-                        self._scheduler,
-                        remote._id,
                         kinds,
                         period=remote._heartbeat,
                         timeout=remote._lease_timeout,

@@ -7,9 +7,15 @@ policy, so a call that needs nothing but API rates never messages the job's acto
 agent asks for its share again every heartbeat while it holds or wants one, saying what
 it used and what waits, and at once when a call waits with no share that could serve it.
 
-A share is good for the lease timeout from when its ask was sent; the job's actor
-forgets it a timeout after the ask arrived, later. An agent not answered in time stops
-granting from it. One whose job's actor is gone fails its waiting and later calls with
+A call larger than the node's burst (a share's burst is its rate's part of the job's) is
+sent on to the job's actor through the agent's own proxy, where one line serves large
+calls in turn; so is one larger than the job's burst as this node last heard it (the
+job's actor judges it against the capacity as it is now).
+
+A share is good for the lease timeout from when its ask was sent, and the node's
+runtime stops granting from it then, at its next decision, even after a stall; the
+job's actor forgets it a timeout after the ask arrived, later. An agent whose job's
+actor is gone fails its waiting and later calls with
 :class:`~tangram.errors.SchedulerUnavailableError`, as the job actor's own leases do.
 """
 
@@ -18,14 +24,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import time
 from collections.abc import Mapping
 from typing import Any
 
+import anyio
+
 from .._core._resources import Rate, Resource, Shape
-from .._runtime._lease import Lease
 from .._runtime._run import Runtime
-from ..errors import SchedulerUnavailableError
+from ..errors import SchedulerUnavailableError, TangramError
 from ._protocol import CANCELLED, COMPLETED, FAILED, died, logger, lost, task_failed
 
 __all__ = ["NodeRates", "lent_kinds"]
@@ -48,17 +54,20 @@ def lent_kinds(capacity: Mapping[str, Resource]) -> dict[str, Resource]:
 
 
 class _Take:
-    """One worker call on this node's shares: waiting, then held until given back."""
+    """One worker call: waiting on this node's shares (or the job's actor), then held
+    until the worker gives it back."""
 
-    __slots__ = ("cid", "demand", "done", "granted", "outcome", "task")
+    __slots__ = ("cid", "demand", "done", "forward", "granted", "local", "outcome", "scope")
 
-    def __init__(self, cid: str, demand: dict[str, float]) -> None:
+    def __init__(self, cid: str, demand: dict[str, float], local: dict[str, float]) -> None:
         self.cid = cid
-        self.demand = demand
-        self.granted: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
+        self.demand = demand  # in the job's kinds
+        self.local = local  # in this node's
+        self.granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.done = asyncio.Event()
         self.outcome = COMPLETED
-        self.task: asyncio.Task[None] | None = None
+        self.forward = False  # sent on to the job's actor
+        self.scope: anyio.CancelScope | None = None  # its wait on this node's runtime
 
 
 class NodeRates:
@@ -67,27 +76,26 @@ class NodeRates:
     def __init__(
         self,
         runtime: Runtime,
+        remote: Any,
         agent: str,
-        scheduler: Any,
-        cid: str,
         kinds: Mapping[str, Resource],
         period: float,
         timeout: float,
     ) -> None:
         self._runtime = runtime
-        self._scheduler = scheduler
-        self._cid = cid
+        self._remote = remote  # the agent's proxy on the job's actor
         self._period = period
         self._timeout = timeout
         self._local = {kind: f"{kind}@{agent}" for kind in kinds}
         self._kinds = {local: kind for kind, local in self._local.items()}
+        self._capacity = {kind: (res.total, res.burst) for kind, res in kinds.items()}
         self._tasks: set[asyncio.Task[None]] = set()
         self._applied: dict[str, Share] = dict.fromkeys(kinds, (0.0, 0.0))
         self._reported: dict[str, Share] = dict(self._applied)  # in the last ask
         self._grew = False  # the last answer raised a share
         self._spent: dict[str, float] = dict.fromkeys(kinds, 0.0)
-        self._asked_at = time.monotonic()
-        self._good_until = -math.inf
+        self._loop = asyncio.get_running_loop()  # the runtime's clock
+        self._asked_at = self._loop.time()
         self._takes: dict[tuple[str, int], _Take] = {}
         self._wake = asyncio.Event()
         self._error: BaseException | None = None
@@ -116,28 +124,42 @@ class NodeRates:
         if not demand or any(name not in self._local for name in demand):
             return None
         if self._error is not None:
-            raise SchedulerUnavailableError(
-                f"the job's scheduler is gone; its API rates are no longer lent: {self._error}"
-            )
-        local = {self._local[name]: float(amount) for name, amount in demand.items()}
-        take = _Take(cid, local)
+            raise self._gone()
+        wanted = {name: float(amount) for name, amount in demand.items()}
+        take = _Take(cid, wanted, {self._local[name]: a for name, a in wanted.items()})
+        take.forward = any(
+            amount > self._capacity[name][1] or self._too_big(name, amount)
+            for name, amount in wanted.items()
+        )
         key = (cid, request)
         self._takes[key] = take
         task = asyncio.ensure_future(self._hold(take, kind, trajectory, estimate, wait_timeout))
-        take.task = task
         self._tasks.add(task)  # the loop holds tasks weakly
         task.add_done_callback(self._tasks.discard)
-        if any(
-            self._applied[name][0] <= 0 or self._applied[name][1] < amount
-            for name, amount in demand.items()
-        ):
-            self._wake.set()  # no share could serve it: ask now, not at the next beat
+        if not take.forward and any(self._applied[name][0] <= 0 for name in wanted):
+            self._wake.set()  # no share to serve it: ask now, not at the next beat
         try:
             await asyncio.shield(take.granted)
+        except TangramError as exc:
+            self._end(key, CANCELLED)
+            raise self._named(exc) from None
         except BaseException:
             self._end(key, CANCELLED)
             raise
-        return {name: float(amount) for name, amount in demand.items()}
+        return wanted
+
+    def _too_big(self, name: str, amount: float) -> bool:
+        """Whether this node's share has a rate but a burst too small for ``amount``."""
+        rate, burst = self._applied[name]
+        return rate > 0 and amount > burst
+
+    def _named(self, exc: TangramError) -> TangramError:
+        """The error as the job's actor would word it: the job's kinds, not the node's."""
+        text = str(exc)
+        for local, name in self._kinds.items():
+            text = text.replace(f"'{local}'", f"'{name}'").replace(local, name)
+        exc.args = (text,)
+        return exc
 
     async def _hold(
         self,
@@ -147,27 +169,65 @@ class NodeRates:
         estimate: float | None,
         wait_timeout: float | None,
     ) -> None:
-        """Hold the node runtime's lease until the worker gives it back, with its outcome."""
+        """Wait for the call's grant, here or at the job's actor, and hold it until the
+        worker gives it back, ending with the worker's outcome."""
+        options: dict[str, Any] = {
+            "kind": kind,
+            "trajectory": trajectory,
+            "estimate": estimate,
+            "wait_timeout": wait_timeout,
+        }
         try:
-            async with self._runtime.acquire(
-                take.demand,
-                kind=kind,
-                trajectory=trajectory,
-                estimate=estimate,
-                wait_timeout=wait_timeout,
-            ) as lease:
-                take.granted.set_result(lease)
-                await take.done.wait()
-                if take.outcome == FAILED:
-                    raise _Failed
-                if take.outcome == CANCELLED:
-                    raise asyncio.CancelledError
+            if not take.forward:
+                with anyio.CancelScope() as scope:
+                    take.scope = scope
+                    async with self._runtime.acquire(take.local, **options):
+                        take.scope = None
+                        await self._held(take)
+                if not take.forward or take.granted.done():
+                    return  # held and given back, or given up while it waited
+            # Sent on: too large for this node's share, or cut below it while it waited.
+            known = self._remote.capacity
+            if any(amount > known[name].burst for name, amount in take.demand.items()):
+                await self._refresh()  # over the job's burst as its proxy heard it: ask
+            with anyio.CancelScope() as scope:
+                take.scope = scope
+                async with self._remote.acquire(take.demand, **options):
+                    take.scope = None
+                    await self._held(take)
         except (_Failed, asyncio.CancelledError):
             if not take.granted.done():
                 take.granted.cancel()
         except Exception as exc:  # the wait failed (timed out, capacity changed): say so
             if not take.granted.done():
                 take.granted.set_exception(exc)
+
+    async def _refresh(self) -> None:
+        """Learn the job's rates as they are now (a rate changed at the job's actor)."""
+        await self._remote._refresh()
+        self._learn(
+            {
+                name: (res.total, res.burst)
+                for name, res in self._remote.capacity.items()
+                if name in self._capacity and res.shape is Shape.RATE
+            }
+        )
+
+    def _learn(self, capacity: Mapping[str, tuple[float, float]]) -> None:
+        for name, (total, burst) in capacity.items():
+            if (total, burst) != self._capacity[name]:
+                self._capacity[name] = (total, burst)
+                self._runtime.set_capacity({self._local[name]: Rate(total, burst=burst)})
+
+    @staticmethod
+    async def _held(take: _Take) -> None:
+        if not take.granted.done():
+            take.granted.set_result(None)
+        await take.done.wait()
+        if take.outcome == FAILED:
+            raise _Failed
+        if take.outcome == CANCELLED:
+            raise asyncio.CancelledError
 
     def give(self, cid: str, request: int, outcome: int) -> None:
         """A worker's call ended (or its wait was given up): its grant goes back."""
@@ -179,13 +239,25 @@ class NodeRates:
             return
         take.outcome = outcome
         take.done.set()
-        if not take.granted.done() and take.task is not None:
-            take.task.cancel()
+        if not take.granted.done():
+            take.granted.cancel()
+            if take.scope is not None:
+                take.scope.cancel()
 
     def forget(self, cid: str) -> None:
         """Worker ``cid`` is gone: end its calls, waiting or held."""
         for key in [key for key in self._takes if key[0] == cid]:
             self._end(key, CANCELLED)
+
+    def _send_on(self) -> None:
+        """Send calls waiting here that the node's share can no longer hold to the job's
+        actor: a cut burst would leave them waiting for good."""
+        for take in self._takes.values():
+            if take.granted.done() or take.forward or take.scope is None:
+                continue
+            if any(self._too_big(name, amount) for name, amount in take.demand.items()):
+                take.forward = True
+                take.scope.cancel()
 
     # -- asking the job's actor -----------------------------------------------------------
 
@@ -195,9 +267,8 @@ class NodeRates:
         elapsed = max(now - self._asked_at, self._period / RAMP)
         largest: dict[str, float] = dict.fromkeys(self._local, 0.0)
         for take in self._takes.values():
-            if not take.granted.done():
-                for local, amount in take.demand.items():
-                    name = self._kinds[local]
+            if not take.granted.done() and not take.forward:
+                for name, amount in take.demand.items():
                     largest[name] = max(largest[name], amount)
         wants = {}
         for name, local in self._local.items():
@@ -235,58 +306,52 @@ class NodeRates:
                 logger.exception("the job's actor failed to lend this node its API rates")
 
     async def _ask(self) -> None:
-        sent = time.monotonic()
-        if sent > self._good_until:
-            self._apply(dict.fromkeys(self._local, (0.0, 0.0)))
+        sent = self._loop.time()
         wants = self._wants(sent)
         self._reported = dict(self._applied)
         for name in self._local:
             self._spent[name] = self._runtime._rate_use(self._local[name])[0]
         self._asked_at = sent
         self.asks += 1
-        call = self._scheduler.lend_rates.remote(self._cid, wants)
-        # A share is good until a timeout after the ask that lent it was sent: stop
-        # granting from it then, answered or not (the job's actor may be stuck).
-        left = self._good_until - sent if self._good_until > sent else None
+        until = sent + self._timeout  # what it lends is good so long, answered or not
+        call = self._remote.actor.lend_rates.remote(self._remote.client_id, wants)
         try:
-            shares = await asyncio.wait_for(_answer(call), left)
+            shares = await asyncio.wait_for(_answer(call), self._timeout)
         except TimeoutError:
-            self._apply(dict.fromkeys(self._local, (0.0, 0.0)))
-            return
+            return  # the shares lapse in the node's runtime at their time
         except task_failed() as exc:
             raise exc.cause from exc
         except lost() as exc:
             if died(exc):
                 self._lose(exc)
             return
-        self._good_until = sent + self._timeout
-        self._apply({name: (float(r), float(b)) for name, (r, b) in shares.items()})
+        if self._loop.time() >= until:
+            return  # answered too late to be used
+        self._learn({name: (total, burst) for name, (_, _, total, burst) in shares.items()})
+        self._apply({name: (float(r), float(b)) for name, (r, b, _, _) in shares.items()}, until)
 
-    def _apply(self, shares: Mapping[str, Share]) -> None:
+    def _apply(self, shares: Mapping[str, Share], until: float = math.inf) -> None:
         self._grew = any(
             rate > RAMPING * self._applied[name][0] for name, (rate, _) in shares.items()
         )
         for name, (rate, burst) in shares.items():
-            if (rate, burst) != self._applied[name]:
-                self._runtime._limit_rate(self._local[name], rate, burst)
-                self._applied[name] = (rate, burst)
+            self._runtime._limit_rate(self._local[name], rate, burst, until)
+            self._applied[name] = (rate, burst)
+        self._send_on()
+
+    def _gone(self) -> SchedulerUnavailableError:
+        return SchedulerUnavailableError(
+            f"the job's scheduler is gone; its API rates are no longer lent: {self._error}"
+        )
 
     def _lose(self, exc: BaseException) -> None:
         """The job's actor is gone: nothing is lent any more; fail what waits."""
         self._error = exc
         self._apply(dict.fromkeys(self._local, (0.0, 0.0)))
-        error = SchedulerUnavailableError(
-            f"the job's scheduler is gone; its API rates are no longer lent: {exc}"
-        )
         for key, take in list(self._takes.items()):
             if not take.granted.done():
-                take.granted.set_exception(error)
+                take.granted.set_exception(self._gone())
                 self._end(key, CANCELLED)
-
-    def lost(self, exc: BaseException) -> None:
-        """Called by the agent when its proxy on the job's actor failed."""
-        if self._error is None:
-            self._lose(exc)
 
 
 async def _answer(call: Any) -> Any:

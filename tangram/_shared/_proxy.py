@@ -209,9 +209,9 @@ class RemoteRuntime(RunMixin):
         self._lease_timeout = DEFAULT_TIMEOUT  # the scheduler's, once attached
         # Calls on API rates alone go to this node's agent, which grants them from its
         # share (:mod:`._node_rates`): the agent each such lease is given back to, and
-        # the kinds an agent said it is not lent.
+        # the sets of kinds an agent said it is not lent (all of them, together).
         self._taken: dict[int, Any] = {}
-        self._unlent: set[str] = set()
+        self._unlent: set[frozenset[str]] = set()
         self._gives: dict[int, tuple[Any, int]] = {}  # given back, not yet sent
         self._requests = itertools.count(1)
         self._submits: dict[int, tuple[Any, ...]] = {}
@@ -343,9 +343,9 @@ class RemoteRuntime(RunMixin):
         if demand.elastic is not None or not demand.rigid:
             return False
         capacity = self._actions.capacity
-        return all(
-            kind not in self._unlent and capacity[kind].shape is Shape.RATE
-            for kind, _ in demand.rigid
+        kinds = frozenset(kind for kind, _ in demand.rigid)
+        return kinds not in self._unlent and all(
+            capacity[kind].shape is Shape.RATE for kind in kinds
         )
 
     async def _enter_local(
@@ -368,7 +368,7 @@ class RemoteRuntime(RunMixin):
             self._give_back(agent, request_id, CANCELLED)  # withdrawn, or granted meanwhile
             raise
         if grant is None:
-            self._unlent.update(demand)
+            self._unlent.add(frozenset(demand))
             return None
         self._taken[request_id] = agent
         return RemoteLease(action, -request_id, grant, None, queued_at, anyio.current_time())

@@ -25,14 +25,20 @@ The rules, kept here so the book is the one place they live (pure: times are pas
   waiting call. The job's actor (``POOL``: workers with no deciding agent, and calls
   that need another kind too) is a member like any node; it keeps what the nodes are
   not lent, and its own share is applied at once, in process.
-- **A burst reaches the largest call waiting.** A node's burst is its share of the job's
-  burst, at least its largest waiting call when the job's burst allows.
+- **A burst reaches the largest call waiting, when every member's can at once.** A
+  member's burst is its rate's part of the job's burst, raised to its largest waiting
+  call only while the largest calls of all members fit in the job's burst together: a
+  raise that left another member's call no room would let one node hold the burst and
+  starve the other for good. Past that, a node sends a call larger than its burst to
+  the job's actor (:mod:`._node_rates`), whose own burst always reaches its largest
+  waiting call: one line there serves the large calls in turn.
 - **Silence frees a share.** A node not heard for the lease timeout is dropped and its
   share goes back; the node stops granting from it before then (:mod:`._node_rates`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import attrs
@@ -76,12 +82,14 @@ class _Sums:
     want: float = 0.0  # every member's want
     waiting: float = 0.0  # every member's waiting units
     calm: float = 0.0  # the use of the members with nothing waiting
+    largest: float = 0.0  # every member's largest waiting call
     rate: float = 0.0  # the nodes' held rates (not the job's actor's)
     burst: float = 0.0  # the nodes' held bursts
 
     def add(self, member: _Member, pool: bool, period: float, sign: float) -> None:
         self.want += sign * (member.used + member.waiting / period)
         self.waiting += sign * member.waiting
+        self.largest += sign * member.largest
         if member.waiting <= 0:
             self.calm += sign * member.used
         if not pool:
@@ -127,9 +135,8 @@ class RateBook:
             node = self._members[member] = _Member()
         else:
             self._sums.add(node, False, self.period, -1.0)
-        node.used, node.waiting = max(0.0, used), max(0.0, waiting)
-        node.largest = max(0.0, largest)
-        node.applied = applied
+        node.used, node.waiting, node.largest = _amount(used), _amount(waiting), _amount(largest)
+        node.applied = (_amount(applied[0]), _amount(applied[1]))
         node.heard = now
         self._sums.add(node, False, self.period, 1.0)
         rate, burst = self._target(node)
@@ -152,8 +159,7 @@ class RateBook:
         the nodes are not lent."""
         pool = self._members[POOL]
         self._sums.add(pool, True, self.period, -1.0)
-        pool.used, pool.waiting = max(0.0, used), max(0.0, waiting)
-        pool.largest = max(0.0, largest)
+        pool.used, pool.waiting, pool.largest = _amount(used), _amount(waiting), _amount(largest)
         self._sums.add(pool, True, self.period, 1.0)
         pool.granted = pool.applied = (
             max(0.0, self.rate - self._sums.rate),
@@ -205,6 +211,12 @@ class RateBook:
         else:  # saturated: the rest by waiting calls, as one line for the job would
             rate = max(0.0, self.rate - sums.calm) * member.waiting / max(sums.waiting, 1e-12)
         burst = self.burst * rate / self.rate
-        if member.largest > burst and rate > 0:
+        fits = member is self._members[POOL] or sums.largest <= self.burst
+        if member.largest > burst and rate > 0 and fits:
             burst = min(member.largest, self.burst)
         return rate, burst
+
+
+def _amount(value: float) -> float:
+    """A count the book can sum: a negative, NaN or infinite one is read as nothing."""
+    return value if math.isfinite(value) and value > 0 else 0.0

@@ -411,21 +411,22 @@ class SchedulerActor:
 
     async def lend_rates(
         self, cid: str, asks: dict[str, tuple[float, float, float, Share]]
-    ) -> dict[str, Share]:
+    ) -> dict[str, tuple[float, float, float, float]]:
         """A node's agent asks for its shares of the job's API rates: ``{kind: (units a
         second used, units waiting, largest waiting call, share it runs on)}``, answered
-        with ``{kind: share}``."""
+        with ``{kind: (rate, burst, the job's rate, the job's burst)}``: the share, and
+        the capacity it is a share of, which may have changed since the agent started."""
         self.messages += 1
         self.lends += 1
         runtime = await self._ready()
         now = time.monotonic()
-        shares: dict[str, Share] = {}
+        shares: dict[str, tuple[float, float, float, float]] = {}
         for kind, (used, waiting, largest, applied) in asks.items():
             book = self._rate_book(kind, runtime)
             if book is None:  # not a rate of this job (any more): nothing to lend
-                shares[kind] = (0.0, 0.0)
+                shares[kind] = (0.0, 0.0, *applied)
                 continue
-            shares[kind] = book.ask(
+            rate, burst = book.ask(
                 cid,
                 float(used),
                 float(waiting),
@@ -433,6 +434,7 @@ class SchedulerActor:
                 (float(applied[0]), float(applied[1])),
                 now,
             )
+            shares[kind] = (rate, burst, book.rate, book.burst)
             self._lend_pool(kind, book, runtime, now)
         return shares
 
@@ -599,4 +601,11 @@ class SchedulerActor:
     async def set_capacity(self, updates: dict[str, object]) -> Capacity:
         runtime = await self._ready()
         runtime.set_capacity(updates)
+        now = time.monotonic()
+        for kind in list(self._rates):
+            book = self._rate_book(kind, runtime)  # a changed rate: the nodes' next asks
+            if book is None:
+                del self._rates[kind]
+            else:
+                self._lend_pool(kind, book, runtime, now)
         return runtime.capacity
