@@ -17,7 +17,8 @@ What it measures
     - *quota*: 4 workers each running 8 loops of GET requests through a job's quota
       (``[quota.NAME]`` in shared mode: the job's actor sends them) to a loopback
       server with no limit: requests per second and the actor's CPU per request,
-      against the probe's action. No target: per-node quota leases are not built.
+      against the probe's action. No target: a quota's requests are still sent by the
+      job's actor (a capacity's API rates are lent to nodes: ``ray_rates.py``).
     - *sandbox*: a host agent on each of 1 to 8 nodes (the embedded local backend, 2
       cores each), and workers on those nodes whose trajectories each open a sandbox and
       run ``true`` in it back to back: the verl adapter's path. Twice: as shipped, with
@@ -386,7 +387,8 @@ async def _quota_arm(
 ) -> dict[str, Any]:
     """API requests through the job's quota, which its actor sends (a loopback server
     here, with no limit): what a quota request costs the job's actor, against the probe's
-    action. No target: the issue's per-node quota leases are not built."""
+    action. No target: a quota's requests, with their keys, retries and AIMD, are not
+    lent to nodes (a capacity's API rates are: ``ray_rates.py``)."""
     from tangram.testing import QuotaServer
 
     async with QuotaServer() as server:
