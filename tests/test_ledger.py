@@ -262,6 +262,17 @@ def test_a_limit_lapses_at_its_time_and_grants_nothing_saved_before() -> None:
     assert all(entry.state == RUNNING for entry in entries)
 
 
+def test_a_lapsed_limit_carries_nothing_into_the_next() -> None:
+    """No decision ran between the lapse and the next share: the refill up to the new
+    limit must not run at the lapsed one."""
+    cap = {"api": Rate(10.0, burst=10.0)}
+    ledger = ledger_for(cap)
+    ledger.limit_rate("api", 0.0, 0.0, 0.0)
+    ledger.limit_rate("api", 10.0, 10.0, 0.0, until=1.0)
+    ledger.limit_rate("api", 5.0, 5.0, 5.0, until=10.0)
+    assert ledger.tokens["api"] == 0.0
+
+
 def test_a_withdrawn_waiter_is_no_longer_wanted() -> None:
     cap = {"api": Rate(1.0, burst=1.0)}
     ledger = ledger_for(cap)

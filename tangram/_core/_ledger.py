@@ -169,8 +169,6 @@ class Ledger:
     def step(self, now: float) -> Plan:
         """Ask the policy what to do now and apply it."""
         self.now = now
-        if now > self._limited_until:
-            self._expire_limits(now)
         if self.rates:
             self._refill(now)
         if self._queue.next_due() <= now:
@@ -281,6 +279,8 @@ class Ledger:
             self.open.discard(kind)
 
     def _refill(self, now: float) -> None:
+        if now > self._limited_until:  # before any refill: a lapsed limit earns nothing
+            self._expire_limits(now)
         elapsed = now - self._refilled_at
         if elapsed > 0:
             for kind, rate in self.rates.items():

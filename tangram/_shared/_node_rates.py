@@ -46,6 +46,9 @@ RAMP = 4
 # A ramp multiplies a share (up to HEADROOM-fold an ask); a saturated split moves it by
 # a few percent an ask, and must not be asked for RAMP times a heartbeat forever.
 RAMPING = 1.5
+# Gives that came before their take, remembered; request ids are never reused, so the
+# oldest can go (a take that late has a caller long gone).
+_EARLY_KEPT = 1024
 
 
 def lent_kinds(capacity: Mapping[str, Resource]) -> dict[str, Resource]:
@@ -57,7 +60,17 @@ class _Take:
     """One worker call: waiting on this node's shares (or the job's actor), then held
     until the worker gives it back."""
 
-    __slots__ = ("cid", "demand", "done", "forward", "granted", "local", "outcome", "scope")
+    __slots__ = (
+        "cid",
+        "demand",
+        "done",
+        "forward",
+        "granted",
+        "local",
+        "outcome",
+        "scope",
+        "since",
+    )
 
     def __init__(self, cid: str, demand: dict[str, float], local: dict[str, float]) -> None:
         self.cid = cid
@@ -67,7 +80,8 @@ class _Take:
         self.done = asyncio.Event()
         self.outcome = COMPLETED
         self.forward = False  # sent on to the job's actor
-        self.scope: anyio.CancelScope | None = None  # its wait on this node's runtime
+        self.scope: anyio.CancelScope | None = None  # its wait, here or sent on
+        self.since = asyncio.get_running_loop().time()  # when it began to wait
 
 
 class NodeRates:
@@ -97,6 +111,7 @@ class NodeRates:
         self._loop = asyncio.get_running_loop()  # the runtime's clock
         self._asked_at = self._loop.time()
         self._takes: dict[tuple[str, int], _Take] = {}
+        self._early: dict[tuple[str, int], None] = {}  # given back before their take came
         self._wake = asyncio.Event()
         self._error: BaseException | None = None
         self.asks = 0
@@ -125,6 +140,9 @@ class NodeRates:
             return None
         if self._error is not None:
             raise self._gone()
+        if (cid, request) in self._early:
+            del self._early[(cid, request)]
+            return None  # given back before it came: its caller is gone
         wanted = {name: float(amount) for name, amount in demand.items()}
         take = _Take(cid, wanted, {self._local[name]: a for name, a in wanted.items()})
         take.forward = any(
@@ -186,12 +204,16 @@ class NodeRates:
                         await self._held(take)
                 if not take.forward or take.granted.done():
                     return  # held and given back, or given up while it waited
-            # Sent on: too large for this node's share, or cut below it while it waited.
-            known = self._remote.capacity
-            if any(amount > known[name].burst for name, amount in take.demand.items()):
-                await self._refresh()  # over the job's burst as its proxy heard it: ask
+            # Sent on: too large for this node's share, or cut below it while it waited;
+            # with what is left of its wait, which began here.
+            if wait_timeout is not None:
+                waited = self._loop.time() - take.since
+                options["wait_timeout"] = max(0.0, wait_timeout - waited)
             with anyio.CancelScope() as scope:
-                take.scope = scope
+                take.scope = scope  # given up meanwhile, it is cancelled here too
+                known = self._remote.capacity
+                if any(amount > known[name].burst for name, amount in take.demand.items()):
+                    await self._refresh()  # over the job's burst as its proxy heard it
                 async with self._remote.acquire(take.demand, **options):
                     take.scope = None
                     await self._held(take)
@@ -230,8 +252,19 @@ class NodeRates:
             raise asyncio.CancelledError
 
     def give(self, cid: str, request: int, outcome: int) -> None:
-        """A worker's call ended (or its wait was given up): its grant goes back."""
-        self._end((cid, request), outcome)
+        """A worker's call ended (or its wait was given up): its grant goes back.
+
+        A give can pass its own take on the way (an async actor runs a caller's calls
+        in no set order): one for a call not seen yet is kept, and the take, when it
+        comes, is not served.
+        """
+        key = (cid, request)
+        if key in self._takes:
+            self._end(key, outcome)
+            return
+        self._early[key] = None
+        if len(self._early) > _EARLY_KEPT:
+            self._early.pop(next(iter(self._early)))
 
     def _end(self, key: tuple[str, int], outcome: int) -> None:
         take = self._takes.pop(key, None)
