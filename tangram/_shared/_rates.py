@@ -19,7 +19,8 @@ The rules, kept here so the book is the one place they live (pure: times are pas
   bursts never pass its burst, so calls in any window stay within burst + rate x window.
 - **Shares follow demand.** A member wants what it used since its last ask plus its
   waiting calls spread over one heartbeat. While the job's rate covers every want, a
-  node is lent its want with room to double (``HEADROOM``). Past that, a member with no
+  node is lent its want with room to double (``HEADROOM``), from at most half the
+  rate nobody wants (``SLACK_LENT``; the job's actor keeps the rest). Past that, a member with no
   call waiting keeps what it uses, and the rest is split in proportion to the calls
   waiting: what one first-come-first-served line for the whole job would give each
   waiting call. The job's actor (``POOL``: workers with no deciding agent, and calls
@@ -47,10 +48,13 @@ __all__ = ["HEADROOM", "POOL", "RateBook", "Share"]
 
 # The job's actor's own member of every book.
 POOL = ""
-# A node's share while the job's rate covers every want: twice what it wants, so its
-# calls can double between two asks (one heartbeat) before they wait for the book; the
-# rest stays with the job's actor, which lends it at the next ask that needs it.
+# A node's share while the job's rate covers every want: what it wants and up to as
+# much again (HEADROOM = 2), so its calls can double between two asks (one heartbeat)
+# before they wait for the book, taken from at most half the rate nobody wants
+# (SLACK_LENT): the other half stays with the job's actor, whose own callers and
+# newcomers then start at once, not after the nodes' next asks.
 HEADROOM = 2.0
+SLACK_LENT = 0.5
 # Sums kept as members come and go are summed afresh this often, so float drift from
 # many small updates never grows (a full pass is O(members): one per this many asks).
 _RESUM = 1024
@@ -205,7 +209,8 @@ class RateBook:
         if want <= 0 or sums.want <= 0:
             return 0.0, 0.0
         if sums.want <= self.rate:  # every want fits: each with room to grow
-            rate = min(self.rate * want / sums.want, want if floor else HEADROOM * want)
+            spare = SLACK_LENT * (self.rate - sums.want) * want / sums.want
+            rate = want if floor else want + min((HEADROOM - 1) * want, spare)
         elif member.waiting <= 0:  # saturated, and nothing of its own waits: its use
             rate = member.used * min(1.0, self.rate / max(sums.calm, 1e-12))
         else:  # saturated: the rest by waiting calls, as one line for the job would
