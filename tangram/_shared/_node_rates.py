@@ -114,7 +114,6 @@ class NodeRates:
         self._early: dict[tuple[str, int], None] = {}  # given back before their take came
         self._wake = asyncio.Event()
         self._error: BaseException | None = None
-        self.asks = 0
         # Installed empty: a share grows from nothing as it is lent, never from a full
         # bucket, so a node's first grant cannot pass what the book counted.
         for local in self._kinds:
@@ -345,7 +344,6 @@ class NodeRates:
         for name in self._local:
             self._spent[name] = self._runtime._rate_use(self._local[name])[0]
         self._asked_at = sent
-        self.asks += 1
         until = sent + self._timeout  # what it lends is good so long, answered or not
         call = self._remote.actor.lend_rates.remote(self._remote.client_id, wants)
         try:

@@ -185,10 +185,6 @@ class RateBook:
             if name != POOL and now - node.heard > timeout
         ]
 
-    def lent(self) -> Share:
-        """What the nodes may be granting from, together."""
-        return max(0.0, self._sums.rate), max(0.0, self._sums.burst)
-
     # -- rules ---------------------------------------------------------------------
 
     def _changed(self) -> None:

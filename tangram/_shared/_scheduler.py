@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -459,16 +460,14 @@ class SchedulerActor:
         rate, burst = book.pool(used, wanted, min(wanted, book.burst))
         runtime._limit_rate(kind, rate, burst)
 
-    def _unlend(self, cids: Sequence[str] | None = None, now: float | None = None) -> None:
-        """Take back the shares of ``cids`` (gone), or of the nodes silent past the timeout."""
-        runtime = self._runtime
+    def _unlend(self, gone: Callable[[RateBook], list[str]]) -> None:
+        """Take back the shares of the nodes ``gone`` names in each book."""
         for kind, book in self._rates.items():
-            gone = book.silent(now, self._timeout) if now is not None else list(cids or ())
-            if not gone:
-                continue
-            for cid in gone:
-                book.drop(cid)
-            self._lend_pool(kind, book, runtime, time.monotonic())
+            names = gone(book)
+            for name in names:
+                book.drop(name)
+            if names:
+                self._lend_pool(kind, book, self._runtime, time.monotonic())
 
     def _drop_client(self, cid: str, *, expired: bool = False) -> bool:
         """Forget a proxy: what it waits for is withdrawn, what it holds released.
@@ -478,7 +477,7 @@ class SchedulerActor:
         for member in self._members.values():
             if member.cid == cid:
                 member.decided.set()  # a dead worker's samples are waited for no more
-        self._unlend([cid])
+        self._unlend(lambda book: [cid] if cid in book else [])
         client = self._clients.pop(cid, None)
         if client is None:
             return False
@@ -532,7 +531,7 @@ class SchedulerActor:
             for cid, client in list(self._clients.items()):
                 if not client.polling and client.heard.silence(now, self._timeout) > self._timeout:
                     self._drop_client(cid, expired=True)
-            self._unlend(now=now)
+            self._unlend(functools.partial(RateBook.silent, now=now, timeout=self._timeout))
             if set(self._clients) - self._own_clients():
                 self._user.hear(now)
             elif self._idle is not None and self._user.silence(now, self._idle) > self._idle:
