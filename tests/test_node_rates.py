@@ -14,15 +14,18 @@ import asyncio
 import contextlib
 import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 import tangram
+from tangram._core._resources import parse_capacity
 from tangram._runtime._run import Runtime
-from tangram._shared._node_rates import NodeRates, lent_kinds
+from tangram._shared._node_rates import RAMP, NodeRates, lent_kinds
 from tangram._shared._protocol import CANCELLED, COMPLETED
 from tangram._shared._proxy import attach
+from tangram._shared._rates import POOL
 from tangram._shared._scheduler import SchedulerActor
 from tangram.errors import WaitTimeoutError
 
@@ -117,6 +120,108 @@ async def test_a_call_is_granted_on_its_node_and_given_back() -> None:
             assert len(runtime._ledger.running) == 0 and not rates._takes
     finally:
         await actor.close()
+
+
+async def test_an_ask_says_the_calls_waiting_on_average_since_the_last_ask() -> None:
+    """The book splits a saturated rate by each node's mean queue (one line's weights):
+    a call that waited and was given up still counts for the time it waited. The job's
+    actor never answers here, so no ask resets the count meanwhile."""
+
+    async def never(*_: Any) -> None:
+        await asyncio.sleep(10.0)
+
+    actor = _actor(100.0, 10.0)
+    try:
+        async with _node(actor, "a", {"lend_rates": never}) as (rates, _):
+            loop = asyncio.get_running_loop()
+            await asyncio.sleep(0.2)  # idle: its mean must not count this
+            first = asyncio.ensure_future(
+                rates.take("w", next(_requests), {"api": 1}, "search", None, None, None)
+            )
+            await asyncio.sleep(0.15)
+            second_id = next(_requests)
+            second = asyncio.ensure_future(
+                rates.take("w", second_id, {"api": 2}, "search", None, None, None)
+            )
+            await asyncio.sleep(0.15)
+            used, queued, largest, _ = rates._wants(loop.time())["api"]
+            assert (used, largest) == (0.0, 2.0)
+            assert queued == pytest.approx((1 * 0.3 + 2 * 0.15) / 0.3, rel=0.15)  # 2
+            rates.give("w", second_id, CANCELLED)
+            with pytest.raises(asyncio.CancelledError):
+                await second
+            await asyncio.sleep(0.15)
+            _, queued, _, _ = rates._wants(loop.time())["api"]
+            assert queued == pytest.approx((1 * 0.45 + 2 * 0.15) / 0.45, rel=0.15)  # 1.67
+            first.cancel()
+    finally:
+        await actor.close()
+
+
+async def test_the_actors_own_use_is_measured_while_no_node_asks() -> None:
+    """The job's actor keeps for its own callers what they used lately. Measured only
+    when a node asked, the use of a busy spell with every node idle was counted at the
+    next ask as if it went on, and that node's share waited behind a stale reserve."""
+    actor = _actor(100.0, 10.0)
+    try:
+        async with _node(actor, "a") as (rates, _):
+            request = next(_requests)
+            await rates.take("w", request, {"api": 1}, "search", None, None, None)
+            rates.give("w", request, COMPLETED)
+            await asyncio.sleep(0.5)  # its share is cut to nothing: the node stops asking
+            assert rates._idle()
+            pool = actor._rates["api"]._members[POOL]
+            loop = asyncio.get_running_loop()
+            end = loop.time() + 0.4
+            while loop.time() < end:  # the actor's own callers: about 50 a second
+                await _spend(actor, 1.0)
+                await asyncio.sleep(0.02)
+            assert pool.used > 20.0
+            await asyncio.sleep(0.3)  # three heartbeats with no call and no ask
+            assert pool.used == 0.0
+            assert rates._idle()
+    finally:
+        await actor.close()
+
+
+class _Scripted:
+    """A job's actor that answers each ask with the next share of a script."""
+
+    def __init__(self, shares: list[float]) -> None:
+        self.shares = shares
+
+    async def lend_rates(self, cid: str, asks: dict[str, Any]) -> dict[str, Any]:
+        rate = self.shares.pop(0)
+        return {"api": (rate, rate / 10, 100.0, 10.0)}
+
+
+async def test_an_ask_too_soon_to_show_a_use_does_not_end_a_ramp() -> None:
+    """A node ramps (asks RAMP times a heartbeat) while its share grows RAMPING-fold an
+    ask. An ask right after the one before (a call came while the share was nothing)
+    grows it less, having had no time to use it: that must not end the ramp, or the
+    node waits a whole heartbeat at a tenth of its part while another node ramps on."""
+    period = 0.4
+    remote = SimpleNamespace(actor=_Handle(_Scripted([10.0, 14.0, 19.0, 26.0]), {}), client_id="c")
+    runtime = Runtime({"cpu@a": 0})
+    async with runtime:
+        rates = NodeRates(
+            runtime,
+            remote,
+            "a",
+            lent_kinds(parse_capacity({"api": tangram.Rate(100.0, burst=10.0)})),
+            period,
+            5.0,
+        )
+        await asyncio.sleep(period)
+        await rates._ask()  # from nothing to 10: a ramp
+        assert rates._grew
+        await rates._ask()  # at once: 10 -> 14, less than RAMPING-fold
+        assert rates._grew
+        await asyncio.sleep(period / RAMP)
+        await rates._ask()  # a paced ask: 14 -> 19 is no ramp
+        assert not rates._grew
+        await rates._ask()  # quick again, but after no ramp: still none
+        assert not rates._grew
 
 
 async def test_a_give_that_passes_its_take_keeps_the_take_from_being_served() -> None:

@@ -44,7 +44,9 @@ Share = tuple[float, float]
 # heartbeat only while it ramps (a steady share is asked for once a heartbeat).
 RAMP = 4
 # A ramp multiplies a share (up to HEADROOM-fold an ask); a saturated split moves it by
-# a few percent an ask, and must not be asked for RAMP times a heartbeat forever.
+# a few percent an ask, and must not be asked for RAMP times a heartbeat forever. An ask
+# sooner than a heartbeat / RAMP after the one before (a call came while the share was
+# still nothing) had no time to show a use to grow from: it does not end a ramp.
 RAMPING = 1.5
 # Gives that came before their take, remembered; request ids are never reused, so the
 # oldest can go (a take that late has a caller long gone).
@@ -62,6 +64,7 @@ class _Take:
 
     __slots__ = (
         "cid",
+        "counted",
         "demand",
         "done",
         "forward",
@@ -82,6 +85,7 @@ class _Take:
         self.forward = False  # sent on to the job's actor
         self.scope: anyio.CancelScope | None = None  # its wait, here or sent on
         self.since = asyncio.get_running_loop().time()  # when it began to wait
+        self.counted = False  # its wait here is in the node's mean queue
 
 
 class NodeRates:
@@ -108,6 +112,10 @@ class NodeRates:
         self._reported: dict[str, Share] = dict(self._applied)  # in the last ask
         self._grew = False  # the last answer raised a share
         self._spent: dict[str, float] = dict.fromkeys(kinds, 0.0)
+        # Since the last ask: unit-seconds waited here by calls no longer waiting, and
+        # when the first of them began to wait (the mean queue is taken from then).
+        self._waited: dict[str, float] = dict.fromkeys(kinds, 0.0)
+        self._first: dict[str, float] = dict.fromkeys(kinds, math.inf)
         self._loop = asyncio.get_running_loop()  # the runtime's clock
         self._asked_at = self._loop.time()
         self._takes: dict[tuple[str, int], _Take] = {}
@@ -148,6 +156,7 @@ class NodeRates:
             amount > self._capacity[name][1] or self._too_big(name, amount)
             for name, amount in wanted.items()
         )
+        take.counted = take.forward  # sent on at once: it never waits here
         key = (cid, request)
         self._takes[key] = take
         task = asyncio.ensure_future(self._hold(take, kind, trajectory, estimate, wait_timeout))
@@ -164,6 +173,17 @@ class NodeRates:
             self._end(key, CANCELLED)
             raise
         return wanted
+
+    def _count_wait(self, take: _Take) -> None:
+        """A call's wait here ended (granted, sent on, or given up): add it to the mean
+        queue of the next ask."""
+        if not take.counted:
+            take.counted = True
+            start = max(take.since, self._asked_at)
+            waited = max(0.0, self._loop.time() - start)
+            for name, amount in take.demand.items():
+                self._waited[name] += amount * waited
+                self._first[name] = min(self._first[name], start)
 
     def _too_big(self, name: str, amount: float) -> bool:
         """Whether this node's share has a rate but a burst too small for ``amount``."""
@@ -198,9 +218,13 @@ class NodeRates:
             if not take.forward:
                 with anyio.CancelScope() as scope:
                     take.scope = scope
-                    async with self._runtime.acquire(take.local, **options):
-                        take.scope = None
-                        await self._held(take)
+                    try:
+                        async with self._runtime.acquire(take.local, **options):
+                            take.scope = None
+                            self._count_wait(take)
+                            await self._held(take)
+                    finally:
+                        self._count_wait(take)
                 if not take.forward or take.granted.done():
                     return  # held and given back, or given up while it waited
             # Sent on: too large for this node's share, or cut below it while it waited;
@@ -295,18 +319,35 @@ class NodeRates:
 
     def _wants(self, now: float) -> dict[str, tuple[float, float, float, Share]]:
         """Per kind: units a second used since the last ask, units waiting, the largest
-        waiting call, and the share run on now."""
+        waiting call, and the share run on now.
+
+        The units waiting are a mean, over the time since the first call waited after
+        the last ask (the count now, if none waited before now). The book splits a
+        saturated rate by them as one line for the job would, and a line's weight for
+        a node is its mean queue (its arrival rate times the one wait every call has in
+        a line: Little's law). A count at the moment of the ask is no such weight: of 8
+        loops, 7 wait at one ask and 8 at the next, or none just as all were granted,
+        which made a node with a queue all heartbeat look calm; every such jump moved a
+        share, and a cut frees its units only an ask later."""
         elapsed = max(now - self._asked_at, self._period / RAMP)
         largest: dict[str, float] = dict.fromkeys(self._local, 0.0)
+        waited, first = dict(self._waited), dict(self._first)
         for take in self._takes.values():
             if not take.granted.done() and not take.forward:
                 for name, amount in take.demand.items():
                     largest[name] = max(largest[name], amount)
+            if not take.counted:
+                start = max(take.since, self._asked_at)
+                for name, amount in take.demand.items():
+                    waited[name] += amount * max(0.0, now - start)
+                    first[name] = min(first[name], start)
         wants = {}
         for name, local in self._local.items():
             spent, wanted = self._runtime._rate_use(local)
             used = (spent - self._spent[name]) / elapsed
-            wants[name] = (used, wanted, largest[name], self._applied[name])
+            span = now - first[name]
+            queued = waited[name] / span if 0 < span < math.inf else wanted
+            wants[name] = (used, queued, largest[name], self._applied[name])
         return wants
 
     def _idle(self) -> bool:
@@ -339,10 +380,12 @@ class NodeRates:
 
     async def _ask(self) -> None:
         sent = self._loop.time()
+        quick = sent - self._asked_at < self._period / RAMP
         wants = self._wants(sent)
         self._reported = dict(self._applied)
         for name in self._local:
             self._spent[name] = self._runtime._rate_use(self._local[name])[0]
+            self._waited[name], self._first[name] = 0.0, math.inf
         self._asked_at = sent
         until = sent + self._timeout  # what it lends is good so long, answered or not
         call = self._remote.actor.lend_rates.remote(self._remote.client_id, wants)
@@ -359,12 +402,14 @@ class NodeRates:
         if self._loop.time() >= until:
             return  # answered too late to be used
         self._learn({name: (total, burst) for name, (_, _, total, burst) in shares.items()})
-        self._apply({name: (float(r), float(b)) for name, (r, b, _, _) in shares.items()}, until)
+        shares_now = {name: (float(r), float(b)) for name, (r, b, _, _) in shares.items()}
+        grew = any(
+            rate > RAMPING * self._applied[name][0] for name, (rate, _) in shares_now.items()
+        )
+        self._grew = grew or (quick and self._grew)
+        self._apply(shares_now, until)
 
     def _apply(self, shares: Mapping[str, Share], until: float = math.inf) -> None:
-        self._grew = any(
-            rate > RAMPING * self._applied[name][0] for name, (rate, _) in shares.items()
-        )
         for name, (rate, burst) in shares.items():
             self._runtime._limit_rate(self._local[name], rate, burst, until)
             self._applied[name] = (rate, burst)

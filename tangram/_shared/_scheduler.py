@@ -461,13 +461,17 @@ class SchedulerActor:
         runtime._limit_rate(kind, rate, burst)
 
     def _unlend(self, gone: Callable[[RateBook], list[str]]) -> None:
-        """Take back the shares of the nodes ``gone`` names in each book."""
+        """Take back the shares of the nodes ``gone`` names in each book, and measure
+        this actor's own use afresh.
+
+        The watchdog calls this every half heartbeat, so the use the actor keeps for its
+        own callers is never older than a heartbeat and a half. Measured only at the
+        nodes' asks, it spanned all the time since the last one: after a quiet spell, a
+        node's first asks met a reserve sized by calls that had long stopped."""
         for kind, book in self._rates.items():
-            names = gone(book)
-            for name in names:
+            for name in gone(book):
                 book.drop(name)
-            if names:
-                self._lend_pool(kind, book, self._runtime, time.monotonic())
+            self._lend_pool(kind, book, self._runtime, time.monotonic())
 
     def _drop_client(self, cid: str, *, expired: bool = False) -> bool:
         """Forget a proxy: what it waits for is withdrawn, what it holds released.
