@@ -284,6 +284,26 @@ def test_a_withdrawn_waiter_is_no_longer_wanted() -> None:
     assert ledger.wanted["api"] == 2.0
 
 
+def test_the_units_waited_sum_each_waiters_seconds_and_nothing_for_a_call_served_at_once() -> None:
+    """A lender splits a saturated rate by each borrower's mean queue: the difference of
+    ``waited`` over a span, divided by it. A call granted as it came waited no time."""
+    cap = {"api": Rate(10.0, burst=2.0)}
+    ledger = ledger_for(cap)
+    for _ in range(2):  # two calls, served at once from the saved burst
+        ledger.submit(make_action({"api": 1}, cap), 1.0)
+    assert len(ledger.step(1.0).admits) == 2
+    assert ledger.waited("api", 1.0) == 0.0
+    slow = ledger.submit(make_action({"api": 2}, cap), 1.0)  # waits for 2 tokens: 0.2 s
+    gone = ledger.submit(make_action({"api": 1}, cap), 1.0)
+    assert ledger.step(1.0).admits == []
+    assert ledger.waited("api", 1.1) == pytest.approx(0.3)  # 3 units for 0.1 s
+    ledger.withdraw(gone, 1.1)
+    assert ledger.step(1.1).admits == []
+    assert ledger.step(1.2).admits == [(slow, 0)]
+    assert ledger.waited("api", 1.2) == pytest.approx(0.3 + 2 * 0.1)
+    assert ledger.waited("api", 9.0) == pytest.approx(0.5)  # nothing waits since
+
+
 # -- capacity changes -----------------------------------------------------------------------
 
 

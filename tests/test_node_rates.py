@@ -240,6 +240,29 @@ async def test_a_give_that_passes_its_take_keeps_the_take_from_being_served() ->
         await actor.close()
 
 
+async def test_a_call_given_back_before_its_wait_began_takes_nothing() -> None:
+    """The give can land after the take began but before its wait did (the task that
+    waits runs a loop turn later): that wait must not start, or a call nobody waits for
+    would spend a unit of the node's share."""
+    actor = _actor(100.0, 10.0)
+    try:
+        async with _node(actor, "a") as (rates, runtime):
+            request = next(_requests)
+            waiting = asyncio.ensure_future(
+                rates.take("w", request, {"api": 1}, "search", None, None, None)
+            )
+            await asyncio.sleep(0)  # the take is in; the task that waits has not run
+            rates.give("w", request, CANCELLED)
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            await asyncio.sleep(0.5)  # the node's asks lend it a share meanwhile
+            spent, wanted, waited = runtime._rate_use("api@a")
+            assert (spent, wanted, waited) == (0.0, 0.0, 0.0)
+            assert not rates._takes and not rates._tasks
+    finally:
+        await actor.close()
+
+
 async def test_a_forwarded_call_given_up_while_its_capacity_is_asked_waits_nowhere() -> None:
     """A call over the job's burst as the node heard it is sent on after the node asks
     the job's capacity; given up meanwhile, it must not wait, and be granted, there."""

@@ -48,10 +48,13 @@ class Ledger:
         # Each limit holds until a time: a lent share is good only so long (``limit_rate``).
         self._limits: dict[str, tuple[float, float, float]] = {}
         self._limited_until = math.inf  # the first such time
-        # Per rate kind: units taken so far, and units the waiting entries ask for. What a
-        # lender of the budget reads to size this scheduler's share of it.
+        # Per rate kind: units taken so far, units the waiting entries ask for, and those
+        # units summed over the time they waited (to ``_waited_at``). What a lender of
+        # the budget reads to size this scheduler's share of it.
         self.spent: dict[str, float] = {}
         self.wanted: dict[str, float] = {}
+        self._waited: dict[str, float] = {}
+        self._waited_at: dict[str, float] = {}
         self.unit_seconds: dict[str, float] = {}
         self.peak: dict[str, float] = {}
         # Kinds with a unit to give: free, or held above a resizable action's minimum;
@@ -118,21 +121,34 @@ class Ledger:
     def submit(self, action: Action, now: float) -> Entry:
         self._seq += 1
         entry = Entry(action, self._seq, now)
-        self._want(entry, 1.0)
+        self._want(entry, 1.0, now)
         self._queue.add(entry, None if self._priority is None else self._priority(entry, self))
         return entry
 
-    def withdraw(self, entry: Entry) -> None:
+    def withdraw(self, entry: Entry, now: float | None = None) -> None:
         """Take a waiting entry out of the queue (cancelled, timed out, impossible)."""
         if entry.state == WAITING:
             entry.state = _GONE
             self._queue.remove(entry)
-            self._want(entry, -1.0)
+            self._want(entry, -1.0, self.now if now is None else now)
 
-    def _want(self, entry: Entry, sign: float) -> None:
+    def _want(self, entry: Entry, sign: float, now: float) -> None:
         for kind, amount in entry.action.demand.rigid:
             if kind in self.wanted:
+                self._wait_to(kind, now)
                 self.wanted[kind] = max(0.0, self.wanted[kind] + sign * amount)
+
+    def _wait_to(self, kind: str, now: float) -> None:
+        at = self._waited_at[kind]
+        if now > at:
+            self._waited[kind] += self.wanted[kind] * (now - at)
+            self._waited_at[kind] = now
+
+    def waited(self, kind: str, now: float) -> float:
+        """Units of rate budget ``kind`` times the seconds they waited, so far: the
+        difference over a span, divided by it, is the mean units waiting then. A call
+        granted as it came never waited, and adds nothing."""
+        return self._waited[kind] + self.wanted[kind] * max(0.0, now - self._waited_at[kind])
 
     def finish(
         self, entry: Entry, now: float, seconds: float | None = None, ok: bool = True
@@ -231,7 +247,7 @@ class Ledger:
         self._install(capacity, now)
         impossible = [e for e in self._queue if not self.could_ever_fit(e)]  # a rare O(n)
         for entry in impossible:
-            self.withdraw(entry)
+            self.withdraw(entry, now)
         return impossible
 
     # -- internals ---------------------------------------------------------------------
@@ -244,6 +260,8 @@ class Ledger:
                 self._limit(name, resource.total, resource.burst)
                 self.spent.setdefault(name, 0.0)
                 self.wanted.setdefault(name, 0.0)
+                self._waited.setdefault(name, 0.0)
+                self._waited_at.setdefault(name, now)
                 continue
             held = self.held.setdefault(name, 0.0)
             self.totals[name] = resource.total
@@ -315,6 +333,7 @@ class Ledger:
             if kind in self.tokens:
                 self.tokens[kind] -= amount
                 self.spent[kind] += amount
+                self._wait_to(kind, now)
                 self.wanted[kind] = max(0.0, self.wanted[kind] - amount)
             else:
                 self._hold(kind, amount, now)

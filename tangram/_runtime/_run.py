@@ -211,7 +211,7 @@ class Runtime(RunMixin):
         """Take a waiting action out of the queue and wake it with ``error``."""
         entry = lease._entry
         del self._leases[entry]
-        self._ledger.withdraw(entry)
+        self._ledger.withdraw(entry, now)
         lease._finish(now)
         self._recorder.action_finished(lease, Outcome.CANCELLED)
         lease._fail(error)
@@ -404,7 +404,7 @@ class Runtime(RunMixin):
             if math.isnan(lease.admitted_at):
                 lease.admitted_at = entry.admitted_at
         else:
-            self._ledger.withdraw(entry)
+            self._ledger.withdraw(entry, now)
         self._recorder.action_finished(lease, outcome)
         if self._ledger.waiting_count or self._ledger.resizing:
             self._defer()
@@ -510,9 +510,12 @@ class Runtime(RunMixin):
         self._ledger.limit_rate(kind, per_second, burst, now, until)
         self._reschedule()
 
-    def _rate_use(self, kind: str) -> tuple[float, float]:
-        """Units of rate budget ``kind`` taken so far, and those its waiters ask for."""
-        return self._ledger.spent[kind], self._ledger.wanted[kind]
+    def _rate_use(self, kind: str) -> tuple[float, float, float]:
+        """Units of rate budget ``kind`` taken so far, those its waiters ask for, and the
+        unit-seconds they waited so far (:meth:`Ledger.waited`)."""
+        ledger = self._ledger
+        now = self._now() if self._state is _State.RUNNING else ledger.now
+        return ledger.spent[kind], ledger.wanted[kind], ledger.waited(kind, now)
 
     def stats(self) -> Stats:
         """Utilisation per kind, queue lengths and per-kind time splits, as of now."""

@@ -45,8 +45,10 @@ Share = tuple[float, float]
 RAMP = 4
 # A ramp multiplies a share (up to HEADROOM-fold an ask); a saturated split moves it by
 # a few percent an ask, and must not be asked for RAMP times a heartbeat forever. An ask
-# sooner than a heartbeat / RAMP after the one before (a call came while the share was
-# still nothing) had no time to show a use to grow from: it does not end a ramp.
+# sooner than half a ramp's pace (heartbeat / RAMP) after the one before, as when a call
+# came while the share was still nothing, had no time to show a use to grow from or a
+# queue to average: it does not end a ramp, and it sends the count of calls waiting now.
+# (Half the pace: a ramp's own ask, at the pace, is never taken for one.)
 RAMPING = 1.5
 # Gives that came before their take, remembered; request ids are never reused, so the
 # oldest can go (a take that late has a caller long gone).
@@ -64,7 +66,6 @@ class _Take:
 
     __slots__ = (
         "cid",
-        "counted",
         "demand",
         "done",
         "forward",
@@ -85,7 +86,6 @@ class _Take:
         self.forward = False  # sent on to the job's actor
         self.scope: anyio.CancelScope | None = None  # its wait, here or sent on
         self.since = asyncio.get_running_loop().time()  # when it began to wait
-        self.counted = False  # its wait here is in the node's mean queue
 
 
 class NodeRates:
@@ -112,11 +112,11 @@ class NodeRates:
         self._reported: dict[str, Share] = dict(self._applied)  # in the last ask
         self._grew = False  # the last answer raised a share
         self._spent: dict[str, float] = dict.fromkeys(kinds, 0.0)
-        # Since the last ask: unit-seconds waited here by calls no longer waiting, and
-        # when the first of them began to wait (the mean queue is taken from then).
+        # Unit-seconds waited in the node's runtime as of the last ask, and when the node
+        # last had a call after none (its mean queue is taken from then, if later).
         self._waited: dict[str, float] = dict.fromkeys(kinds, 0.0)
-        self._first: dict[str, float] = dict.fromkeys(kinds, math.inf)
         self._loop = asyncio.get_running_loop()  # the runtime's clock
+        self._busy_from = self._loop.time()
         self._asked_at = self._loop.time()
         self._takes: dict[tuple[str, int], _Take] = {}
         self._early: dict[tuple[str, int], None] = {}  # given back before their take came
@@ -156,8 +156,9 @@ class NodeRates:
             amount > self._capacity[name][1] or self._too_big(name, amount)
             for name, amount in wanted.items()
         )
-        take.counted = take.forward  # sent on at once: it never waits here
         key = (cid, request)
+        if not self._takes:
+            self._busy_from = take.since
         self._takes[key] = take
         task = asyncio.ensure_future(self._hold(take, kind, trajectory, estimate, wait_timeout))
         self._tasks.add(task)  # the loop holds tasks weakly
@@ -173,17 +174,6 @@ class NodeRates:
             self._end(key, CANCELLED)
             raise
         return wanted
-
-    def _count_wait(self, take: _Take) -> None:
-        """A call's wait here ended (granted, sent on, or given up): add it to the mean
-        queue of the next ask."""
-        if not take.counted:
-            take.counted = True
-            start = max(take.since, self._asked_at)
-            waited = max(0.0, self._loop.time() - start)
-            for name, amount in take.demand.items():
-                self._waited[name] += amount * waited
-                self._first[name] = min(self._first[name], start)
 
     def _too_big(self, name: str, amount: float) -> bool:
         """Whether this node's share has a rate but a burst too small for ``amount``."""
@@ -214,17 +204,15 @@ class NodeRates:
             "estimate": estimate,
             "wait_timeout": wait_timeout,
         }
+        if take.done.is_set():
+            return  # given back (or its worker gone) before this task first ran
         try:
             if not take.forward:
                 with anyio.CancelScope() as scope:
                     take.scope = scope
-                    try:
-                        async with self._runtime.acquire(take.local, **options):
-                            take.scope = None
-                            self._count_wait(take)
-                            await self._held(take)
-                    finally:
-                        self._count_wait(take)
+                    async with self._runtime.acquire(take.local, **options):
+                        take.scope = None
+                        await self._held(take)
                 if not take.forward or take.granted.done():
                     return  # held and given back, or given up while it waited
             # Sent on: too large for this node's share, or cut below it while it waited;
@@ -321,34 +309,34 @@ class NodeRates:
         """Per kind: units a second used since the last ask, units waiting, the largest
         waiting call, and the share run on now.
 
-        The units waiting are a mean, over the time since the first call waited after
-        the last ask (the count now, if none waited before now). The book splits a
-        saturated rate by them as one line for the job would, and a line's weight for
-        a node is its mean queue (its arrival rate times the one wait every call has in
-        a line: Little's law). A count at the moment of the ask is no such weight: of 8
-        loops, 7 wait at one ask and 8 at the next, or none just as all were granted,
-        which made a node with a queue all heartbeat look calm; every such jump moved a
-        share, and a cut frees its units only an ask later."""
+        The units waiting are a mean over the time since the last ask, or since the node
+        had a call again after none, if later: the node's runtime sums its waiting units
+        over time, and a call granted as it came adds nothing. Over less than half a
+        ramp's pace (see ``RAMPING``) a mean says little, and the count now is sent.
+        The book splits a saturated rate by them as one line for the job would, and a
+        line's weight for a node is its mean queue (its arrival rate times the one wait
+        every call has in a line: Little's law). A count at the moment of the ask is no
+        such weight: of 8 loops, 7 wait at one ask and 8 at the next, or none just as
+        all were granted, which made a node with a queue all heartbeat look calm; every
+        such jump moved a share, and a cut frees its units only an ask later."""
         elapsed = max(now - self._asked_at, self._period / RAMP)
         largest: dict[str, float] = dict.fromkeys(self._local, 0.0)
-        waited, first = dict(self._waited), dict(self._first)
         for take in self._takes.values():
             if not take.granted.done() and not take.forward:
                 for name, amount in take.demand.items():
                     largest[name] = max(largest[name], amount)
-            if not take.counted:
-                start = max(take.since, self._asked_at)
-                for name, amount in take.demand.items():
-                    waited[name] += amount * max(0.0, now - start)
-                    first[name] = min(first[name], start)
+        span = now - max(self._asked_at, self._busy_from)
         wants = {}
         for name, local in self._local.items():
-            spent, wanted = self._runtime._rate_use(local)
+            spent, wanted, waited = self._runtime._rate_use(local)
             used = (spent - self._spent[name]) / elapsed
-            span = now - first[name]
-            queued = waited[name] / span if 0 < span < math.inf else wanted
+            queued = (waited - self._waited[name]) / span if not self._quick(span) else wanted
             wants[name] = (used, queued, largest[name], self._applied[name])
         return wants
+
+    def _quick(self, seconds: float) -> bool:
+        """Too soon after the last ask to read a use or a queue (see ``RAMPING``)."""
+        return seconds < self._period / (2 * RAMP)
 
     def _idle(self) -> bool:
         """Nothing held, wanted, or owed to the book: a share cut to nothing counts at
@@ -380,12 +368,11 @@ class NodeRates:
 
     async def _ask(self) -> None:
         sent = self._loop.time()
-        quick = sent - self._asked_at < self._period / RAMP
+        quick = self._quick(sent - self._asked_at)
         wants = self._wants(sent)
         self._reported = dict(self._applied)
-        for name in self._local:
-            self._spent[name] = self._runtime._rate_use(self._local[name])[0]
-            self._waited[name], self._first[name] = 0.0, math.inf
+        for name, local in self._local.items():
+            self._spent[name], _, self._waited[name] = self._runtime._rate_use(local)
         self._asked_at = sent
         until = sent + self._timeout  # what it lends is good so long, answered or not
         call = self._remote.actor.lend_rates.remote(self._remote.client_id, wants)

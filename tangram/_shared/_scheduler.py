@@ -451,7 +451,7 @@ class SchedulerActor:
 
     def _lend_pool(self, kind: str, book: RateBook, runtime: Runtime, now: float) -> None:
         """This actor's own share of ``kind``: what no node is lent, applied at once."""
-        spent, wanted = runtime._rate_use(kind)
+        spent, wanted, _ = runtime._rate_use(kind)
         at, before, used = self._pool_use.get(kind, (now, spent, 0.0))
         if now - at >= self._heartbeat:  # its use, measured over a heartbeat at least
             used = (spent - before) / (now - at)
