@@ -20,12 +20,20 @@ The rules, kept here so the book is the one place they live (pure: times are pas
 - **Shares follow demand.** A member wants what it used since its last ask plus its
   waiting calls spread over one heartbeat. While the job's rate covers every want, a
   node is lent its want with room to double (``HEADROOM``), from at most half the
-  rate nobody wants (``SLACK_LENT``; the job's actor keeps the rest). Past that, a member with no
-  call waiting keeps what it uses, and the rest is split in proportion to the calls
-  waiting: what one first-come-first-served line for the whole job would give each
-  waiting call. The job's actor (``POOL``: workers with no deciding agent, and calls
-  that need another kind too) is a member like any node; it keeps what the nodes are
-  not lent, and its own share is applied at once, in process.
+  rate nobody wants (``SLACK_LENT``; the job's actor keeps the rest). Past that, the
+  rate is split as one first-come-first-served line for the whole job would split it,
+  where every call waits alike. A member's weight is its use plus its waiting calls
+  (its mean queue, :mod:`._node_rates`) over the job's mean wait, W = the calls
+  waiting / the use of the members they wait on (Little's law; at most a heartbeat).
+  A member whose calls wait W has twice its use as weight, and the split leaves it
+  where it is; one whose calls wait longer gains, one whose calls wait less (or not at
+  all: its use alone) loses, until every call waits alike. So a member whose calls are
+  all served keeps less than its use while others' wait, as its calls would wait in
+  the one line; counted at its use alone (its calls wait for nothing), it would keep
+  all of it, and a node whose workers pause between calls could stay far below its
+  part of the line for good. The job's actor (``POOL``: workers with no deciding
+  agent, and calls that need another kind too) is a member like any node; it keeps
+  what the nodes are not lent, and its own share is applied at once, in process.
 - **A burst reaches the largest call waiting, when every member's can at once.** A
   member's burst is its rate's part of the job's burst, raised to its largest waiting
   call only while the largest calls of all members fit in the job's burst together: a
@@ -207,10 +215,14 @@ class RateBook:
         if sums.want <= self.rate:  # every want fits: each with room to grow
             spare = SLACK_LENT * (self.rate - sums.want) * want / sums.want
             rate = want if floor else want + min((HEADROOM - 1) * want, spare)
-        elif member.waiting <= 0:  # saturated, and nothing of its own waits: its use
-            rate = member.used * min(1.0, self.rate / max(sums.calm, 1e-12))
-        else:  # saturated: the rest by waiting calls, as one line for the job would
-            rate = max(0.0, self.rate - sums.calm) * member.waiting / max(sums.waiting, 1e-12)
+        else:  # saturated: as one line for the job would split it (the module's rules)
+            used = max(0.0, sums.want - sums.waiting / self.period)  # every member's use
+            waited_on = used - sums.calm  # the use of the members with calls waiting
+            wait = self.period
+            if waited_on > 0 and sums.waiting > 0:  # (sums kept as members change drift)
+                wait = min(self.period, sums.waiting / waited_on) or self.period
+            weight = member.used + member.waiting / wait
+            rate = self.rate * weight / max(used + sums.waiting / wait, 1e-12)
         burst = self.burst * rate / self.rate
         fits = member is self._members[POOL] or sums.largest <= self.burst
         if member.largest > burst and rate > 0 and fits:
