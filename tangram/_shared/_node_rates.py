@@ -313,12 +313,12 @@ class NodeRates:
         had a call again after none, if later: the node's runtime sums its waiting units
         over time, and a call granted as it came adds nothing. Over less than half a
         ramp's pace (see ``RAMPING``) a mean says little, and the count now is sent.
-        The book splits a saturated rate by them as one line for the job would, and a
-        line's weight for a node is its mean queue (its arrival rate times the one wait
-        every call has in a line: Little's law). A count at the moment of the ask is no
-        such weight: of 8 loops, 7 wait at one ask and 8 at the next, or none just as
-        all were granted, which made a node with a queue all heartbeat look calm; every
-        such jump moved a share, and a cut frees its units only an ask later."""
+        The book weighs a node's mean queue against the job's mean wait to split a
+        saturated rate as one line for the job would (its rules, :mod:`._rates`). A
+        count at the moment of the ask is no such measure: of 8 loops, 7 wait at one ask
+        and 8 at the next, or none just as all were granted, which made a node with a
+        queue all heartbeat look calm; every such jump moved a share, and a cut frees
+        its units only an ask later."""
         elapsed = max(now - self._asked_at, self._period / RAMP)
         largest: dict[str, float] = dict.fromkeys(self._local, 0.0)
         for take in self._takes.values():
