@@ -25,7 +25,7 @@ from tangram._runtime._run import Runtime
 from tangram._shared._node_rates import RAMP, NodeRates, lent_kinds
 from tangram._shared._protocol import CANCELLED, COMPLETED
 from tangram._shared._proxy import attach
-from tangram._shared._rates import POOL
+from tangram._shared._rates import GIVE_BACK_AFTER, LEASE_AT, POOL
 from tangram._shared._scheduler import SchedulerActor
 from tangram.errors import WaitTimeoutError
 
@@ -101,6 +101,16 @@ async def _spend(actor: SchedulerActor, amount: float) -> None:
         pass
 
 
+async def _prime(rates: NodeRates, amount: float = 1.0) -> None:
+    """Calls sent on to the job's actor, one fewer than LEASE_AT: the node's next call
+    within the heartbeat makes it lease (see ._rates.leases)."""
+    for _ in range(LEASE_AT - 1):
+        request = next(_requests)
+        await rates.take("w", request, {"api": amount}, "search", None, None, None)
+        rates.give("w", request, COMPLETED)
+    assert not rates._leasing
+
+
 def _waiting_at(actor: SchedulerActor) -> int:
     return sum(len(client.waiting) for client in actor._clients.values())
 
@@ -109,6 +119,7 @@ async def test_a_call_is_granted_on_its_node_and_given_back() -> None:
     actor = _actor(100.0, 10.0)
     try:
         async with _node(actor, "a") as (rates, runtime):
+            await _prime(rates)
             request = next(_requests)
             grant = await asyncio.wait_for(
                 rates.take("w", request, {"api": 1}, "search", None, None, None), 2.0
@@ -134,7 +145,8 @@ async def test_an_ask_says_the_calls_waiting_on_average_since_the_last_ask() -> 
     try:
         async with _node(actor, "a", {"lend_rates": never}) as (rates, _):
             loop = asyncio.get_running_loop()
-            await asyncio.sleep(0.2)  # idle: its mean must not count this
+            await _prime(rates)
+            await asyncio.sleep(0.05)  # idle: its mean must not count this
             first = asyncio.ensure_future(
                 rates.take("w", next(_requests), {"api": 1}, "search", None, None, None)
             )
@@ -165,8 +177,10 @@ async def test_the_actors_own_use_is_measured_while_no_node_asks() -> None:
     actor = _actor(100.0, 10.0)
     try:
         async with _node(actor, "a") as (rates, _):
+            await _prime(rates)
             request = next(_requests)
             await rates.take("w", request, {"api": 1}, "search", None, None, None)
+            assert rates._leasing
             rates.give("w", request, COMPLETED)
             await asyncio.sleep(0.5)  # its share is cut to nothing: the node stops asking
             assert rates._idle()
@@ -294,11 +308,14 @@ async def test_a_forwarded_call_given_up_while_its_capacity_is_asked_waits_nowhe
 
 
 async def test_a_forwarded_calls_wait_timeout_counts_from_its_first_wait() -> None:
-    """A call waiting on its node, cut below its amount and sent on, keeps the time it
-    already waited: ``wait_timeout`` ends when it would have at the job's actor."""
+    """A call waiting on its node, sent on (cut below its amount, or its node's calls
+    thinned out and it gave its share back), keeps the time it already waited:
+    ``wait_timeout`` ends when it would have at the job's actor."""
     actor = _actor(1.0, 10.0)
     try:
         async with _node(actor, "a") as (a, _), _node(actor, "b") as (b, _):
+            await _prime(a, 0.001)
+            await _prime(b, 0.001)
             loop = asyncio.get_running_loop()
             began = loop.time()
             first = asyncio.ensure_future(
@@ -315,3 +332,92 @@ async def test_a_forwarded_calls_wait_timeout_counts_from_its_first_wait() -> No
                 await second
     finally:
         await actor.close()
+
+
+async def _calls(rates: NodeRates, count: int, gap: float) -> None:
+    """``count`` calls of one unit, ``gap`` seconds apart, each held a moment."""
+    for _ in range(count):
+        request = next(_requests)
+        await asyncio.wait_for(
+            rates.take("w", request, {"api": 1}, "search", None, None, None), 2.0
+        )
+        await asyncio.sleep(0.001)
+        rates.give("w", request, COMPLETED)
+        await asyncio.sleep(gap)
+
+
+async def test_a_node_whose_calls_are_sparse_sends_them_on_and_never_asks() -> None:
+    """Calls half a heartbeat apart: asks every heartbeat would cost the job's actor
+    more than the calls sent to it. Every call is granted there, about two messages
+    each, and the node never asks for a share."""
+    actor = _actor(100.0, 10.0)
+    try:
+        async with _node(actor, "a") as (rates, runtime):
+            loop = asyncio.get_running_loop()
+            before, began = actor.messages, loop.time()
+            await _calls(rates, 12, 0.05)  # two a heartbeat of 0.1 s, LEASE_AT is 4
+            assert not rates._leasing and actor.lends == 0
+            polls = (loop.time() - began) / 0.1 + 1  # the agent's proxy's, one a heartbeat
+            assert actor.messages - before <= 2 * 12 + polls
+            assert len(runtime._ledger.running) == 0 and not rates._takes
+    finally:
+        await actor.close()
+
+
+async def test_a_node_leases_while_its_calls_come_close_and_gives_its_share_back() -> None:
+    """A busy spell (calls back to back) makes the node lease and ask each heartbeat;
+    when its calls thin out, it gives its share back (the book lends it nothing) and
+    stops asking, while its calls go on being granted at the job's actor."""
+    actor = _actor(100.0, 10.0)
+    try:
+        async with _node(actor, "a") as (rates, _):
+            await _calls(rates, 20, 0.0)
+            assert rates._leasing and actor.lends > 0
+            member = actor._rates["api"]._members[actor_client(actor, rates)]
+            assert member.granted[0] > 0
+            await _calls(rates, 8, 0.3)  # three heartbeats apart: 2.4 s
+            assert not rates._leasing
+            await asyncio.sleep(0.3)  # the cut to nothing is said to be applied
+            assert member.granted == (0.0, 0.0) and member.applied == (0.0, 0.0)
+            assert rates._idle()
+            lends = actor.lends
+            await _calls(rates, 3, 0.3)
+            assert actor.lends == lends  # sparse calls: no more asks
+    finally:
+        await actor.close()
+
+
+async def test_a_call_waiting_when_its_node_gives_its_share_back_is_sent_on() -> None:
+    """The node's asks go unanswered, so its share stays nothing and its call waits
+    there; once its calls span GIVE_BACK_AFTER heartbeats with none since, the node
+    stops leasing and the call is sent on and granted at the job's actor, not left
+    waiting on a share that will never come."""
+
+    async def never(*_: Any) -> None:
+        await asyncio.sleep(10.0)
+
+    actor = _actor(100.0, 10.0)
+    try:
+        async with _node(actor, "a", {"lend_rates": never}) as (rates, runtime):
+            await _prime(rates)
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            request = next(_requests)
+            call = asyncio.ensure_future(
+                rates.take("w", request, {"api": 1}, "search", None, None, None)
+            )
+            await asyncio.sleep(0.05)
+            assert rates._leasing and not call.done()
+            assert await asyncio.wait_for(call, 3.0) == {"api": 1.0}
+            waited = loop.time() - began
+            # Checked at each ask, which waits up to the lease timeout (0.6 s) unanswered.
+            assert 0.1 * GIVE_BACK_AFTER <= waited <= 0.1 * (GIVE_BACK_AFTER + 2) + 0.6, waited
+            assert not rates._leasing and len(runtime._ledger.running) == 0
+            rates.give("w", request, COMPLETED)
+    finally:
+        await actor.close()
+
+
+def actor_client(actor: SchedulerActor, rates: NodeRates) -> str:
+    """The id the job's actor knows a node's agent by, in its books."""
+    return str(rates._remote.client_id)

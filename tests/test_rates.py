@@ -11,7 +11,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tangram._shared._rates import _RESUM, HEADROOM, POOL, RateBook, _Sums
+from tangram._shared._rates import (
+    _RESUM,
+    GIVE_BACK_AFTER,
+    HEADROOM,
+    LEASE_AT,
+    POOL,
+    RateBook,
+    _Sums,
+    leases,
+)
 
 R, B, PERIOD = 100.0, 20.0, 1.0
 
@@ -290,3 +299,20 @@ def test_an_ask_with_a_number_that_is_not_a_count_is_read_as_nothing(bad: float)
     assert job.running["b"] == (0.0, 0.0)
     job.ask("a", 10.0)
     assert job.flight["a"][0] == pytest.approx(HEADROOM * 10.0)
+
+
+@pytest.mark.parametrize("leasing", [False, True])
+@pytest.mark.parametrize("gap", [0.0, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0])
+def test_a_node_leases_only_while_its_calls_outnumber_its_asks(leasing: bool, gap: float) -> None:
+    """Calls ``gap`` heartbeats apart: a node starts leasing once LEASE_AT come within a
+    heartbeat, and keeps its share until they span GIVE_BACK_AFTER heartbeats (about
+    half a call a heartbeat, where an ask and a call sent to the job's actor cost it
+    alike). Between the two, it stays as it is."""
+    calls = [gap * PERIOD * i for i in range(LEASE_AT)]
+    now = calls[-1]
+    span = gap * (LEASE_AT - 1)
+    expected = span <= (GIVE_BACK_AFTER if leasing else 1.0)
+    assert leases(calls, now, PERIOD, leasing) is expected
+    assert not leases(calls[1:], now, PERIOD, leasing)  # fewer calls than LEASE_AT
+    # With no call since, a share is kept only so long.
+    assert not leases(calls, calls[0] + (GIVE_BACK_AFTER + 0.01) * PERIOD, PERIOD, True)

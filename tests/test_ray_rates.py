@@ -30,6 +30,7 @@ from ray_support import two_node_cluster
 import tangram
 from tangram._core._stats import most_in_window
 from tangram._shared._node_rates import RAMP
+from tangram._shared._rates import LEASE_AT
 from tangram.errors import SchedulerUnavailableError, WaitTimeoutError
 
 if os.environ.get("CI"):
@@ -132,10 +133,14 @@ class Caller:
         return "granted"
 
     async def too_soon(self, scheduler: str) -> str:
-        """A call whose wait runs out before its node is lent anything: the error."""
+        """A call whose wait runs out before its node is lent anything: the error. The
+        calls before it, close together, make the node lease (see ._rates.leases)."""
         async with tray.connect(
             name=scheduler, create=False, heartbeat=HEARTBEAT, lease_timeout=LEASE_TIMEOUT
         ) as remote:
+            for _ in range(LEASE_AT - 1):
+                async with remote.acquire({"api": 0.01}, kind="search"):
+                    pass
             try:
                 async with remote.acquire({"api": BURST}, kind="search", wait_timeout=1e-6):
                     pass

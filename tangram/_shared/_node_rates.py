@@ -7,6 +7,11 @@ policy, so a call that needs nothing but API rates never messages the job's acto
 agent asks for its share again every heartbeat while it holds or wants one, saying what
 it used and what waits, and at once when a call waits with no share that could serve it.
 
+A node leases only while its calls outnumber its asks (the rule, :func:`._rates.leases`):
+until then, and once its calls thin out, it sends each call on to the job's actor, and a
+share it held is given back (cut to nothing, then said to be applied) and no longer
+asked for. Calls that wait on the node when it stops leasing are sent on with it.
+
 A call larger than the node's burst (a share's burst is its rate's part of the job's) is
 sent on to the job's actor through the agent's own proxy, where one line serves large
 calls in turn; so is one larger than the job's burst as this node last heard it (the
@@ -22,6 +27,7 @@ actor is gone fails its waiting and later calls with
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import math
 from collections.abc import Mapping
@@ -33,6 +39,7 @@ from .._core._resources import Rate, Resource, Shape
 from .._runtime._run import Runtime
 from ..errors import SchedulerUnavailableError, TangramError
 from ._protocol import CANCELLED, COMPLETED, FAILED, died, logger, lost, task_failed
+from ._rates import LEASE_AT, leases
 
 __all__ = ["NodeRates", "lent_kinds"]
 
@@ -119,6 +126,10 @@ class NodeRates:
         self._busy_from = self._loop.time()
         self._asked_at = self._loop.time()
         self._takes: dict[tuple[str, int], _Take] = {}
+        # When the last LEASE_AT calls came, and whether the node leases (else its calls
+        # go on to the job's actor): see ._rates.leases.
+        self._calls: collections.deque[float] = collections.deque(maxlen=LEASE_AT)
+        self._leasing = False
         self._early: dict[tuple[str, int], None] = {}  # given back before their take came
         self._wake = asyncio.Event()
         self._error: BaseException | None = None
@@ -152,7 +163,12 @@ class NodeRates:
             return None  # given back before it came: its caller is gone
         wanted = {name: float(amount) for name, amount in demand.items()}
         take = _Take(cid, wanted, {self._local[name]: a for name, a in wanted.items()})
-        take.forward = any(
+        self._calls.append(take.since)
+        leasing = leases(self._calls, take.since, self._period, self._leasing)
+        if leasing != self._leasing:
+            self._leasing = leasing
+            self._send_on()  # stopped leasing: what waits here goes on with this call
+        take.forward = not leasing or any(
             amount > self._capacity[name][1] or self._too_big(name, amount)
             for name, amount in wanted.items()
         )
@@ -295,13 +311,16 @@ class NodeRates:
 
     def _send_on(self) -> None:
         """Send calls waiting here that the node's share can no longer hold to the job's
-        actor: a cut burst would leave them waiting for good."""
+        actor: a cut burst, or a share given back, would leave them waiting for good."""
         for take in self._takes.values():
-            if take.granted.done() or take.forward or take.scope is None:
+            if take.granted.done() or take.forward:
                 continue
-            if any(self._too_big(name, amount) for name, amount in take.demand.items()):
-                take.forward = True
-                take.scope.cancel()
+            if not self._leasing or any(
+                self._too_big(name, amount) for name, amount in take.demand.items()
+            ):
+                take.forward = True  # one whose wait has not begun begins it there
+                if take.scope is not None:
+                    take.scope.cancel()
 
     # -- asking the job's actor -----------------------------------------------------------
 
@@ -339,10 +358,11 @@ class NodeRates:
         return seconds < self._period / (2 * RAMP)
 
     def _idle(self) -> bool:
-        """Nothing held, wanted, or owed to the book: a share cut to nothing counts at
-        the job's actor until an ask says it is applied."""
+        """No share held, wanted, or owed to the book: a share cut to nothing counts at
+        the job's actor until an ask says it is applied. Calls sent on to the job's
+        actor want nothing of this node's share."""
         return (
-            not self._takes
+            (not self._takes or not self._leasing)
             and all(rate <= 0 for rate, _ in self._applied.values())
             and all(rate <= 0 for rate, _ in self._reported.values())
         )
@@ -369,7 +389,12 @@ class NodeRates:
     async def _ask(self) -> None:
         sent = self._loop.time()
         quick = self._quick(sent - self._asked_at)
+        if self._leasing and not leases(self._calls, sent, self._period, True):
+            self._leasing = False  # its calls thinned out since the last one came
+            self._send_on()
         wants = self._wants(sent)
+        if not self._leasing:  # giving its share back: it wants none
+            wants = {name: (0.0, 0.0, 0.0, share) for name, (*_, share) in wants.items()}
         self._reported = dict(self._applied)
         for name, local in self._local.items():
             self._spent[name], _, self._waited[name] = self._runtime._rate_use(local)
