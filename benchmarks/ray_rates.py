@@ -7,7 +7,9 @@ What it measures
     and worker processes on those nodes whose loops call the API
     (``acquire({"api": 1})`` alone, the grant standing in for the call, which cannot
     exist here) with a think time between calls: at half the rate offered, back to back
-    (saturated), and sparse (each node's calls come about SPARSE a heartbeat, each
+    (saturated: the first node's workers run LOOPS loops each, the others' half as many,
+    so one first-come-first-served line for the job serves the first node twice the
+    calls of each other), and sparse (each node's calls come about SPARSE a heartbeat, each
     loop thinking a random, exponential time: the calls of a node among 1,000 sharing
     an API of a few hundred calls a second). Two arms in the same run, per load:
 
@@ -31,7 +33,11 @@ Why
     saturated (at half load the actor's fixed cost of its agents' and driver's polls is
     most of it: that ratio is reported); the calls served within 5 % of the central
     arm's at half load, and at >= 0.9 of them saturated (a share cut frees its units
-    one ask later, which costs rate while saturated nodes trade it); in every arm, never
+    one ask later, which costs rate while saturated nodes trade it), each node's part
+    of them within 15 % of its part through the job's actor (one line), read over the
+    window's second half (the split closes half its distance to one line's at each
+    ask, one a heartbeat, so the whole window's parts, reported too, include the
+    first asks after the nodes' shares grew alike from nothing); in every arm, never
     more calls in a second than the rate allows. Sparse, a node's asks would outnumber
     its calls (one a heartbeat against SPARSE calls), so it sends its calls to the job's
     actor instead (``tangram/_shared/_rates.py``, ``leases``): its asks per call <= 0.1
@@ -88,7 +94,13 @@ class Worker:
         return str(ray.get_runtime_context().get_node_id())
 
     async def call(
-        self, leased: bool, think: float, start: float, seconds: float, sparse: bool = False
+        self,
+        leased: bool,
+        think: float,
+        start: float,
+        seconds: float,
+        sparse: bool = False,
+        loops: int = LOOPS,
     ) -> list[tuple[float, float]]:
         """Each call's acquire latency and when its grant arrived; ``sparse``: each loop
         thinks a random time of mean ``think``, first and between its calls."""
@@ -114,7 +126,7 @@ class Worker:
                     await anyio.sleep(pause())
 
             async with anyio.create_task_group() as tg:
-                for _ in range(LOOPS):
+                for _ in range(loops):
                     tg.start_soon(loop)
         return calls
 
@@ -131,19 +143,44 @@ async def _arm(
     think: float,
     plan: dict[str, Any],
     sparse: bool = False,
+    unequal: bool = False,
 ) -> dict[str, Any]:
     seconds = plan["seconds"] * (2.5 if sparse else 1)
     # The calls begin WARM seconds before the window, where a node's share grows from
     # nothing (the ramp is reported apart: the first calls' latency).
     begin = time.time() + 1.0 + 0.05 * len(workers)
     start = begin + WARM
-    refs = [w.call.remote(leased, think, begin, start + seconds - begin, sparse) for w in workers]
+    # Workers are listed node by node; unequal, only the first node's run LOOPS loops.
+    loops = [
+        LOOPS if not unequal or index < plan["workers"] else LOOPS // 2
+        for index in range(len(workers))
+    ]
+    refs = [
+        w.call.remote(leased, think, begin, start + seconds - begin, sparse, count)
+        for w, count in zip(workers, loops, strict=True)
+    ]
     await anyio.sleep(max(0.0, start - time.time()))
     first = await _counters(remote)
     await anyio.sleep(max(0.0, start + seconds - time.time()))
     last = await _counters(remote)
-    calls = [c for ref in refs for c in await ref]
+    each = [await ref for ref in refs]
+    calls = [c for worker in each for c in worker]
     running = [span for span, at in calls if start <= at <= start + seconds]
+    nodes = len(workers) // plan["workers"]
+
+    def parts(since: float) -> list[float]:
+        """Each node's part of the calls granted from ``since`` to the window's end."""
+        counts = [
+            sum(
+                1
+                for worker in each[node * plan["workers"] : (node + 1) * plan["workers"]]
+                for _, at in worker
+                if since <= at <= start + seconds
+            )
+            for node in range(nodes)
+        ]
+        return [round(count / max(sum(counts), 1), 3) for count in counts]
+
     n = max(len(running), 1)
     spans = sorted(running)
     ramp = sorted(span for span, at in calls if at < start)
@@ -153,6 +190,8 @@ async def _arm(
         "arm": "leased" if leased else "central",
         "calls": len(running),
         "calls_per_s": round(len(running) / seconds, 1),
+        "node_parts": parts(start),
+        "settled_node_parts": parts(start + seconds / 2),
         "messages_per_call": round((last["messages"] - first["messages"]) / n, 4),
         "lends_per_call": round((last["lends"] - first["lends"]) / n, 4),
         "actor_cpu_ms_per_call": round(1e3 * (last["cpu_seconds"] - first["cpu_seconds"]) / n, 4),
@@ -189,12 +228,21 @@ async def _bench(workers: list[Any], node_ids: list[str], plan: dict[str, Any]) 
             for load, think in loads.items():
                 rows[load] = []
                 for leased in (False, True):
-                    row = await _arm(remote, workers, leased, think, plan, load == "sparse")
+                    row = await _arm(
+                        remote,
+                        workers,
+                        leased,
+                        think,
+                        plan,
+                        sparse=load == "sparse",
+                        unequal=load == "saturated",
+                    )
                     rows[load].append(row)
                     print(
                         f"  {load:9s} {row['arm']:7s}: {row['calls_per_s']} calls/s, "
                         f"{row['messages_per_call']} messages and "
-                        f"{row['actor_cpu_ms_per_call']} ms actor CPU per call, p50 "
+                        f"{row['actor_cpu_ms_per_call']} ms actor CPU per call, parts "
+                        f"{row['node_parts']}, p50 "
                         f"{row['p50_ms']} ms, p99 {row['p99_ms']} ms, most in 1 s "
                         f"{row['most_in_1s']}",
                         file=sys.stderr,
@@ -243,6 +291,11 @@ def main(argv: list[str] | None = None) -> int:
     def ratio(load: dict[str, dict[str, Any]], key: str) -> float:
         return float(load["leased"][key]) / max(float(load["central"][key]), 1e-9)
 
+    def off(key: str) -> float:
+        """How far the leased arm's nodes' parts are from one line's, the worst node."""
+        parts = zip(full["leased"][key], full["central"][key], strict=True)
+        return max(abs(lent - line) / max(line, 1e-9) for lent, line in parts)
+
     served = ratio(half, "calls_per_s")
     saturated = ratio(full, "calls_per_s")
     kept = all(row["rate_kept"] for arm in rows.values() for row in arm)
@@ -259,7 +312,10 @@ def main(argv: list[str] | None = None) -> int:
         "half_load_actor_cpu_vs_central": round(ratio(half, "actor_cpu_ms_per_call"), 3),
         "half_load_p99_vs_central": round(ratio(half, "p99_ms"), 3),
         "sparse_messages_per_call_vs_central": round(ratio(sparse, "messages_per_call"), 3),
+        "saturated_node_parts_off_central_whole_window": round(off("node_parts"), 3),
     }
+
+    split = off("settled_node_parts")
     asks = sparse["leased"]["lends_per_call"]
     asked = asks <= 0.1 and sparse["leased"]["calls"] >= 3
     targets = {
@@ -281,6 +337,11 @@ def main(argv: list[str] | None = None) -> int:
         },
         "rate_kept": {"value": kept, "goal": "== true", "met": kept},
         "sparse_asks_per_call": {"value": asks, "goal": "<= 0.1", "met": asked},
+        "saturated_settled_node_parts_off_central": {
+            "value": round(split, 3),
+            "goal": "<= 0.15",
+            "met": split <= 0.15,
+        },
     }
     print(json.dumps({"bench": "ray_rates", "figures": figures, "targets": targets}))
     return 0

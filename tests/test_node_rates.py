@@ -421,3 +421,25 @@ async def test_a_call_waiting_when_its_node_gives_its_share_back_is_sent_on() ->
 def actor_client(actor: SchedulerActor, rates: NodeRates) -> str:
     """The id the job's actor knows a node's agent by, in its books."""
     return str(rates._remote.client_id)
+
+
+async def test_a_node_whose_share_was_cut_to_nothing_sends_its_next_call_on() -> None:
+    """A busy node that goes quiet is cut to nothing. Its next call, still within
+    GIVE_BACK_AFTER heartbeats of the busy spell, must not wait for a share to grow
+    from nothing (an ask, then a first token at the new share's pace): it goes on to
+    the job's actor, granted at once."""
+    actor = _actor(100.0, 10.0)
+    try:
+        async with _node(actor, "a") as (rates, runtime):
+            await _calls(rates, 20, 0.0)
+            assert rates._leasing
+            await asyncio.sleep(0.4)  # a quiet spell: cut to nothing, said applied
+            assert rates._idle() and not rates._leasing
+            lends = actor.lends
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            await _calls(rates, 1, 0.0)
+            assert loop.time() - began < 0.05
+            assert actor.lends == lends and len(runtime._ledger.running) == 0
+    finally:
+        await actor.close()

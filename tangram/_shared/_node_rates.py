@@ -10,7 +10,9 @@ it used and what waits, and at once when a call waits with no share that could s
 A node leases only while its calls outnumber its asks (the rule, :func:`._rates.leases`):
 until then, and once its calls thin out, it sends each call on to the job's actor, and a
 share it held is given back (cut to nothing, then said to be applied) and no longer
-asked for. Calls that wait on the node when it stops leasing are sent on with it.
+asked for. Calls that wait on the node when it stops leasing are sent on with it. A
+node whose share was cut to nothing (its calls stopped for a heartbeat) stops leasing
+too, until its calls come close again.
 
 A call larger than the node's burst (a share's burst is its rate's part of the job's) is
 sent on to the job's actor through the agent's own proxy, where one line serves large
@@ -375,6 +377,11 @@ class NodeRates:
         while self._error is None:
             with contextlib.suppress(TimeoutError):
                 if self._idle():
+                    # Nothing lent: a share would grow from nothing, its first call
+                    # waiting an ask and a token (half a second at a call a heartbeat),
+                    # so the node's next calls go on to the job's actor until they
+                    # come close again.
+                    self._leasing = False
                     await self._wake.wait()
                 else:
                     ramping = self._grew and self._waiting()
