@@ -25,7 +25,7 @@ from tangram._runtime._run import Runtime
 from tangram._shared._node_rates import RAMP, NodeRates, lent_kinds
 from tangram._shared._protocol import CANCELLED, COMPLETED
 from tangram._shared._proxy import attach
-from tangram._shared._rates import GIVE_BACK_AFTER, LEASE_AT, POOL
+from tangram._shared._rates import LEASE_AT, POOL, QUICK, RateBook, Share
 from tangram._shared._scheduler import SchedulerActor
 from tangram.errors import WaitTimeoutError
 
@@ -102,12 +102,16 @@ async def _spend(actor: SchedulerActor, amount: float) -> None:
 
 
 async def _prime(rates: NodeRates, amount: float = 1.0) -> None:
-    """Calls sent on to the job's actor, one fewer than LEASE_AT: the node's next call
-    within the heartbeat makes it lease (see ._rates.leases)."""
-    for _ in range(LEASE_AT - 1):
-        request = next(_requests)
-        await rates.take("w", request, {"api": amount}, "search", None, None, None)
-        rates.give("w", request, COMPLETED)
+    """Calls sent on to the job's actor: LEASE_AT in one heartbeat, then one fewer in
+    the next, so that the node's next call in it makes it lease (._rates.Pace)."""
+    loop = asyncio.get_running_loop()
+    for count in (LEASE_AT, LEASE_AT - 1):
+        period = rates._period
+        await asyncio.sleep(period - loop.time() % period + 0.005)  # a heartbeat begins
+        for _ in range(count):
+            request = next(_requests)
+            await rates.take("w", request, {"api": amount}, "search", None, None, None)
+            rates.give("w", request, COMPLETED)
     assert not rates._leasing
 
 
@@ -314,8 +318,7 @@ async def test_a_forwarded_calls_wait_timeout_counts_from_its_first_wait() -> No
     actor = _actor(1.0, 10.0)
     try:
         async with _node(actor, "a") as (a, _), _node(actor, "b") as (b, _):
-            await _prime(a, 0.001)
-            await _prime(b, 0.001)
+            await asyncio.gather(_prime(a, 0.001), _prime(b, 0.001))
             loop = asyncio.get_running_loop()
             began = loop.time()
             first = asyncio.ensure_future(
@@ -346,32 +349,46 @@ async def _calls(rates: NodeRates, count: int, gap: float) -> None:
         await asyncio.sleep(gap)
 
 
-async def test_a_node_whose_calls_are_sparse_sends_them_on_and_never_asks() -> None:
-    """Calls half a heartbeat apart: asks every heartbeat would cost the job's actor
-    more than the calls sent to it. Every call is granted there, about two messages
-    each, and the node never asks for a share."""
+async def _burst(rates: NodeRates, size: int) -> None:
+    await asyncio.gather(*(_calls(rates, 1, 0.0) for _ in range(size)))
+
+
+@pytest.mark.parametrize("shape", ["sparse", "bursts"])
+async def test_a_node_whose_calls_are_sparse_or_in_bursts_sends_them_on(shape: str) -> None:
+    """Calls 1.5 heartbeats apart, or bursts of 6 at once with quiet heartbeats between: a
+    share would cost the job's actor more asks than the calls (it grows from nothing
+    at each call or burst, an ask at once and four a heartbeat, and is cut back).
+    Every call is granted there, about two messages each, and the node never asks."""
     actor = _actor(100.0, 10.0)
     try:
         async with _node(actor, "a") as (rates, runtime):
             loop = asyncio.get_running_loop()
             before, began = actor.messages, loop.time()
-            await _calls(rates, 12, 0.05)  # two a heartbeat of 0.1 s, LEASE_AT is 4
+            calls = 12
+            if shape == "sparse":
+                await _calls(rates, calls, 0.15)
+            else:  # each within a quarter heartbeat (see ._rates.Pace)
+                quarter = 0.1 / QUICK
+                for _ in range(calls // 6):
+                    await asyncio.sleep(quarter - loop.time() % quarter + 0.002)
+                    await _burst(rates, 6)
+                    await asyncio.sleep(0.25)
             assert not rates._leasing and actor.lends == 0
             polls = (loop.time() - began) / 0.1 + 1  # the agent's proxy's, one a heartbeat
-            assert actor.messages - before <= 2 * 12 + polls
+            assert actor.messages - before <= 2 * calls + polls
             assert len(runtime._ledger.running) == 0 and not rates._takes
     finally:
         await actor.close()
 
 
 async def test_a_node_leases_while_its_calls_come_close_and_gives_its_share_back() -> None:
-    """A busy spell (calls back to back) makes the node lease and ask each heartbeat;
+    """A busy spell (calls 5 ms apart) makes the node lease and ask each heartbeat;
     when its calls thin out, it gives its share back (the book lends it nothing) and
     stops asking, while its calls go on being granted at the job's actor."""
     actor = _actor(100.0, 10.0)
     try:
         async with _node(actor, "a") as (rates, _):
-            await _calls(rates, 20, 0.0)
+            await _calls(rates, 40, 0.005)
             assert rates._leasing and actor.lends > 0
             member = actor._rates["api"]._members[actor_client(actor, rates)]
             assert member.granted[0] > 0
@@ -387,32 +404,32 @@ async def test_a_node_leases_while_its_calls_come_close_and_gives_its_share_back
         await actor.close()
 
 
-async def test_a_call_waiting_when_its_node_gives_its_share_back_is_sent_on() -> None:
-    """The node's asks go unanswered, so its share stays nothing and its call waits
-    there; once its calls span GIVE_BACK_AFTER heartbeats with none since, the node
-    stops leasing and the call is sent on and granted at the job's actor, not left
-    waiting on a share that will never come."""
-
-    async def never(*_: Any) -> None:
-        await asyncio.sleep(10.0)
-
+async def test_a_call_waiting_when_its_share_is_cut_to_nothing_is_sent_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The book answers this node's asks with nothing (a stand-in for a book whose rate
+    other members hold: ``RateBook.ask`` is replaced), while its call waits there. The
+    node stops leasing and the call is sent on and granted at the job's actor, not left
+    waiting on a share that will not come, and the node asks no more."""
     actor = _actor(100.0, 10.0)
+    asked: list[tuple[float, float]] = []
+
+    def nothing(self: Any, member: str, used: float, waiting: float, *_: Any) -> Share:
+        asked.append((used, waiting))
+        return (0.0, 0.0)
+
     try:
-        async with _node(actor, "a", {"lend_rates": never}) as (rates, runtime):
+        async with _node(actor, "a") as (rates, runtime):
             await _prime(rates)
-            loop = asyncio.get_running_loop()
-            began = loop.time()
+            monkeypatch.setattr(RateBook, "ask", nothing)
             request = next(_requests)
-            call = asyncio.ensure_future(
-                rates.take("w", request, {"api": 1}, "search", None, None, None)
+            grant = await asyncio.wait_for(
+                rates.take("w", request, {"api": 1}, "search", None, None, None), 1.0
             )
-            await asyncio.sleep(0.05)
-            assert rates._leasing and not call.done()
-            assert await asyncio.wait_for(call, 3.0) == {"api": 1.0}
-            waited = loop.time() - began
-            # Checked at each ask, which waits up to the lease timeout (0.6 s) unanswered.
-            assert 0.1 * GIVE_BACK_AFTER <= waited <= 0.1 * (GIVE_BACK_AFTER + 2) + 0.6, waited
+            assert grant == {"api": 1.0} and asked and asked[0][1] > 0
             assert not rates._leasing and len(runtime._ledger.running) == 0
+            await asyncio.sleep(0.3)
+            assert len(asked) == 1 and rates._idle()  # it held nothing: nothing to say
             rates.give("w", request, COMPLETED)
     finally:
         await actor.close()
@@ -424,14 +441,13 @@ def actor_client(actor: SchedulerActor, rates: NodeRates) -> str:
 
 
 async def test_a_node_whose_share_was_cut_to_nothing_sends_its_next_call_on() -> None:
-    """A busy node that goes quiet is cut to nothing. Its next call, still within
-    GIVE_BACK_AFTER heartbeats of the busy spell, must not wait for a share to grow
-    from nothing (an ask, then a first token at the new share's pace): it goes on to
-    the job's actor, granted at once."""
+    """A busy node that goes quiet is cut to nothing. Its next call must not wait for
+    a share to grow from nothing (an ask, then a first token at the new share's pace):
+    it goes on to the job's actor, granted at once."""
     actor = _actor(100.0, 10.0)
     try:
         async with _node(actor, "a") as (rates, runtime):
-            await _calls(rates, 20, 0.0)
+            await _calls(rates, 40, 0.005)
             assert rates._leasing
             await asyncio.sleep(0.4)  # a quiet spell: cut to nothing, said applied
             assert rates._idle() and not rates._leasing

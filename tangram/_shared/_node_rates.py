@@ -7,12 +7,10 @@ policy, so a call that needs nothing but API rates never messages the job's acto
 agent asks for its share again every heartbeat while it holds or wants one, saying what
 it used and what waits, and at once when a call waits with no share that could serve it.
 
-A node leases only while its calls outnumber its asks (the rule, :func:`._rates.leases`):
-until then, and once its calls thin out, it sends each call on to the job's actor, and a
-share it held is given back (cut to nothing, then said to be applied) and no longer
-asked for. Calls that wait on the node when it stops leasing are sent on with it. A
-node whose share was cut to nothing (its calls stopped for a heartbeat) stops leasing
-too, until its calls come close again.
+A node leases only while its calls are steady (the rule, :class:`._rates.Pace`): until
+then it sends each call on to the job's actor. It stops when an answer cuts its every
+share to nothing, or when it goes idle: the calls waiting on it then are sent on, and
+its next ask wants nothing and says the cut is applied, after which it asks no more.
 
 A call larger than the node's burst (a share's burst is its rate's part of the job's) is
 sent on to the job's actor through the agent's own proxy, where one line serves large
@@ -29,7 +27,6 @@ actor is gone fails its waiting and later calls with
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import math
 from collections.abc import Mapping
@@ -41,7 +38,7 @@ from .._core._resources import Rate, Resource, Shape
 from .._runtime._run import Runtime
 from ..errors import SchedulerUnavailableError, TangramError
 from ._protocol import CANCELLED, COMPLETED, FAILED, died, logger, lost, task_failed
-from ._rates import LEASE_AT, leases
+from ._rates import Pace
 
 __all__ = ["NodeRates", "lent_kinds"]
 
@@ -128,9 +125,9 @@ class NodeRates:
         self._busy_from = self._loop.time()
         self._asked_at = self._loop.time()
         self._takes: dict[tuple[str, int], _Take] = {}
-        # When the last LEASE_AT calls came, and whether the node leases (else its calls
-        # go on to the job's actor): see ._rates.leases.
-        self._calls: collections.deque[float] = collections.deque(maxlen=LEASE_AT)
+        # How often calls come, and whether the node leases (else its calls go on to
+        # the job's actor): see ._rates.Pace.
+        self._pace = Pace(period)
         self._leasing = False
         self._early: dict[tuple[str, int], None] = {}  # given back before their take came
         self._wake = asyncio.Event()
@@ -165,12 +162,11 @@ class NodeRates:
             return None  # given back before it came: its caller is gone
         wanted = {name: float(amount) for name, amount in demand.items()}
         take = _Take(cid, wanted, {self._local[name]: a for name, a in wanted.items()})
-        self._calls.append(take.since)
-        leasing = leases(self._calls, take.since, self._period, self._leasing)
-        if leasing != self._leasing:
-            self._leasing = leasing
-            self._send_on()  # stopped leasing: what waits here goes on with this call
-        take.forward = not leasing or any(
+        self._pace.add(take.since)
+        if not self._leasing and self._pace.steady(take.since):
+            self._leasing = True
+            self._busy_from = take.since  # its queue is measured from now
+        take.forward = not self._leasing or any(
             amount > self._capacity[name][1] or self._too_big(name, amount)
             for name, amount in wanted.items()
         )
@@ -396,11 +392,8 @@ class NodeRates:
     async def _ask(self) -> None:
         sent = self._loop.time()
         quick = self._quick(sent - self._asked_at)
-        if self._leasing and not leases(self._calls, sent, self._period, True):
-            self._leasing = False  # its calls thinned out since the last one came
-            self._send_on()
         wants = self._wants(sent)
-        if not self._leasing:  # giving its share back: it wants none
+        if not self._leasing:  # its share is cut to nothing: it wants none
             wants = {name: (0.0, 0.0, 0.0, share) for name, (*_, share) in wants.items()}
         self._reported = dict(self._applied)
         for name, local in self._local.items():
@@ -426,6 +419,8 @@ class NodeRates:
             rate > RAMPING * self._applied[name][0] for name, (rate, _) in shares_now.items()
         )
         self._grew = grew or (quick and self._grew)
+        if all(rate <= 0 for rate, _ in shares_now.values()):
+            self._leasing = False  # cut to nothing: what waits here goes on (_apply)
         self._apply(shares_now, until)
 
     def _apply(self, shares: Mapping[str, Share], until: float = math.inf) -> None:
