@@ -129,6 +129,11 @@ class NodeRates:
         # the job's actor): see ._rates.Pace.
         self._pace = Pace(period)
         self._leasing = False
+        # Units of calls sent on while not leasing, since when, until the next ask: the
+        # first ask after the node starts leasing counts them as used, so its first
+        # share is sized to its calls, not to the one that waits for it.
+        self._sent_on: dict[str, float] = dict.fromkeys(kinds, 0.0)
+        self._sent_since: float | None = None
         self._early: dict[tuple[str, int], None] = {}  # given back before their take came
         self._wake = asyncio.Event()
         self._error: BaseException | None = None
@@ -170,6 +175,11 @@ class NodeRates:
             amount > self._capacity[name][1] or self._too_big(name, amount)
             for name, amount in wanted.items()
         )
+        if not self._leasing:
+            if self._sent_since is None:
+                self._sent_since = take.since
+            for name, amount in wanted.items():
+                self._sent_on[name] += amount
         key = (cid, request)
         if not self._takes:
             self._busy_from = take.since
@@ -309,7 +319,7 @@ class NodeRates:
 
     def _send_on(self) -> None:
         """Send calls waiting here that the node's share can no longer hold to the job's
-        actor: a cut burst, or a share given back, would leave them waiting for good."""
+        actor: a cut burst, or a share cut to nothing, would leave them waiting for good."""
         for take in self._takes.values():
             if take.granted.done() or take.forward:
                 continue
@@ -343,10 +353,11 @@ class NodeRates:
                 for name, amount in take.demand.items():
                     largest[name] = max(largest[name], amount)
         span = now - max(self._asked_at, self._busy_from)
+        sent_for = max(now - (self._sent_since or now), self._period / RAMP)
         wants = {}
         for name, local in self._local.items():
             spent, wanted, waited = self._runtime._rate_use(local)
-            used = (spent - self._spent[name]) / elapsed
+            used = (spent - self._spent[name]) / elapsed + self._sent_on[name] / sent_for
             queued = (waited - self._waited[name]) / span if not self._quick(span) else wanted
             wants[name] = (used, queued, largest[name], self._applied[name])
         return wants
@@ -376,7 +387,7 @@ class NodeRates:
                     # Nothing lent: a share would grow from nothing, its first call
                     # waiting an ask and a token (half a second at a call a heartbeat),
                     # so the node's next calls go on to the job's actor until they
-                    # come close again.
+                    # are steady again.
                     self._leasing = False
                     await self._wake.wait()
                 else:
@@ -393,8 +404,13 @@ class NodeRates:
         sent = self._loop.time()
         quick = self._quick(sent - self._asked_at)
         wants = self._wants(sent)
+        if self._leasing and all(used <= 0 and queued <= 0 for used, queued, *_ in wants.values()):
+            self._leasing = False  # no call since its last ask: its share is cut to nothing
+            self._send_on()
         if not self._leasing:  # its share is cut to nothing: it wants none
             wants = {name: (0.0, 0.0, 0.0, share) for name, (*_, share) in wants.items()}
+        self._sent_on = dict.fromkeys(self._sent_on, 0.0)
+        self._sent_since = None
         self._reported = dict(self._applied)
         for name, local in self._local.items():
             self._spent[name], _, self._waited[name] = self._runtime._rate_use(local)
@@ -419,8 +435,6 @@ class NodeRates:
             rate > RAMPING * self._applied[name][0] for name, (rate, _) in shares_now.items()
         )
         self._grew = grew or (quick and self._grew)
-        if all(rate <= 0 for rate, _ in shares_now.values()):
-            self._leasing = False  # cut to nothing: what waits here goes on (_apply)
         self._apply(shares_now, until)
 
     def _apply(self, shares: Mapping[str, Share], until: float = math.inf) -> None:
