@@ -102,10 +102,11 @@ async def _spend(actor: SchedulerActor, amount: float) -> None:
 
 
 async def _prime(rates: NodeRates, amount: float = 1.0) -> None:
-    """Calls sent on to the job's actor: LEASE_AT in one heartbeat, then one fewer in
-    the next, so that the node's next call in it makes it lease (._rates.Pace)."""
+    """Calls sent on to the job's actor: LEASE_AT in each of two heartbeats, then one
+    fewer in the next, so that the node's next call in it makes it lease (three
+    heartbeats running: ._rates.Pace)."""
     loop = asyncio.get_running_loop()
-    for count in (LEASE_AT, LEASE_AT - 1):
+    for count in (LEASE_AT, LEASE_AT, LEASE_AT - 1):
         period = rates._period
         await asyncio.sleep(period - loop.time() % period + 0.005)  # a heartbeat begins
         for _ in range(count):
@@ -160,14 +161,14 @@ async def test_an_ask_says_the_calls_waiting_on_average_since_the_last_ask() -> 
                 rates.take("w", second_id, {"api": 2}, "search", None, None, None)
             )
             await asyncio.sleep(0.15)
-            used, queued, largest, _ = rates._wants(loop.time())["api"]
+            used, queued, largest, _, _ = rates._wants(loop.time())["api"]
             assert (used, largest) == (0.0, 2.0)
             assert queued == pytest.approx((1 * 0.3 + 2 * 0.15) / 0.3, rel=0.15)  # 2
             rates.give("w", second_id, CANCELLED)
             with pytest.raises(asyncio.CancelledError):
                 await second
             await asyncio.sleep(0.15)
-            _, queued, _, _ = rates._wants(loop.time())["api"]
+            _, queued, _, _, _ = rates._wants(loop.time())["api"]
             assert queued == pytest.approx((1 * 0.45 + 2 * 0.15) / 0.45, rel=0.15)  # 1.67
             first.cancel()
     finally:
@@ -458,25 +459,32 @@ async def test_a_node_whose_share_was_cut_to_nothing_sends_its_next_call_on() ->
         await actor.close()
 
 
+
 async def test_a_nodes_first_share_is_sized_to_the_calls_it_sent_on() -> None:
     """Calls about 200 a second: sent on until they are steady, then the node leases.
-    Its first ask counts the calls it sent on as used, so its first share is sized to
-    them; counted by its own runtime alone (nothing yet), it would be sized to the one
-    call waiting and grow from there, an ask a quarter heartbeat, while calls wait."""
+    Its first ask counts the calls it sent on as its use, so its first share is sized
+    to them (counted by its own runtime alone, nothing yet, it would be sized to the
+    one call waiting and grow from there, while calls wait), and the job's actor stops
+    counting them as its own callers' use (else it would keep their rate, unused)."""
     actor = _actor(1000.0, 50.0)
     try:
         async with _node(actor, "a") as (rates, _):
-            asked: list[float] = []
+            asked: list[tuple[float, float]] = []
             wants = rates._wants
 
             def spy(now: float) -> Any:
                 out = wants(now)
-                asked.append(out["api"][0])
+                asked.append((out["api"][0], out["api"][4]))
                 return out
 
             rates._wants = spy  # type: ignore[method-assign]
             await _calls(rates, 60, 0.005)
             assert rates._leasing and asked
-            assert asked[0] >= 50.0, asked
+            used, moved = asked[0]
+            assert used >= 50.0 and moved >= LEASE_AT, asked
+            assert actor._moved["api"] == pytest.approx(moved)
+            assert all(moved == 0.0 for _, moved in asked[1:])
+            _, _, pool_use = actor._pool_use["api"]
+            assert pool_use < 0.5 * used
     finally:
         await actor.close()

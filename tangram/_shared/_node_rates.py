@@ -8,9 +8,10 @@ agent asks for its share again every heartbeat while it holds or wants one, sayi
 it used and what waits, and at once when a call waits with no share that could serve it.
 
 A node leases only while its calls are steady (the rule, :class:`._rates.Pace`): until
-then it sends each call on to the job's actor. It stops when an answer cuts its every
-share to nothing, or when it goes idle: the calls waiting on it then are sent on, and
-its next ask wants nothing and says the cut is applied, after which it asks no more.
+then it sends each call on to the job's actor. It stops at its first ask a heartbeat or
+more after its last call (the book would cut its share to nothing for want of use, and
+its next call would wait for one to grow again; that ask wants nothing, and the next
+says the cut is applied, after which it asks no more), or when it goes idle.
 
 A call larger than the node's burst (a share's burst is its rate's part of the job's) is
 sent on to the job's actor through the agent's own proxy, where one line serves large
@@ -129,9 +130,11 @@ class NodeRates:
         # the job's actor): see ._rates.Pace.
         self._pace = Pace(period)
         self._leasing = False
-        # Units of calls sent on while not leasing, since when, until the next ask: the
-        # first ask after the node starts leasing counts them as used, so its first
-        # share is sized to its calls, not to the one that waits for it.
+        self._called_at = -math.inf  # when the last call came, here or sent on
+        # Units of calls sent on while not leasing, and since when, until the next ask:
+        # the first ask after the node starts leasing counts them as its use (its first
+        # share is sized to its calls, not to the one call that waits for it), and the
+        # job's actor stops counting them as its own callers'.
         self._sent_on: dict[str, float] = dict.fromkeys(kinds, 0.0)
         self._sent_since: float | None = None
         self._early: dict[tuple[str, int], None] = {}  # given back before their take came
@@ -175,8 +178,10 @@ class NodeRates:
             amount > self._capacity[name][1] or self._too_big(name, amount)
             for name, amount in wanted.items()
         )
+        self._called_at = take.since
         if not self._leasing:
-            if self._sent_since is None:
+            if self._sent_since is None or take.since - self._sent_since > 2 * self._period:
+                self._sent_on = dict.fromkeys(self._sent_on, 0.0)  # counted afresh
                 self._sent_since = take.since
             for name, amount in wanted.items():
                 self._sent_on[name] += amount
@@ -332,9 +337,10 @@ class NodeRates:
 
     # -- asking the job's actor -----------------------------------------------------------
 
-    def _wants(self, now: float) -> dict[str, tuple[float, float, float, Share]]:
+    def _wants(self, now: float) -> dict[str, tuple[float, float, float, Share, float]]:
         """Per kind: units a second used since the last ask, units waiting, the largest
-        waiting call, and the share run on now.
+        waiting call, the share run on now, and the units sent on to the job's actor
+        before the node started leasing (counted in its use at its first ask after).
 
         The units waiting are a mean over the time since the last ask, or since the node
         had a call again after none, if later: the node's runtime sums its waiting units
@@ -353,13 +359,15 @@ class NodeRates:
                 for name, amount in take.demand.items():
                     largest[name] = max(largest[name], amount)
         span = now - max(self._asked_at, self._busy_from)
-        sent_for = max(now - (self._sent_since or now), self._period / RAMP)
+        sent_for = max(now - (self._sent_since or now), self._period)
         wants = {}
         for name, local in self._local.items():
             spent, wanted, waited = self._runtime._rate_use(local)
-            used = (spent - self._spent[name]) / elapsed + self._sent_on[name] / sent_for
+            used = (spent - self._spent[name]) / elapsed
             queued = (waited - self._waited[name]) / span if not self._quick(span) else wanted
-            wants[name] = (used, queued, largest[name], self._applied[name])
+            moved = self._sent_on[name] if self._leasing else 0.0
+            used += moved / sent_for
+            wants[name] = (used, queued, largest[name], self._applied[name], moved)
         return wants
 
     def _quick(self, seconds: float) -> bool:
@@ -404,11 +412,10 @@ class NodeRates:
         sent = self._loop.time()
         quick = self._quick(sent - self._asked_at)
         wants = self._wants(sent)
-        if self._leasing and all(used <= 0 and queued <= 0 for used, queued, *_ in wants.values()):
-            self._leasing = False  # no call since its last ask: its share is cut to nothing
-            self._send_on()
+        if self._leasing and sent - self._called_at >= self._period and not self._waiting():
+            self._leasing = False  # no call for a heartbeat: it would be cut to nothing
         if not self._leasing:  # its share is cut to nothing: it wants none
-            wants = {name: (0.0, 0.0, 0.0, share) for name, (*_, share) in wants.items()}
+            wants = {name: (0.0, 0.0, 0.0, share, 0.0) for name, (*_, share, _) in wants.items()}
         self._sent_on = dict.fromkeys(self._sent_on, 0.0)
         self._sent_since = None
         self._reported = dict(self._applied)

@@ -52,9 +52,10 @@ The rules, kept here so the book is the one place they live (pure: times are pas
   pay that growth, and its calls that wait, at every burst; at 1,000 nodes sharing
   an API of 100 calls a second, each node's asks would outnumber its calls. So a node
   sends its calls on to the job's actor until it had ``LEASE_AT`` or more in each of
-  two heartbeats running (or of two quarters of one, so a busy node leases within
-  half a heartbeat), and stops leasing when an answer cuts its every share to
-  nothing (it used none and none waited since its last ask) or it goes idle. A node
+  three heartbeats running (or of three quarters of one, so a busy node leases within
+  three quarters of a heartbeat; a burst must last two such slots to pass), and
+  stops leasing at its first ask a heartbeat or more after its last call (the book
+  would cut it to nothing for want of use), or when it goes idle. A node
   that leases thus has about a call or more an ask, and one that does not costs the
   job's actor its calls' messages, about two a call at most, whatever the number of
   nodes.
@@ -78,11 +79,12 @@ POOL = ""
 # newcomers then start at once, not after the nodes' next asks.
 HEADROOM = 2.0
 SLACK_LENT = 0.5
-# A node leases once it had LEASE_AT calls in each of two heartbeats running: sent to
+# A node leases once it had LEASE_AT calls in each of three heartbeats running: sent to
 # the job's actor, they cost it about 2 x LEASE_AT messages a heartbeat, against one
 # ask; fewer calls, or calls in one burst, cost less than a share's growth from nothing.
-# Or in each of two quarters of a heartbeat (QUICK, a ramp's pace of asks): 2 x QUICK x
-# LEASE_AT messages a heartbeat, and a busy node stops sending its calls on sooner.
+# Or in each of three quarters of a heartbeat running (QUICK, a ramp's pace of asks):
+# 2 x QUICK x LEASE_AT messages a heartbeat, and a busy node stops sending its calls on
+# sooner. Three slots, so that a burst must last two of them to pass for steady.
 LEASE_AT = 2
 QUICK = 4
 # Sums kept as members come and go are summed afresh this often, so float drift from
@@ -254,30 +256,32 @@ class RateBook:
 
 @attrs.define
 class _Count:
-    """Calls in the slot ``now`` falls in and in the one before; slots are counted from
-    the clock's zero, so no list of call times is kept."""
+    """How many slots running, up to the one ``now`` falls in, had ``LEASE_AT`` calls or
+    more; slots are counted from the clock's zero, so no list of call times is kept."""
 
     width: float
     slot: int = -2
-    count: int = 0
-    before: int = 0
+    count: int = 0  # calls in the slot now
+    full: int = 0  # slots running before it with LEASE_AT calls or more
 
     def roll(self, now: float) -> None:
         slot = math.floor(now / self.width)
         if slot > self.slot:
-            self.before = self.count if slot == self.slot + 1 else 0
+            run = self.full + 1 if self.count >= LEASE_AT else 0
+            self.full = run if slot == self.slot + 1 else 0
             self.slot, self.count = slot, 0
 
-    def steady(self) -> bool:
-        return self.before >= LEASE_AT and self.count >= LEASE_AT
+    def steady(self, slots: int) -> bool:
+        return self.count >= LEASE_AT and self.full >= slots - 1
 
 
 @attrs.define(init=False)
 class Pace:
     """A node's calls lately: enough to tell calls that keep coming from a burst, in
-    O(1) whatever the rate. Counted in two widths: heartbeats, and quarters of one
-    (``QUICK``), where a busy node shows itself steady within half a heartbeat instead
-    of two, its calls sent on meanwhile."""
+    O(1) whatever the rate. Counted in two widths, three slots running in each (so a
+    burst shows steady only if it lasts two slots or more): heartbeats, and quarters of
+    one (``QUICK``), where a busy node shows itself steady within three quarters of a
+    heartbeat instead of three, its calls sent on meanwhile."""
 
     _counts: tuple[_Count, _Count]
 
@@ -291,12 +295,12 @@ class Pace:
             count.count += 1
 
     def steady(self, now: float) -> bool:
-        """Whether ``LEASE_AT`` calls or more came in each of the last two heartbeats,
-        or of the last two quarters of one, this one so far included: a node then
+        """Whether ``LEASE_AT`` calls or more came in each of the last three heartbeats,
+        or of the last three quarters of one, this one so far included: a node then
         leases."""
         for count in self._counts:
             count.roll(now)
-        return any(count.steady() for count in self._counts)
+        return any(count.steady(3) for count in self._counts)
 
 
 def _amount(value: float) -> float:
