@@ -13,13 +13,13 @@ from hypothesis import strategies as st
 
 from tangram._shared._rates import (
     _RESUM,
+    GIVE_BACK_AFTER,
     HEADROOM,
     LEASE_AT,
     POOL,
-    QUICK,
-    Pace,
     RateBook,
     _Sums,
+    leases,
 )
 
 R, B, PERIOD = 100.0, 20.0, 1.0
@@ -301,53 +301,18 @@ def test_an_ask_with_a_number_that_is_not_a_count_is_read_as_nothing(bad: float)
     assert job.flight["a"][0] == pytest.approx(HEADROOM * 10.0)
 
 
-def _steady_at(times: list[float]) -> list[bool]:
-    pace = Pace(PERIOD)
-    seen = []
-    for at in times:
-        pace.add(at)
-        seen.append(pace.steady(at))
-    return seen
-
-
-@pytest.mark.parametrize("phase", [0.0, 0.13, 0.5, 0.97])
-@pytest.mark.parametrize("per_heartbeat", [3.0, 4.5, 20.0, 500.0])
-def test_calls_that_keep_coming_make_a_node_lease_within_two_heartbeats(
-    phase: float, per_heartbeat: float
-) -> None:
-    """LEASE_AT or more calls in each of three heartbeats running, or quarters of one:
-    a node's calls are steady, and it leases (sent to the job's actor they would cost
-    it two messages each, against one ask a heartbeat)."""
-    times = [phase + i / per_heartbeat for i in range(int(4 * per_heartbeat))]
-    seen = _steady_at(times)
-    assert any(seen)
-    first = times[seen.index(True)]
-    assert first - times[0] <= (3.0 if per_heartbeat < 2 * QUICK else 0.75) * PERIOD
-
-
-@pytest.mark.parametrize("phase", [0.0, 0.13, 0.5, 0.97])
-@pytest.mark.parametrize("per_heartbeat", [0.2, 0.5, 0.9, 1.0])
-def test_calls_sparser_than_a_heartbeats_ask_never_make_a_node_lease(
-    phase: float, per_heartbeat: float
-) -> None:
-    times = [phase + i / per_heartbeat for i in range(40)]
-    assert not any(_steady_at(times))
-
-
-@pytest.mark.parametrize("size", [LEASE_AT, 8, 100])
-@pytest.mark.parametrize("every", [2.0, 3.5, 10.0])
-def test_bursts_with_a_quiet_heartbeat_between_never_make_a_node_lease(
-    size: int, every: float
-) -> None:
-    """A burst would pay a share's growth from nothing (asks at once and four a
-    heartbeat) and its calls would wait on it; sent on, they share the job's actor's
-    batches. A burst whose calls come within a quarter heartbeat is one quarter's
-    calls, whatever its size. (One that straddles two quarters with LEASE_AT calls on
-    each side does lease: a share's growth, and its cut, once.)"""
-    quarter = PERIOD / QUICK
-    times = [
-        burst * every + 0.01 * quarter + i * 0.9 * quarter / size
-        for burst in range(10)
-        for i in range(size)
-    ]
-    assert not any(_steady_at(times))
+@pytest.mark.parametrize("leasing", [False, True])
+@pytest.mark.parametrize("gap", [0.0, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0])
+def test_a_node_leases_only_while_its_calls_outnumber_its_asks(leasing: bool, gap: float) -> None:
+    """Calls ``gap`` heartbeats apart: a node starts leasing once LEASE_AT come within a
+    heartbeat, and keeps its share until they span GIVE_BACK_AFTER heartbeats (about
+    half a call a heartbeat, where an ask and a call sent to the job's actor cost it
+    alike). Between the two, it stays as it is."""
+    calls = [gap * PERIOD * i for i in range(LEASE_AT)]
+    now = calls[-1]
+    span = gap * (LEASE_AT - 1)
+    expected = span <= (GIVE_BACK_AFTER if leasing else 1.0)
+    assert leases(calls, now, PERIOD, leasing) is expected
+    assert not leases(calls[1:], now, PERIOD, leasing)  # fewer calls than LEASE_AT
+    # With no call since, a share is kept only so long.
+    assert not leases(calls, calls[0] + (GIVE_BACK_AFTER + 0.01) * PERIOD, PERIOD, True)

@@ -7,11 +7,13 @@ policy, so a call that needs nothing but API rates never messages the job's acto
 agent asks for its share again every heartbeat while it holds or wants one, saying what
 it used and what waits, and at once when a call waits with no share that could serve it.
 
-A node leases only while its calls are steady (the rule, :class:`._rates.Pace`): until
-then it sends each call on to the job's actor. It stops at its first ask a heartbeat or
-more after its last call (the book would cut its share to nothing for want of use, and
-its next call would wait for one to grow again; that ask wants nothing, and the next
-says the cut is applied, after which it asks no more), or when it goes idle.
+A node leases only while its calls outnumber its asks (the rule, :func:`._rates.leases`):
+until then, and once its calls thin out, it sends each call on to the job's actor, and a
+share it held is given back (cut to nothing, then said to be applied) and no longer
+asked for. Calls that wait on the node when it stops leasing are sent on with it. A
+node with no call for a heartbeat (its share would be cut to nothing for want of use)
+stops leasing too, at its next ask or when it goes idle, until its calls come close
+again.
 
 A call larger than the node's burst (a share's burst is its rate's part of the job's) is
 sent on to the job's actor through the agent's own proxy, where one line serves large
@@ -28,6 +30,7 @@ actor is gone fails its waiting and later calls with
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import math
 from collections.abc import Mapping
@@ -39,7 +42,7 @@ from .._core._resources import Rate, Resource, Shape
 from .._runtime._run import Runtime
 from ..errors import SchedulerUnavailableError, TangramError
 from ._protocol import CANCELLED, COMPLETED, FAILED, died, logger, lost, task_failed
-from ._rates import Pace
+from ._rates import LEASE_AT, leases
 
 __all__ = ["NodeRates", "lent_kinds"]
 
@@ -126,17 +129,10 @@ class NodeRates:
         self._busy_from = self._loop.time()
         self._asked_at = self._loop.time()
         self._takes: dict[tuple[str, int], _Take] = {}
-        # How often calls come, and whether the node leases (else its calls go on to
-        # the job's actor): see ._rates.Pace.
-        self._pace = Pace(period)
+        # When the last LEASE_AT calls came, and whether the node leases (else its calls
+        # go on to the job's actor): see ._rates.leases.
+        self._calls: collections.deque[float] = collections.deque(maxlen=LEASE_AT)
         self._leasing = False
-        self._called_at = -math.inf  # when the last call came, here or sent on
-        # Units of calls sent on while not leasing, and since when, until the next ask:
-        # the first ask after the node starts leasing counts them as its use (its first
-        # share is sized to its calls, not to the one call that waits for it), and the
-        # job's actor stops counting them as its own callers'.
-        self._sent_on: dict[str, float] = dict.fromkeys(kinds, 0.0)
-        self._sent_since: float | None = None
         self._early: dict[tuple[str, int], None] = {}  # given back before their take came
         self._wake = asyncio.Event()
         self._error: BaseException | None = None
@@ -170,21 +166,17 @@ class NodeRates:
             return None  # given back before it came: its caller is gone
         wanted = {name: float(amount) for name, amount in demand.items()}
         take = _Take(cid, wanted, {self._local[name]: a for name, a in wanted.items()})
-        self._pace.add(take.since)
-        if not self._leasing and self._pace.steady(take.since):
-            self._leasing = True
-            self._busy_from = take.since  # its queue is measured from now
-        take.forward = not self._leasing or any(
+        self._calls.append(take.since)
+        leasing = leases(self._calls, take.since, self._period, self._leasing)
+        if leasing != self._leasing:
+            self._leasing = leasing
+            self._send_on()  # stopped leasing: what waits here goes on with this call
+            if leasing:
+                self._busy_from = take.since  # its queue is measured from now
+        take.forward = not leasing or any(
             amount > self._capacity[name][1] or self._too_big(name, amount)
             for name, amount in wanted.items()
         )
-        self._called_at = take.since
-        if not self._leasing:
-            if self._sent_since is None or take.since - self._sent_since > 2 * self._period:
-                self._sent_on = dict.fromkeys(self._sent_on, 0.0)  # counted afresh
-                self._sent_since = take.since
-            for name, amount in wanted.items():
-                self._sent_on[name] += amount
         key = (cid, request)
         if not self._takes:
             self._busy_from = take.since
@@ -324,7 +316,7 @@ class NodeRates:
 
     def _send_on(self) -> None:
         """Send calls waiting here that the node's share can no longer hold to the job's
-        actor: a cut burst, or a share cut to nothing, would leave them waiting for good."""
+        actor: a cut burst, or a share given back, would leave them waiting for good."""
         for take in self._takes.values():
             if take.granted.done() or take.forward:
                 continue
@@ -337,10 +329,9 @@ class NodeRates:
 
     # -- asking the job's actor -----------------------------------------------------------
 
-    def _wants(self, now: float) -> dict[str, tuple[float, float, float, Share, float]]:
+    def _wants(self, now: float) -> dict[str, tuple[float, float, float, Share]]:
         """Per kind: units a second used since the last ask, units waiting, the largest
-        waiting call, the share run on now, and the units sent on to the job's actor
-        before the node started leasing (counted in its use at its first ask after).
+        waiting call, and the share run on now.
 
         The units waiting are a mean over the time since the last ask, or since the node
         had a call again after none, if later: the node's runtime sums its waiting units
@@ -359,15 +350,12 @@ class NodeRates:
                 for name, amount in take.demand.items():
                     largest[name] = max(largest[name], amount)
         span = now - max(self._asked_at, self._busy_from)
-        sent_for = max(now - (self._sent_since or now), self._period)
         wants = {}
         for name, local in self._local.items():
             spent, wanted, waited = self._runtime._rate_use(local)
             used = (spent - self._spent[name]) / elapsed
             queued = (waited - self._waited[name]) / span if not self._quick(span) else wanted
-            moved = self._sent_on[name] if self._leasing else 0.0
-            used += moved / sent_for
-            wants[name] = (used, queued, largest[name], self._applied[name], moved)
+            wants[name] = (used, queued, largest[name], self._applied[name])
         return wants
 
     def _quick(self, seconds: float) -> bool:
@@ -395,7 +383,7 @@ class NodeRates:
                     # Nothing lent: a share would grow from nothing, its first call
                     # waiting an ask and a token (half a second at a call a heartbeat),
                     # so the node's next calls go on to the job's actor until they
-                    # are steady again.
+                    # come close again.
                     self._leasing = False
                     await self._wake.wait()
                 else:
@@ -411,13 +399,18 @@ class NodeRates:
     async def _ask(self) -> None:
         sent = self._loop.time()
         quick = self._quick(sent - self._asked_at)
+        quiet = sent - self._calls[-1] >= self._period if self._calls else True
+        if self._leasing and (
+            not leases(self._calls, sent, self._period, True) or (quiet and not self._waiting())
+        ):
+            # Its calls thinned out, or none came for a heartbeat: the book would cut
+            # its share to nothing for want of use, and its next call would wait for
+            # one to grow again.
+            self._leasing = False
+            self._send_on()
         wants = self._wants(sent)
-        if self._leasing and sent - self._called_at >= self._period and not self._waiting():
-            self._leasing = False  # no call for a heartbeat: it would be cut to nothing
-        if not self._leasing:  # its share is cut to nothing: it wants none
-            wants = {name: (0.0, 0.0, 0.0, share, 0.0) for name, (*_, share, _) in wants.items()}
-        self._sent_on = dict.fromkeys(self._sent_on, 0.0)
-        self._sent_since = None
+        if not self._leasing:  # giving its share back: it wants none
+            wants = {name: (0.0, 0.0, 0.0, share) for name, (*_, share) in wants.items()}
         self._reported = dict(self._applied)
         for name, local in self._local.items():
             self._spent[name], _, self._waited[name] = self._runtime._rate_use(local)

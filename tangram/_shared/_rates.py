@@ -43,32 +43,27 @@ The rules, kept here so the book is the one place they live (pure: times are pas
   waiting call: one line there serves the large calls in turn.
 - **Silence frees a share.** A node not heard for the lease timeout is dropped and its
   share goes back; the node stops granting from it before then (:mod:`._node_rates`).
-- **A node leases only while its calls are steady** (:class:`Pace`). A call sent on to
-  the job's actor costs it about two messages (its acquire and its release, fewer
-  where calls come together and share a batch). A share costs an ask a heartbeat
-  while it is used, more while it grows from nothing (an ask at once, then up to four
-  a heartbeat) and one more when it is cut back to nothing; and the calls that come
-  while it grows wait for it. A node whose calls come in a burst now and then would
-  pay that growth, and its calls that wait, at every burst; at 1,000 nodes sharing
-  an API of 100 calls a second, each node's asks would outnumber its calls. So a node
-  sends its calls on to the job's actor until it had ``LEASE_AT`` or more in each of
-  three heartbeats running (or of three quarters of one, so a busy node leases within
-  three quarters of a heartbeat; a burst must last two such slots to pass), and
-  stops leasing at its first ask a heartbeat or more after its last call (the book
-  would cut it to nothing for want of use), or when it goes idle. A node
-  that leases thus has about a call or more an ask, and one that does not costs the
-  job's actor its calls' messages, about two a call at most, whatever the number of
-  nodes.
+- **A node leases only where its calls come close together** (:func:`leases`). A share
+  costs the job's actor an ask every heartbeat while it is used (more while it grows
+  from nothing), and a call sent to the job's actor costs it about two messages (its
+  acquire, its release). At 1,000 nodes sharing an API of 100 calls a second, asks
+  every heartbeat would be ten times the calls. So a node sends its calls to the job's
+  actor until ``LEASE_AT`` come within one heartbeat, and gives its share back once
+  its last ``LEASE_AT`` calls span more than ``GIVE_BACK_AFTER`` heartbeats (half a
+  call a heartbeat, where an ask and a call's messages cost alike); between the two a
+  node stays as it is, so a node near the line does not flip at every call. (The node
+  also stops leasing a heartbeat after its last call, and when idle: its share would
+  be cut to nothing for want of use, :mod:`._node_rates`.)
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import attrs
 
-__all__ = ["HEADROOM", "LEASE_AT", "POOL", "QUICK", "Pace", "RateBook", "Share"]
+__all__ = ["GIVE_BACK_AFTER", "HEADROOM", "LEASE_AT", "POOL", "RateBook", "Share", "leases"]
 
 # The job's actor's own member of every book.
 POOL = ""
@@ -79,14 +74,11 @@ POOL = ""
 # newcomers then start at once, not after the nodes' next asks.
 HEADROOM = 2.0
 SLACK_LENT = 0.5
-# A node leases once it had LEASE_AT calls in each of three heartbeats running: sent to
-# the job's actor, they cost it about 2 x LEASE_AT messages a heartbeat, against one
-# ask; fewer calls, or calls in one burst, cost less than a share's growth from nothing.
-# Or in each of three quarters of a heartbeat running (QUICK, a ramp's pace of asks):
-# 2 x QUICK x LEASE_AT messages a heartbeat, and a busy node stops sending its calls on
-# sooner. Three slots, so that a burst must last two of them to pass for steady.
-LEASE_AT = 2
-QUICK = 4
+# A node leases once LEASE_AT calls come within a heartbeat (sent to the job's actor they
+# would cost it about 2 x LEASE_AT messages then, against one ask), and gives its share
+# back once its last LEASE_AT calls span more than GIVE_BACK_AFTER heartbeats.
+LEASE_AT = 4
+GIVE_BACK_AFTER = 8.0
 # Sums kept as members come and go are summed afresh this often, so float drift from
 # many small updates never grows (a full pass is O(members): one per this many asks).
 _RESUM = 1024
@@ -254,53 +246,13 @@ class RateBook:
         return rate, burst
 
 
-@attrs.define
-class _Count:
-    """How many slots running, up to the one ``now`` falls in, had ``LEASE_AT`` calls or
-    more; slots are counted from the clock's zero, so no list of call times is kept."""
-
-    width: float
-    slot: int = -2
-    count: int = 0  # calls in the slot now
-    full: int = 0  # slots running before it with LEASE_AT calls or more
-
-    def roll(self, now: float) -> None:
-        slot = math.floor(now / self.width)
-        if slot > self.slot:
-            run = self.full + 1 if self.count >= LEASE_AT else 0
-            self.full = run if slot == self.slot + 1 else 0
-            self.slot, self.count = slot, 0
-
-    def steady(self, slots: int) -> bool:
-        return self.count >= LEASE_AT and self.full >= slots - 1
-
-
-@attrs.define(init=False)
-class Pace:
-    """A node's calls lately: enough to tell calls that keep coming from a burst, in
-    O(1) whatever the rate. Counted in two widths, three slots running in each (so a
-    burst shows steady only if it lasts two slots or more): heartbeats, and quarters of
-    one (``QUICK``), where a busy node shows itself steady within three quarters of a
-    heartbeat instead of three, its calls sent on meanwhile."""
-
-    _counts: tuple[_Count, _Count]
-
-    def __init__(self, period: float) -> None:
-        self._counts = (_Count(period), _Count(period / QUICK))
-
-    def add(self, now: float) -> None:
-        """A call came at ``now``."""
-        for count in self._counts:
-            count.roll(now)
-            count.count += 1
-
-    def steady(self, now: float) -> bool:
-        """Whether ``LEASE_AT`` calls or more came in each of the last three heartbeats,
-        or of the last three quarters of one, this one so far included: a node then
-        leases."""
-        for count in self._counts:
-            count.roll(now)
-        return any(count.steady(3) for count in self._counts)
+def leases(calls: Sequence[float], now: float, period: float, leasing: bool) -> bool:
+    """Whether a node should hold shares, from when its last ``LEASE_AT`` calls came
+    (oldest first) and whether it holds them now (the rule's hysteresis)."""
+    if len(calls) < LEASE_AT:
+        return False
+    span = now - calls[-LEASE_AT]
+    return span <= (GIVE_BACK_AFTER if leasing else 1.0) * period
 
 
 def _amount(value: float) -> float:

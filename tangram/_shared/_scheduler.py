@@ -136,7 +136,6 @@ class SchedulerActor:
         # callers used of each: (when measured, units taken by then, units a second).
         self._rates: dict[str, RateBook] = {}
         self._pool_use: dict[str, tuple[float, float, float]] = {}
-        self._moved: dict[str, float] = {}  # units nodes took over as their own use
 
     async def _ready(self) -> Runtime:
         """Start the runtime on first use: the actor's loop exists only inside a method."""
@@ -412,23 +411,18 @@ class SchedulerActor:
     # -- API rates lent to nodes (see ._rates) ------------------------------------------
 
     async def lend_rates(
-        self, cid: str, asks: dict[str, tuple[float, float, float, Share, float]]
+        self, cid: str, asks: dict[str, tuple[float, float, float, Share]]
     ) -> dict[str, tuple[float, float, float, float]]:
         """A node's agent asks for its shares of the job's API rates: ``{kind: (units a
-        second used, units waiting, largest waiting call, share it runs on, units it sent
-        here that it now counts as its own use)}``, answered with ``{kind: (rate, burst,
-        the job's rate, the job's burst)}``: the share, and the capacity it is a share
-        of, which may have changed since the agent started.
-
-        A node that starts leasing sent its calls here until then; its first ask counts
-        them as its use, and this actor stops counting them as its own callers' (else
-        it would keep their rate for them, unused, for a heartbeat)."""
+        second used, units waiting, largest waiting call, share it runs on)}``, answered
+        with ``{kind: (rate, burst, the job's rate, the job's burst)}``: the share, and
+        the capacity it is a share of, which may have changed since the agent started."""
         self.messages += 1
         self.lends += 1
         runtime = await self._ready()
         now = time.monotonic()
         shares: dict[str, tuple[float, float, float, float]] = {}
-        for kind, (used, waiting, largest, applied, moved) in asks.items():
+        for kind, (used, waiting, largest, applied) in asks.items():
             book = self._rate_book(kind, runtime)
             if book is None:  # not a rate of this job (any more): nothing to lend
                 shares[kind] = (0.0, 0.0, *applied)
@@ -442,7 +436,7 @@ class SchedulerActor:
                 now,
             )
             shares[kind] = (rate, burst, book.rate, book.burst)
-            self._lend_pool(kind, book, runtime, now, float(moved))
+            self._lend_pool(kind, book, runtime, now)
         return shares
 
     def _rate_book(self, kind: str, runtime: Runtime) -> RateBook | None:
@@ -455,21 +449,12 @@ class SchedulerActor:
         book.rate, book.burst = resource.total, resource.burst
         return book
 
-    def _lend_pool(
-        self, kind: str, book: RateBook, runtime: Runtime, now: float, moved: float = 0.0
-    ) -> None:
-        """This actor's own share of ``kind``: what no node is lent, applied at once.
-
-        ``moved``: units a node sent here and now counts as its own use (see
-        :meth:`lend_rates`), taken out of this actor's."""
+    def _lend_pool(self, kind: str, book: RateBook, runtime: Runtime, now: float) -> None:
+        """This actor's own share of ``kind``: what no node is lent, applied at once."""
         spent, wanted, _ = runtime._rate_use(kind)
-        self._moved[kind] = self._moved.get(kind, 0.0) + max(0.0, moved)
-        spent -= self._moved[kind]
         at, before, used = self._pool_use.get(kind, (now, spent, 0.0))
-        if moved > 0:
-            used = max(0.0, used - moved / self._heartbeat)
         if now - at >= self._heartbeat:  # its use, measured over a heartbeat at least
-            used = max(0.0, (spent - before) / (now - at))
+            used = (spent - before) / (now - at)
             at, before = now, spent
         self._pool_use[kind] = (at, before, used)
         rate, burst = book.pool(used, wanted, min(wanted, book.burst))
