@@ -316,3 +316,18 @@ def test_a_node_leases_only_while_its_calls_outnumber_its_asks(leasing: bool, ga
     assert not leases(calls[1:], now, PERIOD, leasing)  # fewer calls than LEASE_AT
     # With no call since, a share is kept only so long.
     assert not leases(calls, calls[0] + (GIVE_BACK_AFTER + 0.01) * PERIOD, PERIOD, True)
+
+
+@pytest.mark.parametrize("waiting", [False, True])
+@pytest.mark.parametrize("quiet", [0.0, 0.5, 0.99, 1.0, 2.0])
+def test_a_leasing_node_with_no_call_for_a_heartbeat_gives_its_share_back(
+    waiting: bool, quiet: float
+) -> None:
+    """Four calls close together, then ``quiet`` heartbeats with none: a leasing node
+    keeps its share for less than a heartbeat, or while a call still waits on it (the
+    book would cut an unused share to nothing, and the next call would wait for it to
+    grow again). A node not leasing is not started by the quiet."""
+    calls = [0.1 * PERIOD * i for i in range(LEASE_AT)]
+    now = calls[-1] + quiet * PERIOD
+    assert leases(calls, now, PERIOD, True, waiting) is (waiting or quiet < 1.0)
+    assert leases(calls, now, PERIOD, False, waiting) is (quiet * PERIOD + calls[-1] <= PERIOD)

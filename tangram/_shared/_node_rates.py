@@ -170,9 +170,10 @@ class NodeRates:
         leasing = leases(self._calls, take.since, self._period, self._leasing)
         if leasing != self._leasing:
             self._leasing = leasing
-            self._send_on()  # stopped leasing: what waits here goes on with this call
             if leasing:
                 self._busy_from = take.since  # its queue is measured from now
+            else:
+                self._send_on()  # what waits here goes on with this call
         take.forward = not leasing or any(
             amount > self._capacity[name][1] or self._too_big(name, amount)
             for name, amount in wanted.items()
@@ -399,13 +400,8 @@ class NodeRates:
     async def _ask(self) -> None:
         sent = self._loop.time()
         quick = self._quick(sent - self._asked_at)
-        quiet = sent - self._calls[-1] >= self._period if self._calls else True
-        if self._leasing and (
-            not leases(self._calls, sent, self._period, True) or (quiet and not self._waiting())
-        ):
-            # Its calls thinned out, or none came for a heartbeat: the book would cut
-            # its share to nothing for want of use, and its next call would wait for
-            # one to grow again.
+        if self._leasing and not leases(self._calls, sent, self._period, True, self._waiting()):
+            # Its calls thinned out, or none came for a heartbeat and none waits.
             self._leasing = False
             self._send_on()
         wants = self._wants(sent)

@@ -51,9 +51,9 @@ The rules, kept here so the book is the one place they live (pure: times are pas
   actor until ``LEASE_AT`` come within one heartbeat, and gives its share back once
   its last ``LEASE_AT`` calls span more than ``GIVE_BACK_AFTER`` heartbeats (half a
   call a heartbeat, where an ask and a call's messages cost alike); between the two a
-  node stays as it is, so a node near the line does not flip at every call. (The node
-  also stops leasing a heartbeat after its last call, and when idle: its share would
-  be cut to nothing for want of use, :mod:`._node_rates`.)
+  node stays as it is, so a node near the line does not flip at every call. A node
+  also stops leasing a heartbeat after its last call if none waits (its share would be
+  cut to nothing for want of use), and when idle (:mod:`._node_rates`).
 """
 
 from __future__ import annotations
@@ -246,10 +246,20 @@ class RateBook:
         return rate, burst
 
 
-def leases(calls: Sequence[float], now: float, period: float, leasing: bool) -> bool:
+def leases(
+    calls: Sequence[float], now: float, period: float, leasing: bool, waiting: bool = False
+) -> bool:
     """Whether a node should hold shares, from when its last ``LEASE_AT`` calls came
-    (oldest first) and whether it holds them now (the rule's hysteresis)."""
+    (oldest first), whether it holds them now (the rule's hysteresis) and whether calls
+    wait on them.
+
+    A leasing node with no call for a heartbeat and none waiting gives its share back
+    however close its last calls came: the book would cut the share to nothing for want
+    of use, and its next call would wait for one to grow again, where sent on it starts
+    at once."""
     if len(calls) < LEASE_AT:
+        return False
+    if leasing and not waiting and now - calls[-1] >= period:
         return False
     span = now - calls[-LEASE_AT]
     return span <= (GIVE_BACK_AFTER if leasing else 1.0) * period
