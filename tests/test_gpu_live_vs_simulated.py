@@ -20,6 +20,7 @@ the simulator's; no two events at one instant except those one decision causes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -29,6 +30,7 @@ import trio.testing
 from conftest import Backend, virtual_backend
 
 import tangram
+from tangram import ElasticPolicy
 from tangram._core import _placement as rules
 from tangram._gpu import _placing
 from tangram._sim import _simulate
@@ -112,7 +114,7 @@ class Stand(ModelService):
 
 
 async def run_live(
-    workload: Workload, restores: Mapping[str, float]
+    workload: Workload, restores: Mapping[str, float], policy: ElasticPolicy | None = None
 ) -> tuple[dict[str, list[tuple[int, ...]]], list[Event], Runs, dict[str, Any]]:
     log: list[Any] = []
     services = [Stand(name, seconds, log) for name, seconds in restores.items()]
@@ -124,7 +126,7 @@ async def run_live(
             if where
         }
         log.clear()
-        async with tangram.Runtime(capacity=pool.capacity()):
+        async with tangram.Runtime(capacity=pool.capacity(), policy=policy):
             start = anyio.current_time()
             for service in services:
                 service.start = start
@@ -292,12 +294,35 @@ async def test_live_pool_shares_devices_by_queued_work_as_the_simulator(
     assert sum(s["restores"] for s in stats.values()) == result.restores
 
 
+@pytest.mark.parametrize("bound", [7.0, math.inf])
+async def test_the_live_pool_weighs_lines_against_its_policy_s_starvation_bound(
+    bound: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The share rule's ``starved`` is the bound of the runtime's policy, as in the
+    simulator (``test_simulate.py`` shows what it changes there). Live, an action is
+    bound to a replica when it comes, so a replica drained for a starved line still
+    serves the actions bound to it first: the rule stops it taking newcomers."""
+    seen: list[float] = []
+
+    def targets(
+        lines: Sequence[rules.Backlog[str]], capacity: float, starved: float = math.inf
+    ) -> dict[str, int]:
+        seen.append(starved)
+        return rules.targets(lines, capacity, starved)
+
+    monkeypatch.setattr(_placing, "rules", _Without(targets=targets))
+    await run_live(SHARE, SHARE_RESTORES, ElasticPolicy(starvation_bound=bound))
+    assert seen and set(seen) == {bound}
+
+
 async def test_the_share_rule_decides_the_live_pool(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the rule in the live pool alone (each service keeps the replicas it has),
     the live pool no longer places as the simulator: the match above is the rule's."""
     residency, simulated_runs, _ = run_simulated(SHARE, SHARE_RESTORES, monkeypatch)
 
-    def keep(lines: Sequence[rules.Backlog[str]], capacity: float) -> dict[str, int]:
+    def keep(
+        lines: Sequence[rules.Backlog[str]], capacity: float, starved: float = math.inf
+    ) -> dict[str, int]:
         return {line.key: line.replicas for line in lines}
 
     monkeypatch.setattr(_placing, "rules", _Without(targets=keep))

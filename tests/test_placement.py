@@ -122,6 +122,30 @@ def test_a_device_moves_only_to_a_line_that_waited_far_longer() -> None:
         assert rules.targets(lines, 3.0) == share
 
 
+@pytest.mark.parametrize("waited", [29.0, 30.0, 66.0])
+@pytest.mark.parametrize("replicas", [0, 1])
+def test_a_line_no_replica_serves_gets_one_past_the_starvation_bound(
+    waited: float, replicas: int
+) -> None:
+    """Under a sustained overload the busy line's head ages as fast as the waiting one's,
+    so the hurdle (MOVE restores longer) is never crossed. Past the policy's bound
+    (``starved``) a line with no replica competes by its wait alone; one a replica
+    serves keeps the hurdle, and so does every line below the bound."""
+    busy = backlog("busy", 1000, oldest=waited - 1.0, replicas=2)
+    cold = backlog("cold", 20, oldest=waited, replicas=replicas)
+    share = rules.targets([busy, cold], 2.0 + replicas, starved=30.0)
+    moves = replicas == 0 and waited >= 30.0
+    assert share == {"busy": 1 if moves else 2, "cold": replicas + (1 if moves else 0)}
+    # Without a bound (the default), the hurdle holds however long the line waited.
+    assert rules.targets([busy, cold], 2.0 + replicas) == {"busy": 2, "cold": replicas}
+    # A starved line that waited less than the busy one's head does not take its device.
+    behind = backlog("cold", 20, oldest=waited - 5.0, replicas=replicas)
+    assert rules.targets([busy, behind], 2.0 + replicas, starved=30.0) == {
+        "busy": 2,
+        "cold": replicas,
+    }
+
+
 def test_a_replica_nothing_waits_for_goes_to_a_line_a_restore_long() -> None:
     lines = [backlog("a", 0, replicas=1), backlog("b", 2, oldest=0.5, replicas=1, restore=2.0)]
     assert rules.targets(lines, 2.0) == {"a": 0, "b": 2}

@@ -26,6 +26,8 @@ from tangram import (
     simulate,
 )
 from tangram._core._policy import Plan, State
+from tangram._sim._family import family
+from tangram._sim._references import replay
 from tangram._sim._residency import Residency, ServiceSpec
 from tangram.abc import Policy
 from tangram.errors import CapacityExceededError, UnknownResourceError
@@ -543,6 +545,25 @@ def test_a_busy_replica_drains_for_a_waiting_service_after_its_tenure(
     assert (by_name["a2"].admitted, by_name["a2"].finished) == a2_runs
     assert by_name["a2"].overhead == 0
     assert (result.restores, result.unloads) == (0, 0)
+
+
+def test_a_service_line_is_not_starved_behind_lines_that_never_empty() -> None:
+    """Member 21 of family seed 2, a workload this project did not shape: on two GPUs, a
+    two-GPU service beside two one-GPU services whose lines never empty for the whole
+    step. Every line's head ages at about the pace of the clock, so the move hurdle
+    (``MOVE`` restores longer) is crossed almost never: with no starvation bound, the
+    two-GPU service's line waited over 1,000 s. Past the policy's bound a line no
+    replica serves gets devices by its wait alone, so no action waits a third as long."""
+    trace = family(2, 22, max_trajectories=128)[21].trace()
+    bounded = replay(trace, ElasticPolicy())
+    unbounded = replay(trace, ElasticPolicy(starvation_bound=math.inf))
+    worst = {
+        name: max(r.queue for r in result.records)
+        for name, result in (("bounded", bounded), ("unbounded", unbounded))
+    }
+    assert worst["unbounded"] > 1000.0
+    assert worst["bounded"] < worst["unbounded"] / 3
+    assert bounded.restores > unbounded.restores  # the devices move between services
 
 
 def test_idle_devices_start_with_second_replicas_of_the_first_services() -> None:

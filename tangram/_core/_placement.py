@@ -263,7 +263,9 @@ class Backlog(Generic[K]):
     restore_seconds: float
 
 
-def targets(lines: Sequence[Backlog[K]], capacity: float) -> dict[K, int]:
+def targets(
+    lines: Sequence[Backlog[K]], capacity: float, starved: float = math.inf
+) -> dict[K, int]:
     """How many replicas each service should have, sharing ``capacity`` by its line.
 
     Replicas are handed out one at a time, highest score first, while they fit; the
@@ -293,6 +295,18 @@ def targets(lines: Sequence[Backlog[K]], capacity: float) -> dict[K, int]:
     others' heads move on as they are served, so it gets there), and a pool must then
     start a replica for it even when no newcomer comes.
 
+    Past ``starved`` seconds (the policy's starvation bound) a line with no replica
+    scores its first one at its wait alone, without the hurdle. Under a sustained
+    overload every line's head ages at nearly the pace of the clock, the served ones'
+    too, so the gap the hurdle asks for grows only as fast as the served heads move
+    on, which is slowly: in family seed 2's f021 (a two-GPU service beside two one-GPU
+    services never short of work, on two GPUs) its line waited up to 1,025 s, and
+    its p95 was 5.2x that of one first-come-first-served line for every device. A line
+    that some replica serves keeps the hurdle however long its head has waited: that
+    is its own overload, and moving devices among served lines there costs restores
+    and does not shorten the waits (on the contended MOPD trace, every line past the
+    bound, lifting it for all lines tripled the restores).
+
     Scores only fall as a service gains replicas, so the greedy walk is the best share of
     whole replicas for these scores; it runs at every arrival and completion, so a look at
     each service first tells when the share stays as it is.
@@ -314,6 +328,8 @@ def targets(lines: Sequence[Backlog[K]], capacity: float) -> dict[K, int]:
             return wait(line, k) if line.count else -1.0
         if line.count == 0:
             return -math.inf
+        if k == 0 and line.replicas == 0 and line.oldest >= starved:
+            return line.oldest
         grows = k == 0 or line.queued_seconds / (k * line.seats) >= line.restore_seconds
         return max(wait(line, k) - MOVE * line.restore_seconds, 0.0 if grows else -1.0)
 

@@ -11,6 +11,7 @@ and without a clock: the time comes in as an argument, as it does to the rules.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Collection, Mapping, Sequence
 
 from .._core import _placement as rules
@@ -35,6 +36,9 @@ class Placer:
         self._clock = 0
         # When each action on a replica joined it, oldest first (trimmed to its users).
         self._joined: dict[PoolReplica, list[float]] = {}
+        # The runtime's policy's starvation bound: a line no replica serves that waited
+        # so long gets one by its wait alone (:func:`tangram._core._placement.targets`).
+        self.starved = math.inf
 
     def open(self, devices: Sequence[Device], groups: Sequence[tuple[int, ...]]) -> None:
         """Start the books on ``devices`` (each with an index) linked as ``groups``."""
@@ -171,7 +175,7 @@ class Placer:
                 )
             )
         capacity = float(sum(d.memory for d in self.devices))
-        return lines, rules.targets(lines, capacity)
+        return lines, rules.targets(lines, capacity, self.starved)
 
     def drain(self, now: float) -> None:
         """Mark running replicas draining until the waiting ones' memory is on the way

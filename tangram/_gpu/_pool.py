@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import math
 from collections.abc import AsyncIterator, Iterable, Sequence
 from types import TracebackType
 from typing import Any
@@ -312,6 +313,7 @@ class GpuPool:
         if state is None:
             raise UnknownResourceError(f"no service named {name!r} (have {sorted(self._services)})")
         runtime = self._runtime if self._runtime is not None else current_local_runtime("a GpuPool")
+        self._placer.starved = getattr(runtime.policy, "starvation_bound", math.inf)
         while (attached := self._placer.attach(state, anyio.current_time())) is None:
             # Only the service's own draining replicas stand where it could go: the
             # first to stop frees its devices (and makes room under ``max_replicas``).

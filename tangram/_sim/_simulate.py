@@ -423,6 +423,9 @@ class _Pool:
         self.waiting: dict[str, rules.Waiting[_Waiter]] = {
             name: rules.Waiting(due) for name in residency.services
         }
+        # A line no replica serves gets one past the policy's starvation bound, if it has
+        # one (:func:`tangram._core._placement.targets`).
+        self.starved: float = getattr(ledger.policy, "starvation_bound", math.inf)
         self.holds: dict[Entry, _Hold] = {}
         self.asked = 0  # GPUs asked for by replicas still waiting for their grant
         self.draining: set[_Hold] = set()
@@ -524,7 +527,7 @@ class _Pool:
                     self.residency.restore_cost(name),
                 )
             )
-        return lines, rules.targets(lines, self.gpus)
+        return lines, rules.targets(lines, self.gpus, self.starved)
 
     def _yield(self, now: float, lines: list[rules.Backlog[str]], wanted: dict[str, int]) -> None:
         """Mark running replicas draining until the waiting ones' GPUs are on the way
