@@ -7,6 +7,7 @@ hypothesis, on arbitrary inputs.
 
 from __future__ import annotations
 
+import datetime
 import math
 import re
 from collections.abc import Collection, Mapping
@@ -146,6 +147,48 @@ def test_a_line_no_replica_serves_gets_one_past_the_starvation_bound(
     }
 
 
+def test_a_served_line_keeps_the_hurdle_past_the_starvation_bound() -> None:
+    """A line some replica serves waits as long as it does because of its own load: past
+    the bound, its next replica still faces the hurdle. Without it, ``busy``'s second
+    replica (its action waited about 64 s) would take the device of ``other``, whose
+    head waited 40 s; with it, 64 - MOVE x 4 s is less."""
+    busy = backlog("busy", 1000, oldest=66.0, replicas=1, restore=4.0)
+    other = backlog("other", 1000, oldest=40.0, replicas=1, restore=4.0)
+    assert rules.targets([busy, other], 2.0, starved=30.0) == {"busy": 1, "other": 1}
+    # The same line with no replica would take it: the rule is for unserved lines.
+    unserved = backlog("busy", 1000, oldest=66.0, replicas=0, restore=4.0)
+    assert rules.targets([unserved, other], 1.0, starved=30.0) == {"busy": 1, "other": 0}
+
+
+class _Bound:
+    def __init__(self, bound: object) -> None:
+        self.starvation_bound = bound
+
+
+@pytest.mark.parametrize(
+    ("policy", "bound"),
+    [
+        (tangram.ElasticPolicy(), 30.0),
+        (tangram.ElasticPolicy(starvation_bound=5.0), 5.0),
+        (tangram.ElasticPolicy(starvation_bound=math.inf), math.inf),
+        (tangram.FcfsPolicy(), math.inf),
+        (object(), math.inf),
+        (_Bound(7), 7.0),
+        (_Bound(None), math.inf),
+        (_Bound("30"), math.inf),
+        (_Bound(True), math.inf),
+        (_Bound(math.nan), math.inf),
+        (_Bound(datetime.timedelta(seconds=30)), math.inf),
+    ],
+)
+def test_the_pool_reads_a_policy_s_bound_only_where_it_is_a_number(
+    policy: object, bound: float
+) -> None:
+    """A policy of the user's own may have no bound or one that is not seconds: the
+    pool then keeps the hurdle, rather than fail when a line first starves."""
+    assert rules.starvation_bound(policy) == bound
+
+
 def test_a_replica_nothing_waits_for_goes_to_a_line_a_restore_long() -> None:
     lines = [backlog("a", 0, replicas=1), backlog("b", 2, oldest=0.5, replicas=1, restore=2.0)]
     assert rules.targets(lines, 2.0) == {"a": 0, "b": 2}
@@ -170,11 +213,11 @@ backlogs = st.lists(
 )
 
 
-@given(backlogs, st.integers(0, 12))
+@given(backlogs, st.integers(0, 12), st.sampled_from([math.inf, 0.0, 10.0, 50.0, 150.0]))
 def test_shares_fit_need_work_and_the_quick_look_agrees_with_the_walk(
-    lines: list[Backlog[str]], capacity: int
+    lines: list[Backlog[str]], capacity: int, starved: float
 ) -> None:
-    share = rules.targets(lines, float(capacity))
+    share = rules.targets(lines, float(capacity), starved)
     assert sum(share.values()) <= capacity
     for line in lines:
         if line.count == 0:
@@ -187,7 +230,7 @@ def test_shares_fit_need_work_and_the_quick_look_agrees_with_the_walk(
     original = rules._settled
     try:
         rules._settled = lambda *args: False  # type: ignore[assignment]
-        assert rules.targets(lines, float(capacity)) == share
+        assert rules.targets(lines, float(capacity), starved) == share
     finally:
         rules._settled = original
 

@@ -56,6 +56,7 @@ __all__ = [
     "replica_devices",
     "seat",
     "seats",
+    "starvation_bound",
     "targets",
 ]
 
@@ -263,6 +264,20 @@ class Backlog(Generic[K]):
     restore_seconds: float
 
 
+def starvation_bound(policy: object) -> float:
+    """The seconds after which ``policy`` promises a waiting action is never passed, for
+    :func:`targets`: its ``starvation_bound`` when that is a number, else none (``inf``).
+
+    A policy of the user's own may have no bound, or an attribute of that name that is
+    not a number of seconds; the pool then keeps the move hurdle, rather than fail in
+    the middle of an action's release when a line first starves.
+    """
+    bound = getattr(policy, "starvation_bound", math.inf)
+    if isinstance(bound, bool) or not isinstance(bound, (int, float)) or math.isnan(bound):
+        return math.inf
+    return float(bound)
+
+
 def targets(
     lines: Sequence[Backlog[K]], capacity: float, starved: float = math.inf
 ) -> dict[K, int]:
@@ -300,8 +315,9 @@ def targets(
     overload every line's head ages at nearly the pace of the clock, the served ones'
     too, so the gap the hurdle asks for grows only as fast as the served heads move
     on, which is slowly: in family seed 2's f021 (a two-GPU service beside two one-GPU
-    services never short of work, on two GPUs) its line waited up to 1,025 s, and
-    its p95 was 5.2x that of one first-come-first-served line for every device. A line
+    services never short of work, on two GPUs) its actions waited in line up to
+    1,012 s, and its p95 was 5.2x that of one first-come-first-served line for every
+    device. A line
     that some replica serves keeps the hurdle however long its head has waited: that
     is its own overload, and moving devices among served lines there costs restores
     and does not shorten the waits (on the contended MOPD trace, every line past the

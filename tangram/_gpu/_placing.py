@@ -36,9 +36,6 @@ class Placer:
         self._clock = 0
         # When each action on a replica joined it, oldest first (trimmed to its users).
         self._joined: dict[PoolReplica, list[float]] = {}
-        # The runtime's policy's starvation bound: a line no replica serves that waited
-        # so long gets one by its wait alone (:func:`tangram._core._placement.targets`).
-        self.starved = math.inf
 
     def open(self, devices: Sequence[Device], groups: Sequence[tuple[int, ...]]) -> None:
         """Start the books on ``devices`` (each with an index) linked as ``groups``."""
@@ -80,13 +77,17 @@ class Placer:
 
     # -- actions ---------------------------------------------------------------------------
 
-    def attach(self, state: ServiceState, now: float) -> tuple[PoolReplica, bool] | None:
+    def attach(
+        self, state: ServiceState, now: float, starved: float = math.inf
+    ) -> tuple[PoolReplica, bool] | None:
         """The replica a new action runs on, and whether it must be started for it.
 
+        ``starved``: the runtime's policy's starvation bound, past which a line that no
+        replica serves gets one by its wait alone (:func:`~tangram._core._placement.targets`).
         ``None`` when the service's own draining replicas block every option (their
         devices, or ``max_replicas``): the action waits for one of them to stop.
         """
-        self.drain(now)
+        self.drain(now, starved)
         service = state.service
         alive = [r for r in state.replicas if r.alive]
         live = [r for r in alive if r.error is None and not r.draining]
@@ -108,7 +109,7 @@ class Placer:
             else:
                 # Another copy when the service is below its share of the devices by
                 # queued work (it may wait for a drain), else the least loaded replica.
-                _, wanted = self.targets(now, newcomer=state)
+                _, wanted = self.targets(now, starved, newcomer=state)
                 if wanted[service.name] <= len(live):
                     return self._join(least, now), False
                 if devices is None:
@@ -129,7 +130,7 @@ class Placer:
         return replica
 
     def targets(
-        self, now: float, newcomer: ServiceState | None = None
+        self, now: float, starved: float = math.inf, newcomer: ServiceState | None = None
     ) -> tuple[list[rules.Backlog[str]], dict[str, int]]:
         """Each service's line (with ``newcomer``, an action about to join), and the
         replicas :func:`tangram._core._placement.targets` gives each, sharing the
@@ -175,9 +176,9 @@ class Placer:
                 )
             )
         capacity = float(sum(d.memory for d in self.devices))
-        return lines, rules.targets(lines, capacity, self.starved)
+        return lines, rules.targets(lines, capacity, starved)
 
-    def drain(self, now: float) -> None:
+    def drain(self, now: float, starved: float = math.inf) -> None:
         """Mark running replicas draining until the waiting ones' memory is on the way
         (the rule and its reasons: :func:`tangram._core._placement.drains`)."""
         replicas = [r for state in self.services.values() for r in state.replicas]
@@ -189,7 +190,7 @@ class Placer:
         if not any(wanted.values()):
             return
         free = {d.name: d.memory - self.leased[d.name] for d in self.devices}
-        lines, targets = self.targets(now)
+        lines, targets = self.targets(now, starved)
         surplus = {line.key: line.replicas - targets[line.key] for line in lines}
         running = [
             rules.Holding(

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
-import math
 from collections.abc import AsyncIterator, Iterable, Sequence
 from types import TracebackType
 from typing import Any
@@ -36,7 +35,7 @@ import anyio
 import anyio.abc
 import attrs
 
-from .._core._placement import nvlink_groups
+from .._core._placement import nvlink_groups, starvation_bound
 from .._runtime._run import Runtime, current_local_runtime
 from ..errors import (
     GpuError,
@@ -313,8 +312,8 @@ class GpuPool:
         if state is None:
             raise UnknownResourceError(f"no service named {name!r} (have {sorted(self._services)})")
         runtime = self._runtime if self._runtime is not None else current_local_runtime("a GpuPool")
-        self._placer.starved = getattr(runtime.policy, "starvation_bound", math.inf)
-        while (attached := self._placer.attach(state, anyio.current_time())) is None:
+        starved = starvation_bound(runtime.policy)
+        while (attached := self._placer.attach(state, anyio.current_time(), starved)) is None:
             # Only the service's own draining replicas stand where it could go: the
             # first to stop frees its devices (and makes room under ``max_replicas``).
             assert self._holder.stopped is not None
@@ -338,7 +337,7 @@ class GpuPool:
             replica.last_used = self._placer.tick()
             # As at an arrival: a replica waiting for its grant may be due a drain now
             # (its line has aged into its share), though no newcomer comes to look.
-            self._placer.drain(anyio.current_time())
+            self._placer.drain(anyio.current_time(), starved)
             if replica.users == 0:
                 if not replica.leased and replica.scope is not None:
                     replica.scope.cancel()  # nobody waits for it any more: withdraw

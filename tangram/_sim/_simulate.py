@@ -425,7 +425,7 @@ class _Pool:
         }
         # A line no replica serves gets one past the policy's starvation bound, if it has
         # one (:func:`tangram._core._placement.targets`).
-        self.starved: float = getattr(ledger.policy, "starvation_bound", math.inf)
+        self.starved = rules.starvation_bound(ledger.policy)
         self.holds: dict[Entry, _Hold] = {}
         self.asked = 0  # GPUs asked for by replicas still waiting for their grant
         self.draining: set[_Hold] = set()
