@@ -26,6 +26,7 @@ from tangram._core._placement import (
     Backlog,
     Holding,
     Idle,
+    Unserved,
     Waiting,
     Wanted,
 )
@@ -158,6 +159,29 @@ def test_a_served_line_keeps_the_hurdle_past_the_starvation_bound() -> None:
     # The same line with no replica would take it: the rule is for unserved lines.
     unserved = backlog("busy", 1000, oldest=66.0, replicas=0, restore=4.0)
     assert rules.targets([unserved, other], 1.0, starved=30.0) == {"busy": 1, "other": 0}
+
+
+@pytest.mark.parametrize("unserved", [0.0, 29.0, 30.0, 500.0])
+def test_a_line_that_lost_its_replica_a_moment_ago_waits_for_the_hurdle(
+    unserved: float,
+) -> None:
+    """The bound counts the time the line has gone unserved as well as its head's wait:
+    a rare service whose head came early in a burst, and that lost its replica a moment
+    ago, would otherwise take a device back each time it lost one (the contended MOPD
+    trace: 72-83 restores against 43-54)."""
+    busy = backlog("busy", 1000, oldest=65.0, replicas=2)
+    cold = Backlog("cold", 20.0, 66.0, 20, 0, 1, 1.0, 1.0, unserved)
+    share = rules.targets([busy, cold], 2.0, starved=30.0)
+    assert share["cold"] == (1 if unserved >= 30.0 else 0)
+
+
+def test_the_time_unserved_counts_from_the_first_look_and_from_the_last_service() -> None:
+    clock: Unserved[str] = Unserved()
+    assert clock.seconds("a", False, now=10.0) == 0.0  # first weighed now
+    assert clock.seconds("a", False, now=25.0) == 15.0
+    assert clock.seconds("a", True, now=40.0) == 0.0  # a replica takes its newcomers
+    assert clock.seconds("a", False, now=41.0) == 1.0  # counted from the last service
+    assert clock.seconds("b", False, now=41.0) == 0.0  # each service its own
 
 
 class _Bound:

@@ -42,6 +42,7 @@ __all__ = [
     "MOVE",
     "TENURE",
     "Holding",
+    "Unserved",
     "Idle",
     "Backlog",
     "Wanted",
@@ -251,7 +252,8 @@ class Backlog(Generic[K]):
     serve first). ``replicas``: its granted replicas that take newcomers. ``size``: what
     one replica takes of the amount :func:`targets` shares out (a count of GPUs
     simulated, bytes live). ``restore_seconds``: what another replica would cost before
-    it serves (0 when an idle copy is resident).
+    it serves (0 when an idle copy is resident). ``unserved``: how long the service has
+    had no replica taking newcomers (:class:`Unserved`; ``inf`` when not kept).
     """
 
     key: K
@@ -262,6 +264,7 @@ class Backlog(Generic[K]):
     seats: int
     size: float
     restore_seconds: float
+    unserved: float = math.inf
 
 
 def starvation_bound(policy: object) -> float:
@@ -310,18 +313,22 @@ def targets(
     others' heads move on as they are served, so it gets there), and a pool must then
     start a replica for it even when no newcomer comes.
 
-    Past ``starved`` seconds (the policy's starvation bound) a line with no replica
-    scores its first one at its wait alone, without the hurdle. Under a sustained
-    overload every line's head ages at nearly the pace of the clock, the served ones'
-    too, so the gap the hurdle asks for grows only as fast as the served heads move
-    on, which is slowly: in family seed 2's f021 (a two-GPU service beside two one-GPU
-    services never short of work, on two GPUs) its actions waited in line up to
-    1,012 s, and its p95 was 5.2x that of one first-come-first-served line for every
-    device. A line
-    that some replica serves keeps the hurdle however long its head has waited: that
-    is its own overload, and moving devices among served lines there costs restores
-    and does not shorten the waits (on the contended MOPD trace, every line past the
-    bound, lifting it for all lines tripled the restores).
+    A line that no replica has served for ``starved`` seconds (the policy's starvation
+    bound), and whose oldest action has waited as long, scores its first replica at its
+    wait alone, without the hurdle. Under a sustained overload every line's head ages
+    at nearly the pace of the clock, the served ones' too, so the gap the hurdle asks
+    for grows only as fast as the served heads move on, which is slowly: in family seed
+    2's f021 (a two-GPU service beside two one-GPU services never short of work, on two
+    GPUs) its actions waited in line up to 1,012 s, and its p95 was 5.2x that of one
+    first-come-first-served line for every device. A line that some replica serves
+    keeps the hurdle however long its head has waited: that is its own overload, and
+    moving devices among served lines costs restores and does not shorten the waits
+    (on the contended MOPD trace, where every request waits past the bound, lifting it
+    for all lines tripled the restores). The time unserved counts as well as the head's
+    wait, so a service that lost its replica a moment ago waits for the hurdle as before:
+    counted by the head's wait alone, a rare service whose head came early in a burst
+    took a device back each time it lost one (MOPD restores 43-54 -> 72-83, p95 up to
+    1.31x ``pooled``'s).
 
     Scores only fall as a service gains replicas, so the greedy walk is the best share of
     whole replicas for these scores; it runs at every arrival and completion, so a look at
@@ -344,7 +351,7 @@ def targets(
             return wait(line, k) if line.count else -1.0
         if line.count == 0:
             return -math.inf
-        if k == 0 and line.replicas == 0 and line.oldest >= starved:
+        if k == 0 and line.replicas == 0 and min(line.oldest, line.unserved) >= starved:
             return line.oldest
         grows = k == 0 or line.queued_seconds / (k * line.seats) >= line.restore_seconds
         return max(wait(line, k) - MOVE * line.restore_seconds, 0.0 if grows else -1.0)
@@ -365,6 +372,22 @@ def targets(
         k = counts[line.key] = counts[line.key] + 1
         heapq.heappush(heap, (-moving(line, k), k >= line.replicas, k, i))
     return counts
+
+
+class Unserved(Generic[K]):
+    """How long each service's line has had no replica taking newcomers, for
+    :attr:`Backlog.unserved`: counted from when the pool first weighed the service, or
+    last saw it served. Pure (``now`` comes in); both pools sample it each time they
+    weigh their lines, so they count alike."""
+
+    def __init__(self) -> None:
+        self._served: dict[K, float] = {}
+
+    def seconds(self, key: K, serving: bool, now: float) -> float:
+        if serving:
+            self._served[key] = now
+            return 0.0
+        return now - self._served.setdefault(key, now)
 
 
 class Waiting(Generic[T]):

@@ -36,6 +36,7 @@ class Placer:
         self._clock = 0
         # When each action on a replica joined it, oldest first (trimmed to its users).
         self._joined: dict[PoolReplica, list[float]] = {}
+        self._unserved: rules.Unserved[str] = rules.Unserved()
 
     def open(self, devices: Sequence[Device], groups: Sequence[tuple[int, ...]]) -> None:
         """Start the books on ``devices`` (each with an index) linked as ``groups``."""
@@ -173,6 +174,7 @@ class Placer:
                     seats,
                     float(service.memory * service.gpus),
                     0.0 if idle else state.restore_estimate(),
+                    self._unserved.seconds(name, taking > 0, now),
                 )
             )
         capacity = float(sum(d.memory for d in self.devices))

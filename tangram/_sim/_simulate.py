@@ -426,6 +426,7 @@ class _Pool:
         # A line no replica serves gets one past the policy's starvation bound, if it has
         # one (:func:`tangram._core._placement.targets`).
         self.starved = rules.starvation_bound(ledger.policy)
+        self.unserved: rules.Unserved[str] = rules.Unserved()
         self.holds: dict[Entry, _Hold] = {}
         self.asked = 0  # GPUs asked for by replicas still waiting for their grant
         self.draining: set[_Hold] = set()
@@ -515,16 +516,18 @@ class _Pool:
             if newcomer is not None and newcomer[0] == name:
                 queued, count = queued + newcomer[1], count + 1
                 oldest = now if oldest is None else oldest
+            replicas = sum(h.entry.state == RUNNING for h in self._taking(name))
             lines.append(
                 rules.Backlog(
                     name,
                     queued,
                     0.0 if oldest is None else now - oldest,
                     count,
-                    sum(h.entry.state == RUNNING for h in self._taking(name)),
+                    replicas,
                     spec.max_batch,
                     spec.gpus,
                     self.residency.restore_cost(name),
+                    self.unserved.seconds(name, replicas > 0, now),
                 )
             )
         return lines, rules.targets(lines, self.gpus, self.starved)
