@@ -162,7 +162,7 @@ def test_a_served_line_keeps_the_hurdle_past_the_starvation_bound() -> None:
 
 
 @pytest.mark.parametrize("unserved", [0.0, 29.0, 30.0, 500.0])
-def test_a_line_that_lost_its_replica_a_moment_ago_waits_for_the_hurdle(
+def test_the_bound_counts_the_time_a_line_went_unserved_as_well_as_its_wait(
     unserved: float,
 ) -> None:
     """The bound counts the time the line has gone unserved as well as its head's wait:
@@ -182,6 +182,9 @@ def test_the_time_unserved_counts_from_the_first_look_and_from_the_last_service(
     assert clock.seconds("a", True, now=40.0) == 0.0  # a replica takes its newcomers
     assert clock.seconds("a", False, now=41.0) == 1.0  # counted from the last service
     assert clock.seconds("b", False, now=41.0) == 0.0  # each service its own
+    # From the last look that saw it served: with no look between, the whole gap.
+    assert clock.seconds("a", True, now=50.0) == 0.0
+    assert clock.seconds("a", False, now=500.0) == 450.0
 
 
 class _Bound:

@@ -377,8 +377,15 @@ def targets(
 class Unserved(Generic[K]):
     """How long each service's line has had no replica taking newcomers, for
     :attr:`Backlog.unserved`: counted from when the pool first weighed the service, or
-    last saw it served. Pure (``now`` comes in); both pools sample it each time they
-    weigh their lines, so they count alike."""
+    last saw a replica take its newcomers. Pure (``now`` comes in).
+
+    Both pools sample it each time they weigh their lines, so a service can read as
+    unserved since the last look that saw it served, not since its replica stopped.
+    That is never too late, and it is not too early where it matters: a line's last
+    replica stops taking newcomers with actions still in line only by a drain, and a
+    drain is decided just after a look at the same instant; a replica that ends on its
+    own leaves an empty line, whose head's wait then bounds the rule.
+    """
 
     def __init__(self) -> None:
         self._served: dict[K, float] = {}
