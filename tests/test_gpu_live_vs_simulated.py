@@ -178,7 +178,10 @@ class Recording(Residency):
 
 
 def run_simulated(
-    workload: Workload, restores: Mapping[str, float], monkeypatch: pytest.MonkeyPatch
+    workload: Workload,
+    restores: Mapping[str, float],
+    monkeypatch: pytest.MonkeyPatch,
+    policy: ElasticPolicy | None = None,
 ) -> tuple[Recording, Runs, tangram.SimulationResult]:
     Recording.made = []
     monkeypatch.setattr(_simulate, "Residency", Recording)
@@ -196,7 +199,11 @@ def run_simulated(
         for name, seconds in restores.items()
     }
     result = tangram.simulate(
-        trajectories, {"gpu": DEVICES}, services=services, gpu_mem_gib_per_device=1.0
+        trajectories,
+        {"gpu": DEVICES},
+        policy=policy,
+        services=services,
+        gpu_mem_gib_per_device=1.0,
     )
     [residency] = Recording.made
     runs = {(r.trajectory, r.index): (r.admitted + r.overhead, r.finished) for r in result.records}
@@ -313,6 +320,73 @@ async def test_the_live_pool_weighs_lines_against_its_policy_s_starvation_bound(
     monkeypatch.setattr(_placing, "rules", _Without(targets=targets))
     await run_live(SHARE, SHARE_RESTORES, ElasticPolicy(starvation_bound=bound))
     assert seen and set(seen) == {bound}
+
+
+# Starved: C waits behind two lines that never empty. A's actions come every second and
+# take 1.9 s, B's every second and take 2.1 s, so both lines grow from the start and their
+# heads age at about half the clock's pace. C, warmed on cpu:0 and evicted there for B at
+# 0.57 s, comes at 1.0 s and finds both devices busy. Its line scores its wait less MOVE
+# restores (8 x 4.3 s), which passes the wait of A's head only at 66.63 s (an A action
+# ends); past the policy's starvation bound (30 s) it scores its wait alone, which passes
+# A's at the first look after 31 s: A's arrival at 31.13 s.
+STARVE_RESTORES = {"C": 4.3, "A": 1.1, "B": 1.2}
+C_COMES = 1.0
+STARVE: Workload = {
+    "c": [("C", 1.0, C_COMES)],
+    **{f"a{i}": [("A", 1.9, 0.13 + i)] for i in range(45)},
+    **{f"b{i}": [("B", 2.1, 0.57 + i)] for i in range(45)},
+}
+
+
+def record_c_share(monkeypatch: pytest.MonkeyPatch) -> list[tuple[float, int]]:
+    """Each look at the lines while C waited, in either pool: when, and the replicas the
+    share rule gave C (both pools call it through the one module)."""
+    seen: list[tuple[float, int]] = []
+    real = rules.targets
+
+    def targets(
+        lines: Sequence[rules.Backlog[str]], capacity: float, starved: float = math.inf
+    ) -> dict[str, int]:
+        share = real(lines, capacity, starved)
+        [c] = [line for line in lines if line.key == "C"]
+        if c.count:
+            seen.append((C_COMES + c.oldest, share["C"]))
+        return share
+
+    monkeypatch.setattr(rules, "targets", targets)
+    return seen
+
+
+def given_from(seen: Sequence[tuple[float, int]]) -> float:
+    """The look from which the share gives C a device at every look while it waits (the
+    first few seconds, while the lines ahead are short, flip between one and none)."""
+    last_refused = max(i for i, (_, given) in enumerate(seen) if not given)
+    return seen[last_refused + 1][0]
+
+
+@pytest.mark.parametrize(("bound", "given_at"), [(30.0, 31.13), (math.inf, 66.63)])
+async def test_both_pools_give_a_starved_line_a_device_at_the_same_look(
+    bound: float, given_at: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The starvation rule fires in the live pool's share as in the simulator's: each gives
+    C a device at the first look past the bound, else at the first past the move hurdle.
+
+    What follows differs, and is the live pool's known limit (docs/policy.md): the simulator
+    drains A's replica, which ends its seated action, and C runs from 36.7 s (72.8 s
+    without the bound). Live, C's replica waits for the device chosen when C came
+    (cpu:0, B's), where no replica is above its share, so nothing drains for it, and C
+    runs at 100.6 s, when B's line is served out, whatever the bound.
+    """
+    policy = ElasticPolicy(starvation_bound=bound)
+    seen = record_c_share(monkeypatch)
+    _, simulated, _ = run_simulated(STARVE, STARVE_RESTORES, monkeypatch, policy)
+    simulated_seen, seen[:] = list(seen), []
+    await run_live(STARVE, STARVE_RESTORES, policy)
+    assert given_from(simulated_seen) == pytest.approx(given_at, abs=TOLERANCE)
+    assert given_from(seen) == pytest.approx(given_at, abs=TOLERANCE)
+    # The simulator's C runs once A's seated action has ended and C is restored.
+    start, _ = simulated["c", 0]
+    assert given_at < start <= given_at + 1.9 + STARVE_RESTORES["C"] + TOLERANCE
 
 
 async def test_the_share_rule_decides_the_live_pool(monkeypatch: pytest.MonkeyPatch) -> None:

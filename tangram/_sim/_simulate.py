@@ -597,11 +597,12 @@ class _Pool:
         replica drains; True when the replica's grant went back."""
         hold.users -= 1
         hold.active -= 1
-        if self.asked > 0:
-            self._yield(now, *self._targets(now))
         waiting = self.waiting[hold.service]
         if waiting and hold not in self.draining:
             self._seat(hold, waiting.pop(now), now, push)
+        # Weighed with the freed seat taken, as the live pool weighs its lines then.
+        if self.asked > 0:
+            self._yield(now, *self._targets(now))
         if hold.users > 0:
             self._drain(hold, now, push)
             return False
