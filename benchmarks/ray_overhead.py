@@ -445,7 +445,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="short windows (under a minute)")
+    parser.add_argument("--quick", action="store_true", help="short windows (about a minute)")
     parser.add_argument("--seconds", type=float, help="seconds each arm cycles")
     args = parser.parse_args(argv)
     seconds = args.seconds or (1.0 if args.quick else 8.0)
