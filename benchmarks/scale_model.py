@@ -43,7 +43,7 @@ Why
 
 How
     ``--quick``: 2.5 s of virtual time, the first 1.5 s not counted (every trajectory has
-    started by 1 s), *job placement* and *shipped* only (about 35 s on 2 cores; *node
+    started by 1 s), *job placement* and *shipped* only (about 40 s on 2 cores; *node
     placement* alone took another 30). Full: 10 s, 3 s not counted, every design.
     ``--nodes`` changes the job's size. The last line of stdout is one JSON object
     (``"bench": "scale_model"``); the exit status is 0 whether or not targets are met.
