@@ -84,6 +84,13 @@ async def test_known_limits_hold_with_no_429() -> None:
     assert held == 0
 
 
+# The most a key adapted to a provider's 30 requests a second may end at. AIMD holds a
+# plateau of 99 % of the limit it measured, and the measure counts whole requests over a
+# one-second window by their send times (late on a loaded machine): one request more in
+# the count is 1/30 of the limit. CI once ended at 30.17 under the bare 30 this asserted.
+MEASURED_30 = 30 * (1 + 1 / 30)
+
+
 async def test_configured_above_real_limit_converges() -> None:
     quota = Quota([_key("k", requests=90)])
     async with (
@@ -94,8 +101,8 @@ async def test_configured_above_real_limit_converges() -> None:
         codes = await _burst(client, 150)
     # Every request completes: the 429s were retried.
     assert codes == [200] * 150
-    # The effective rate ends below the real limit.
-    assert quota.stats()["k"].rate_share * 90 * DEFAULT_HEADROOM < 30
+    # The effective rate ends at the real limit's plateau, far below the configured 3x.
+    assert quota.stats()["k"].rate_share * 90 * DEFAULT_HEADROOM < MEASURED_30
     # Once adapted, 429s stop: none in the last half of the run.
     start, end = server.accepted[0][0], server.accepted[-1][0]
     assert [t for t, _ in server.rejected if t > (start + end) / 2] == []
@@ -256,7 +263,7 @@ async def test_503_with_retry_after_is_retried_and_adapted_like_429() -> None:
     assert codes == [200] * 120
     assert server.rejected, "the configured rate is 3x the real one: some must be refused"
     assert quota.stats()["k"].limited == len(server.rejected)
-    assert quota.stats()["k"].rate_share * 90 * DEFAULT_HEADROOM < 30
+    assert quota.stats()["k"].rate_share * 90 * DEFAULT_HEADROOM < MEASURED_30
 
 
 async def test_cancelling_a_request_returns_its_slot() -> None:
