@@ -63,8 +63,9 @@ def inputs(seed: int, rows: int = 8) -> torch.Tensor:
 class GatedService(ModelService):
     """A fake service whose runs wait on a gate: to hold actions open at will."""
 
-    def __init__(self, name: str, memory: str = "1MiB", **kw: Any) -> None:
+    def __init__(self, name: str, memory: str = "1MiB", seconds: float = 0.0, **kw: Any) -> None:
         super().__init__(name, memory=memory, **kw)
+        self.seconds = seconds  # each run's time once the gate is open
         self.gate = anyio.Event()
         self.runs: list[tuple[int, int]] = []  # (replica, batches merged)
         self.started = anyio.Event()
@@ -82,6 +83,7 @@ class GatedService(ModelService):
         self.runs.append((replica, len(batches)))
         self.started.set()
         await self.gate.wait()
+        await anyio.sleep(self.seconds)
         return [f"{self.name}:{b}" for b in batches]
 
 

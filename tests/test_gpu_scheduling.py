@@ -123,7 +123,11 @@ async def test_eviction_skips_a_replica_with_a_running_action_even_when_it_is_th
 async def test_waiting_actions_of_one_service_run_batched_as_the_service_allows(
     batching: bool, max_batch: int | None, runs: list[int]
 ) -> None:
-    service = GatedService("judge", batching=batching, max_batch=max_batch)
+    """Six actions wait while the first runs; the next ones merge as far as the service
+    allows. With ``max_batch=2`` the replica seats four (the run and the next forming
+    behind it) and two wait in line: their seats are handed over as actions end, and
+    they call while the run before theirs still takes its time, as a real run does."""
+    service = GatedService("judge", batching=batching, max_batch=max_batch, seconds=0.05)
     pool = GpuPool([service], devices=[Device("cpu:0", "4MiB")])
     async with pool, tangram.Runtime(capacity=pool.capacity()):
         results: list[str] = []
@@ -204,3 +208,124 @@ async def test_an_action_joining_a_withdrawn_replica_is_served() -> None:
             async with pool.use("b") as svc:  # entered with no checkpoint since the leave
                 assert await svc(2) == "b:2"
         await wait_until(lambda: runtime.stats().resources["gpu_mem:cpu:0"].held == 0)
+
+
+# -- one line per service -------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_an_action_that_finds_no_seat_waits_in_its_service_line_not_on_a_replica() -> None:
+    """A replica that runs one call at a time seats one action: the next ones wait in the
+    service's line and enter their blocks in the order they came, each when a seat frees.
+    Bound to the replica at arrival (as before the line), all three would have entered at
+    once, and a replica drained meanwhile would have served all of them."""
+    judge = GatedService("judge", batching=False, max_replicas=1)
+    pool = GpuPool([judge], devices=[Device("cpu:0", "1MiB")])
+    async with pool, tangram.Runtime(capacity=pool.capacity()):
+        entered: list[int] = []
+
+        async def action(k: int) -> None:
+            async with pool.use("judge") as svc:
+                entered.append(k)
+                await svc(k)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(action, 0)
+            await judge.started.wait()
+            for k in (1, 2):
+                tg.start_soon(action, k)
+                await wait_until(lambda k=k: len(pool._services["judge"].line) == k)
+            assert entered == [0]
+            judge.gate.set()
+        assert entered == [0, 1, 2]
+        assert not pool._services["judge"].line
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("when", ["in_line", "handed_a_seat"])
+async def test_an_action_cancelled_in_line_or_as_its_seat_comes_passes_the_seat_on(
+    when: str,
+) -> None:
+    """Cancelled while it waits in line, an action leaves the line; cancelled in the same
+    instant a seat is handed to it (before it wakes), it hands the seat to the next in
+    line. Either way the third action runs and every byte is given back."""
+    judge = GatedService("judge", batching=False, max_replicas=1)
+    pool = GpuPool([judge], devices=[Device("cpu:0", "1MiB")])
+    async with pool, tangram.Runtime(capacity=pool.capacity()) as runtime:
+        entered: list[str] = []
+        second = anyio.CancelScope()
+
+        async def first() -> None:
+            async with pool.use("judge") as svc:
+                entered.append("first")
+                await svc(0)
+                if when == "handed_a_seat":
+                    second.cancel()  # delivered after the block's end hands it the seat
+
+        async def cancelled() -> None:
+            with second:
+                async with pool.use("judge"):
+                    entered.append("second")
+
+        async def third() -> None:
+            async with pool.use("judge") as svc:
+                entered.append("third")
+                await svc(2)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(first)
+            await judge.started.wait()
+            tg.start_soon(cancelled)
+            await wait_until(lambda: len(pool._services["judge"].line) == 1)
+            tg.start_soon(third)
+            await wait_until(lambda: len(pool._services["judge"].line) == 2)
+            if when == "in_line":
+                second.cancel()
+                await wait_until(lambda: len(pool._services["judge"].line) == 1)
+            judge.gate.set()
+        assert entered == ["first", "third"]
+        [replica] = pool._services["judge"].replicas
+        assert (replica.users, replica.tasks) == (0, {})
+        await wait_until(lambda: runtime.stats().resources["gpu_mem:cpu:0"].held == 0)
+
+
+@pytest.mark.anyio
+async def test_closing_the_pool_fails_the_actions_in_line() -> None:
+    judge = GatedService("judge", batching=False, max_replicas=1)
+    pool = GpuPool([judge], devices=[Device("cpu:0", "1MiB")])
+    errors: list[BaseException] = []
+
+    async def action() -> None:
+        try:
+            async with pool.use("judge") as svc:
+                await svc(0)
+        except gpu.GpuPoolClosedError as exc:
+            errors.append(exc)
+
+    runtime = tangram.Runtime(capacity=pool.capacity())
+    async with runtime:
+        async with anyio.create_task_group() as tg, pool:
+            tg.start_soon(action)
+            await judge.started.wait()
+            tg.start_soon(action)
+            await wait_until(lambda: len(pool._services["judge"].line) == 1)
+        assert len(errors) == 2
+        assert any("waited for a seat" in str(e) for e in errors)
+        await wait_until(lambda: runtime.stats().resources["gpu_mem:cpu:0"].held == 0)
+
+
+@pytest.mark.anyio
+async def test_a_block_inside_a_block_of_the_same_service_joins_the_task_s_own_seat() -> None:
+    """The inner block would wait in line for the seat its own task holds, for ever."""
+    judge = GatedService("judge", batching=False, max_replicas=1)
+    judge.gate.set()
+    pool = GpuPool([judge], devices=[Device("cpu:0", "1MiB")])
+    async with pool, tangram.Runtime(capacity=pool.capacity()):
+        with anyio.fail_after(5):
+            async with pool.use("judge") as outer:
+                async with pool.use("judge") as inner:
+                    assert inner.replica == outer.replica
+                    assert await inner(1) == "judge:1"
+                assert await outer(0) == "judge:0"
+        [replica] = pool._services["judge"].replicas
+        assert (replica.users, replica.tasks) == (0, {})

@@ -317,6 +317,38 @@ def test_only_services_above_their_share_drain_and_no_more_of_each() -> None:
     assert rules.drains(running, wanted={"d": 2.0}, free={}, now=5.0) == ["b1", "a1"]
 
 
+def test_a_waiting_replica_moves_where_a_replica_above_its_share_can_drain_for_it() -> None:
+    """C waits on d0, held by B at its share; A, above its share, holds d1: C waits on d1.
+    Nothing moves where its own devices will give way: room, a draining holder, or a
+    holder above its share; nor to a device held by a service at its share."""
+    b = Holding("b", {"d0": 1.0}, 1, 0.0, 1.0, service="B")
+    a = Holding("a", {"d1": 1.0}, 1, 0.0, 1.0, service="A")
+    options = [("d0",), ("d1",)]
+    surplus = {"A": 1, "B": 0}
+    free = {"d0": 0.0, "d1": 0.0}
+    assert rules.wait_on(["d0"], options, [b, a], need=1.0, free=free, surplus=surplus) == ("d1",)
+    # Its own device gives way: free room, B draining, or B above its share.
+    roomy = {"d0": 1.0, "d1": 0.0}
+    assert rules.wait_on(["d0"], options, [b, a], need=1.0, free=roomy, surplus=surplus) is None
+    draining = Holding("b", {"d0": 1.0}, 1, 0.0, 1.0, draining=True, service="B")
+    assert (
+        rules.wait_on(["d0"], options, [draining, a], need=1.0, free=free, surplus=surplus) is None
+    )
+    both = {"A": 1, "B": 1}
+    assert rules.wait_on(["d0"], options, [b, a], need=1.0, free=free, surplus=both) is None
+    # Nowhere better: every other holder is at its share.
+    level = {"A": 0, "B": 0}
+    assert rules.wait_on(["d0"], options, [b, a], need=1.0, free=free, surplus=level) is None
+    # A device with room is as good as a drain.
+    assert rules.wait_on(
+        ["d0"], options, [b], need=1.0, free={"d0": 0.0, "d1": 1.0}, surplus=level
+    ) == ("d1",)
+
+
+def test_the_live_pool_seats_a_second_run_behind_a_batching_replica_s_first() -> None:
+    assert [rules.room(seats) for seats in (1, 2, 8)] == [1, 4, 16]
+
+
 # -- draining ------------------------------------------------------------------------------
 
 

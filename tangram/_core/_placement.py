@@ -58,7 +58,9 @@ __all__ = [
     "seat",
     "seats",
     "starvation_bound",
+    "room",
     "targets",
+    "wait_on",
 ]
 
 K = TypeVar("K")
@@ -227,6 +229,20 @@ def seats(max_batch: int | None, batching: bool) -> int:
     ``max_batch``, else one (``max_batch=None`` merges all that wait, but a second replica
     on a free device still serves the next action sooner)."""
     return max_batch if batching and max_batch else 1
+
+
+def room(seats: int) -> int:
+    """Actions the live pool seats on one replica at a time: its ``seats`` and, when a
+    run takes several, as many again, forming the next run behind the one running.
+
+    Seats are handed over when actions leave, and the actions handed them call one at a
+    time: the replica would start its next run on the first call and split the batch.
+    With the next run's actions seated already, their calls wait together and merge. One
+    call per run merges nothing, so a service that runs one at a time hands its seat
+    over when the last action ends. (The simulator runs seated actions side by side, not
+    in runs, and needs no second set.)
+    """
+    return seats if seats == 1 else 2 * seats
 
 
 def seat(loads: Sequence[int], *, seats: int, may_grow: bool) -> int | None:
@@ -566,6 +582,44 @@ def drains(
             for k, amount in holding.holds.items():
                 deficit[k] = deficit.get(k, 0) - amount
     return chosen
+
+
+def wait_on(
+    here: Sequence[str],
+    options: Iterable[Sequence[str]],
+    running: Sequence[Holding[K]],
+    *,
+    need: float,
+    free: Mapping[str, float],
+    surplus: Mapping[str, int],
+) -> tuple[str, ...] | None:
+    """Where a replica waiting for its grant should wait instead of ``here``, or ``None``.
+
+    A waiting replica asks for its devices' memory, so only their holders drain for it
+    (:func:`drains`); the simulator, which places a replica when its grant comes, has no
+    such tie. When nothing on ``here`` will give way (memory short on a device where no
+    replica drains, or belongs to a service above its share), the first of ``options``
+    where each device has the room, or a replica draining or of a service above its
+    share, is where its grant can come. Holders of services at their share stay put:
+    they are what the share keeps serving.
+    """
+
+    def coming(devices: Sequence[str]) -> bool:
+        for device in devices:
+            if fits(free.get(device, 0.0), need):
+                continue
+            if not any(
+                device in h.holds and (h.draining or surplus.get(h.service, 0) > 0) for h in running
+            ):
+                return False
+        return True
+
+    if coming(here):
+        return None
+    for devices in options:
+        if tuple(devices) != tuple(here) and coming(devices):
+            return tuple(devices)
+    return None
 
 
 # -- eviction and warming ------------------------------------------------------------------

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import anyio
 import anyio.abc
@@ -41,9 +41,9 @@ class Holder:
         self.locks: dict[str, anyio.Lock] = {}
         self.task_group: anyio.abc.TaskGroup | None = None
         self.open = False
-        # Set (and replaced) whenever a replica stops: an action blocked by its service's
-        # draining replicas waits on it, then looks again.
-        self.stopped: anyio.Event | None = None
+        # Called whenever a replica stops, with the runtime it held its grant from: a
+        # line its service's draining replicas held back may start a replica then.
+        self.stopped: Callable[[Runtime], None] | None = None
 
     def add_devices(self, devices: list[Device]) -> None:
         for device in devices:
@@ -143,21 +143,23 @@ class Holder:
                 call.done.set()
             replica.pending.clear()
             if self.stopped is not None:
-                self.stopped.set()
-                self.stopped = anyio.Event()
+                self.stopped(runtime)
 
     async def _lease_and_serve(self, replica: PoolReplica, runtime: Runtime) -> None:
         state = replica.state
         memory = replica.memory
         leased = self.placer.leased
-        demand = {d.kind: memory for d in replica.devices}
+        devices = replica.devices
+        demand = {d.kind: memory for d in devices}
         context = runtime.acquire(
             demand, kind=f"gpu:{state.service.name}", estimate=self._estimate(replica)
         )
         async with context as lease:
+            if replica.devices != devices:
+                return  # moved while the grant came: its scope is cancelled, ask again
             replica.leased = True
             replica.granted_at = anyio.current_time()
-            for d in replica.devices:
+            for d in devices:
                 leased[d.name] += memory
             try:
                 await self._make_resident(replica)
@@ -166,7 +168,7 @@ class Holder:
                 await self._serve(replica)
             finally:
                 replica.leased = False
-                for d in replica.devices:
+                for d in devices:
                     leased[d.name] -= memory
 
     async def _serve(self, replica: PoolReplica) -> None:

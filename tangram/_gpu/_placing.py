@@ -1,8 +1,9 @@
 """The live pool's books, and its decisions made from them by the pure placement rules.
 
 The books: each device's resident, granted and peak bytes, the NVLink groups, every
-service's replicas. The decisions (which replica an action joins, where a new one goes,
-which running ones drain for a waiter, which idle one is evicted, what is warmed) are the
+service's replicas and line. The decisions (which replica an action joins or whether it
+waits in line, where a new one goes, which running ones drain for a waiter and where a
+waiting one waits, which idle one is evicted, what is warmed) are the
 rules of ``tangram/_core/_placement.py``, which the simulator calls too; this module only
 turns the books into their arguments and their answers back into replicas. Synchronous
 and without a clock: the time comes in as an argument, as it does to the rules.
@@ -10,15 +11,17 @@ and without a clock: the time comes in as an argument, as it does to the rules.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from .._core import _placement as rules
 from .._core._units import format_size
+from .._runtime._run import Runtime
 from ..errors import GpuOutOfMemoryError, InvalidSettingError
 from ._devices import Device
-from ._replica import PoolReplica, Residency, ServiceState
+from ._replica import PoolReplica, Residency, ServiceState, Waiter
 
 __all__ = ["Placer"]
 
@@ -81,72 +84,119 @@ class Placer:
     def attach(
         self, state: ServiceState, now: float, starved: float = math.inf
     ) -> tuple[PoolReplica, bool] | None:
-        """The replica a new action runs on, and whether it must be started for it.
+        """The replica an action in the service's line runs on, and whether it must be
+        started for it; ``None``: it stays in line, for a seat a replica frees.
 
-        ``starved``: the runtime's policy's starvation bound, past which a line that no
-        replica serves gets one by its wait alone (:func:`~tangram._core._placement.targets`).
-        ``None`` when the service's own draining replicas block every option (their
-        devices, or ``max_replicas``): the action waits for one of them to stop.
+        A newcomer is weighed from the end of the line, as the simulator weighs it: a
+        replica started for it serves it after a restore, and those before it take the
+        seats that free meanwhile. ``starved``: the runtime's policy's starvation bound,
+        past which a line that no replica serves gets one by its wait alone
+        (:func:`~tangram._core._placement.targets`).
         """
-        self.drain(now, starved)
         service = state.service
         alive = [r for r in state.replicas if r.alive]
         live = [r for r in alive if r.error is None and not r.draining]
         seats = rules.seats(service.max_batch, service.batching)
         may_grow = len(alive) < service.max_replicas
-        index = rules.seat([r.users for r in live], seats=seats, may_grow=may_grow)
+        # A batching service with no ``max_batch`` merges every call that waits: its
+        # replicas are never full, so an action joins the least loaded rather than wait
+        # (it waits in line only for a first replica).
+        merges = service.batching and service.max_batch is None
+        index = rules.seat(
+            [r.users for r in live], seats=rules.room(seats), may_grow=may_grow or not merges
+        )
         if index is not None:
-            return self._join(live[index], now), False
+            return live[index], False
+        least = min(live, key=lambda r: r.users) if live and merges else None
+        if not may_grow:
+            return None if least is None else (least, False)
         if live:
-            least = min(live, key=lambda r: r.users)
-            if not may_grow:
-                return self._join(least, now), False
             devices = self.choose(state, room_now=True)
             if state.run_seconds is None:
                 # Before any run was measured the line's length is unknown: another copy
                 # where a device has room now.
                 if devices is None:
-                    return self._join(least, now), False
+                    return None if least is None else (least, False)
             else:
                 # Another copy when the service is below its share of the devices by
-                # queued work (it may wait for a drain), else the least loaded replica.
-                _, wanted = self.targets(now, starved, newcomer=state)
+                # queued work (it may wait for a drain), else a seat a replica frees.
+                _, wanted = self.targets(now, starved)
                 if wanted[service.name] <= len(live):
-                    return self._join(least, now), False
+                    return None if least is None else (least, False)
                 if devices is None:
                     devices = self.choose(state, room_now=False)
                 if devices is None:
-                    return self._join(least, now), False
+                    return None if least is None else (least, False)
         else:
-            if not may_grow:
-                return None
             devices = self.choose(state, room_now=False)
             if devices is None:
                 return None
-        return self._join(self.replica_on(state, devices), now), True
+        return self.replica_on(state, devices), True
 
-    def _join(self, replica: PoolReplica, now: float) -> PoolReplica:
-        """Note when an action joined ``replica``: the line's age is read from these."""
-        self._joined.setdefault(replica, []).append(now)
-        return replica
+    def hand_off(self, replica: PoolReplica) -> Waiter | None:
+        """The next in line, given the seat an action on ``replica`` left, if the replica
+        takes newcomers; ``None`` when it does not or nobody waits."""
+        state = replica.state
+        line = state.line
+        if (
+            not line
+            or not replica.alive
+            or replica.draining
+            or replica.error is not None
+            or replica.users
+            >= rules.room(rules.seats(state.service.max_batch, state.service.batching))
+        ):
+            return None
+        waiter = line.popleft()
+        self.seat(replica, waiter)
+        return waiter
+
+    def seat(self, replica: PoolReplica, waiter: Waiter) -> None:
+        """Give ``waiter`` a seat on ``replica`` (its age is read from when it came)."""
+        replica.users += 1
+        replica.tasks[waiter.task] = replica.tasks.get(waiter.task, 0) + 1
+        waiter.replica = replica
+        bisect.insort(self._joined.setdefault(replica, []), waiter.arrival)
+        waiter.seated.set()
+
+    def seat_line(
+        self,
+        state: ServiceState,
+        now: float,
+        start: Callable[[PoolReplica, Runtime], None],
+        starved: float = math.inf,
+    ) -> None:
+        """Seat the line's head while :meth:`attach` finds it a place (a service none of
+        whose replicas takes newcomers), calling ``start`` at once for a replica started
+        for it (with the runtime it came through), so the next head's look sees it."""
+        line = state.line
+        while line:
+            attached = self.attach(state, now, starved)
+            if attached is None:
+                return
+            replica, new = attached
+            waiter = line.popleft()
+            if new:
+                start(replica, waiter.runtime)
+            self.seat(replica, waiter)
 
     def targets(
-        self, now: float, starved: float = math.inf, newcomer: ServiceState | None = None
+        self, now: float, starved: float = math.inf
     ) -> tuple[list[rules.Backlog[str]], dict[str, int]]:
-        """Each service's line (with ``newcomer``, an action about to join), and the
-        replicas :func:`tangram._core._placement.targets` gives each, sharing the
-        devices' memory.
+        """Each service's line, and the replicas
+        :func:`tangram._core._placement.targets` gives each, sharing the devices' memory.
 
-        The pool binds an action to a replica when it comes, so a service's line is the
-        actions on its replicas no seat has taken: all of a replica's waiting for its
-        grant, those beyond its seats on a granted one (the latest to join, since calls
-        run in order). What each is expected to run is the service's learnt run time.
+        A service's line is its actions no seat has taken, with those seated on a replica
+        still waiting for its grant (and, for a service that merges every call, those
+        beyond a granted replica's seat, the latest to join). What each is expected to run
+        is the service's learnt run time.
         """
         lines = []
         for name, state in self.services.items():
             service = state.service
             assert service.memory is not None
             seats = rules.seats(service.max_batch, service.batching)
+            line = state.line
             taking = behind = 0
             joined: list[float] = []
             for replica in state.replicas:
@@ -159,17 +209,18 @@ class Placer:
                 behind += max(0, replica.users - seats)
                 waiting = replica.users - (min(replica.users, seats) if replica.leased else 0)
                 joined.extend(times[len(times) - waiting :] if waiting > 0 else [])
-            if newcomer is state:
-                joined.append(now)
-                behind += 1
-            run = state.run_seconds or 0.0
+            if line:
+                behind += len(line)
+                joined.append(line[0].arrival)
+            count = len(joined) + (len(line) - 1 if line else 0)
+            oldest = min(joined, default=now)
             idle = any(r.residency is Residency.RESIDENT and not r.alive for r in state.replicas)
             lines.append(
                 rules.Backlog(
                     name,
-                    run * behind,
-                    now - min(joined) if joined else 0.0,
-                    len(joined),
+                    (state.run_seconds or 0.0) * behind,
+                    now - oldest,
+                    count,
                     taking,
                     seats,
                     float(service.memory * service.gpus),
@@ -182,16 +233,11 @@ class Placer:
 
     def drain(self, now: float, starved: float = math.inf) -> None:
         """Mark running replicas draining until the waiting ones' memory is on the way
-        (the rule and its reasons: :func:`tangram._core._placement.drains`)."""
+        (the rule and its reasons: :func:`tangram._core._placement.drains`), after moving
+        a waiting replica to devices where it can come (:meth:`_move`)."""
         replicas = [r for state in self.services.values() for r in state.replicas]
-        wanted = dict.fromkeys(self.leased, 0)
-        for r in replicas:
-            if r.alive and not r.leased and r.users > 0:
-                for d in r.devices:
-                    wanted[d.name] += r.memory
-        if not any(wanted.values()):
+        if not any(r.alive and not r.leased and r.users > 0 for r in replicas):
             return
-        free = {d.name: d.memory - self.leased[d.name] for d in self.devices}
         lines, targets = self.targets(now, starved)
         surplus = {line.key: line.replicas - targets[line.key] for line in lines}
         running = [
@@ -208,8 +254,62 @@ class Placer:
             for r in replicas
             if r.alive and r.leased
         ]
+        wanted = dict.fromkeys(self.leased, 0)
+        for r in replicas:
+            if r.alive and not r.leased and r.users > 0:
+                self._move(r, running, surplus)
+                for d in r.devices:
+                    wanted[d.name] += r.memory
+        free = {d.name: d.memory - self.leased[d.name] for d in self.devices}
         for replica in rules.drains(running, wanted=wanted, free=free, now=now, surplus=surplus):
             replica.draining = True
+
+    def _move(
+        self,
+        replica: PoolReplica,
+        running: Sequence[rules.Holding[PoolReplica]],
+        surplus: Mapping[str, int],
+    ) -> None:
+        """Move a replica waiting for its grant to devices where the grant can come (the
+        rule: :func:`tangram._core._placement.wait_on`), cancelling its ask: its holder
+        asks again for the new devices, behind the grants asked for since.
+
+        Only a one-device replica with no resident copy to lose, whose service is bound
+        to no slots, moves, and only to a device where its service has no other copy.
+        """
+        state = replica.state
+        service = state.service
+        if service.gpus != 1 or service.slots() is not None:
+            return
+        if replica.residency is not Residency.EVICTED or replica.scope is None:
+            return
+        taken = {
+            d.name
+            for r in state.replicas
+            if r is not replica and (r.alive or r.residency is not Residency.EVICTED)
+            for d in r.devices
+        }
+        # Room each device has for it: neither granted nor asked for by another waiter.
+        free = {d.name: float(self.free_now(d)) for d in self.devices}
+        for d in replica.devices:
+            free[d.name] += replica.memory
+        options = sorted(
+            (d for d in self.devices if d.name not in taken and d.memory >= replica.memory),
+            key=lambda d: -free[d.name],
+        )
+        devices = rules.wait_on(
+            [d.name for d in replica.devices],
+            [(d.name,) for d in options],
+            running,
+            need=replica.memory,
+            free=free,
+            surplus=surplus,
+        )
+        if devices is None:
+            return
+        by_name = {d.name: d for d in self.devices}
+        replica.devices = tuple(by_name[n] for n in devices)
+        replica.scope.cancel()
 
     def replica_on(self, state: ServiceState, devices: tuple[Device, ...]) -> PoolReplica:
         """The service's stopped replica on ``devices`` (it may still be resident), or a

@@ -49,7 +49,7 @@ from ._checks import check_bool
 from ._devices import Device, device_memory_used, discover_devices, nvml_nvlink_pairs
 from ._holding import Holder
 from ._placing import Placer
-from ._replica import Call, PoolReplica, Residency, ServiceState
+from ._replica import Call, PoolReplica, Residency, ServiceState, Waiter
 from ._service import ModelService
 
 # Device, ModelService, TorchService and discover_devices are listed for the modules that
@@ -74,24 +74,29 @@ class GpuPool:
     memory; ``async with pool.use("judge") as svc: scores = await svc(batch)`` runs an
     action on a replica of the service, restoring it first when it is not resident.
 
-    Placement: an action joins a live replica of its service that has a seat (fewer
-    actions than ``max_batch`` when the service batches, else none), or starts one where
-    the service is still resident, else on the device (or NVLink chunk) with the most free
-    memory; a multi-GPU replica waits for room inside one NVLink group rather than straddle
-    two. When every live replica is full, another one starts only if ``max_replicas``
-    allows it, a device has room without waiting, and, when it would need a restore, the
-    action's place in line is longer than that restore: a full replica frees a seat every
-    ``run seconds / max_batch``, so a short line is served sooner where it is. The
-    replica's memory grant is passed to the runtime with the restore time (0 when
-    resident) plus the service's learnt run time as its estimate, so the policy sees what
-    the action will really cost.
+    Placement: an action takes a seat on a live replica of its service that has one (one
+    action when the service runs one call at a time; ``max_batch`` when it batches, and
+    as many again forming the next run), or starts one where the service is still
+    resident, else on the device (or NVLink chunk) with the most free memory; a
+    multi-GPU replica waits for room inside one NVLink group rather than straddle two.
+    When every live replica is full, another one starts only if ``max_replicas`` allows
+    it, a device has room without waiting, and, when it would need a restore, the
+    service is below its share of the devices by queued work; else the action waits in
+    its service's line, first come first served, for the first seat that frees on any
+    of its replicas. A batching service with no ``max_batch`` merges every call that
+    waits, so its actions join the least loaded replica instead. The replica's memory
+    grant is passed to the runtime with the restore time (0 when resident) plus the
+    service's learnt run time as its estimate, so the policy sees what the action will
+    really cost.
 
-    While replicas wait for their grant, the least loaded running replicas that have held
-    theirs for at least two restore times (then the longest held) stop taking newcomers,
-    as many as the waiters need beyond the free memory, and give their grant back once
-    their actions end; every other replica keeps serving. Without this a busy service,
-    joined continuously, would hold its devices for as long as it stays busy; the tenure
-    keeps a restore to at most a third of a replica's time on its devices.
+    While replicas wait for their grant, the least loaded running replicas of services
+    above their share that have held their grant for at least two restore times (then
+    the longest held) stop taking newcomers, as many as the waiters need beyond the free
+    memory, and give their grant back once their seated actions end; every other replica
+    keeps serving. Without this a busy service would hold its devices for as long as it
+    stays busy; the tenure keeps a restore to at most a third of a replica's time on its
+    devices. A waiting replica none of whose devices will give way asks for one that
+    will instead.
 
     :param services: the model services (names unique).
     :param devices: devices and the memory each may fill (default: every visible GPU).
@@ -238,7 +243,7 @@ class GpuPool:
                     with contextlib.suppress(Exception):
                         await state.service.aclose()
             raise
-        self._holder.stopped = anyio.Event()
+        self._holder.stopped = self._stopped
         task_group = anyio.create_task_group()
         await task_group.__aenter__()
         self._holder.task_group = task_group
@@ -274,6 +279,9 @@ class GpuPool:
             return
         self._state = _PoolState.CLOSED
         self._holder.open = False
+        for state in self._services.values():
+            while state.line:
+                state.line.popleft().seated.set()  # with no seat: the pool closed
         task_group, self._holder.task_group = self._holder.task_group, None
         if task_group is not None:
             task_group.cancel_scope.cancel()
@@ -296,16 +304,21 @@ class GpuPool:
 
     @contextlib.asynccontextmanager
     async def use(self, name: str) -> AsyncIterator[ServiceHandle]:
-        """One action on service ``name``: wait for a resident replica, call it, let go.
+        """One action on service ``name``: wait for a seat on a resident replica, call it,
+        let go.
 
-        The replica's memory stays granted while any action uses it, so it cannot be
-        evicted under a running action; when the last action leaves it stays resident,
-        idle and evictable, for the next action to find.
+        The block holds its seat until it ends, so keep the calls inside it and other work
+        outside: the next action in line takes the seat when it ends. The replica's
+        memory stays granted while any action uses it, so it cannot be evicted under a
+        running action; when the last action leaves it stays resident, idle and
+        evictable, for the next action to find. A block inside a block of the same
+        service in the same task shares the seat its task holds.
 
         :raises UnknownResourceError: the pool has no service named ``name`` (a
             ``LookupError``).
         :raises GpuOutOfMemoryError: the restore found no room (nothing is left held).
         :raises GpuServiceError: the service failed to restore or to run.
+        :raises GpuPoolClosedError: the pool closed while the action waited in line.
         """
         self._check_open()
         state = self._services.get(name)
@@ -313,16 +326,8 @@ class GpuPool:
             raise UnknownResourceError(f"no service named {name!r} (have {sorted(self._services)})")
         runtime = self._runtime if self._runtime is not None else current_local_runtime("a GpuPool")
         starved = starvation_bound(runtime.policy)
-        while (attached := self._placer.attach(state, anyio.current_time(), starved)) is None:
-            # Only the service's own draining replicas stand where it could go: the
-            # first to stop frees its devices (and makes room under ``max_replicas``).
-            assert self._holder.stopped is not None
-            await self._holder.stopped.wait()
-            self._check_open()
-        replica, new = attached
-        if new:
-            self._holder.start(replica, runtime)
-        replica.users += 1
+        task = anyio.get_current_task().id
+        replica = await self._seat(state, runtime, task, starved)
         handle: ServiceHandle | None = None
         try:
             await replica.ready.wait()
@@ -333,15 +338,72 @@ class GpuPool:
         finally:
             if handle is not None:
                 handle._ended = True
-            replica.users -= 1
-            replica.last_used = self._placer.tick()
-            # As at an arrival: a replica waiting for its grant may be due a drain now
-            # (its line has aged into its share), though no newcomer comes to look.
-            self._placer.drain(anyio.current_time(), starved)
-            if replica.users == 0:
-                if not replica.leased and replica.scope is not None:
-                    replica.scope.cancel()  # nobody waits for it any more: withdraw
-                replica.wake.set()
+            self._leave(replica, task, starved)
+
+    async def _seat(
+        self, state: ServiceState, runtime: Runtime, task: int, starved: float
+    ) -> PoolReplica:
+        """Wait in the service's line for a seat on a replica; the replica."""
+        now = anyio.current_time()
+        waiter = Waiter(now, runtime, task)
+        for replica in state.replicas:
+            if replica.alive and replica.tasks.get(waiter.task):
+                # A block of this service inside another one of the same task: it joins
+                # the seat the task holds, which its line would wait for for ever.
+                self._placer.seat(replica, waiter)
+                return replica
+        line = state.line
+        line.append(waiter)  # weighed with its line, from the end of it
+        # As at a departure: a replica waiting for its grant may be due a drain now, and
+        # is weighed before the newcomer's place is.
+        self._placer.drain(now, starved)
+        attached = self._placer.attach(state, now, starved)
+        if attached is not None:
+            replica, new = attached
+            line.pop()
+            if new:
+                self._holder.start(replica, runtime)
+            self._placer.seat(replica, waiter)
+        try:
+            await waiter.seated.wait()
+        except BaseException:
+            if waiter.replica is not None:
+                self._leave(waiter.replica, waiter.task, starved)
+            elif waiter in state.line:
+                state.line.remove(waiter)
+            raise
+        if waiter.replica is None:
+            raise GpuPoolClosedError("the GPU pool closed while the action waited for a seat")
+        return waiter.replica
+
+    def _leave(self, replica: PoolReplica, task: int, starved: float) -> None:
+        """An action leaves its seat: to the next in line if the replica takes newcomers,
+        then the lines are weighed (a waiting replica may be due a drain now that its
+        line has aged into its share, though no newcomer comes to look)."""
+        replica.users -= 1
+        replica.tasks[task] -= 1
+        if not replica.tasks[task]:
+            del replica.tasks[task]
+        replica.last_used = self._placer.tick()
+        self._placer.hand_off(replica)
+        self._placer.drain(anyio.current_time(), starved)
+        if replica.users == 0:
+            if not replica.leased and replica.scope is not None:
+                replica.scope.cancel()  # nobody waits for it any more: withdraw
+            replica.wake.set()
+
+    def _stopped(self, runtime: Runtime) -> None:
+        """A replica stopped: a line that no replica takes from may start one now (its
+        own replicas, draining, or ``max_replicas`` held it back), or the pool closed."""
+        if self._state is not _PoolState.OPEN:
+            return  # ``aclose`` woke every line
+        now = anyio.current_time()
+        starved = starvation_bound(runtime.policy)
+        for state in self._services.values():
+            if state.line and not any(
+                r.alive and r.error is None and not r.draining for r in state.replicas
+            ):
+                self._placer.seat_line(state, now, self._holder.start, starved)
 
     # -- introspection ---------------------------------------------------------------------
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import enum
 import math
+from collections import deque
 from typing import Any
 
 import anyio
 import attrs
 
+from .._runtime._run import Runtime
 from ._devices import Device
 from ._service import ModelService
 
@@ -24,6 +26,7 @@ __all__ = [
     "PoolReplica",
     "Residency",
     "ServiceState",
+    "Waiter",
     "ewma",
 ]
 
@@ -55,6 +58,21 @@ class Call:
 
 
 @attrs.define(eq=False)
+class Waiter:
+    """An action in its service's line: it has no seat yet, and no replica.
+
+    ``replica`` is set (and ``seated`` with it) when a seat is handed to it; ``seated``
+    set with no replica means the pool closed.
+    """
+
+    arrival: float
+    runtime: Runtime
+    task: int  # the id of the task that waits
+    seated: anyio.Event = attrs.field(factory=anyio.Event)
+    replica: PoolReplica | None = None
+
+
+@attrs.define(eq=False)
 class PoolReplica:
     """One copy of a service on its devices, as the live pool tracks it."""
 
@@ -67,6 +85,7 @@ class PoolReplica:
     draining: bool = False  # takes no newcomer: its grant goes to a waiting replica
     granted_at: float = -math.inf
     users: int = 0
+    tasks: dict[int, int] = attrs.field(factory=dict)  # seats held, by task id
     last_used: float = -math.inf
     pending: list[Call] = attrs.field(factory=list)
     ready: anyio.Event = attrs.field(factory=anyio.Event)
@@ -91,6 +110,9 @@ class ServiceState:
     replicas: list[PoolReplica] = attrs.field(factory=list)
     restore_seconds: float | None = None
     run_seconds: float | None = None
+    # Its actions that found no seat, first come first served: the pool knows one run
+    # time per service, so the policy's shortest-first order is arrival order here.
+    line: deque[Waiter] = attrs.field(factory=deque)
     restores: int = 0
     warmed: int = 0
     evictions: int = 0
