@@ -173,7 +173,7 @@ async def test_no_elastic_replica_past_max_replicas_or_without_room_now(why: str
             tg.start_soon(action, "judge")
             for _ in range(50):
                 await anyio.lowlevel.checkpoint()
-            # The second action joined the first replica rather than start another.
+            # The second action waits for the first replica's seat rather than start another.
             assert pool.service_stats()["judge"]["replicas_live"] == 1
             judge.gate.set()
             other.gate.set()
@@ -285,7 +285,7 @@ async def test_an_action_cancelled_in_line_or_as_its_seat_comes_passes_the_seat_
             judge.gate.set()
         assert entered == ["first", "third"]
         [replica] = pool._services["judge"].replicas
-        assert (replica.users, replica.tasks) == (0, {})
+        assert replica.users == 0
         await wait_until(lambda: runtime.stats().resources["gpu_mem:cpu:0"].held == 0)
 
 
@@ -315,17 +315,135 @@ async def test_closing_the_pool_fails_the_actions_in_line() -> None:
 
 
 @pytest.mark.anyio
-async def test_a_block_inside_a_block_of_the_same_service_joins_the_task_s_own_seat() -> None:
-    """The inner block would wait in line for the seat its own task holds, for ever."""
+@pytest.mark.parametrize("where", ["same_task", "child_tasks"])
+async def test_a_block_inside_a_block_of_its_service_shares_the_replica_not_the_line(
+    where: str,
+) -> None:
+    """In line, the inner block would wait for the seat its own action holds, for ever:
+    from the same task, or from tasks started inside the block."""
     judge = GatedService("judge", batching=False, max_replicas=1)
     judge.gate.set()
     pool = GpuPool([judge], devices=[Device("cpu:0", "1MiB")])
     async with pool, tangram.Runtime(capacity=pool.capacity()):
+        results: list[str] = []
+
+        async def inner(k: int, outer: int) -> None:
+            async with pool.use("judge") as svc:
+                assert svc.replica == outer
+                results.append(await svc(k))
+
         with anyio.fail_after(5):
             async with pool.use("judge") as outer:
-                async with pool.use("judge") as inner:
-                    assert inner.replica == outer.replica
-                    assert await inner(1) == "judge:1"
-                assert await outer(0) == "judge:0"
+                if where == "same_task":
+                    await inner(1, outer.replica)
+                else:
+                    async with anyio.create_task_group() as tg:
+                        for k in (1, 2):
+                            tg.start_soon(inner, k, outer.replica)
+                results.append(await outer(0))
+        assert sorted(results) == ["judge:0", "judge:1"] + (
+            ["judge:2"] if where != "same_task" else []
+        )
         [replica] = pool._services["judge"].replicas
-        assert (replica.users, replica.tasks) == (0, {})
+        assert replica.users == 0
+
+
+@pytest.mark.anyio
+async def test_two_actions_nesting_two_services_in_opposite_orders_both_run() -> None:
+    """Each holds the one seat of one service and asks for the other's: in line, each
+    would wait for the other's seat."""
+    s, t = GatedService("s", batching=False), GatedService("t", batching=False)
+    s.gate.set()
+    t.gate.set()
+    pool = GpuPool([s, t], devices=[Device("cpu:0", "4MiB")])
+    async with pool, tangram.Runtime(capacity=pool.capacity()):
+        both = anyio.Event()
+        holding: list[str] = []
+        ran: list[str] = []
+
+        async def action(first: str, then: str) -> None:
+            async with pool.use(first) as outer:
+                await outer(0)
+                holding.append(first)
+                if len(holding) == 2:
+                    both.set()
+                await both.wait()
+                async with pool.use(then) as inner:
+                    ran.append(await inner(1))
+
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(action, "s", "t")
+                tg.start_soon(action, "t", "s")
+        assert sorted(ran) == ["s:1", "t:1"]
+
+
+class _FailsFirstRestore(GatedService):
+    failures = 1
+
+    async def restore(self, replica: int, devices: tuple[Device, ...]) -> None:
+        await anyio.sleep(0.01)
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("restore failed")
+
+
+@pytest.mark.anyio
+async def test_a_failed_restore_reaches_its_action_though_the_line_starts_another() -> None:
+    """The replica stops with an action seated on it and one in line; the line starts a
+    replica at once. That must be a new one: restarting the failed one would clear its
+    error before its seated action saw it."""
+    judge = _FailsFirstRestore("judge", batching=False, max_replicas=1)
+    judge.gate.set()
+    pool = GpuPool([judge], devices=[Device("cpu:0", "1MiB")], warm=False)
+    outcome: dict[int, str] = {}
+    async with pool, tangram.Runtime(capacity=pool.capacity()) as runtime:
+
+        async def action(k: int) -> None:
+            try:
+                async with pool.use("judge") as svc:
+                    outcome[k] = await svc(k)
+            except gpu.GpuServiceError:
+                outcome[k] = "failed"
+
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(action, 1)
+                await wait_until(lambda: pool.service_stats()["judge"]["replicas_live"] == 1)
+                tg.start_soon(action, 2)
+        assert outcome == {1: "failed", 2: "judge:2"}
+        await wait_until(lambda: runtime.stats().resources["gpu_mem:cpu:0"].held == 0)
+
+
+@pytest.mark.anyio
+async def test_a_waiting_replica_stays_on_a_device_whose_last_action_is_leaving() -> None:
+    """b waits for cpu:0, held by a; c runs on cpu:1. When a's action ends its replica
+    still holds the grant for a moment: b must not move to cpu:1 (and drain c) for it."""
+    a, b, c = GatedService("a"), GatedService("b"), GatedService("c")
+    b.gate.set()
+    devices = [Device("cpu:0", "1MiB"), Device("cpu:1", "1MiB")]
+    pool = GpuPool([a, b, c], devices=devices, warm=False)
+    async with pool, tangram.Runtime(capacity=pool.capacity()):
+        served = anyio.Event()
+
+        async def action(name: str) -> None:
+            async with pool.use(name) as svc:
+                await svc(0)
+            if name == "b":
+                served.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(action, "a")
+            await a.started.wait()
+            tg.start_soon(action, "c")
+            await c.started.wait()
+            tg.start_soon(action, "b")
+            await wait_until(lambda: pool.service_stats()["b"]["replicas_live"] == 1)
+            [waiting] = pool._services["b"].replicas
+            assert waiting.devices[0].name == "cpu:0"
+            a.gate.set()
+            with anyio.fail_after(5):
+                await served.wait()
+            assert waiting.devices[0].name == "cpu:0"
+            assert not pool._services["c"].replicas[0].draining
+            c.gate.set()

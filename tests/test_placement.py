@@ -319,8 +319,9 @@ def test_only_services_above_their_share_drain_and_no_more_of_each() -> None:
 
 def test_a_waiting_replica_moves_where_a_replica_above_its_share_can_drain_for_it() -> None:
     """C waits on d0, held by B at its share; A, above its share, holds d1: C waits on d1.
-    Nothing moves where its own devices will give way: room, a draining holder, or a
-    holder above its share; nor to a device held by a service at its share."""
+    Room now comes first, here or elsewhere; else nothing moves where its own devices
+    will give way (a draining holder, one with no action left, one above its share),
+    nor to a device held by a service at its share."""
     b = Holding("b", {"d0": 1.0}, 1, 0.0, 1.0, service="B")
     a = Holding("a", {"d1": 1.0}, 1, 0.0, 1.0, service="A")
     options = [("d0",), ("d1",)]
@@ -339,6 +340,14 @@ def test_a_waiting_replica_moves_where_a_replica_above_its_share_can_drain_for_i
     # Nowhere better: every other holder is at its share.
     level = {"A": 0, "B": 0}
     assert rules.wait_on(["d0"], options, [b, a], need=1.0, free=free, surplus=level) is None
+    # A holder with no action left gives way too (its grant is on its way back).
+    idle_b = Holding("b", {"d0": 1.0}, 0, 0.0, 1.0, service="B")
+    assert rules.wait_on(["d0"], options, [idle_b, a], need=1.0, free=free, surplus=surplus) is None
+    # Room now beats a drain, here or elsewhere.
+    roomy_d1 = {"d0": 0.0, "d1": 1.0}
+    assert rules.wait_on(
+        ["d0"], options, [draining, a], need=1.0, free=roomy_d1, surplus=surplus
+    ) == ("d1",)
     # A device with room is as good as a drain.
     assert rules.wait_on(
         ["d0"], options, [b], need=1.0, free={"d0": 0.0, "d1": 1.0}, surplus=level

@@ -597,28 +597,37 @@ def wait_on(
 
     A waiting replica asks for its devices' memory, so only their holders drain for it
     (:func:`drains`); the simulator, which places a replica when its grant comes, has no
-    such tie. When nothing on ``here`` will give way (memory short on a device where no
-    replica drains, or belongs to a service above its share), the first of ``options``
-    where each device has the room, or a replica draining or of a service above its
-    share, is where its grant can come. Holders of services at their share stay put:
+    such tie. Room now comes first: ``here`` if it has it, else the first of ``options``
+    that does. Else ``here`` while something on it will give way (a replica draining,
+    with no action left, or of a service above its share), else the first of
+    ``options`` where something will. Holders of services at their share stay put:
     they are what the share keeps serving.
     """
+    others = [tuple(o) for o in options if tuple(o) != tuple(here)]
+
+    def roomy(devices: Sequence[str]) -> bool:
+        return all(fits(free.get(device, 0.0), need) for device in devices)
 
     def coming(devices: Sequence[str]) -> bool:
-        for device in devices:
-            if fits(free.get(device, 0.0), need):
-                continue
-            if not any(
-                device in h.holds and (h.draining or surplus.get(h.service, 0) > 0) for h in running
-            ):
-                return False
-        return True
+        return all(
+            fits(free.get(device, 0.0), need)
+            or any(
+                device in h.holds and (h.draining or h.users == 0 or surplus.get(h.service, 0) > 0)
+                for h in running
+            )
+            for device in devices
+        )
 
+    if roomy(here):
+        return None
+    for devices in others:
+        if roomy(devices):
+            return devices
     if coming(here):
         return None
-    for devices in options:
-        if tuple(devices) != tuple(here) and coming(devices):
-            return tuple(devices)
+    for devices in others:
+        if coming(devices):
+            return devices
     return None
 
 

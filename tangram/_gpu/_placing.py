@@ -37,7 +37,7 @@ class Placer:
         self.leased: dict[str, int] = {}
         self.peak: dict[str, int] = {}
         self._clock = 0
-        # When each action on a replica joined it, oldest first (trimmed to its users).
+        # When each action seated on a replica came, oldest first (trimmed to its users).
         self._joined: dict[PoolReplica, list[float]] = {}
         self._unserved: rules.Unserved[str] = rules.Unserved()
 
@@ -148,15 +148,19 @@ class Placer:
         ):
             return None
         waiter = line.popleft()
-        self.seat(replica, waiter)
+        self.hand(replica, waiter)
         return waiter
 
-    def seat(self, replica: PoolReplica, waiter: Waiter) -> None:
-        """Give ``waiter`` a seat on ``replica`` (its age is read from when it came)."""
+    def seat(self, replica: PoolReplica, arrival: float) -> None:
+        """A seat on ``replica`` for an action that came at ``arrival`` (its age is read
+        from when it came)."""
         replica.users += 1
-        replica.tasks[waiter.task] = replica.tasks.get(waiter.task, 0) + 1
+        bisect.insort(self._joined.setdefault(replica, []), arrival)
+
+    def hand(self, replica: PoolReplica, waiter: Waiter) -> None:
+        """Seat ``waiter`` on ``replica``, and wake it."""
+        self.seat(replica, waiter.arrival)
         waiter.replica = replica
-        bisect.insort(self._joined.setdefault(replica, []), waiter.arrival)
         waiter.seated.set()
 
     def seat_line(
@@ -178,7 +182,7 @@ class Placer:
             waiter = line.popleft()
             if new:
                 start(replica, waiter.runtime)
-            self.seat(replica, waiter)
+            self.hand(replica, waiter)
 
     def targets(
         self, now: float, starved: float = math.inf
@@ -312,11 +316,15 @@ class Placer:
         replica.scope.cancel()
 
     def replica_on(self, state: ServiceState, devices: tuple[Device, ...]) -> PoolReplica:
-        """The service's stopped replica on ``devices`` (it may still be resident), or a
-        new one numbered with the lowest free index."""
-        for replica in state.replicas:
-            if replica.devices == devices and not replica.alive:
-                return replica
+        """The service's stopped replica on ``devices`` (it may still be resident) that no
+        action is seated on, or a new one numbered with the lowest free index."""
+        # One whose actions have not yet seen it stop (an error, say) is theirs. A moved
+        # replica may share its devices with an evicted record: the resident one first.
+        stopped = [
+            r for r in state.replicas if r.devices == devices and not r.alive and r.users == 0
+        ]
+        if stopped:
+            return min(stopped, key=lambda r: r.residency is not Residency.RESIDENT)
         used = {r.index for r in state.replicas}
         index = next(i for i in itertools.count() if i not in used)
         replica = PoolReplica(state, index, devices)

@@ -25,6 +25,7 @@ or initialises NVML when imported (``_optional.py``).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import enum
 import logging
 from collections.abc import AsyncIterator, Iterable, Sequence
@@ -58,6 +59,14 @@ from ._service import ModelService
 __all__ = ["GpuPool", "ServiceHandle"]
 
 logger = logging.getLogger("tangram.gpu")
+
+# The replicas the blocks around this code hold seats on, in any pool: a block inside one
+# (in the same task, or in a task started inside it) never waits in a line, where it
+# could wait for a seat its own action holds. A context variable, since a task started
+# inside a block inherits it, and one started elsewhere does not.
+_held: contextvars.ContextVar[tuple[PoolReplica, ...]] = contextvars.ContextVar(
+    "tangram_gpu_held", default=()
+)
 
 
 class _PoolState(enum.Enum):
@@ -311,8 +320,9 @@ class GpuPool:
         outside: the next action in line takes the seat when it ends. The replica's
         memory stays granted while any action uses it, so it cannot be evicted under a
         running action; when the last action leaves it stays resident, idle and
-        evictable, for the next action to find. A block inside a block of the same
-        service in the same task shares the seat its task holds.
+        evictable, for the next action to find. A block inside another block of the pool
+        (in the same task, or in a task started inside it) joins a live replica of its
+        service beyond its seats rather than wait in line behind its own action.
 
         :raises UnknownResourceError: the pool has no service named ``name`` (a
             ``LookupError``).
@@ -326,32 +336,43 @@ class GpuPool:
             raise UnknownResourceError(f"no service named {name!r} (have {sorted(self._services)})")
         runtime = self._runtime if self._runtime is not None else current_local_runtime("a GpuPool")
         starved = starvation_bound(runtime.policy)
-        task = anyio.get_current_task().id
-        replica = await self._seat(state, runtime, task, starved)
+        held = _held.get()
+        replica = self._inside(state, held) or await self._seat(state, runtime, starved)
         handle: ServiceHandle | None = None
         try:
             await replica.ready.wait()
             if replica.error is not None:
                 raise replica.error
             handle = ServiceHandle(self, replica)
+            _held.set((*held, replica))
             yield handle
         finally:
+            _held.set(held)
             if handle is not None:
                 handle._ended = True
-            self._leave(replica, task, starved)
+            self._leave(replica, starved)
 
-    async def _seat(
-        self, state: ServiceState, runtime: Runtime, task: int, starved: float
-    ) -> PoolReplica:
+    def _inside(self, state: ServiceState, held: tuple[PoolReplica, ...]) -> PoolReplica | None:
+        """A seat for a block inside another block of this pool, beyond the replica's room:
+        the replica the blocks around it hold of its service, else its least loaded live
+        one. Waiting in line there could wait for its own action: for the seat it holds,
+        or, with two services nested in opposite orders by two actions, for each other's.
+        ``None``: not inside a block of this pool, or no replica of the service is live
+        (it asks for one as any action does)."""
+        if not any(self._services.get(r.state.service.name) is r.state for r in held):
+            return None
+        mine = [r for r in held if r.state is state and r.alive]
+        live = mine or [r for r in state.replicas if r.alive and r.error is None and not r.draining]
+        if not live:
+            return None
+        replica = min(live, key=lambda r: r.users)
+        self._placer.seat(replica, anyio.current_time())
+        return replica
+
+    async def _seat(self, state: ServiceState, runtime: Runtime, starved: float) -> PoolReplica:
         """Wait in the service's line for a seat on a replica; the replica."""
         now = anyio.current_time()
-        waiter = Waiter(now, runtime, task)
-        for replica in state.replicas:
-            if replica.alive and replica.tasks.get(waiter.task):
-                # A block of this service inside another one of the same task: it joins
-                # the seat the task holds, which its line would wait for for ever.
-                self._placer.seat(replica, waiter)
-                return replica
+        waiter = Waiter(now, runtime)
         line = state.line
         line.append(waiter)  # weighed with its line, from the end of it
         # As at a departure: a replica waiting for its grant may be due a drain now, and
@@ -363,12 +384,12 @@ class GpuPool:
             line.pop()
             if new:
                 self._holder.start(replica, runtime)
-            self._placer.seat(replica, waiter)
+            self._placer.hand(replica, waiter)
         try:
             await waiter.seated.wait()
         except BaseException:
             if waiter.replica is not None:
-                self._leave(waiter.replica, waiter.task, starved)
+                self._leave(waiter.replica, starved)
             elif waiter in state.line:
                 state.line.remove(waiter)
             raise
@@ -376,14 +397,11 @@ class GpuPool:
             raise GpuPoolClosedError("the GPU pool closed while the action waited for a seat")
         return waiter.replica
 
-    def _leave(self, replica: PoolReplica, task: int, starved: float) -> None:
+    def _leave(self, replica: PoolReplica, starved: float) -> None:
         """An action leaves its seat: to the next in line if the replica takes newcomers,
         then the lines are weighed (a waiting replica may be due a drain now that its
         line has aged into its share, though no newcomer comes to look)."""
         replica.users -= 1
-        replica.tasks[task] -= 1
-        if not replica.tasks[task]:
-            del replica.tasks[task]
         replica.last_used = self._placer.tick()
         self._placer.hand_off(replica)
         self._placer.drain(anyio.current_time(), starved)
@@ -393,12 +411,15 @@ class GpuPool:
             replica.wake.set()
 
     def _stopped(self, runtime: Runtime) -> None:
-        """A replica stopped: a line that no replica takes from may start one now (its
-        own replicas, draining, or ``max_replicas`` held it back), or the pool closed."""
+        """A replica stopped and its devices are free: a waiting replica may wait better
+        on them, and each line is weighed again as a newcomer would be (one no replica
+        takes from starts one now, where its own draining replicas or ``max_replicas``
+        held it back), unless the pool closed."""
         if self._state is not _PoolState.OPEN:
             return  # ``aclose`` woke every line
         now = anyio.current_time()
         starved = starvation_bound(runtime.policy)
+        self._placer.drain(now, starved)
         for state in self._services.values():
             if state.line and not any(
                 r.alive and r.error is None and not r.draining for r in state.replicas

@@ -67,7 +67,6 @@ class Waiter:
 
     arrival: float
     runtime: Runtime
-    task: int  # the id of the task that waits
     seated: anyio.Event = attrs.field(factory=anyio.Event)
     replica: PoolReplica | None = None
 
@@ -85,7 +84,6 @@ class PoolReplica:
     draining: bool = False  # takes no newcomer: its grant goes to a waiting replica
     granted_at: float = -math.inf
     users: int = 0
-    tasks: dict[int, int] = attrs.field(factory=dict)  # seats held, by task id
     last_used: float = -math.inf
     pending: list[Call] = attrs.field(factory=list)
     ready: anyio.Event = attrs.field(factory=anyio.Event)
