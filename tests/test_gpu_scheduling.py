@@ -5,6 +5,8 @@ CPU devices stand in for GPUs (see ``tests/test_gpu.py``).
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import pytest
 from _gpu_models import MIB, GatedService, SlowRestore, SpyRuntime, inputs, torch_service
@@ -447,3 +449,137 @@ async def test_a_waiting_replica_stays_on_a_device_whose_last_action_is_leaving(
             assert waiting.devices[0].name == "cpu:0"
             assert not pool._services["c"].replicas[0].draining
             c.gate.set()
+
+
+@pytest.mark.anyio
+async def test_a_task_that_outlives_its_block_waits_in_line_as_any_action() -> None:
+    """A worker started inside an A block into a task group outside it inherits the
+    block's context. Once the block ends it must not count as nested: joining A's
+    replica past its drain, it would keep A's grant for ever and starve B."""
+    a = GatedService("A", batching=False, max_replicas=1, seconds=0.01)
+    b = GatedService("B", batching=False, max_replicas=1, seconds=0.01)
+    a.gate.set()
+    b.gate.set()
+    pool = GpuPool([a, b], devices=[Device("cpu:0", "1MiB")], warm=False)
+    async with pool, tangram.Runtime(capacity=pool.capacity()):
+        stop = anyio.Event()
+
+        async def worker() -> None:
+            while not stop.is_set():
+                async with pool.use("A") as svc:
+                    await svc(0)
+
+        async with anyio.create_task_group() as tg:
+            async with pool.use("A") as svc:
+                await svc(1)
+                tg.start_soon(worker)  # outlives this block
+            await anyio.sleep(0.1)
+            with anyio.fail_after(3):
+                async with pool.use("B") as svc:
+                    assert await svc(2) == "B:2"
+            stop.set()
+
+
+class _Bound(GatedService):
+    def __init__(self, name: str, slots: list[tuple[str, ...]], **kw: Any) -> None:
+        super().__init__(name, **kw)
+        self._slots = slots
+
+    def slots(self) -> list[tuple[str, ...]]:
+        return self._slots
+
+
+@pytest.mark.anyio
+async def test_a_nested_block_does_not_join_a_replica_waiting_for_its_own_device() -> None:
+    """X holds A on cpu:0; Z's B replica waits for cpu:0; cpu:1 is free. X's nested B
+    block must start a replica on cpu:1, not join Z's, whose grant needs X's seat."""
+    a = _Bound("A", [("cpu:0",)], batching=False)
+    c = _Bound("C", [("cpu:1",)], batching=False)
+    b = _Bound("B", [("cpu:0",), ("cpu:1",)], batching=False, max_replicas=2)
+    for service in (a, b, c):
+        service.gate.set()
+    devices = [Device("cpu:0", "1MiB"), Device("cpu:1", "1MiB")]
+    pool = GpuPool([a, b, c], devices=devices, warm=False)
+    async with pool, tangram.Runtime(capacity=pool.capacity()):
+        release_c, nest, a_in, c_in = anyio.Event(), anyio.Event(), anyio.Event(), anyio.Event()
+        nested_on: list[str] = []
+
+        async def x() -> None:
+            async with pool.use("A") as svc:
+                await svc(0)
+                a_in.set()
+                await nest.wait()
+                async with pool.use("B") as inner:
+                    nested_on.append(inner.devices[0].name)
+
+        async def y() -> None:
+            async with pool.use("C") as svc:
+                await svc(0)
+                c_in.set()
+                await release_c.wait()
+
+        async def z() -> None:
+            async with pool.use("B"):
+                pass
+
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(x)
+                await a_in.wait()
+                tg.start_soon(y)
+                await c_in.wait()
+                tg.start_soon(z)
+                await wait_until(lambda: pool.service_stats()["B"]["replicas_live"] == 1)
+                assert pool._services["B"].replicas[0].devices[0].name == "cpu:0"
+                release_c.set()
+                await wait_until(lambda: pool.usage()["cpu:1"]["granted"] == 0)
+                nest.set()
+        assert nested_on == ["cpu:1"]
+
+
+@pytest.mark.anyio
+async def test_a_batching_replica_started_for_a_newcomer_seats_the_line_too() -> None:
+    """S batches two per run (four seats); its replica on cpu:0 is full and W1, W2 wait
+    in line. A newcomer starts a replica on cpu:1 once C leaves it: its other seats go
+    to W1 and W2 at once, not to whoever comes next."""
+    s = GatedService("S", batching=True, max_batch=2, max_replicas=2)
+    c = _Bound("C", [("cpu:1",)], batching=False)
+    c.gate.set()
+    devices = [Device("cpu:0", "1MiB"), Device("cpu:1", "1MiB")]
+    pool = GpuPool([s, c], devices=devices, warm=False)
+    async with pool, tangram.Runtime(capacity=pool.capacity()):
+        release_c, c_in, done = anyio.Event(), anyio.Event(), anyio.Event()
+        entered: list[tuple[str, str]] = []
+
+        async def hold_c() -> None:
+            async with pool.use("C") as svc:
+                await svc(0)
+                c_in.set()
+                await release_c.wait()
+
+        async def action(tag: str) -> None:
+            async with pool.use("S") as svc:
+                entered.append((tag, svc.devices[0].name))
+                if tag.startswith("R1"):
+                    await svc(tag)  # gated: keeps the first replica full
+                else:
+                    await done.wait()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(hold_c)
+            await c_in.wait()
+            for i in range(4):
+                tg.start_soon(action, f"R1.{i}")
+            await wait_until(lambda: len(entered) == 4)
+            for tag in ("W1", "W2"):
+                tg.start_soon(action, tag)
+                await wait_until(lambda tag=tag: len(pool._services["S"].line) == int(tag[1]))
+            release_c.set()
+            await wait_until(lambda: pool.usage()["cpu:1"]["granted"] == 0)
+            tg.start_soon(action, "N")
+            with anyio.fail_after(5):
+                await wait_until(lambda: len(entered) == 7)
+            assert not pool._services["S"].line
+            assert sorted(tag for tag, where in entered if where == "cpu:1") == ["N", "W1", "W2"]
+            done.set()
+            s.gate.set()

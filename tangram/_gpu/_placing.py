@@ -151,6 +151,13 @@ class Placer:
         self.hand(replica, waiter)
         return waiter
 
+    def fill(self, state: ServiceState) -> None:
+        """Hand the free seats of the service's replicas that take newcomers to its line
+        (a batching replica started for a newcomer has more than that one)."""
+        for replica in list(state.replicas):
+            while state.line and self.hand_off(replica) is not None:
+                pass
+
     def seat(self, replica: PoolReplica, arrival: float) -> None:
         """A seat on ``replica`` for an action that came at ``arrival`` (its age is read
         from when it came)."""
@@ -279,7 +286,8 @@ class Placer:
         asks again for the new devices, behind the grants asked for since.
 
         Only a one-device replica with no resident copy to lose, whose service is bound
-        to no slots, moves, and only to a device where its service has no other copy.
+        to no slots, moves, and only to a device where its service has no other copy
+        than a stopped, evicted record, which takes the devices it leaves.
         """
         state = replica.state
         service = state.service
@@ -290,7 +298,7 @@ class Placer:
         taken = {
             d.name
             for r in state.replicas
-            if r is not replica and (r.alive or r.residency is not Residency.EVICTED)
+            if r is not replica and (r.alive or r.users or r.residency is not Residency.EVICTED)
             for d in r.devices
         }
         # Room each device has for it: neither granted nor asked for by another waiter.
@@ -312,7 +320,12 @@ class Placer:
         if devices is None:
             return
         by_name = {d.name: d for d in self.devices}
-        replica.devices = tuple(by_name[n] for n in devices)
+        here, replica.devices = replica.devices, tuple(by_name[n] for n in devices)
+        # A stopped, evicted record of the service there takes the devices left, so no
+        # two records share devices and moves add none.
+        for other in state.replicas:
+            if other is not replica and other.devices == replica.devices:
+                other.devices = here
         replica.scope.cancel()
 
     def replica_on(self, state: ServiceState, devices: tuple[Device, ...]) -> PoolReplica:

@@ -60,11 +60,21 @@ __all__ = ["GpuPool", "ServiceHandle"]
 
 logger = logging.getLogger("tangram.gpu")
 
-# The replicas the blocks around this code hold seats on, in any pool: a block inside one
-# (in the same task, or in a task started inside it) never waits in a line, where it
-# could wait for a seat its own action holds. A context variable, since a task started
-# inside a block inherits it, and one started elsewhere does not.
-_held: contextvars.ContextVar[tuple[PoolReplica, ...]] = contextvars.ContextVar(
+
+@attrs.define(eq=False)
+class _Block:
+    """An open ``pool.use`` block: the replica it holds a seat on, while ``open``."""
+
+    replica: PoolReplica
+    open: bool = True
+
+
+# The blocks around this code, in any pool: a block inside one that is still open (in
+# the same task, or in a task started inside it) never waits in a line, where it could
+# wait for a seat its own action holds. A context variable, since a task started inside
+# a block inherits it, and one started elsewhere does not; ``open`` goes false when the
+# block ends, so a task that outlives its block waits in line as any action does.
+_held: contextvars.ContextVar[tuple[_Block, ...]] = contextvars.ContextVar(
     "tangram_gpu_held", default=()
 )
 
@@ -338,31 +348,42 @@ class GpuPool:
         starved = starvation_bound(runtime.policy)
         held = _held.get()
         replica = self._inside(state, held) or await self._seat(state, runtime, starved)
+        block = _Block(replica)
         handle: ServiceHandle | None = None
         try:
             await replica.ready.wait()
             if replica.error is not None:
                 raise replica.error
             handle = ServiceHandle(self, replica)
-            _held.set((*held, replica))
+            _held.set((*held, block))
             yield handle
         finally:
+            block.open = False
             _held.set(held)
             if handle is not None:
                 handle._ended = True
             self._leave(replica, starved)
 
-    def _inside(self, state: ServiceState, held: tuple[PoolReplica, ...]) -> PoolReplica | None:
-        """A seat for a block inside another block of this pool, beyond the replica's room:
-        the replica the blocks around it hold of its service, else its least loaded live
-        one. Waiting in line there could wait for its own action: for the seat it holds,
-        or, with two services nested in opposite orders by two actions, for each other's.
-        ``None``: not inside a block of this pool, or no replica of the service is live
-        (it asks for one as any action does)."""
-        if not any(self._services.get(r.state.service.name) is r.state for r in held):
+    def _inside(self, state: ServiceState, held: tuple[_Block, ...]) -> PoolReplica | None:
+        """A seat for a block inside an open block of this pool, beyond the replica's
+        room: the replica the blocks around it hold of its service, else its least
+        loaded replica that serves now. Waiting in line there could wait for its own
+        action: for the seat it holds, or, with two services nested in opposite orders
+        by two actions, for each other's. ``None``: not inside an open block of this
+        pool, or no replica of the service serves now (it asks for one as any action
+        does)."""
+        around = [
+            b.replica
+            for b in held
+            if b.open and self._services.get(b.replica.state.service.name) is b.replica.state
+        ]
+        if not around:
             return None
-        mine = [r for r in held if r.state is state and r.alive]
-        live = mine or [r for r in state.replicas if r.alive and r.error is None and not r.draining]
+        live = [r for r in around if r.state is state and r.alive] or [
+            r
+            for r in state.replicas
+            if r.alive and r.leased and r.ready.is_set() and r.error is None and not r.draining
+        ]
         if not live:
             return None
         replica = min(live, key=lambda r: r.users)
@@ -385,6 +406,7 @@ class GpuPool:
             if new:
                 self._holder.start(replica, runtime)
             self._placer.hand(replica, waiter)
+            self._placer.fill(state)
         try:
             await waiter.seated.wait()
         except BaseException:
@@ -421,6 +443,7 @@ class GpuPool:
         starved = starvation_bound(runtime.policy)
         self._placer.drain(now, starved)
         for state in self._services.values():
+            self._placer.fill(state)
             if state.line and not any(
                 r.alive and r.error is None and not r.draining for r in state.replicas
             ):
