@@ -331,8 +331,8 @@ class Placer:
     def replica_on(self, state: ServiceState, devices: tuple[Device, ...]) -> PoolReplica:
         """The service's stopped replica on ``devices`` (it may still be resident) that no
         action is seated on, or a new one numbered with the lowest free index."""
-        # One whose actions have not yet seen it stop (an error, say) is theirs. A moved
-        # replica may share its devices with an evicted record: the resident one first.
+        # One whose actions have not yet seen it stop (an error, say) is theirs, and the
+        # new one started beside it shares its devices: the resident record first.
         stopped = [
             r for r in state.replicas if r.devices == devices and not r.alive and r.users == 0
         ]

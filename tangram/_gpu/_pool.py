@@ -330,9 +330,9 @@ class GpuPool:
         outside: the next action in line takes the seat when it ends. The replica's
         memory stays granted while any action uses it, so it cannot be evicted under a
         running action; when the last action leaves it stays resident, idle and
-        evictable, for the next action to find. A block inside another block of the pool
-        (in the same task, or in a task started inside it) joins a live replica of its
-        service beyond its seats rather than wait in line behind its own action.
+        evictable, for the next action to find. A block inside another open block of the
+        pool (in the same task, or in a task started inside it) joins a serving replica
+        of its service beyond its seats rather than wait in line behind its own action.
 
         :raises UnknownResourceError: the pool has no service named ``name`` (a
             ``LookupError``).
@@ -433,10 +433,10 @@ class GpuPool:
             replica.wake.set()
 
     def _stopped(self, runtime: Runtime) -> None:
-        """A replica stopped and its devices are free: a waiting replica may wait better
-        on them, and each line is weighed again as a newcomer would be (one no replica
-        takes from starts one now, where its own draining replicas or ``max_replicas``
-        held it back), unless the pool closed."""
+        """A replica stopped and its devices are free, unless the pool closed: a waiting
+        replica may wait better on them, free seats go to the lines, and a line that no
+        replica takes from starts one now (its own draining replicas, or
+        ``max_replicas``, held it back), as in the simulator."""
         if self._state is not _PoolState.OPEN:
             return  # ``aclose`` woke every line
         now = anyio.current_time()
