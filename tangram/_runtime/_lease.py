@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Protocol
 
@@ -18,12 +18,12 @@ __all__ = ["Lease", "LeaseBase", "Waitable"]
 
 
 class Waitable(Protocol):
-    """What the runtime wakes a waiting lease with: ``anyio.Event`` or a bare
-    ``asyncio.Event`` (the runtime picks the cheaper for the running loop)."""
+    """What the runtime wakes a waiting lease with: ``anyio.Event``, or on asyncio a bare
+    future (the runtime picks the cheaper for the running loop)."""
 
     def set(self) -> None: ...
 
-    async def wait(self) -> object: ...
+    def wait(self) -> Awaitable[object]: ...
 
 
 class LeaseBase:
@@ -135,7 +135,7 @@ class Lease(LeaseBase):
         self.queued_at = now
         self.admitted_at = math.nan
         self.started_at = math.nan
-        self.finished_at = math.nan
+        self._finished_at = math.nan  # nobody waits on a resize yet: no setter needed
         self.resizes = 0
 
     def __repr__(self) -> str:
