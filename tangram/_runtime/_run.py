@@ -405,7 +405,7 @@ class Runtime(RunMixin):
         lease._finish(now)
         if entry.state == RUNNING:
             exec_seconds = now - lease.started_at
-            self._ledger.finish(entry, now, exec_seconds, ok=outcome is COMPLETED)
+            self._ledger.finish(entry, now, exec_seconds, outcome is COMPLETED)
             if math.isnan(lease.admitted_at):
                 lease.admitted_at = entry.admitted_at
         else:
