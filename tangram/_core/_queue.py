@@ -140,6 +140,7 @@ class _Group:
         if not alike.entries:
             self.line.remove(alike.key)
             del self.alike[alike.name]
+            alike.key = ()  # it holds the run: see ``Queue.remove``
 
 
 class Queue:
@@ -216,6 +217,11 @@ class Queue:
                 del group.lane[entry]
             else:
                 group.unfile(entry)
+                # A key holds its entry: left in place, each entry that ever had one
+                # (every action that fell due) stayed alive in a cycle until the
+                # collector's next full pass, and collecting them cost 8k of an
+                # acquire/release cycle's 182k instructions (``benchmarks/overhead.py``).
+                entry.key = None
         if not group.queue:
             del self._groups[kinds]
             for kind in kinds:
