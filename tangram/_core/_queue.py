@@ -219,7 +219,7 @@ class Queue:
                 group.unfile(entry)
                 # A key holds its entry: left in place, each entry that ever had one
                 # (every action that fell due) stayed alive in a cycle until the
-                # collector's next full pass, and collecting them cost 12k of an
+                # collector found it, and finding them cost 12k of an
                 # acquire/release cycle's 182k instructions (``benchmarks/overhead.py``).
                 entry.key = None
         if not group.queue:
