@@ -213,7 +213,7 @@ class Queue:
         group = self._groups[kinds]
         del group.queue[entry]
         if group.line is not None:
-            if entry.alike is None and entry.key is None:  # it keeps arrival order
+            if _rank(entry) is None:
                 del group.lane[entry]
             else:
                 group.unfile(entry)
@@ -236,17 +236,11 @@ class Queue:
     def fall_due(self, now: float) -> None:
         """Move entries whose due time has come ahead of every entry not yet due."""
         due = self._due
-        waiting = self._all
         while due and due[0][0] <= now:
             at, _, entry = heapq.heappop(due)
-            if entry.state != WAITING or entry not in waiting:
-                continue  # gone
-            # Its rank (``_rank``), read here: where waits outlast their allowances every
-            # action passes this way, and each call was paid per action.
-            alike = entry.alike
-            rank = entry.key if alike is None else alike.key
-            if rank is None or rank[0] == 0:
-                continue  # in arrival order, or due already (with a later alike)
+            rank = _rank(entry)
+            if entry.state != WAITING or rank is None or rank[0] == 0 or entry not in self._all:
+                continue  # gone, in arrival order, or due already (with a later alike)
             group = self._groups[entry.action.demand.kinds]
             # The alike ahead of it in its run fall due with it, at its time, in arrival
             # order: each has its own allowance, from the estimate it came with, and a
@@ -258,8 +252,7 @@ class Queue:
             # dated one before a time already passed: then sorted again (rare, and so
             # paid only then).
             late = bool(fallen) and at < next(reversed(fallen)).key[1]  # type: ignore[index]
-            first = alike is None or next(iter(alike.entries)) is entry  # most often
-            for moving in (entry,) if first else _ahead(entry):
+            for moving in _ahead(entry):
                 group.unfile(moving)
                 self._fallen += 1
                 moving.key = (0, at, self._fallen, moving)
