@@ -121,7 +121,7 @@ class Estimator:
 
     def observe(self, kind: str, units: float, seconds: float) -> None:
         """Record that an action of ``kind`` took ``seconds`` on (on average) ``units``."""
-        if not (math.isfinite(seconds) and seconds >= 0 and math.isfinite(units) and units > 0):
+        if not (0.0 <= seconds < math.inf and 0.0 < units < math.inf):  # NaN fails both
             return
         stats = self._kinds.get(kind)
         if stats is None:

@@ -121,7 +121,8 @@ class Ledger:
     def submit(self, action: Action, now: float) -> Entry:
         self._seq += 1
         entry = Entry(action, self._seq, now)
-        self._want(entry, 1.0, now)
+        if self.wanted:  # there are rate budgets
+            self._want(entry, 1.0, now)
         self._queue.add(entry, None if self._priority is None else self._priority(entry, self))
         return entry
 
@@ -163,7 +164,6 @@ class Ledger:
         for kind, amount in demand.rigid:
             if kind in self.held:
                 self._hold(kind, -amount, now)
-                self._reopen(kind)
         del self._running[entry]
         entry.state = DONE
         ran = now - entry.admitted_at
@@ -267,11 +267,11 @@ class Ledger:
             self.totals[name] = resource.total
             self.free[name] = resource.total - held
             self.surplus.setdefault(name, 0.0)
-            self._reopen(name)
             self.headroom.setdefault(name, 0.0)
             self.unit_seconds.setdefault(name, 0.0)
             self._since.setdefault(name, now)
             self.peak.setdefault(name, 0.0)
+            self._hold(name, 0.0, now)  # files it open or shut for its new free units
 
     def could_ever_fit(self, entry: Entry) -> bool:
         for kind, amount in entry.action.demand.minimum:
@@ -289,13 +289,6 @@ class Ledger:
         idle = max(0.0, now - self._refilled_at)
         return min(self.bursts[kind], self.tokens[kind] + idle * self.rates[kind])
 
-    def _reopen(self, kind: str) -> None:
-        """File ``kind`` in ``open`` or out of it, after its free units or surplus moved."""
-        if self.free[kind] + self.surplus[kind] > _EPS:
-            self.open.add(kind)
-        else:
-            self.open.discard(kind)
-
     def _refill(self, now: float) -> None:
         if now > self._limited_until:  # before any refill: a lapsed limit earns nothing
             self._expire_limits(now)
@@ -311,7 +304,8 @@ class Ledger:
             self._hold(kind, 0.0, now)
 
     def _hold(self, kind: str, delta: float, now: float) -> None:
-        """Change the units held of ``kind`` by ``delta`` at ``now``, billing the time before.
+        """Change the units held of ``kind`` by ``delta`` at ``now``, billing the time before,
+        and file ``kind`` in ``open`` or out of it (after any change to its surplus too).
 
         Each kind is billed when its own holding changes, not every kind at every step: a
         runtime that decides for many nodes has a kind per node.
@@ -326,6 +320,10 @@ class Ledger:
             self.free[kind] -= delta
             if held > self.peak[kind]:
                 self.peak[kind] = held
+        if self.free[kind] + self.surplus[kind] > _EPS:
+            self.open.add(kind)
+        else:
+            self.open.discard(kind)
 
     def _admit(self, entry: Entry, units: int, now: float) -> None:
         demand = entry.action.demand
@@ -337,7 +335,6 @@ class Ledger:
                 self.wanted[kind] = max(0.0, self.wanted[kind] - amount)
             else:
                 self._hold(kind, amount, now)
-                self._reopen(kind)
         entry.state = RUNNING
         self._queue.remove(entry)
         entry.admitted_at = now
@@ -369,10 +366,9 @@ class Ledger:
             return
         kind = demand.elastic_kind
         assert kind is not None
-        self._hold(kind, new - old, now)
         entry.units = new
         if not elastic.resizable:
-            self._reopen(kind)
+            self._hold(kind, new - old, now)
             return
         if sign <= 0:
             self.surplus[kind] -= old - elastic.min
@@ -380,7 +376,7 @@ class Ledger:
         if sign >= 0:
             self.surplus[kind] += new - elastic.min
             self.headroom[kind] += elastic.max - new
-        self._reopen(kind)
+        self._hold(kind, new - old, now)  # after the surplus moved: it files the kind
         split = self.split(kind)
         if sign > 0:
             split.join(entry)

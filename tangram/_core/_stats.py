@@ -136,22 +136,6 @@ class _KindRecord:
         self.overhead = _Series(window)
         self.act = _Series(window)
 
-    def add_run(self, overhead: float, exec_: float, act: float) -> None:
-        """One action that ran. Spelled out, not a loop or a call per series: paid at
-        every completion, and the recorder was a tenth of an acquire/release cycle."""
-        series = self.overhead
-        series.recent.append(overhead)
-        series.count += 1
-        series.total += overhead
-        series = self.exec
-        series.recent.append(exec_)
-        series.count += 1
-        series.total += exec_
-        series = self.act
-        series.recent.append(act)
-        series.count += 1
-        series.total += act
-
 
 class Timed(Protocol):
     """What the recorder reads of an action that ended: a lease's four times."""
@@ -226,12 +210,27 @@ class Recorder:
             rec.failed += 1
         else:
             rec.cancelled += 1
-        series = rec.queue  # spelled out, as in ``add_run``
+        # Each series spelled out, not a loop or a call per series: paid at every
+        # completion, and the recorder was a tenth of an acquire/release cycle.
+        series = rec.queue
         series.recent.append(queue)
         series.count += 1
         series.total += queue
-        if outcome is not CANCELLED or exec_ > 0:
-            rec.add_run(overhead, exec_, queue + overhead + exec_)
+        if outcome is CANCELLED and exec_ <= 0:
+            return  # withdrawn from the queue: it has a wait and nothing else
+        series = rec.overhead
+        series.recent.append(overhead)
+        series.count += 1
+        series.total += overhead
+        series = rec.exec
+        series.recent.append(exec_)
+        series.count += 1
+        series.total += exec_
+        act = queue + overhead + exec_
+        series = rec.act
+        series.recent.append(act)
+        series.count += 1
+        series.total += act
 
     def action_finished(self, lease: Timed, outcome: Outcome) -> None:
         """Record an action that ended: the three parts of its time if it ran, else its wait."""

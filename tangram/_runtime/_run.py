@@ -327,13 +327,11 @@ class Runtime(RunMixin):
             need = describe(action.demand.minimum, self._capacity)
             raise CapacityExceededError(f"demand no longer fits the lowered capacity: {need}")
         elastic = action.demand.elastic
-        if not self._ledger.may_admit(entry):
+        if self._deferred:
+            pass  # a pass is already due in this loop iteration, and will see it
+        elif not self._ledger.may_admit(entry):
             pass  # it cannot start now, and its arrival changes no other decision
-        elif (
-            self._deferred
-            or self._ledger.waiting_count > 1
-            or (elastic is not None and not elastic.resizable)
-        ):
+        elif self._ledger.waiting_count > 1 or (elastic is not None and not elastic.resizable):
             # Decide once, after every action that arrives or leaves in this loop
             # iteration: a burst of elastic demands is split instead of going to its first
             # asker for life, and a queue that is already waiting gains nothing from one
@@ -379,13 +377,6 @@ class Runtime(RunMixin):
                 self._holders[task] = own
         return lease
 
-    def _unhold(self, lease: Lease) -> None:
-        own = self._holders.get(lease._holder)
-        if own is not None and lease in own:
-            own.remove(lease)
-            if not own:
-                del self._holders[lease._holder]
-
     def _release(self, lease: Lease, exc_type: type[BaseException] | None) -> None:
         if exc_type is None:
             outcome = COMPLETED
@@ -400,7 +391,11 @@ class Runtime(RunMixin):
         entry = lease._entry
         if self._leases.pop(entry, None) is None:
             return
-        self._unhold(lease)
+        own = self._holders.get(lease._holder)  # it no longer counts as its task's
+        if own is not None and lease in own:
+            own.remove(lease)
+            if not own:
+                del self._holders[lease._holder]
         now = self._now()
         lease._finish(now)
         if entry.state == RUNNING:
@@ -411,7 +406,7 @@ class Runtime(RunMixin):
         else:
             self._ledger.withdraw(entry, now)
         self._recorder.action_finished(lease, outcome)
-        if self._ledger.waiting_count or self._ledger.resizing:
+        if not self._deferred and (self._ledger.waiting_count or self._ledger.resizing):
             self._defer()
         if self._instruments.action_finished:
             self._instruments.call("action_finished", lease, outcome)
@@ -606,7 +601,10 @@ def _loop_clock() -> tuple[Callable[[], float], type[BaseException], Callable[[]
         def wake() -> Waitable:
             return _Wake(future())
 
-        return loop.time, cancelled, wake
+        # asyncio's own loops tell the time with ``time.monotonic()``; read it directly
+        # unless the loop keeps a clock of its own (a test's virtual clock, uvloop).
+        base = type(loop).time is asyncio.BaseEventLoop.time
+        return time.monotonic if base else loop.time, cancelled, wake
     return anyio.current_time, cancelled, anyio.Event
 
 
