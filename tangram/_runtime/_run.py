@@ -603,8 +603,8 @@ def _loop_clock() -> tuple[Callable[[], float], type[BaseException], Callable[[]
 
         # asyncio's own loops tell the time with ``time.monotonic()``; read it directly
         # unless the loop keeps a clock of its own (a test's virtual clock, uvloop).
-        base = type(loop).time is asyncio.BaseEventLoop.time
-        return time.monotonic if base else loop.time, cancelled, wake
+        custom = getattr(loop.time, "__func__", None) is not asyncio.BaseEventLoop.time
+        return loop.time if custom else time.monotonic, cancelled, wake
     return anyio.current_time, cancelled, anyio.Event
 
 
