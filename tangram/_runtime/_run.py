@@ -326,12 +326,13 @@ class Runtime(RunMixin):
             self._drop(lease, Outcome.CANCELLED)
             need = describe(action.demand.minimum, self._capacity)
             raise CapacityExceededError(f"demand no longer fits the lowered capacity: {need}")
-        elastic = action.demand.elastic
         if self._deferred:
             pass  # a pass is already due in this loop iteration, and will see it
         elif not self._ledger.may_admit(entry):
             pass  # it cannot start now, and its arrival changes no other decision
-        elif self._ledger.waiting_count > 1 or (elastic is not None and not elastic.resizable):
+        elif self._ledger.waiting_count > 1 or (
+            (elastic := action.demand.elastic) is not None and not elastic.resizable
+        ):
             # Decide once, after every action that arrives or leaves in this loop
             # iteration: a burst of elastic demands is split instead of going to its first
             # asker for life, and a queue that is already waiting gains nothing from one
