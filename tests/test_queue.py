@@ -314,3 +314,90 @@ def test_a_learned_action_whose_demand_cannot_be_hashed_is_filed_by_its_own_size
     for entry in entries:
         queue.remove(entry)
     assert len(queue) == 0 and queue._groups == {}
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    steps=st.lists(
+        st.one_of(
+            st.tuples(
+                st.sampled_from(["sized", "learned"]),
+                st.one_of(st.floats(0.0, 50.0), st.sampled_from([5.0])),
+            ),
+            st.tuples(st.just("pass"), st.floats(0.0, 50.0)),
+            st.tuples(st.just("remove"), st.integers(0, 100)),
+        ),
+        max_size=80,
+    )
+)
+def test_entries_fall_due_when_due_or_when_an_alike_behind_them_does(
+    steps: list[tuple[str, float]],
+) -> None:
+    """An entry sized by its own estimate falls due at the first pass at or after its due
+    time. One of a run (alike, sized by the kind's estimate) falls due when it or any
+    alike that arrived after it into the same run is due, even one since cancelled (its
+    estimate dates those ahead no later), at the earliest such time. The fallen due are
+    read by that time, then by the pass and the puller's arrival, then their own. A run
+    keeps only the dues that can come first, and only its first stands in the heap."""
+    queue = Queue(priority=True)
+    due_of: dict[Entry, float] = {}
+    behind: dict[Entry, list[Entry]] = {}  # a run's entry: itself and every alike after it
+    waiting: list[Entry] = []  # not yet fallen due
+    fell: dict[Entry, tuple[float, int, int, int]] = {}  # fallen, by where it is read
+    now, passes = 0.0, 0
+    for seq, (step, value) in enumerate(steps, 1):
+        if step in ("sized", "learned"):
+            learned = step == "learned"
+            entry = Entry(make_action({"a": 1}, CAP, kind="k", learned=learned), seq, now)
+            queue.add(entry, (1.0, now + value))
+            due_of[entry] = now + value
+            if learned:
+                behind[entry] = [entry]
+                for other in waiting:
+                    if other in behind:  # in the same run: it has someone waiting
+                        behind[other].append(entry)
+            waiting.append(entry)
+        elif step == "remove" and waiting + list(fell):
+            everyone = waiting + list(fell)
+            entry = everyone[int(value) % len(everyone)]
+            entry.state = DONE
+            queue.remove(entry)
+            if entry in waiting:
+                waiting.remove(entry)
+            fell.pop(entry, None)
+        elif step == "pass":
+            now += value
+            passes += 1
+            queue.fall_due(now)
+            for entry in list(waiting):
+                pullers = behind.get(entry, [entry])
+                at, by = min((due_of[p], p.seq) for p in pullers)
+                if at <= now:
+                    fell[entry] = (at, passes, by, entry.seq)
+                    waiting.remove(entry)
+        read = [e for e in queue.ordered() if _rank(e)[0] == 0]  # type: ignore[index]
+        assert read == sorted(fell, key=fell.__getitem__)
+        # Records of those that left stay until their time: never later than the next.
+        later = [min(due_of[p] for p in behind.get(e, [e])) for e in waiting]
+        assert queue.next_due() <= min(later, default=math.inf)
+
+
+def test_an_alike_cancelled_behind_an_entry_still_brings_it_due_at_its_time() -> None:
+    """The later alike came with a lower estimate, due at 3 where the first is due at 10:
+    it stood for both in the run's dues, and leaving does not take that back from the one
+    ahead (dated by the newer estimate, that one was due by 3 too)."""
+    queue = Queue(priority=True)
+    first = Entry(make_action({"a": 1}, CAP, learned=True), 1, 0.0)
+    queue.add(first, (1.0, 10.0))
+    later = Entry(make_action({"a": 1}, CAP, learned=True), 2, 0.0)
+    queue.add(later, (1.0, 3.0))
+    assert first.alike is not None
+    assert [r[2] for r in first.alike.dues] == [later]  # the first's own can never come first
+    later.state = DONE
+    queue.remove(later)
+    assert queue.next_due() == 3.0
+    queue.fall_due(3.0)
+    assert _rank(first) == (0, 3.0, 1, first)
+    queue.fall_due(10.0)  # its own record, passed over: it fell due once
+    assert _rank(first) == (0, 3.0, 1, first)
+    assert queue.next_due() == math.inf

@@ -8,7 +8,7 @@ can live beside it without importing each other.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -92,9 +92,12 @@ class Run:
     one key, which the newest of them moves to the kind's newest estimate (one move,
     however many wait)."""
 
-    __slots__ = ("entries", "key", "name")
+    __slots__ = ("dues", "entries", "key", "name")
 
     def __init__(self, name: tuple[str, Any]) -> None:
         self.name = name
         self.entries: OrderedDict[Entry, None] = OrderedDict()
         self.key: tuple[Any, ...] = ()
+        # When its entries fall due: ``(due, seq, entry, run)`` of those that fall due
+        # first, ascending both ways (see ``Queue.add``).
+        self.dues: deque[tuple[float, int, Entry, Run]] = deque()

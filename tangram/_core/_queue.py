@@ -49,12 +49,26 @@ def _rank(entry: Entry) -> tuple[Any, ...] | None:
     return entry.key if alike is None else alike.key
 
 
-def _ahead(entry: Entry) -> list[Entry]:
-    """``entry``, and the alike ahead of it in its run, in arrival order."""
-    alike = entry.alike
-    if alike is None or next(iter(alike.entries)) is entry:  # most often its first
+def _ahead(entry: Entry, run: Run) -> list[Entry]:
+    """``entry``, if still in ``run``, and those ahead of it there, in arrival order.
+
+    An entry that left its run (cancelled) still takes those ahead of it along at its
+    time: the estimate it came with dates them no later, and its record stood for theirs.
+    """
+    entries = run.entries
+    if entry.alike is run and next(iter(entries)) is entry:  # most often its first
         return [entry]
-    return [*itertools.takewhile(lambda e: e is not entry, alike.entries), entry]
+    seq = entry.seq
+    return [*itertools.takewhile(lambda e: e.seq <= seq, entries)]
+
+
+def _standing(record: tuple[Any, ...]) -> bool:
+    """Whether a record of the due heap may still make anyone fall due."""
+    if len(record) == 4:
+        dues = record[3].dues
+        return bool(dues) and dues[0] is record
+    entry: Entry = record[2]
+    return entry.state == WAITING
 
 
 def _entries(line: Line) -> Iterator[Entry]:
@@ -141,6 +155,7 @@ class _Group:
             self.line.remove(alike.key)
             del self.alike[alike.name]
             alike.key = ()  # it holds the run: see ``Queue.remove``
+            alike.dues.clear()  # and its record in the due heap is then passed over
 
 
 class Queue:
@@ -166,8 +181,10 @@ class Queue:
         # The same groups by each kind they need, and those that need no kind at all.
         self._needing: dict[str, dict[_Group, None]] = {}
         self._anywhere: dict[_Group, None] = {}
-        # Entries not yet due, by the time they fall due.
-        self._due: list[tuple[float, int, Entry]] = []
+        # When entries fall due, earliest first: ``(due, seq, entry)`` of those filed by
+        # their own size, and ``(due, seq, entry, run)`` for each run of alike entries,
+        # the first of its own ``dues`` (see ``add``).
+        self._due: list[tuple[Any, ...]] = []
         self._fallen = 0  # entries fallen due so far: the order they fell in
 
     def __len__(self) -> int:
@@ -179,8 +196,10 @@ class Queue:
 
     @property
     def dues(self) -> int:
-        """Records in the due heap, live or not (for tests of its compaction)."""
-        return len(self._due)
+        """Due times kept, in the heap and the runs', live or not (for tests of their
+        compaction)."""
+        runs = (run for group in self._groups.values() for run in group.alike.values())
+        return len(self._due) + sum(len(run.dues) for run in runs)
 
     def add(self, entry: Entry, order: tuple[float, float] | None) -> None:
         """File ``entry``: with ``(work, due)`` by priority, with ``None`` by arrival."""
@@ -201,8 +220,27 @@ class Queue:
             return
         work, due = order
         group.file(entry, work)
-        if due < math.inf:
+        if due == math.inf:
+            return
+        run = entry.alike
+        if run is None:
             heapq.heappush(self._due, (due, entry.seq, entry))
+            return
+        # A run falls due from its front, and each of its entries takes the alike ahead
+        # of it along when it falls due: an entry falls due at the earliest due time of
+        # itself and those behind it. So a run keeps only the dues that come first that
+        # way, ascending, and an arrival drops those behind it that are no earlier; only
+        # the first stands in the heap. In arrival order with one estimate, as a saturated
+        # kind's are, each entry had a record in the heap, and each pop at 100k waiters
+        # walked its 17 levels of long-cold tuples: the policy's pass there cost 1.1-2.2
+        # times that at 1k (``benchmarks/overhead.py``), and falling due most of it.
+        record = (due, entry.seq, entry, run)
+        dues = run.dues
+        while dues and dues[-1] > record:
+            dues.pop()
+        dues.append(record)
+        if len(dues) == 1:
+            heapq.heappush(self._due, record)
 
     def remove(self, entry: Entry) -> None:
         """Take ``entry`` out, wherever it is; an entry not here is ignored."""
@@ -227,21 +265,35 @@ class Queue:
             for kind in kinds:
                 del self._needing[kind][group]
             self._anywhere.pop(group, None)
-        # Entries that left before falling due stay in the heap until their time; rebuild
-        # once they outnumber the waiting ones, so it stays O(waiting).
+        # Entries that left before falling due, and runs' firsts since passed, stay in the
+        # heap until their time; rebuild once they outnumber the waiting, so it stays
+        # O(waiting).
         if len(self._due) > 2 * len(self._all) + 64:
-            self._due = [d for d in self._due if d[2].state == WAITING]
+            self._due = [d for d in self._due if _standing(d)]
             heapq.heapify(self._due)
 
     def fall_due(self, now: float) -> None:
         """Move entries whose due time has come ahead of every entry not yet due."""
         due = self._due
         while due and due[0][0] <= now:
-            at, _, entry = heapq.heappop(due)
-            rank = _rank(entry)
-            if entry.state != WAITING or rank is None or rank[0] == 0 or entry not in self._all:
-                continue  # gone, in arrival order, or due already (with a later alike)
-            group = self._groups[entry.action.demand.kinds]
+            record = heapq.heappop(due)
+            at, entry = record[0], record[2]
+            if len(record) == 4:
+                if not _standing(record):
+                    continue  # its run fell due from a later one, or is gone
+                dues = record[3].dues
+                dues.popleft()
+                if dues:
+                    heapq.heappush(due, dues[0])
+                moving = _ahead(entry, record[3])
+                if not moving:
+                    continue
+            else:
+                rank = _rank(entry)
+                if entry.state != WAITING or rank is None or rank[0] == 0 or entry not in self._all:
+                    continue  # gone, in arrival order, or due already
+                moving = [entry]
+            group = self._groups[moving[0].action.demand.kinds]
             # The alike ahead of it in its run fall due with it, at its time, in arrival
             # order: each has its own allowance, from the estimate it came with, and a
             # later one, sized by a lower estimate learned since, falls due first (each
@@ -252,11 +304,11 @@ class Queue:
             # dated one before a time already passed: then sorted again (rare, and so
             # paid only then).
             late = bool(fallen) and at < next(reversed(fallen)).key[1]  # type: ignore[index]
-            for moving in _ahead(entry):
-                group.unfile(moving)
+            for mover in moving:
+                group.unfile(mover)
                 self._fallen += 1
-                moving.key = (0, at, self._fallen, moving)
-                fallen[moving] = None
+                mover.key = (0, at, self._fallen, mover)
+                fallen[mover] = None
             if late:
                 group.due = OrderedDict.fromkeys(sorted(fallen, key=_rank))  # type: ignore[arg-type]
 
