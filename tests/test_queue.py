@@ -12,13 +12,16 @@ import dataclasses
 import gc
 import itertools
 import math
+from unittest import mock
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from strategies import make_action
 
 from tangram import Elastic
+from tangram._core import _queue
 from tangram._core._entry import DONE, RUNNING, Entry, Run
 from tangram._core._queue import Queue, _rank
 from tangram._core._resources import parse_capacity
@@ -322,23 +325,31 @@ def test_a_learned_action_whose_demand_cannot_be_hashed_is_filed_by_its_own_size
         st.one_of(
             st.tuples(
                 st.sampled_from(["sized", "learned"]),
-                st.one_of(st.floats(0.0, 50.0), st.sampled_from([5.0])),
+                st.one_of(st.floats(0.0, 50.0), st.sampled_from([1.0, 2.0, 3.0, 5.0])),
             ),
             st.tuples(st.just("pass"), st.floats(0.0, 50.0)),
             st.tuples(st.just("remove"), st.integers(0, 100)),
         ),
         max_size=80,
-    )
+    ),
+    slack=st.sampled_from([0, 64]),
 )
 def test_entries_fall_due_when_due_or_when_an_alike_behind_them_does(
-    steps: list[tuple[str, float]],
+    steps: list[tuple[str, float]], slack: int
 ) -> None:
     """An entry sized by its own estimate falls due at the first pass at or after its due
     time. One of a run (alike, sized by the kind's estimate) falls due when it or any
     alike that arrived after it into the same run is due, even one since cancelled (its
     estimate dates those ahead no later), at the earliest such time. The fallen due are
     read by that time, then by the pass and the puller's arrival, then their own. A run
-    keeps only the dues that can come first, and only its first stands in the heap."""
+    keeps only the dues that can come first, and only its first stands in the heap. With
+    no slack, the due times of those gone are dropped at every removal, and nothing
+    changes."""
+    with mock.patch.object(_queue, "_SLACK", slack):
+        _fall_due_as_modelled(steps)
+
+
+def _fall_due_as_modelled(steps: list[tuple[str, float]]) -> None:
     queue = Queue(priority=True)
     due_of: dict[Entry, float] = {}
     behind: dict[Entry, list[Entry]] = {}  # a run's entry: itself and every alike after it
@@ -401,3 +412,25 @@ def test_an_alike_cancelled_behind_an_entry_still_brings_it_due_at_its_time() ->
     queue.fall_due(10.0)  # its own record, passed over: it fell due once
     assert _rank(first) == (0, 3.0, 1, first)
     assert queue.next_due() == math.inf
+
+
+@pytest.mark.parametrize("own", [50.0, 1e6])
+def test_alike_cancelled_behind_a_long_wait_do_not_pile_up(own: float) -> None:
+    """5,000 alike arrive behind one that waits and are cancelled, each due later than the
+    last, from 102 on: the run's due times stay O(waiting), and the one that waits still
+    falls due at the earliest time it or any of them had (its own at 50; at 1e6, the
+    first cancelled one's)."""
+    queue = Queue(priority=True)
+    waits = Entry(make_action({"a": 1}, CAP, learned=True), 1, 0.0)
+    queue.add(waits, (1.0, own))
+    for seq in range(2, 5_002):
+        gone = Entry(make_action({"a": 1}, CAP, learned=True), seq, 0.0)
+        queue.add(gone, (1.0, 100.0 + seq))
+        gone.state = DONE
+        queue.remove(gone)
+    assert queue.dues <= 2 * 1 + 64 + 1
+    expected = min(own, 102.0)
+    queue.fall_due(expected - 0.5)
+    assert _rank(waits)[0] == 1  # type: ignore[index]
+    queue.fall_due(expected)
+    assert _rank(waits) == (0, expected, 1, waits)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Iterable, Iterator
 from operator import attrgetter, itemgetter
 from typing import Any
@@ -39,6 +39,9 @@ from ._line import Line
 __all__ = ["Queue"]
 
 _by_seq = attrgetter("seq")
+#: Due times of those gone that are kept before a rebuild, beyond twice the waiting: a
+#: rebuild costs a pass over them, so not at every removal from a short queue.
+_SLACK = 64
 _first = itemgetter(0)
 
 
@@ -230,10 +233,10 @@ class Queue:
         # of it along when it falls due: an entry falls due at the earliest due time of
         # itself and those behind it. So a run keeps only the dues that come first that
         # way, ascending, and an arrival drops those behind it that are no earlier; only
-        # the first stands in the heap. In arrival order with one estimate, as a saturated
-        # kind's are, each entry had a record in the heap, and each pop at 100k waiters
-        # walked its 17 levels of long-cold tuples: the policy's pass there cost 1.1-2.2
-        # times that at 1k (``benchmarks/overhead.py``), and falling due most of it.
+        # the first stands in the heap. With a record per entry, left until its own time
+        # though a later alike had taken it along, the heap held 78k records at 100k
+        # waiters, each pop walked 17 levels of long-cold tuples, and a pass there cost
+        # up to 3.4 times one at 1k (``benchmarks/overhead.py``), falling due most of it.
         record = (due, entry.seq, entry, run)
         dues = run.dues
         while dues and dues[-1] > record:
@@ -254,7 +257,10 @@ class Queue:
             if _rank(entry) is None:
                 del group.lane[entry]
             else:
+                run = entry.alike
                 group.unfile(entry)
+                if run is not None and len(run.dues) > 2 * len(run.entries) + _SLACK:
+                    self._compact(run)
                 # A key holds its entry: left in place, each entry that ever had one
                 # (every action that fell due) stayed alive in a cycle until the
                 # collector found it, and finding them cost 12k of an
@@ -268,9 +274,33 @@ class Queue:
         # Entries that left before falling due, and runs' firsts since passed, stay in the
         # heap until their time; rebuild once they outnumber the waiting, so it stays
         # O(waiting).
-        if len(self._due) > 2 * len(self._all) + 64:
+        if len(self._due) > 2 * len(self._all) + _SLACK:
             self._due = [d for d in self._due if _standing(d)]
             heapq.heapify(self._due)
+
+    def _compact(self, run: Run) -> None:
+        """Drop the due times of those that left ``run``, as the heap's are dropped.
+
+        One that left still brings those ahead of it due at its time (see :func:`_ahead`),
+        so its time passes to the newest of them, unless an earlier time already covers
+        that one. Without this, actions cancelled behind one that waits long would each
+        keep a record until their own time.
+        """
+        entries = iter(run.entries)  # in arrival order, as the records are
+        here = next(entries, None)
+        last: Entry | None = None  # the newest still in the run at or ahead of a record
+        kept: deque[tuple[float, int, Entry, Run]] = deque()
+        for record in run.dues:
+            due, seq, entry, _ = record
+            while here is not None and here.seq <= seq:
+                last, here = here, next(entries, None)
+            if last is None or (kept and kept[-1][2] is last):
+                continue  # nobody ahead of it, or all fall due earlier anyway
+            kept.append(record if entry is last else (due, last.seq, last, run))
+        first = run.dues[0] if run.dues else None
+        run.dues = kept
+        if kept and kept[0] is not first:
+            heapq.heappush(self._due, kept[0])
 
     def fall_due(self, now: float) -> None:
         """Move entries whose due time has come ahead of every entry not yet due."""
