@@ -370,9 +370,13 @@ class Queue:
         for group in candidates:
             if group in read or group in shut:
                 continue
-            if all(k in open for k in group.kinds):
+            kinds = group.kinds
+            if len(kinds) == 1:  # most groups (a node's cores, one service): read or not
+                if kinds[0] in open:
+                    read[group] = None
+            elif all(k in open for k in kinds):
                 read[group] = None
-            elif any(k in open for k in group.kinds):
+            elif any(k in open for k in kinds):
                 shut[group] = None
         if len(read) == len(self._groups):
             return _merge(list(read)) if self._priority else iter(self._all)
