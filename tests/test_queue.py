@@ -434,3 +434,24 @@ def test_alike_cancelled_behind_a_long_wait_do_not_pile_up(own: float) -> None:
     assert _rank(waits)[0] == 1  # type: ignore[index]
     queue.fall_due(expected)
     assert _rank(waits) == (0, expected, 1, waits)
+
+
+@pytest.mark.parametrize("behind", [0, 70])
+def test_a_rebuild_of_a_runs_due_times_keeps_the_order_they_fall_in(behind: int) -> None:
+    """At one due time, an entry sized by its own falls before the alike brought due by
+    a later (cancelled) one, as the later one arrived after it; a rebuild of the run's
+    due times (70 more cancelled) must not move the alike ahead (a review found it did:
+    the rebuilt record named the alike, and so its arrival)."""
+    queue = Queue(priority=True)
+    alike = Entry(make_action({"a": 1}, CAP, learned=True), 1, 0.0)
+    queue.add(alike, (1.0, 100.0))
+    sized = Entry(make_action({"a": 1}, CAP), 2, 0.0)
+    queue.add(sized, (1.0, 5.0))
+    gone = [Entry(make_action({"a": 1}, CAP, learned=True), 3 + i, 0.0) for i in range(behind + 1)]
+    for i, entry in enumerate(gone):
+        queue.add(entry, (1.0, 5.0 + i))
+    for entry in gone:
+        entry.state = DONE
+        queue.remove(entry)
+    queue.fall_due(5.0)
+    assert list(queue.ordered()) == [sized, alike]

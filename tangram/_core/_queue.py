@@ -55,8 +55,9 @@ def _rank(entry: Entry) -> tuple[Any, ...] | None:
 def _ahead(entry: Entry, run: Run) -> list[Entry]:
     """``entry``, if still in ``run``, and those ahead of it there, in arrival order.
 
-    An entry that left its run (cancelled) still takes those ahead of it along at its
-    time: the estimate it came with dates them no later, and its record stood for theirs.
+    An entry that left its run (cancelled; or admitted before them, which a policy of
+    the caller's may do) still takes those ahead of it along at its time: the estimate
+    it came with dates them no later, and its record stood for theirs.
     """
     entries = run.entries
     if entry.alike is run and next(iter(entries)) is entry:  # most often its first
@@ -279,24 +280,24 @@ class Queue:
             heapq.heapify(self._due)
 
     def _compact(self, run: Run) -> None:
-        """Drop the due times of those that left ``run``, as the heap's are dropped.
+        """Drop the due times of ``run`` that can bring no one due any more.
 
-        One that left still brings those ahead of it due at its time (see :func:`_ahead`),
-        so its time passes to the newest of them, unless an earlier time already covers
-        that one. Without this, actions cancelled behind one that waits long would each
-        keep a record until their own time.
+        One of an entry that left still brings those ahead of it due at its time (see
+        :func:`_ahead`), so it is kept while it covers someone still waiting whom no
+        earlier time covers: at most one per waiting entry. Without this, actions
+        cancelled behind one that waits long would each keep a record until their time.
         """
         entries = iter(run.entries)  # in arrival order, as the records are
         here = next(entries, None)
-        last: Entry | None = None  # the newest still in the run at or ahead of a record
+        last: Entry | None = None  # the newest still waiting at or ahead of a record
+        covered: Entry | None = None  # the newest that an earlier record kept brings due
         kept: deque[tuple[float, int, Entry, Run]] = deque()
         for record in run.dues:
-            due, seq, entry, _ = record
-            while here is not None and here.seq <= seq:
+            while here is not None and here.seq <= record[1]:
                 last, here = here, next(entries, None)
-            if last is None or (kept and kept[-1][2] is last):
-                continue  # nobody ahead of it, or all fall due earlier anyway
-            kept.append(record if entry is last else (due, last.seq, last, run))
+            if last is not covered:
+                kept.append(record)
+                covered = last
         first = run.dues[0] if run.dues else None
         run.dues = kept
         if kept and kept[0] is not first:
