@@ -15,6 +15,7 @@ belongs with it.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import math
 from collections.abc import Mapping
@@ -26,6 +27,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tangram
+import tangram.gpu
+import tangram.quota
 from tangram._core._efficiency import efficiency_from_dict
 from tangram.errors import InvalidCapacityError, TangramError
 from tangram.testing import InvariantChecker, check_idle
@@ -36,7 +39,8 @@ BUILTINS = (ValueError, TypeError, LookupError)
 numbers = st.one_of(
     st.integers(min_value=-(2**70), max_value=2**70),
     st.floats(allow_nan=True, allow_infinity=True),
-    st.sampled_from([0, 1, -1, 0.5, 1e-300, 1e300, True, False]),
+    # Past a float's range: ``float()`` of these raises OverflowError, not a ValueError.
+    st.sampled_from([0, 1, -1, 0.5, 1e-300, 1e300, True, False, 10**400, -(10**400), 2**53 + 1]),
 )
 unit_text = st.builds(
     lambda n, unit: f"{n}{unit}",
@@ -164,7 +168,8 @@ demand_values = st.one_of(
     st.builds(
         lambda a, b, r: tangram.Elastic(a, b, resizable=r),
         st.integers(1, 4),
-        st.integers(4, 12),
+        # Up to the largest bound an Elastic takes: "as many as there are".
+        st.one_of(st.integers(4, 12), st.just(2**53)),
         st.booleans(),
     ),
 )
@@ -278,3 +283,49 @@ def test_known_bad_demands_fail_with_the_expected_builtin(
     with pytest.raises(error) as info:
         runtime.acquire(demand)
     assert isinstance(info.value, TangramError)
+
+
+#: Every public class of settings, with what it needs besides the setting under test.
+SETTINGS_CLASSES: dict[type, dict[str, object]] = {
+    tangram.Rate: {"per_second": 1},
+    tangram.Amdahl: {"parallel_fraction": 0.5},
+    tangram.Power: {"alpha": 0.5},
+    tangram.ElasticPolicy: {},
+    tangram.FcfsPolicy: {},
+    tangram.Estimator: {},
+    tangram.ServiceSpec: {"name": "s"},
+    tangram.SandboxPool: {},
+    tangram.LocalBackend: {},
+    tangram.DockerConfig: {},
+    tangram.quota.ApiKey: {"name": "k", "requests": 10},
+    tangram.quota.Adapt: {},
+    tangram.quota.Retry: {},
+    tangram.quota.SetAside: {},
+    tangram.gpu.TorchService: {"name": "t", "factory": lambda device: None},
+    tangram.gpu.VllmService: {"name": "v", "servers": ["http://127.0.0.1:1"], "memory": "1GiB"},
+}
+#: Settings that take any object: names, and what the user's own code hands over.
+ANY = {"name", "image", "user", "factory", "request", "transport", "efficiency", "order"}
+
+
+def _settings() -> list[Any]:
+    cases = []
+    for cls, needs in SETTINGS_CLASSES.items():
+        for param in inspect.signature(cls).parameters.values():
+            if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD) or param.name in ANY:
+                continue
+            cases.append(pytest.param(cls, needs, param.name, id=f"{cls.__name__}.{param.name}"))
+    return cases
+
+
+@pytest.mark.parametrize("value", [10**400, -(10**400), object()], ids=["huge", "-huge", "object"])
+@pytest.mark.parametrize(("cls", "needs", "setting"), _settings())
+def test_every_setting_refuses_a_number_past_a_float_or_a_wrong_type_at_the_call(
+    cls: type, needs: dict[str, object], setting: str, value: object
+) -> None:
+    """An int past a float's range used to pass the checks (``10**400 >= 0``) and raise
+    ``OverflowError`` at first use, in a sum or in ``setrlimit``, far from the call; and
+    some settings took any object, to fail at the first sandbox made."""
+    with pytest.raises(TangramError) as info:
+        cls(**{**needs, setting: value})
+    assert isinstance(info.value, BUILTINS)

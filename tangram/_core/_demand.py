@@ -22,15 +22,23 @@ from ..errors import (
 from ._efficiency import Efficiency
 from ._resources import Capacity, Resource, Shape, format_amount
 from ._units import parse_size
+from ._validate import real
 
 __all__ = ["Demand", "Elastic", "build_demand", "describe"]
+
+
+#: The most units an elastic bound may name. The ledger sums units as floats, which count
+#: whole units exactly only up to 2**53 (past about 10**308 not at all), and no resource
+#: has that many units to lend: a larger "no limit" is refused at the call, not met as an
+#: OverflowError halfway through an admission.
+_MOST_UNITS = 2**53
 
 
 def _whole(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise DemandTypeError(f"`{attribute.name}` must be a whole number of units (got {value!r})")
-    if value < 1:
-        raise InvalidDemandError(f"`{attribute.name}` must be >= 1 (got {value!r})")
+    if not 1 <= value <= _MOST_UNITS:
+        raise InvalidDemandError(f"`{attribute.name}` must be >= 1 and <= 2**53 (got {value!r})")
 
 
 def _efficiency(
@@ -52,7 +60,7 @@ class Elastic:
     runs, as a cgroup quota does; the default is ``False`` because a body that reads its
     grant once cannot give units back, and growing it would only bill idle units.
 
-    :raises InvalidDemandError: ``min < 1`` or ``max < min``.
+    :raises InvalidDemandError: ``min < 1``, ``max < min``, or a bound past ``2**53``.
     :raises DemandTypeError: non-integer bounds or an object that is not an efficiency.
     """
 
@@ -131,9 +139,10 @@ def _amount(name: str, value: object, resource: Resource) -> float:
             raise InvalidDemandError(f"demand {name!r}: {exc}") from None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise DemandTypeError(f"demand {name!r} must be a number (got {value!r})")
-    if math.isnan(value) or value < 0 or math.isinf(value):
+    amount = real(value)
+    if math.isnan(amount) or amount < 0 or math.isinf(amount):
         raise InvalidDemandError(f"demand {name!r} must be >= 0 and finite (got {value!r})")
-    return float(value)
+    return amount
 
 
 def build_demand(amounts: Mapping[str, object], capacity: Capacity) -> Demand:

@@ -25,6 +25,7 @@ from collections import OrderedDict
 # because this is where estimates are made.
 from ..errors import InvalidSettingError, SettingTypeError
 from ._efficiency import Amdahl, Estimate
+from ._validate import real, whole
 
 __all__ = ["Estimate", "Estimator"]
 
@@ -92,7 +93,7 @@ class Estimator:
             if (
                 isinstance(value, bool)
                 or not (isinstance(value, (int, float)) and low <= value <= high)
-                or not math.isfinite(value)
+                or not math.isfinite(real(value))
                 or (name in ("prior_seconds", "prior_weight", "decay") and value <= 0)
             ):
                 error = (
@@ -101,10 +102,7 @@ class Estimator:
                     else InvalidSettingError
                 )
                 raise error(f"`{name}` must be {_ALLOWED[name]} (got {value!r})")
-        if isinstance(max_kinds, bool) or not isinstance(max_kinds, int) or max_kinds < 1:
-            wrong_type = isinstance(max_kinds, bool) or not isinstance(max_kinds, int)
-            error = SettingTypeError if wrong_type else InvalidSettingError
-            raise error(f"`max_kinds` must be a whole number >= 1 (got {max_kinds!r})")
+        whole("max_kinds", max_kinds, minimum=1)
         self._prior_seconds = float(prior_seconds)
         self._prior_p = float(prior_parallel_fraction)
         self._prior_weight = float(prior_weight)

@@ -756,12 +756,10 @@ class FcfsPolicy:
     dop: int | Literal["min", "max"] = "min"
 
     def __attrs_post_init__(self) -> None:
-        if self.dop not in ("min", "max") and (
-            isinstance(self.dop, bool) or not isinstance(self.dop, int) or self.dop < 1
-        ):
-            whole = isinstance(self.dop, int) and not isinstance(self.dop, bool)
-            error = InvalidSettingError if whole else SettingTypeError
-            raise error(f"`dop` must be 'min', 'max' or a whole number >= 1 (got {self.dop!r})")
+        dop = self.dop
+        if dop not in ("min", "max") and not (type(dop) is int and 1 <= dop < 2**63):
+            error = InvalidSettingError if type(dop) is int else SettingTypeError
+            raise error(f"`dop` must be 'min', 'max' or a whole number >= 1, < 2**63 (got {dop!r})")
 
     may_admit = staticmethod(may_admit)
 

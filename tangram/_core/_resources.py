@@ -27,6 +27,7 @@ from ._units import (
     parse_rate,
     parse_size,
 )
+from ._validate import real
 
 __all__ = ["Capacity", "Rate", "Resource", "Shape", "format_amount", "parse_capacity"]
 
@@ -40,7 +41,7 @@ class Shape(enum.Enum):
 def _check_rate(instance: Rate, attribute: attrs.Attribute[float], value: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidCapacityError(f"`{attribute.name}` must be a number (got {value!r})")
-    if not math.isfinite(value) or value <= 0:
+    if not math.isfinite(real(value)) or value <= 0:
         raise InvalidCapacityError(f"`{attribute.name}` must be > 0 and finite (got {value!r})")
 
 
@@ -51,7 +52,7 @@ def _default_burst(self: Rate) -> float:
     value: object = self.per_second
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return 1.0
-    return max(1.0, float(value))
+    return max(1.0, real(value))
 
 
 @attrs.frozen
@@ -114,7 +115,7 @@ def _resource(name: str, value: object) -> Resource:
             f"capacity {name!r} must be a number, a size like '16GiB', a rate like '50/s' "
             f"or tangram.Rate (got {value!r})"
         )
-    return _count(name, float(value), value)
+    return _count(name, real(value), value)
 
 
 def _count(name: str, amount: float, written: object) -> Resource:

@@ -19,11 +19,36 @@ from typing import Any
 from ..errors import InvalidSettingError, SettingTypeError
 from ._units import parse_size
 
-__all__ = ["byte_size", "non_negative", "number", "positive", "seconds", "validator", "whole"]
+__all__ = [
+    "byte_size",
+    "non_negative",
+    "number",
+    "positive",
+    "real",
+    "seconds",
+    "validator",
+    "whole",
+]
+
+#: The largest whole number a setting takes: a C ``long long``.
+_MOST_WHOLE = 2**63 - 1
 
 #: What a check raises: an exception class, or a function that builds one from the message
 #: (a config loader's, which says where in the file the value was found).
 _Error = Callable[[str], Exception]
+
+
+def real(value: int | float) -> float:
+    """``value`` as a float, an int past a float's range read as infinite.
+
+    ``float(10**400)`` raises ``OverflowError``, which is neither tangram's error nor the
+    ``ValueError`` a caller catches. Read as infinite, such a number meets the finite check
+    every caller makes anyway, and is refused there with the caller's own typed error.
+    """
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
 
 
 def number(
@@ -41,21 +66,31 @@ def number(
     """``value`` as a float, or the caller's errors naming ``name``.
 
     NaN is always refused: it compares false with every bound, so it would slip past a
-    range check and stall whatever clock or budget it reaches.
+    range check and stall whatever clock or budget it reaches. So is an int past a
+    float's range, even where infinity is allowed: an attrs field keeps the int it was
+    given, and the first sum with a float would raise ``OverflowError`` far from here.
     """
     what = f"a number of {unit} " if unit else ""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise type_error(f"`{name}` must be {what or 'a number '}(got {value!r})")
-    low_ok = value > minimum if strict else value >= minimum
-    high_ok = maximum is None or value <= maximum
-    if math.isnan(value) or not low_ok or not high_ok or (finite and math.isinf(value)):
+    amount = real(value)
+    low_ok = amount > minimum if strict else amount >= minimum
+    high_ok = maximum is None or amount <= maximum
+    too_large = isinstance(value, int) and math.isinf(amount)
+    if (
+        math.isnan(amount)
+        or not low_ok
+        or not high_ok
+        or (finite and math.isinf(amount))
+        or too_large
+    ):
         bound = f"{'>' if strict else '>='} {minimum:g}"
         if maximum is not None:
             bound += f" and <= {maximum:g}"
-        elif finite:
-            bound += " and finite"
+        elif finite or too_large:
+            bound += " and finite" if finite else ", as a float (math.inf for no limit)"
         raise value_error(f"`{name}` must be {what}{bound} (got {value!r})")
-    return float(value)
+    return amount
 
 
 def seconds(
@@ -87,12 +122,14 @@ def whole(
     type_error: _Error = SettingTypeError,
     value_error: _Error = InvalidSettingError,
 ) -> int:
-    """A whole number ``>= minimum`` (bools refused: ``True`` is not a count)."""
+    """A whole number from ``minimum`` to ``2**63 - 1`` (bools refused: ``True`` is not a
+    count). Past that bound no count is meant, and a C call (``setrlimit``, ``islice``)
+    would raise ``OverflowError`` at first use, far from the call that set it."""
     # The bound in both messages: "must be a whole number" alone hides that 0 is refused.
-    message = f"`{name}` must be a whole number >= {minimum} (got {value!r})"
+    message = f"`{name}` must be a whole number >= {minimum} and < 2**63 (got {value!r})"
     if isinstance(value, bool) or not isinstance(value, int):
         raise type_error(message)
-    if value < minimum:
+    if not minimum <= value <= _MOST_WHOLE:
         raise value_error(message)
     return value
 

@@ -20,7 +20,7 @@ import httpx
 
 from .._core._resources import Rate
 from .._core._units import is_rate_text, parse_rate
-from .._core._validate import whole
+from .._core._validate import real, whole
 from .._runtime._run import Runtime
 from ..errors import InvalidCapacityError, SettingTypeError
 
@@ -84,7 +84,7 @@ def _rate(name: str, value: object) -> Rate | None:
         except InvalidCapacityError as exc:
             raise InvalidCapacityError(f"`{name}`: {exc}") from None
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        per_second = float(value)
+        per_second = real(value)
     elif isinstance(value, str):
         raise InvalidCapacityError(f"`{name}` must be {allowed} (got {value!r})")
     else:

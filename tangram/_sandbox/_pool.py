@@ -125,6 +125,8 @@ class SandboxPool:
             raise SettingTypeError(
                 f"`backend` must be a tangram.abc.SandboxBackend (got {backend!r})"
             )
+        if runtime is not None and not callable(getattr(runtime, "acquire", None)):
+            raise SettingTypeError(f"`runtime` must be a tangram.Runtime or None (got {runtime!r})")
         whole("warm", warm)
         whole("output_limit", output_limit)
         _seconds("timeout", timeout, strict=True)

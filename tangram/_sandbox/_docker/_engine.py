@@ -60,6 +60,25 @@ def _text(instance: object, attribute: Any, value: object) -> None:
         raise InvalidSettingError(f"`{attribute.name}` must be a non-empty string (got '')")
 
 
+def _flag(instance: object, attribute: Any, value: object) -> None:
+    if not isinstance(value, bool):
+        raise SettingTypeError(f"`{attribute.name}` must be True or False (got {value!r})")
+
+
+def _names(instance: object, attribute: Any, value: object) -> None:
+    if isinstance(value, str) or not isinstance(value, (tuple, list)):
+        raise SettingTypeError(f"`{attribute.name}` must be a tuple of names (got {value!r})")
+    for name in value:
+        _text(instance, attribute, name)
+
+
+def _environment(instance: object, attribute: Any, value: object) -> None:
+    if not isinstance(value, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise SettingTypeError(f"`env` must map names to strings (got {value!r})")
+
+
 def _pids(instance: object, attribute: Any, value: object) -> None:
     if value is not None:
         whole(attribute.name, value, minimum=1)
@@ -118,19 +137,19 @@ class DockerConfig:
     pids: int | None = attrs.field(default=256, validator=_pids)
     open_files: int | None = attrs.field(default=None, validator=_open_files)
     network: str = attrs.field(default="none", validator=_text)
-    read_only: bool = True
+    read_only: bool = attrs.field(default=True, validator=_flag)
     work_size: str | int = attrs.field(default="512MiB", validator=_size_field)
     tmp_size: str | int = attrs.field(default="64MiB", validator=_size_field)
     user: str = attrs.field(default="65534:65534", validator=_sandbox_user)
-    cap_drop: tuple[str, ...] = ("ALL",)
-    cap_add: tuple[str, ...] = ()
-    no_new_privileges: bool = True
-    fast_path: bool = True
-    sync_docker_view: bool = True
+    cap_drop: tuple[str, ...] = attrs.field(default=("ALL",), validator=_names)
+    cap_add: tuple[str, ...] = attrs.field(default=(), validator=_names)
+    no_new_privileges: bool = attrs.field(default=True, validator=_flag)
+    fast_path: bool = attrs.field(default=True, validator=_flag)
+    sync_docker_view: bool = attrs.field(default=True, validator=_flag)
     sync_after: float = attrs.field(default=1.0, validator=non_negative)
     api_timeout: float = attrs.field(default=30.0, validator=positive)
     io_timeout: float = attrs.field(default=30.0, validator=positive)
-    env: Mapping[str, str] = attrs.field(factory=dict)
+    env: Mapping[str, str] = attrs.field(factory=dict, validator=_environment)
 
     @property
     def work_bytes(self) -> int:

@@ -187,9 +187,14 @@ class LocalBackend(SandboxBackend):
         bubblewrap: bool | None = None,
         python: str | None = None,
     ) -> None:
-        self._cores = tuple(sorted(cores if cores is not None else os.sched_getaffinity(0)))
-        if not self._cores:
-            raise InvalidSettingError(f"`cores` must name at least one core (got {cores!r})")
+        self._cores = _core_ids(cores)
+        for name, value, kinds in (
+            ("root", root, (str, os.PathLike)),
+            ("bubblewrap", bubblewrap, (bool,)),
+            ("python", python, (str,)),
+        ):
+            if value is not None and not isinstance(value, kinds):
+                raise SettingTypeError(f"`{name}` must be {_KINDS[kinds]} or None (got {value!r})")
         whole("processes", processes, minimum=1)
         if not isinstance(uids, range) or not uids or uids.start < 1 or uids.step != 1:
             raise InvalidSettingError(
@@ -205,7 +210,9 @@ class LocalBackend(SandboxBackend):
         self.max_file = byte_size("max_file", max_file)
         if self.max_file < 1:
             raise InvalidSettingError(f"`max_file` must be at least 1 byte (got {max_file!r})")
-        self.network = bool(network)
+        if not isinstance(network, bool):
+            raise SettingTypeError(f"`network` must be True or False (got {network!r})")
+        self.network = network
         self._want_bwrap = bubblewrap
         self._uids: range | None = None
         self._fixed: tuple[int, int] | None = None
@@ -639,6 +646,23 @@ class _LocalHandle(SandboxHandle):
             # bubblewrap reports a command killed by signal n as 128 + n, as shells do.
             return attrs.evolve(result, exit_code=None, signal=code - 128, cpu_seconds=cpu)
         return attrs.evolve(result, cpu_seconds=cpu)
+
+
+_KINDS = {(str, os.PathLike): "a path", (bool,): "a bool", (str,): "a string"}
+
+
+def _core_ids(cores: Sequence[int] | None) -> tuple[int, ...]:
+    """The pool's core ids, sorted: checked here, as ``sched_setaffinity`` would refuse a
+    bad one only at the first command."""
+    if cores is None:
+        return tuple(sorted(os.sched_getaffinity(0)))
+    if isinstance(cores, (str, bytes)) or not isinstance(cores, (Sequence, set, frozenset)):
+        raise SettingTypeError(f"`cores` must be a sequence of core ids (got {cores!r})")
+    for core in cores:
+        whole("cores", core)
+    if not cores:
+        raise InvalidSettingError(f"`cores` must name at least one core (got {cores!r})")
+    return tuple(sorted(cores))
 
 
 def _setup(
