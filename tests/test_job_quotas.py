@@ -13,15 +13,18 @@ refuses some of their requests, so the zero of the shared runs is the quota's do
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
+import signal
 import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.abc
 import httpx
 import pytest
 
@@ -538,6 +541,115 @@ def test_errors_reach_the_worker_as_their_own_class(error: Exception) -> None:
     assert str(rebuilt) == str(error)
     if isinstance(rebuilt, httpx.RequestError):
         assert rebuilt.request is request
+
+
+def test_an_error_that_pickles_but_does_not_load_travels_as_text() -> None:
+    """httpx's StreamConsumed pickles but cannot be built again: it used to reach the
+    worker as "the answer could not be loaded", the scheduler's failure."""
+    request = httpx.Request("GET", "http://example.invalid/x")
+    rebuilt = _rebuilt(pickle.loads(pickle.dumps(_portable(httpx.StreamConsumed()))), request)
+    assert "StreamConsumed" in str(rebuilt)
+
+
+@pytest.mark.anyio
+async def test_cancelling_one_quotas_request_leaves_another_quotas_alone(job: Any) -> None:
+    """Each quota of a worker numbered its calls from 1: both quotas' first requests were
+    one call at the scheduler, and cancelling one cancelled the other, whose caller had
+    never stopped waiting, while the cancelled one ran on holding its slot."""
+    search, wide = job.quota("search"), job.quota("wide")
+    server = QuotaServer(latency=2.0)
+    async with (
+        server,
+        search.client(base_url=server.url, timeout=30) as first,
+        wide.client(base_url=server.url, timeout=30) as second,
+    ):
+        got: list[int] = []
+
+        async def other() -> None:
+            got.append((await second.get("/other")).status_code)
+
+        async with anyio.create_task_group() as tg:
+            with anyio.move_on_after(0.5) as scope:
+                async with anyio.create_task_group() as inner:
+                    inner.start_soon(first.get, "/given-up")
+                    with anyio.fail_after(10):
+                        while server.in_flight("a") == 0:  # noqa: ASYNC110
+                            await anyio.sleep(0.02)
+                    tg.start_soon(other)
+                    await anyio.sleep_forever()
+            assert scope.cancelled_caught
+            with anyio.fail_after(5):  # the given-up request's slot, back at once
+                while (await job.scheduler.stats()).resources["search.a.concurrency"].held:  # noqa: ASYNC110 - polled at the scheduler
+                    await anyio.sleep(0.05)
+    assert got == [200]
+
+
+async def _refuse_all(stream: anyio.abc.SocketStream) -> None:
+    """A provider that refuses every request, saying why in its body."""
+    async with stream:
+        data = b""
+        with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError):
+            while True:
+                while b"\r\n\r\n" not in data:
+                    data += await stream.receive()
+                _, _, data = data.partition(b"\r\n\r\n")
+                await stream.send(
+                    b"HTTP/1.1 429 Too Many Requests\r\nretry-after-ms: 1\r\n"
+                    b'Content-Length: 16\r\n\r\n{"error":"slow"}'
+                )
+
+
+@pytest.mark.anyio
+async def test_the_providers_last_refusal_or_5xx_reaches_the_worker_with_its_body(
+    job: Any,
+) -> None:
+    """A POST answered 500 (not resent) and a 429 after every attempt are the caller's
+    answer: they reached the worker as the scheduler's failure (their body was read
+    already), and their body was dropped under a Content-Length that still counted it."""
+    quota = job.quota("wide")
+    async with QuotaServer(failing={"w"}) as server, quota.client(base_url=server.url) as http:
+        response = await http.post("/v1/judge", json={"q": 1})
+    assert response.status_code == 500
+    assert response.json() == {"error": "key failing"}
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, _refuse_all)
+        with anyio.fail_after(30):
+            async with quota.client(base_url=f"http://127.0.0.1:{port}") as http:
+                response = await http.get("/v1/search")
+        tg.cancel_scope.cancel()
+    assert response.status_code == 429
+    assert response.json() == {"error": "slow"}
+
+
+@pytest.mark.anyio
+async def test_a_url_no_transport_can_send_is_not_the_keys_failure(job: Any) -> None:
+    """A client without ``base_url`` (or an ``ftp://`` URL) is one caller's mistake: httpx's
+    UnsupportedProtocol was counted as the key's failure, resent for seconds, and set the
+    job's key aside for every worker."""
+    quota = job.quota("wide")
+    for url in ("/v1/search", "ftp://127.0.0.1/x"):
+        async with quota.client() as http:
+            with anyio.fail_after(2), pytest.raises(httpx.UnsupportedProtocol):
+                await http.get(url)
+    stats = quota.stats()["w"]
+    assert stats.failed == 0 and not stats.set_aside, stats
+
+
+@pytest.mark.anyio
+async def test_a_stopped_scheduler_does_not_outlast_the_requests_deadline(job: Any) -> None:
+    """The deadline was kept by the scheduler only: with its loop stopped (SIGSTOP stands
+    in for a blocked loop) the worker waited with no bound."""
+    quota = job.quota("search")
+    pid = (await job.scheduler.actor.info.remote())["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        async with quota.client(base_url="http://127.0.0.1:9") as http:
+            with anyio.fail_after(5), pytest.raises(QuotaDeadlineError, match="did not answer"):
+                await http.get("/x", extensions={"tangram.deadline": 1.0})
+    finally:
+        os.kill(pid, signal.SIGCONT)
 
 
 class RayWorker:

@@ -113,8 +113,13 @@ async def test_a_post_answered_500_is_sent_once_and_a_get_is_retried() -> None:
         _, client = await _client(stack, quota, server.url)
         assert (await client.post("/v1", json={"judge": 1})).status_code == 500
         assert len(server.failed) == 1
-        assert (await client.get("/v1")).status_code == 500
+        answered = await client.get("/v1")
+        assert answered.status_code == 500
         assert len(server.failed) == 1 + _FAST.attempts
+    # What the last attempt got, body and all: it was dropped, under a Content-Length that
+    # still counted it, and a provider's error text is what its caller debugs from.
+    assert answered.json() == {"error": "key failing"}
+    assert int(answered.headers["content-length"]) == len(answered.content)
 
 
 async def test_a_post_whose_reply_times_out_is_sent_once_and_a_get_is_retried() -> None:

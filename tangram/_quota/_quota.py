@@ -448,6 +448,8 @@ class Quota:
             sent_at = anyio.current_time()
             try:
                 response = await transport.handle_async_request(sending)
+            except (httpx.UnsupportedProtocol, httpx.LocalProtocolError):
+                raise  # the request's own fault, not the key's: nor is it resent
             except httpx.TransportError as exc:
                 key.contacted = True
                 note_failure(self.set_aside, key, anyio.current_time(), sent_at)
@@ -462,21 +464,21 @@ class Quota:
             status = response.status_code
             wait = retry_after(response, now) if status in LIMITED else None
             if status == 429 or (status == 503 and wait is not None):
-                await response.aclose()
+                answer = await closed(response, sending)
                 key.limited += 1
                 key.paused_until = max(key.paused_until, now + (wait or 0.0))
                 adapt_down(self.adapt, runtime, key, now, wrote_at)
                 raise Again(
                     ready_in(runtime, self._keys, tokens),
-                    closed(response, sending),
+                    answer,
                     "refused",
                     key.key.name,
                     asked=wait,
                 )
             if status >= 500:
-                await response.aclose()
+                answer = await closed(response, sending)
                 note_failure(self.set_aside, key, now, sent_at)
-                raise Again(None, closed(response, sending), "unknown", key.key.name)
+                raise Again(None, answer, "unknown", key.key.name)
             key.ok += 1
             note_recovered(key)
             note_accepted(key, tokens, now, wrote_at)

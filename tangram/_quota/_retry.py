@@ -204,11 +204,28 @@ def retry_after(response: httpx.Response, now: float) -> float | None:
     return max(0.0, (when - _dt.datetime.now(_dt.timezone.utc)).total_seconds())
 
 
-def closed(response: httpx.Response, request: httpx.Request) -> httpx.Response:
-    """A closed response the caller may still read status and headers from."""
-    return httpx.Response(
-        response.status_code, headers=response.headers, content=b"", request=request
-    )
+async def closed(response: httpx.Response, request: httpx.Request) -> httpx.Response:
+    """The provider's answer, read whole and closed, for the caller if no resend is
+    answered better: its status, headers and body as sent (the caller's client decodes
+    the body by the headers). The provider's error text is what a caller debugs from: an
+    empty body kept the headers' Content-Length of the one dropped.
+    """
+    headers = response.headers
+    try:
+        raw = b"".join([chunk async for chunk in response.aiter_raw()])
+    except httpx.HTTPError:  # the body was lost on the way: say there is none
+        raw = b""
+        headers = httpx.Headers(
+            [
+                (k, v)
+                for k, v in headers.multi_items()
+                if k not in ("content-length", "content-encoding")
+            ]
+        )
+    finally:
+        await response.aclose()
+    stream = httpx.ByteStream(raw)
+    return httpx.Response(response.status_code, headers=headers, stream=stream, request=request)
 
 
 def _where(request: httpx.Request) -> str:

@@ -26,15 +26,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import math
 import pickle
 import resource
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import anyio
 import httpx
 
-from ..errors import InvalidSettingError, SchedulerUnavailableError
+from .._core._validate import real
+from ..errors import InvalidSettingError, QuotaDeadlineError, SchedulerUnavailableError
 from ._protocol import lost, task_failed
 
 if TYPE_CHECKING:
@@ -64,6 +67,8 @@ _MOST_CONNECTIONS = 4096
 Spec = tuple[list[dict[str, Any]], dict[str, Any]]  # (keys, options) of one [quota.NAME]
 Headers = list[tuple[bytes, bytes]]  # raw, as sent: a header need not be ASCII
 Wire = tuple[str, str, Headers, bytes, dict[str, Any]]
+#: Call ids of this process's requests, every quota's (see ``JobQuota``).
+_CALLS = itertools.count(1)
 
 
 class QuotaDesk:
@@ -207,7 +212,9 @@ def _portable(error: BaseException) -> tuple[str, Any]:
     if isinstance(error, httpx.HTTPError):
         return ("httpx", (type(error).__name__, str(error)))
     try:
-        pickle.dumps(error)
+        # Loaded back too: an error that pickles but cannot be rebuilt (httpx's
+        # StreamConsumed) would fail in the worker as the scheduler's own failure.
+        pickle.loads(pickle.dumps(error))
     except Exception:
         return ("other", f"{type(error).__name__}: {error}")
     return ("pickled", error)
@@ -244,8 +251,10 @@ class JobQuota:
         self._stats: dict[str, KeyStats] = {}
         # Call ids unique across the job (pids repeat across nodes and containers), and
         # the proxy's: the scheduler ends a worker's requests when it drops the worker.
+        # Numbered by one count for the process: each quota counting its own, a worker's
+        # two quotas sent two calls of one id, and cancelling one cancelled the other.
         self._prefix = f"{remote.client_id}-"
-        self._calls = itertools.count(1)
+        self._remote = remote
 
     def __repr__(self) -> str:
         return f"<tangram job quota {self.name!r}>"
@@ -305,10 +314,19 @@ class JobQuota:
             content,
             extensions,
         )
-        call = f"{self._prefix}{next(self._calls)}"
+        call = f"{self._prefix}{next(_CALLS)}"
         pending = self._actor.quota_send.remote(self.name, call, wire)
+        # The scheduler answers a request past its deadline with QuotaDeadlineError; one
+        # that answers nothing (its loop blocked) is given a heartbeat beyond it, then the
+        # same error is raised here.
+        # (A deadline that is no number is the scheduler's to refuse, typed.)
+        deadline = request.extensions.get("tangram.deadline", self._spec[1].get("deadline"))
+        limit = math.inf
+        if isinstance(deadline, (int, float)) and not isinstance(deadline, bool):
+            limit = max(0.0, real(deadline)) + self._remote._heartbeat
         try:
-            answer = await pending
+            with anyio.move_on_after(limit) as waited:
+                answer = await pending
         except task_failed() as exc:
             raise SchedulerUnavailableError(
                 f"the job's scheduler failed quota {self.name!r}'s request: {exc}"
@@ -319,6 +337,13 @@ class JobQuota:
             with contextlib.suppress(*lost()):
                 self._actor.quota_cancel.remote(call)
             raise
+        if waited.cancelled_caught:
+            with contextlib.suppress(*lost()):
+                self._actor.quota_cancel.remote(call)
+            raise QuotaDeadlineError(
+                f"the job's scheduler did not answer quota {self.name!r}'s request within its "
+                f"deadline of {deadline} s and a heartbeat after it"
+            )
         if answer[0] == "cancelled":
             raise SchedulerUnavailableError(
                 f"the job's scheduler cancelled quota {self.name!r}'s request: it is closing, "
