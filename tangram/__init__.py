@@ -18,8 +18,8 @@ from ._core._efficiency import Power as Power
 from ._core._efficiency import SpeedupTable as SpeedupTable
 from ._core._estimator import Estimate as Estimate
 from ._core._estimator import Estimator as Estimator
+from ._core._fcfs import FcfsPolicy as FcfsPolicy
 from ._core._policy import ElasticPolicy as ElasticPolicy
-from ._core._policy import FcfsPolicy as FcfsPolicy
 from ._core._resources import Capacity as Capacity
 from ._core._resources import Rate as Rate
 from ._core._stats import KindStats as KindStats

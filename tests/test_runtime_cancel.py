@@ -205,6 +205,28 @@ async def test_zero_wait_timeout_means_only_if_free_now() -> None:
         assert_idle(runtime)
 
 
+async def test_zero_wait_timeout_is_granted_where_the_decision_would_wait_for_a_pass() -> None:
+    """A demand the runtime decides in one pass at the end of the loop iteration (an
+    elastic one that is not resizable, or any while others wait) was refused with every
+    unit it asked for free: the zero wait ran out before that pass."""
+    async with tangram.Runtime(capacity={"cpu": 4, "gpu": 1}) as runtime:
+        async with runtime.acquire(cpu=tangram.Elastic(1, 2), wait_timeout=0) as lease:
+            assert lease.units == 2
+        async with anyio.create_task_group() as tg:
+            release = await hold(runtime, tg, gpu=1)
+            tg.start_soon(_acquire_gpu, runtime)
+            await wait_until(lambda: runtime.stats().waiting == 1)
+            async with runtime.acquire(cpu=1, wait_timeout=0) as lease:
+                assert lease.active
+            release.set()
+        assert_idle(runtime)
+
+
+async def _acquire_gpu(runtime: tangram.Runtime) -> None:
+    async with runtime.acquire(gpu=1):
+        pass
+
+
 async def test_zero_wait_timeout_while_holding_it_oneself_is_a_plain_no() -> None:
     """ "Only if free now" is a fair question while holding: the answer is no, as a
     WaitTimeoutError (its cause says why), not the SelfDeadlockError of a wait without

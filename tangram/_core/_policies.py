@@ -11,7 +11,8 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 from ..errors import SettingTypeError, UnknownPolicyError
-from ._policy import ElasticPolicy, FcfsPolicy, Policy
+from ._fcfs import FcfsPolicy
+from ._policy import ElasticPolicy, Policy
 
 __all__ = ["DEFAULT_POLICY", "POLICIES", "policy_class"]
 

@@ -70,7 +70,6 @@ __all__ = [
     "AGING",
     "ElasticPolicy",
     "Entry",
-    "FcfsPolicy",
     "Plan",
     "Policy",
     "Split",
@@ -182,6 +181,10 @@ class State(Protocol):
     @property
     def rates(self) -> Mapping[str, float]:
         """Refill per second of each rate budget."""
+
+    @property
+    def bursts(self) -> Mapping[str, float]:
+        """Most units each rate budget saves up."""
 
     @property
     def surplus(self) -> Mapping[str, float]:
@@ -446,13 +449,17 @@ class ElasticPolicy:
                 shadow = _shadow(state, scan, head, newcomers)
             start, extra = shadow
             end = now + entry.t1 / entry.speed(int(_min_units(entry)))
-            if end <= start:
-                scan.take(need)
-                newcomers.append(entry)
-            elif all(amount <= extra.get(kind, math.inf) + _EPS for kind, amount in need):
+            # What an action ending before the head starts holds is back by then; a rate's
+            # tokens are not, so they come out of what the head leaves spare either way.
+            early = end <= start
+            if all(
+                amount <= extra.get(kind, math.inf) + _EPS
+                for kind, amount in need
+                if not early or kind in scan.tokens
+            ):
                 scan.take(need)
                 for kind, amount in need:
-                    if kind in extra:
+                    if kind in extra and (not early or kind in scan.tokens):
                         extra[kind] -= amount
                 newcomers.append(entry)
             elif protected:
@@ -726,6 +733,13 @@ def _shadow(
                 break
         start = max(start, reached)
     extra = {kind: max(0.0, -d) for kind, d in deficit.items()}
+    # A rate's tokens never come back: what a later action may take of one the head needs
+    # is what the budget will hold at the head's start beyond the head's need.
+    for kind, amount in need:
+        if kind in scan.tokens:
+            rate, level = state.rates[kind], scan.tokens[kind]
+            by_start = level + rate * (start - now) if rate > 0 else level
+            extra[kind] = max(0.0, min(state.bursts[kind], by_start) - amount)
     return start, extra
 
 
@@ -742,56 +756,3 @@ def _running_ends(running: Iterable[Entry], now: float) -> list[tuple[float, int
         left = max(e.rem - (now - e.mark) * speed, _REMAINING_FLOOR * e.t1)
         ends.append((left / speed, e.seq, e, units))
     return ends
-
-
-@attrs.frozen(kw_only=True)
-class FcfsPolicy:
-    """Strict first-come first-served with a fixed degree of parallelism: the baseline.
-
-    Each elastic action gets ``dop`` units (clamped to its range; ``"min"`` or ``"max"``
-    for its bounds) at start and keeps them. Nothing passes a blocked head. This is the
-    paper's fixed-DoP ablation, kept to measure what elasticity buys.
-    """
-
-    dop: int | Literal["min", "max"] = "min"
-
-    def __attrs_post_init__(self) -> None:
-        dop = self.dop
-        if dop not in ("min", "max") and not (type(dop) is int and 1 <= dop < 2**63):
-            error = InvalidSettingError if type(dop) is int else SettingTypeError
-            raise error(f"`dop` must be 'min', 'max' or a whole number >= 1, < 2**63 (got {dop!r})")
-
-    may_admit = staticmethod(may_admit)
-
-    def due(self, arrival: float, seconds: float) -> float:
-        """First come, first served: every action is due when it comes, none is passed."""
-        return arrival
-
-    def units_for(self, entry: Entry, total: float) -> int:
-        elastic = entry.action.demand.elastic
-        assert elastic is not None
-        if self.dop == "min":
-            want = elastic.min
-        elif self.dop == "max":
-            want = elastic.max
-        else:
-            want = min(max(self.dop, elastic.min), elastic.max)
-        return max(elastic.min, min(want, int(total + _EPS)))
-
-    def plan(self, state: State) -> Plan:
-        scan = _Scan(state)
-        scan.surplus = {}
-        plan = Plan()
-        for entry in state.waiting():
-            demand = entry.action.demand
-            units = 0
-            need = demand.rigid
-            if demand.elastic_kind is not None:
-                units = self.units_for(entry, state.totals[demand.elastic_kind])
-                need = (*need, (demand.elastic_kind, float(units)))
-            if not scan.fits(need):
-                plan.wake_at = _rate_wait(state, scan, need)
-                break
-            scan.take(need)
-            plan.admits.append((entry, units))
-        return plan

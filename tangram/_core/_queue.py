@@ -352,11 +352,15 @@ class Queue:
 
         ``open``: the kinds with something to give in this pass. The groups read are found
         through the open kinds, so a pass costs a step per group that needs one, however
-        many groups are shut. The first entry of a shut group, and its longest waiting,
-        are still read when the group needs an open kind that a group read also needs:
-        the first may be the pass's blocked head, whose reservation of that kind keeps
-        backfill from delaying it, and the oldest, starved, keeps others off the kinds it
-        needs.
+        many groups are shut. Of the shut groups that need an open kind a group read also
+        needs, two kinds of entry are still read: the first in the pass's order (the
+        first ranked and the first keeping arrival order, as lines and lanes take turns),
+        which may be the pass's blocked head, whose reservation keeps backfill from
+        delaying it; and for each such open kind, the longest waiting of those needing it,
+        which keeps others off the kinds it needs if it is starved (if any of them is, it
+        is). No other entry of a shut group can start or change the pass. Read a first and
+        an oldest per shut group, 200 full nodes sharing one open kind filled the policy's
+        window of 128, and a waiter on the one node with a free core was never read.
         """
         if open is None:
             return _merge(list(self._groups.values())) if self._priority else iter(self._all)
@@ -383,21 +387,39 @@ class Queue:
             return _merge(list(read)) if self._priority else iter(self._all)
         heads: list[Entry] = []
         if shut and read:
-            wanted = {kind for group in read for kind in group.kinds}
-            for group in shut:
-                if any(kind in wanted for kind in group.kinds if kind in open):
-                    first = next(group.ordered())
-                    heads.append(first)
-                    # And its longest waiting: if any of the group is starved, it is.
-                    oldest = next(iter(group.queue))
-                    if oldest is not first:
-                        heads.append(oldest)
+            heads = self._shut_heads(shut, open, {kind for g in read for kind in g.kinds})
         if not self._priority:
             streams = [iter(group.queue) for group in read]
             if heads:
                 streams.append(iter(sorted(heads, key=_by_seq)))
             return _one(streams, _by_seq) or iter(())
         return _merge(list(read), heads)
+
+    def _shut_heads(
+        self, shut: Iterable[_Group], open: Collection[str], wanted: set[str]
+    ) -> list[Entry]:
+        """The entries of shut groups a pass reads (see ``ordered``)."""
+        ranked: Entry | None = None  # the first by its line's key
+        lane: Entry | None = None  # the first keeping arrival order
+        oldest: dict[str, Entry] = {}  # per open kind wanted
+        for group in shut:
+            kinds = [kind for kind in group.kinds if kind in open and kind in wanted]
+            if not kinds:
+                continue
+            first = next(group.ordered())
+            rank = _rank(first) if self._priority else None
+            if rank is None:
+                if lane is None or first.seq < lane.seq:
+                    lane = first
+            elif ranked is None or rank < _rank(ranked):  # type: ignore[operator]
+                ranked = first
+            longest = next(iter(group.queue))
+            for kind in kinds:
+                known = oldest.get(kind)
+                if known is None or longest.seq < known.seq:
+                    oldest[kind] = longest
+        found = [entry for entry in (ranked, lane) if entry is not None]
+        return list(dict.fromkeys([*found, *oldest.values()]))
 
 
 def _merge(groups: list[_Group], heads: list[Entry] | None = None) -> Iterator[Entry]:

@@ -326,12 +326,15 @@ class Runtime(RunMixin):
             self._drop(lease, Outcome.CANCELLED)
             need = describe(action.demand.minimum, self._capacity)
             raise CapacityExceededError(f"demand no longer fits the lowered capacity: {need}")
-        if self._deferred:
+        # ``wait_timeout=0`` is "only if free now": decided at once, as the pass deferred
+        # to the end of this loop iteration would come after its wait had run out.
+        if self._deferred and wait_timeout != 0:
             pass  # a pass is already due in this loop iteration, and will see it
         elif not self._ledger.may_admit(entry):
             pass  # it cannot start now, and its arrival changes no other decision
-        elif self._ledger.waiting_count > 1 or (
-            (elastic := action.demand.elastic) is not None and not elastic.resizable
+        elif wait_timeout != 0 and (
+            self._ledger.waiting_count > 1
+            or ((elastic := action.demand.elastic) is not None and not elastic.resizable)
         ):
             # Decide once, after every action that arrives or leaves in this loop
             # iteration: a burst of elastic demands is split instead of going to its first

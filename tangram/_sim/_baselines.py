@@ -52,10 +52,11 @@ from .._core._action import Action
 from .._core._demand import build_demand
 from .._core._efficiency import Estimate, Linear
 from .._core._estimator import Estimator
+from .._core._fcfs import FcfsPolicy
 from .._core._ledger import Ledger
 from .._core._policies import DEFAULT_POLICY, policy_class
 from .._core._policies import POLICIES as _REGISTRY
-from .._core._policy import RUNNING, Entry, FcfsPolicy, Policy
+from .._core._policy import RUNNING, Entry, Policy
 from .._core._resources import Capacity, parse_capacity
 from .._core._validate import number
 from ..errors import InvalidSettingError

@@ -34,7 +34,8 @@ from typing import Literal
 
 import attrs
 
-from .._core._policy import Entry, FcfsPolicy, Plan, Policy, State
+from .._core._fcfs import FcfsPolicy
+from .._core._policy import Entry, Plan, Policy, State
 from ..errors import InvalidSettingError
 from ._gpu_reference import ARM as GPU_FCFS
 from ._gpu_reference import simulate_gpu_fcfs

@@ -41,7 +41,8 @@ import anyio
 import attrs
 
 from .._core._demand import Elastic
-from .._core._policy import ElasticPolicy, FcfsPolicy
+from .._core._fcfs import FcfsPolicy
+from .._core._policy import ElasticPolicy
 from .._runtime._run import Runtime
 from .._sandbox._backend import SandboxBackend, backend_class
 from .._sandbox._pool import Sandbox, SandboxPool
