@@ -682,6 +682,33 @@ def test_later_calls_on_a_rate_do_not_take_the_tokens_the_blocked_head_needs(ord
     assert head.state == RUNNING
 
 
+@pytest.mark.parametrize("order", ["size", "arrival"])
+def test_a_nested_acquire_passes_the_starved_action_waiting_for_its_callers_units(
+    order: str,
+) -> None:
+    """X, starved past the bound, waits for the one ``b`` that T holds; T asks, inside, for
+    one of two free ``a`` to finish. The starved action kept everyone off every kind it
+    needs, so T never got its ``a``, never gave back ``b``, and both waited for ever with
+    ``a`` idle (a hostile review). An action whose caller holds units is held back by no
+    reservation; any other still is."""
+    cap = parse_capacity({"a": 2, "b": 1})
+    policy = ElasticPolicy(order=order, starvation_bound=10.0)  # type: ignore[arg-type]
+    ledger = Ledger(cap, policy, Estimator())
+    outer = ledger.submit(make_action({"b": 1}, cap, seconds=1e3), 0.0)
+    ledger.step(0.0)
+    starved = ledger.submit(make_action({"a": 1, "b": 1}, cap, seconds=1.0), 0.0)
+    late = ledger.submit(make_action({"a": 1}, cap, seconds=5.0), 20.0)
+    inner = ledger.submit(make_action({"a": 1}, cap, seconds=5.0), 20.0)
+    inner.holding = True  # as the runtime marks an acquire made while holding a lease
+    ledger.step(20.0)
+    assert inner.state == RUNNING
+    assert late.state == starved.state == WAITING  # nobody else passes the starved one
+    ledger.finish(inner, 22.0)
+    ledger.finish(outer, 22.0)
+    ledger.step(22.0)
+    assert starved.state == RUNNING
+
+
 def test_a_head_blocked_on_one_kind_keeps_its_reservation_of_another() -> None:
     # The head needs a core (none free) and memory (free); a later action that needs
     # only memory may not take what the head will need when a core frees, unless it

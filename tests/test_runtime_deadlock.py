@@ -298,3 +298,39 @@ async def test_a_lease_leaked_by_a_finished_task_counts_for_no_other_task() -> N
         assert not any(isinstance(cause, SelfDeadlockError) for cause in causes)
         await context.__aexit__(None, None, None)
         assert_idle(runtime)
+
+
+@pytest.mark.parametrize("order", ["size", "arrival"])
+@pytest.mark.parametrize("starved", [True, False], ids=["starved", "head"])
+async def test_a_nested_acquire_of_free_units_is_not_held_for_the_one_waiting_on_its_caller(
+    order: str, starved: bool
+) -> None:
+    """T holds ``b`` and asks, inside, for a free ``a`` to finish; X waits for ``a`` and
+    ``b``. Kept for X (its reservation as the blocked head, or everything it needs once
+    starved past the bound), that ``a`` was never T's: T never gave ``b`` back, X never
+    started, with ``a`` idle and no warning, as ``a`` was free (a hostile review).
+    An acquire made while holding units is held back by no reservation for another."""
+    policy = tangram.ElasticPolicy(order=order, starvation_bound=0.2 if starved else 30.0)  # type: ignore[arg-type]
+    # Starved, X's guard is the whole of ``a``; as the head, the one ``a`` is its.
+    capacity = {"a": 2 if starved else 1, "b": 1}
+    got: list[str] = []
+    async with tangram.Runtime(capacity, policy=policy) as runtime:
+
+        async def t() -> None:
+            async with runtime.acquire(b=1, kind="outer", estimate=0.01):
+                await wait_until(lambda: runtime.stats().waiting == 1)
+                await anyio.sleep(0.5 if starved else 0.0)
+                async with runtime.acquire(a=1, kind="inner", estimate=10.0):
+                    got.append("inner")
+
+        async def x() -> None:
+            async with runtime.acquire(a=1, b=1, kind="x"):
+                got.append("x")
+
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(t)
+                await wait_until(lambda: runtime.stats().running == 1)
+                tg.start_soon(x)
+        assert got == ["inner", "x"]
+        assert_idle(runtime)

@@ -414,7 +414,7 @@ class ElasticPolicy:
         for entry in itertools.islice(state.waiting(state.open), self.window):
             need = entry.action.demand.minimum
             protected = now - entry.arrival > self.starvation_bound
-            if guarded and any(kind in guarded for kind, _ in need):
+            if guarded and not entry.holding and any(kind in guarded for kind, _ in need):
                 if protected:  # passed over, so what it needs is guarded as well
                     guarded.update(kind for kind, _ in need)
                 continue
@@ -444,6 +444,15 @@ class ElasticPolicy:
                     wake = _rate_wait(state, scan, need)
                     if wake is not None and (plan.wake_at is None or wake < plan.wake_at):
                         plan.wake_at = wake
+                continue
+            if entry.holding:
+                # Its caller holds units, which the head or a starved action may be
+                # waiting for: kept waiting for them, it would never give them back (the
+                # priority inheritance of lock schedulers). It takes only what is free.
+                scan.take(need)
+                newcomers.append(entry)
+                if scan.exhausted():
+                    break
                 continue
             if shadow is None:
                 shadow = _shadow(state, scan, head, newcomers)

@@ -315,6 +315,7 @@ class Runtime(RunMixin):
             check_own(own, action, wait_timeout, self._ledger, self._capacity)
         now = self._now()
         entry = self._ledger.submit(action, now)
+        entry.holding = bool(own)
         lease = Lease(entry, now)
         lease._holder = task
         self._leases[entry] = lease
