@@ -115,6 +115,10 @@ def test_config_error_is_a_tangram_error_and_a_value_error() -> None:
         ("[capacity]\ncpu = 1\n[policy]\nname = 'lottery'\n", r"'elastic' or 'fcfs'"),
         ("[capacity]\ncpu = 1\n[policy]\nname = 'fcfs'\ndop = 0\n", r"\[policy\] fcfs"),
         ("[capacity]\ncpu = 1\n[policy]\nwindow = 'x'\nbogus = 1\n", r"\[policy\] elastic"),
+        # The file too, as every other mistake says it (a review found it left out).
+        ("[capacity]\ncpu = 1\n[policy]\nbogus = 1\n", r"tangram.toml'?: \[policy\] elastic"),
+        ("[gpu]\ndevices = {'cuda:0' = 'lots'}\n", r"\[gpu\] `devices` 'cuda:0'"),
+        ("[[gpu.services]]\nname = 'j'\nfactory = 'a:b'\nmemory = 'huge'\n", r"`memory`"),
         ("[sandbox]\nbackend = 'vm'\n", r"`backend` must be one of"),
         ("[sandbox]\nimage = 'python:3'\n", r"`image` is for the docker backend"),
         ("[sandbox]\nwarm = -2\n", r"`warm` must be a whole number"),
@@ -154,6 +158,17 @@ def test_unreadable_files_fail_with_the_path(tmp_path: Path) -> None:
         tc.load(write(tmp_path, "[1]", "t.json"))
     with pytest.raises(tc.ConfigError, match=r"\.toml or \.json"):
         tc.load(write(tmp_path, "cpu = 1", "t.ini"))
+    # Bytes no one here wrote: not UTF-8, a number past 4,300 digits, nesting past the
+    # interpreter's recursion (each was a bare UnicodeDecodeError, ValueError or
+    # RecursionError).
+    bad = tmp_path / "bad.toml"
+    bad.write_bytes(b"[capacity]\ncpu = 1\n# \xff\n")
+    with pytest.raises(tc.ConfigError, match="cannot read"):
+        tc.load(bad)
+    with pytest.raises(tc.ConfigError, match="invalid JSON"):
+        tc.load(write(tmp_path, '{"capacity": {"cpu": ' + "9" * 5000 + "}}", "t.json"))
+    with pytest.raises(tc.ConfigError, match="invalid JSON"):
+        tc.load(write(tmp_path, "[" * 100_000 + "]" * 100_000, "t.json"))
 
 
 @pytest.mark.anyio

@@ -15,7 +15,7 @@ from tangram._sim._baselines import run_policy
 from tangram._sim._family import family
 from tangram._sim._gpu_reference import ARM, simulate_gpu_fcfs
 from tangram._sim._trace import Trace, read_lines
-from tangram.errors import InvalidSettingError
+from tangram.errors import InvalidSettingError, TraceFormatError
 
 
 def _trace(
@@ -44,7 +44,7 @@ def _trace(
             "gap": gap,
             "kind": "score",
             "resource": "gpu",
-            "units": 1,
+            "units": services[service].get("gpus", 1) if service is not None else 1,
             "seconds": seconds,
         }
         if service is not None:
@@ -176,8 +176,8 @@ def test_what_it_cannot_replay_is_a_typed_error() -> None:
     with pytest.raises(InvalidSettingError, match="GPU actions only"):
         simulate_gpu_fcfs(read_lines(lines))
     wide = {**FULL, "gpus": 2}
-    with pytest.raises(InvalidSettingError, match="needs 2 GPUs"):
-        simulate_gpu_fcfs(_trace({"a": wide}, [("x", "a", 0.0, 1.0)]))
+    with pytest.raises(TraceFormatError, match="needs 2 GPUs"):  # refused as it is read
+        _trace({"a": wide}, [("x", "a", 0.0, 1.0)])
     with pytest.raises(InvalidSettingError, match="GPU actions only"):
         run_policy(ARM, read_lines(lines))
 

@@ -83,6 +83,17 @@ def test_capacity_and_static_units_change_the_run(trace: Path, tmp_path: Path) -
     assert squeezed["avg_queue"] > 0
 
 
+@pytest.mark.parametrize(
+    "extra", [["--capacity", "cpus=1"], ["--sweep", "capacity.CPU=1,2"]], ids=["capacity", "sweep"]
+)
+def test_a_capacity_the_trace_has_not_is_refused(
+    trace: Path, extra: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A typo was ignored: the run used the header's capacity, every sweep point alike."""
+    assert main(["simulate", "--trace", str(trace), "--policy", "static", *extra]) == 2
+    assert "is not the trace's" in capsys.readouterr().err
+
+
 def test_plot_is_a_png(trace: Path, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     png = tmp_path / "acts.png"

@@ -132,6 +132,13 @@ def test_a_trace_replays_through_the_simulator() -> None:
         (json.dumps({k: v for k, v in action().items() if k != "kind"}), "needs `kind`"),
         (json.dumps({k: v for k, v in action().items() if k != "max"}), "`units`, or `min`"),
         (json.dumps(action(trajectory="")), "non-empty string"),
+        # What the simulator used to meet halfway through a run, with no line (a review):
+        (json.dumps(action(min=1, max=10**30)), "`max` must be at most 2**53"),
+        (json.dumps(action(resource="search_api", min=1, max=100)), "takes `units`"),
+        (json.dumps(action(mem_gib=100)), "more than the capacity's `mem` 64"),
+        (json.dumps(action(resource="mem", min=2, max=2, mem_gib=1)), "not `mem_gib` too"),
+        (json.dumps(action(service="judge")), "needs `resource` gpu"),
+        (json.dumps(action(resource="gpu", min=2, max=2, service="judge")), "1 GPUs (got 2"),
     ],
 )
 def test_malformed_lines_name_their_line_and_reason(bad: str, reason: str) -> None:
@@ -183,12 +190,20 @@ def test_services_become_gpu_services_and_service_steps() -> None:
         ({"max_batch": 0}, "`max_batch` must be a whole number >= 1"),
         ({"max_batch": "many"}, "`max_batch` must be a number"),
         ({"restore_seconds": -1}, "`restore_seconds` must be finite and >= 0"),
+        ({"gpus": 3}, "needs 3 GPUs, more than the capacity's 2"),
+        ({"gpu_mem_gib": 81}, "more than its GPUs hold (80 GiB each"),
     ],
 )
 def test_bad_services_are_rejected(spec: dict[str, object], reason: str) -> None:
     with pytest.raises(TraceFormatError, match="line 1: ") as info:
         read_trace(lines(header={**HEADER, "services": {"judge": spec}}))
     assert reason in str(info.value)
+
+
+def test_a_service_needs_a_name() -> None:
+    """An empty name read as "no service" in the GPU reference, which raised KeyError."""
+    with pytest.raises(TraceFormatError, match="line 1: a service needs a non-empty name"):
+        read_trace(lines(header={**HEADER, "services": {"": {}}}))
 
 
 @settings(max_examples=200, deadline=None)

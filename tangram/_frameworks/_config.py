@@ -63,6 +63,7 @@ import attrs
 from .._core._policies import DEFAULT_POLICY, POLICIES, policy_class
 from .._core._policy import Policy
 from .._core._resources import parse_capacity
+from .._core._units import parse_size
 from .._core._validate import seconds, whole
 from .._sandbox._backend import BACKENDS, EMBEDDED_BACKEND, SandboxBackend, backend_class
 from ..errors import ConfigError, InvalidCapacityError
@@ -211,7 +212,7 @@ def load(path: str | os.PathLike[str] | None = None) -> Config:
     file = Path(path)
     try:
         text = file.read_text(encoding="utf-8")
-    except OSError as exc:
+    except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read tangram config {str(file)!r}: {exc}") from exc
     data = _decode(file, text)
     return parse(data, source=str(file))
@@ -222,7 +223,7 @@ def _decode(file: Path, text: str) -> Mapping[str, Any]:
     if file.suffix == ".json":
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as exc:
+        except (ValueError, RecursionError) as exc:  # a number past 4,300 digits, or nesting
             raise ConfigError(f"{where}: invalid JSON: {exc}") from exc
         if not isinstance(data, dict):
             raise ConfigError(f"{where}: the top level must be an object")
@@ -234,7 +235,7 @@ def _decode(file: Path, text: str) -> Mapping[str, Any]:
 
         try:
             return tomllib.loads(text)
-        except tomllib.TOMLDecodeError as exc:
+        except (tomllib.TOMLDecodeError, RecursionError) as exc:
             raise ConfigError(f"{where}: invalid TOML: {exc}") from exc
     raise ConfigError(  # pragma: no cover - Python 3.10 only
         f"{where}: reading TOML needs Python 3.11 or later; write the same structure as JSON"
@@ -385,7 +386,10 @@ def _policy(data: Mapping[str, Any], where: str) -> PolicyConfig | None:
             f"{where}: [policy] `name` must be {_one_of(sorted(POLICIES))} (got {name!r})"
         )
     config = PolicyConfig(name=name, options=table)
-    config.build()  # every option checked now, not in a worker later
+    try:
+        config.build()  # every option checked now, not in a worker later
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
     return config
 
 
@@ -462,6 +466,8 @@ def _gpu(data: Mapping[str, Any], where: str) -> GpuConfig | None:
         for k, v in devices.items()
     ):
         raise ConfigError(f"{here} `devices` must map device names to memory (got {devices!r})")
+    for device, size in devices.items():
+        _size(size, f"{here} `devices` {device!r}")
     raw = table.get("services", [])
     if not isinstance(raw, list) or not raw:
         raise ConfigError(f"{here} needs at least one [[gpu.services]] entry")
@@ -478,6 +484,8 @@ def _gpu(data: Mapping[str, Any], where: str) -> GpuConfig | None:
         memory = entry.pop("memory", None)
         if memory is not None and (isinstance(memory, bool) or not isinstance(memory, (str, int))):
             raise ConfigError(f"{at} `memory` must be bytes or a size like '2GiB' (got {memory!r})")
+        if memory is not None:
+            _size(memory, f"{at} `memory`")
         del entry["name"], entry["factory"]
         services.append(GpuServiceConfig(name=name, factory=factory, memory=memory, options=entry))
     if len({s.name for s in services}) != len(services):
@@ -498,3 +506,11 @@ def _quotas(data: Mapping[str, Any], where: str) -> tuple[QuotaConfig, ...]:
             raise ConfigError(f"{at} `keys` must be a non-empty list of tables")
         quotas.append(QuotaConfig(name=name, keys=tuple(dict(k) for k in keys), options=body))
     return tuple(quotas)
+
+
+def _size(value: object, at: str) -> None:
+    if isinstance(value, str):
+        try:
+            parse_size(value)
+        except ValueError as exc:
+            raise ConfigError(f"{at}: {exc}") from exc

@@ -34,6 +34,12 @@ FORMAT = "tangram-trace/1"
 _HELD = frozenset({"cpu", "gpu", "mem"})
 
 
+#: A GPU's memory where the header does not say (TRACES.md).
+DEFAULT_GPU_MEM_GIB = 80.0
+#: The most units an action may name: an ``Elastic`` bound's (see ``tangram.Elastic``).
+_MOST_UNITS = 2**53
+
+
 def _is_held(kind: str) -> bool:
     return kind in _HELD or kind.endswith("_concurrency")
 
@@ -199,7 +205,7 @@ def _parse(lines: Iterable[tuple[int, str | bytes]]) -> Trace:
         indexed[action.index] = action
     if header is None:
         raise TraceFormatError("the trace is empty: the first line must be the header", 0)
-    per_device = header.get("gpu_mem_gib_per_device", 80)
+    per_device = header.get("gpu_mem_gib_per_device", DEFAULT_GPU_MEM_GIB)
     return Trace(
         name=str(header.get("name", "")),
         capacity=capacity,
@@ -276,7 +282,14 @@ def _header(line: int, obj: Mapping[str, Any]) -> tuple[dict[str, float], dict[s
     services = obj.get("services", {})
     if not isinstance(services, dict):
         raise TraceFormatError("`services` must be an object", line)
+    per_device = (
+        _number(line, obj, "gpu_mem_gib_per_device", minimum=1e-9)
+        if "gpu_mem_gib_per_device" in obj
+        else DEFAULT_GPU_MEM_GIB
+    )
     for name, spec in services.items():
+        if not name:
+            raise TraceFormatError("a service needs a non-empty name", line)
         if not isinstance(spec, dict):
             raise TraceFormatError(f"service {_shown(name)} must be an object", line)
         for key in ("gpus", "gpu_mem_gib", "restore_seconds", "cold_start_seconds"):
@@ -292,8 +305,18 @@ def _header(line: int, obj: Mapping[str, Any]) -> tuple[dict[str, float], dict[s
                     f"(got {_shown(count)})",
                     line,
                 )
-    if "gpu_mem_gib_per_device" in obj:
-        _number(line, obj, "gpu_mem_gib_per_device", minimum=1e-9)
+        if spec.get("gpus", 1) > capacity.get("gpu", 0):
+            raise TraceFormatError(
+                f"service {_shown(name)} needs {spec.get('gpus', 1):g} GPUs, more than the "
+                f"capacity's {capacity.get('gpu', 0):g}",
+                line,
+            )
+        if spec.get("gpu_mem_gib", 0) > per_device * spec.get("gpus", 1):
+            raise TraceFormatError(
+                f"service {_shown(name)}: `gpu_mem_gib` {spec['gpu_mem_gib']:g} is more than "
+                f"its GPUs hold ({per_device:g} GiB each, `gpu_mem_gib_per_device`)",
+                line,
+            )
     return capacity, dict(services)
 
 
@@ -328,7 +351,12 @@ def _action(
             raise TraceFormatError("an elastic action's `min` and `max` must be whole", line)
     else:
         raise TraceFormatError("an action needs `units`, or `min` and `max`", line)
-    limit = capacity[resource] if _is_held(resource) else max(1.0, capacity[resource])
+    if high > _MOST_UNITS:
+        raise TraceFormatError(f"`max` must be at most 2**53 (got {high:.3g})", line)
+    held = _is_held(resource)
+    if not held and high > low:  # a rate action takes one amount of tokens
+        raise TraceFormatError(f"an action on the rate {_shown(resource)} takes `units`", line)
+    limit = capacity[resource] if held else max(1.0, capacity[resource])
     if low > limit:
         raise TraceFormatError(f"needs {low:g} {resource}, more than the capacity {limit:g}", line)
     if "seconds_at_1" in obj:
@@ -348,9 +376,28 @@ def _action(
     service = obj.get("service")
     if service is not None and not isinstance(service, str):
         raise TraceFormatError(f"`service` must be a string (got {_shown(service)})", line)
-    if service is not None and service not in services:
-        raise TraceFormatError(f"`service` {_shown(service)} is not in the header's services", line)
+    if service is not None:
+        # Checked here, with the line, not where the simulator meets it halfway through.
+        if service not in services:
+            raise TraceFormatError(
+                f"`service` {_shown(service)} is not in the header's services", line
+            )
+        if resource != "gpu":
+            raise TraceFormatError("an action on a `service` needs `resource` gpu", line)
+        gpus = services[service].get("gpus", 1)
+        if low != high or low != gpus:
+            raise TraceFormatError(
+                f"an action on {_shown(service)} holds its replica's {gpus:g} GPUs "
+                f"(got {_shown(low if low == high else [low, high])})",
+                line,
+            )
     mem = _number(line, obj, "mem_gib") if "mem_gib" in obj else 0.0
+    if mem and resource == "mem":
+        raise TraceFormatError("an action on `mem` gives its amount once, not `mem_gib` too", line)
+    if mem and "mem" in capacity and mem > capacity["mem"]:
+        raise TraceFormatError(
+            f"`mem_gib` {mem:g} is more than the capacity's `mem` {capacity['mem']:g}", line
+        )
     return TraceAction(
         trajectory=trajectory,
         index=index,

@@ -22,7 +22,7 @@ from .._sim._family import member
 from .._sim._generate import WORKLOADS, GenerateConfig, generate_lines
 from .._sim._simulate import SimulationResult
 from .._sim._trace import Trace, read_lines, read_trace
-from ..errors import PlotUnavailableError, TraceFormatError
+from ..errors import PlotUnavailableError, TraceFormatError, UnknownResourceError
 from ._paths import STDIO, input_file, output_dir, output_file, plot_file, plot_format
 
 __all__ = [
@@ -492,6 +492,13 @@ def _simulate_command(args: argparse.Namespace) -> int:
     overrides: dict[str, float] = {}
     for part in args.capacity:
         overrides.update(part)
+    swept = args.sweep[0].removeprefix("capacity.") if args.sweep is not None else None
+    for kind in [*overrides, *([swept] if swept not in (None, "static-units") else [])]:
+        if kind not in trace.capacity:
+            # A typo (`cpus`, `CPU`) would leave the header's capacity in place, unsaid.
+            raise UnknownResourceError(
+                f"capacity {kind!r} is not the trace's (it has: {', '.join(trace.capacity)})"
+            )
     policies: list[str] = list(dict.fromkeys(args.policy))
     title = f"{trace.name or Path(where).name}: {len(trace.trajectories)} trajectories"
     # Whatever goes to standard output is the result; the table then goes beside it.
