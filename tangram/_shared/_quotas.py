@@ -320,7 +320,10 @@ class JobQuota:
         # that answers nothing (its loop blocked) is given a heartbeat beyond it, then the
         # same error is raised here.
         # (A deadline that is no number is the scheduler's to refuse, typed.)
-        deadline = request.extensions.get("tangram.deadline", self._spec[1].get("deadline"))
+        from .._quota._quota import DEADLINE_EXTENSION, DEFAULT_DEADLINE
+
+        default = self._spec[1].get("deadline", DEFAULT_DEADLINE)
+        deadline = request.extensions.get(DEADLINE_EXTENSION, default)
         limit = math.inf
         if isinstance(deadline, (int, float)) and not isinstance(deadline, bool):
             limit = max(0.0, real(deadline)) + self._remote._heartbeat
