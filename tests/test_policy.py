@@ -689,17 +689,18 @@ def test_a_nested_acquire_passes_the_starved_action_waiting_for_its_callers_unit
     """X, starved past the bound, waits for the one ``b`` that T holds; T asks, inside, for
     one of two free ``a`` to finish. The starved action kept everyone off every kind it
     needs, so T never got its ``a``, never gave back ``b``, and both waited for ever with
-    ``a`` idle (a hostile review). An action whose caller holds units is held back by no
-    reservation; any other still is."""
-    cap = parse_capacity({"a": 2, "b": 1})
+    ``a`` idle (a hostile review). An action whose caller holds units of a kind the
+    waiting one needs is held back by no reservation for it; any other still is."""
+    cap = parse_capacity({"a": 2, "b": 1, "c": 1})
     policy = ElasticPolicy(order=order, starvation_bound=10.0)  # type: ignore[arg-type]
     ledger = Ledger(cap, policy, Estimator())
     outer = ledger.submit(make_action({"b": 1}, cap, seconds=1e3), 0.0)
     ledger.step(0.0)
     starved = ledger.submit(make_action({"a": 1, "b": 1}, cap, seconds=1.0), 0.0)
     late = ledger.submit(make_action({"a": 1}, cap, seconds=5.0), 20.0)
+    late.holding = frozenset({"c"})  # holding what the starved one does not need
     inner = ledger.submit(make_action({"a": 1}, cap, seconds=5.0), 20.0)
-    inner.holding = True  # as the runtime marks an acquire made while holding a lease
+    inner.holding = frozenset({"b"})  # as the runtime marks an acquire made holding ``b``
     ledger.step(20.0)
     assert inner.state == RUNNING
     assert late.state == starved.state == WAITING  # nobody else passes the starved one

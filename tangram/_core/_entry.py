@@ -64,9 +64,9 @@ class Entry:
         self.admitted_at = math.nan
         self.unit_time = 0.0
         self.deadline = math.inf
-        # Whether its caller holds units already (a nested acquire): no reservation for
-        # another action holds it back (see ``ElasticPolicy.plan``).
-        self.holding = False
+        # The kinds its caller holds units of already (a nested acquire): a reservation
+        # for an action needing one of them does not hold it back (``ElasticPolicy.plan``).
+        self.holding: frozenset[str] = frozenset()
         # Where the ledger files it in a priority-ordered line (None: arrival order), or
         # the run of actions alike to it that it waits in.
         self.key: tuple[int, float, int, Entry] | None = None

@@ -401,6 +401,7 @@ class ElasticPolicy:
         plan = Plan()
         newcomers: list[Entry] = []
         head: Entry | None = None
+        head_need: tuple[tuple[str, float], ...] = ()
         shadow: tuple[float, dict[str, float]] | None = None
         # Kinds an action starved past the bound needs and could not get: nobody who needs
         # any of them passes it. One who needs none of them cannot delay it (units of other
@@ -414,7 +415,11 @@ class ElasticPolicy:
         for entry in itertools.islice(state.waiting(state.open), self.window):
             need = entry.action.demand.minimum
             protected = now - entry.arrival > self.starvation_bound
-            if guarded and not entry.holding and any(kind in guarded for kind, _ in need):
+            if (
+                guarded
+                and not (entry.holding and entry.holding & guarded)
+                and any(kind in guarded for kind, _ in need)
+            ):
                 if protected:  # passed over, so what it needs is guarded as well
                     guarded.update(kind for kind, _ in need)
                 continue
@@ -426,7 +431,7 @@ class ElasticPolicy:
                     if scan.exhausted():
                         break
                     continue
-                head = entry
+                head, head_need = entry, need
                 wake = _rate_wait(state, scan, need)
                 if wake is not None:
                     plan.wake_at = wake
@@ -445,10 +450,10 @@ class ElasticPolicy:
                     if wake is not None and (plan.wake_at is None or wake < plan.wake_at):
                         plan.wake_at = wake
                 continue
-            if entry.holding:
-                # Its caller holds units, which the head or a starved action may be
-                # waiting for: kept waiting for them, it would never give them back (the
-                # priority inheritance of lock schedulers). It takes only what is free.
+            if entry.holding and any(kind in entry.holding for kind, _ in head_need):
+                # Its caller holds units of a kind the head needs, which the head may be
+                # waiting for: kept waiting, it would never give them back (the priority
+                # inheritance of lock schedulers). It takes only what is free.
                 scan.take(need)
                 newcomers.append(entry)
                 if scan.exhausted():

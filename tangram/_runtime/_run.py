@@ -315,7 +315,8 @@ class Runtime(RunMixin):
             check_own(own, action, wait_timeout, self._ledger, self._capacity)
         now = self._now()
         entry = self._ledger.submit(action, now)
-        entry.holding = bool(own)
+        if own:
+            entry.holding = frozenset(kind for held in own for kind in held.grant)
         lease = Lease(entry, now)
         lease._holder = task
         self._leases[entry] = lease
