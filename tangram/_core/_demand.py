@@ -24,20 +24,20 @@ from ._resources import Capacity, Resource, Shape, format_amount
 from ._units import parse_size
 from ._validate import real
 
-__all__ = ["Demand", "Elastic", "build_demand", "describe"]
+__all__ = ["MOST_UNITS", "Demand", "Elastic", "build_demand", "describe"]
 
 
 #: The most units an elastic bound may name. The ledger sums units as floats, which count
 #: whole units exactly only up to 2**53 (past about 10**308 not at all), and no resource
 #: has that many units to lend: a larger "no limit" is refused at the call, not met as an
 #: OverflowError halfway through an admission.
-_MOST_UNITS = 2**53
+MOST_UNITS = 2**53
 
 
 def _whole(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise DemandTypeError(f"`{attribute.name}` must be a whole number of units (got {value!r})")
-    if not 1 <= value <= _MOST_UNITS:
+    if not 1 <= value <= MOST_UNITS:
         raise InvalidDemandError(f"`{attribute.name}` must be >= 1 and <= 2**53 (got {value!r})")
 
 

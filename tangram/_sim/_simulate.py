@@ -29,7 +29,10 @@ from .._core._validate import number, seconds
 from ..errors import DemandTypeError, InvalidDemandError, InvalidSettingError, SettingTypeError
 from ._residency import Placement, Residency, ServiceSpec
 
-__all__ = ["ActionRecord", "SimulationResult", "Step", "simulate"]
+__all__ = ["DEFAULT_GPU_MEM_GIB", "ActionRecord", "SimulationResult", "Step", "simulate"]
+
+#: A GPU's memory where nobody says (``simulate``'s default, and a trace header's).
+DEFAULT_GPU_MEM_GIB = 80.0
 
 _ARRIVE, _FINISH, _WAKE, _SERVED = 0, 1, 2, 3
 
@@ -153,7 +156,7 @@ def simulate(
     estimates: Literal["exact", "learned"] = "exact",
     estimator: Estimator | None = None,
     services: Mapping[str, ServiceSpec] | None = None,
-    gpu_mem_gib_per_device: float = 80.0,
+    gpu_mem_gib_per_device: float = DEFAULT_GPU_MEM_GIB,
 ) -> SimulationResult:
     """Replay ``trajectories`` on ``capacity`` under ``policy`` in virtual time.
 

@@ -19,12 +19,12 @@ from typing import Any
 
 import attrs
 
-from .._core._demand import Elastic
+from .._core._demand import MOST_UNITS, Elastic
 from .._core._efficiency import Efficiency, Linear, efficiency_from_dict
 from .._core._resources import Rate
 from ..errors import InvalidDemandError, SettingTypeError, TraceFormatError
 from ._residency import ServiceSpec
-from ._simulate import Step
+from ._simulate import DEFAULT_GPU_MEM_GIB, Step
 
 __all__ = ["FORMAT", "Trace", "TraceAction", "read_lines", "read_trace"]
 
@@ -32,12 +32,6 @@ FORMAT = "tangram-trace/1"
 # Kinds held while an action runs; every other capacity kind is an API budget in requests
 # (or tokens) per second, and ``<kind>_concurrency`` its slots.
 _HELD = frozenset({"cpu", "gpu", "mem"})
-
-
-#: A GPU's memory where the header does not say (TRACES.md).
-DEFAULT_GPU_MEM_GIB = 80.0
-#: The most units an action may name: an ``Elastic`` bound's (see ``tangram.Elastic``).
-_MOST_UNITS = 2**53
 
 
 def _is_held(kind: str) -> bool:
@@ -351,7 +345,7 @@ def _action(
             raise TraceFormatError("an elastic action's `min` and `max` must be whole", line)
     else:
         raise TraceFormatError("an action needs `units`, or `min` and `max`", line)
-    if high > _MOST_UNITS:
+    if high > MOST_UNITS:
         raise TraceFormatError(f"`max` must be at most 2**53 (got {high:.3g})", line)
     held = _is_held(resource)
     if not held and high > low:  # a rate action takes one amount of tokens

@@ -492,8 +492,10 @@ def _simulate_command(args: argparse.Namespace) -> int:
     overrides: dict[str, float] = {}
     for part in args.capacity:
         overrides.update(part)
-    swept = args.sweep[0].removeprefix("capacity.") if args.sweep is not None else None
-    for kind in [*overrides, *([swept] if swept not in (None, "static-units") else [])]:
+    named = list(overrides)
+    if args.sweep is not None and args.sweep[0].startswith("capacity."):
+        named.append(args.sweep[0].removeprefix("capacity."))
+    for kind in named:
         if kind not in trace.capacity:
             # A typo (`cpus`, `CPU`) would leave the header's capacity in place, unsaid.
             raise UnknownResourceError(

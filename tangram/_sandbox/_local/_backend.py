@@ -188,13 +188,13 @@ class LocalBackend(SandboxBackend):
         python: str | None = None,
     ) -> None:
         self._cores = _core_ids(cores)
-        for name, value, kinds in (
-            ("root", root, (str, os.PathLike)),
-            ("bubblewrap", bubblewrap, (bool,)),
-            ("python", python, (str,)),
+        for name, value, kinds, said in (
+            ("root", root, (str, os.PathLike), "a path"),
+            ("bubblewrap", bubblewrap, bool, "a bool"),
+            ("python", python, str, "a string"),
         ):
             if value is not None and not isinstance(value, kinds):
-                raise SettingTypeError(f"`{name}` must be {_KINDS[kinds]} or None (got {value!r})")
+                raise SettingTypeError(f"`{name}` must be {said} or None (got {value!r})")
         whole("processes", processes, minimum=1)
         if not isinstance(uids, range) or not uids or uids.start < 1 or uids.step != 1:
             raise InvalidSettingError(
@@ -646,9 +646,6 @@ class _LocalHandle(SandboxHandle):
             # bubblewrap reports a command killed by signal n as 128 + n, as shells do.
             return attrs.evolve(result, exit_code=None, signal=code - 128, cpu_seconds=cpu)
         return attrs.evolve(result, cpu_seconds=cpu)
-
-
-_KINDS = {(str, os.PathLike): "a path", (bool,): "a bool", (str,): "a string"}
 
 
 def _core_ids(cores: Sequence[int] | None) -> tuple[int, ...]:
