@@ -156,11 +156,25 @@ def test_demands_are_checked_before_anything_runs() -> None:
         ({"seconds_at_1": 1.0, "gap": -0.5}, ValueError),
         ({"seconds_at_1": 1.0, "gap": math.nan}, ValueError),
         ({"seconds_at_1": 1.0, "efficiency": 0.9}, TypeError),
+        # Past the clock's precision: a 1 s run after a gap of 1e308 took 0 s.
+        ({"seconds_at_1": 1.0, "gap": 1e308}, ValueError),
+        ({"seconds_at_1": 1e8}, ValueError),
     ],
 )
 def test_step_validation(kwargs: dict[str, object], error: type[Exception]) -> None:
     with pytest.raises(error):
         Step(demand={"cpu": 1}, **kwargs)  # type: ignore[arg-type]
+
+
+def test_the_longest_step_keeps_its_run() -> None:
+    """At the longest gap allowed, a 1 s run still takes its second on the clock."""
+    longest = ServiceSpec(name="judge", restore_seconds=1e7)
+    assert longest.restore_seconds == 1e7
+    with pytest.raises(ValueError, match="at most 1e\\+07 seconds"):
+        ServiceSpec(name="judge", restore_seconds=1e308)
+    step = Step(demand={"cpu": 1}, seconds_at_1=1.0, gap=1e7)
+    result = simulate({"t": [step, step]}, {"cpu": 1})
+    assert [r.act for r in result.records] == [1.0, 1.0]
 
 
 # -- properties on random workloads ------------------------------------------------------

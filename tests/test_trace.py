@@ -139,6 +139,9 @@ def test_a_trace_replays_through_the_simulator() -> None:
         (json.dumps(action(resource="mem", min=2, max=2, mem_gib=1)), "not `mem_gib` too"),
         (json.dumps(action(service="judge")), "needs `resource` gpu"),
         (json.dumps(action(resource="gpu", min=2, max=2, service="judge")), "1 GPUs (got 2"),
+        # A time past the clock's precision rounded the runs after it away (ACT 0):
+        (json.dumps(action(gap=1e308)), "`gap` must be at most 1e+07"),
+        (json.dumps({**action(), "seconds_at_1": 1e8}), "`seconds_at_1` must be at most 1e+07"),
     ],
 )
 def test_malformed_lines_name_their_line_and_reason(bad: str, reason: str) -> None:
@@ -159,6 +162,12 @@ def test_header_errors() -> None:
         read_trace(["# nothing", ""])
     with pytest.raises(TraceFormatError, match="line 3: trajectory 't0' has index 0 twice"):
         read_trace(lines(action(), action()))
+    # A null name became the trace named "None" (a review).
+    with pytest.raises(TraceFormatError, match="line 1: `name` must be a string"):
+        read_trace([json.dumps({**HEADER, "name": None})])
+    long_restore = {**HEADER, "services": {"judge": {"restore_seconds": 1e308}}}
+    with pytest.raises(TraceFormatError, match="`restore_seconds` must be at most"):
+        read_trace([json.dumps(long_restore)])
 
 
 def test_services_become_gpu_services_and_service_steps() -> None:

@@ -26,12 +26,17 @@ import attrs
 from .._core import _placement as rules
 from .._core._validate import non_negative, whole
 from ..errors import InvalidSettingError
+from ._clock import duration
 
 __all__ = ["ServiceSpec", "Placement", "Residency"]
 
 
 def _count(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
     whole(attribute.name, value, minimum=1)
+
+
+def _duration(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
+    duration(attribute.name, value)
 
 
 @attrs.frozen(kw_only=True)
@@ -47,7 +52,7 @@ class ServiceSpec:
     name: str
     gpus: int = attrs.field(default=1, validator=_count)
     gpu_mem_gib: float = attrs.field(default=0.0, validator=non_negative)
-    restore_seconds: float = attrs.field(default=0.0, validator=non_negative)
+    restore_seconds: float = attrs.field(default=0.0, validator=_duration)
     max_batch: int = attrs.field(default=1, validator=_count)
 
     @property

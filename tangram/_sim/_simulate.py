@@ -25,8 +25,9 @@ from .._core._ledger import Ledger
 from .._core._policy import RUNNING, ElasticPolicy, Entry, Policy
 from .._core._resources import Capacity, parse_capacity
 from .._core._stats import nearest_rank
-from .._core._validate import number, seconds
+from .._core._validate import number
 from ..errors import DemandTypeError, InvalidDemandError, InvalidSettingError, SettingTypeError
+from ._clock import duration
 from ._residency import Placement, Residency, ServiceSpec
 
 __all__ = ["DEFAULT_GPU_MEM_GIB", "ActionRecord", "SimulationResult", "Step", "simulate"]
@@ -38,8 +39,9 @@ _ARRIVE, _FINISH, _WAKE, _SERVED = 0, 1, 2, 3
 
 
 def _seconds(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
-    # A negative or NaN time would move the virtual clock backwards or stall it.
-    seconds(attribute.name, value)
+    # A negative or NaN time would move the virtual clock backwards or stall it, and a
+    # huge one round every later time away.
+    duration(attribute.name, value)
 
 
 def _step_efficiency(

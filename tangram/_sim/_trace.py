@@ -23,6 +23,7 @@ from .._core._demand import MOST_UNITS, Elastic
 from .._core._efficiency import Efficiency, Linear, efficiency_from_dict
 from .._core._resources import Rate
 from ..errors import InvalidDemandError, SettingTypeError, TraceFormatError
+from ._clock import LONGEST_SECONDS
 from ._residency import ServiceSpec
 from ._simulate import DEFAULT_GPU_MEM_GIB, Step
 
@@ -201,7 +202,7 @@ def _parse(lines: Iterable[tuple[int, str | bytes]]) -> Trace:
         raise TraceFormatError("the trace is empty: the first line must be the header", 0)
     per_device = header.get("gpu_mem_gib_per_device", DEFAULT_GPU_MEM_GIB)
     return Trace(
-        name=str(header.get("name", "")),
+        name=header.get("name", ""),
         capacity=capacity,
         services=services,
         gpu_mem_gib_per_device=float(per_device),
@@ -249,7 +250,14 @@ def _cut(text: str, limit: int = 120) -> str:
     return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
-def _number(line: int, obj: Mapping[str, Any], key: str, *, minimum: float = 0.0) -> float:
+def _number(
+    line: int,
+    obj: Mapping[str, Any],
+    key: str,
+    *,
+    minimum: float = 0.0,
+    maximum: float = math.inf,
+) -> float:
     value = obj[key]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TraceFormatError(f"`{key}` must be a number (got {_shown(value)})", line)
@@ -261,7 +269,17 @@ def _number(line: int, obj: Mapping[str, Any], key: str, *, minimum: float = 0.0
         raise TraceFormatError(
             f"`{key}` must be finite and >= {minimum:g} (got {_shown(value)})", line
         )
+    if number > maximum:
+        raise TraceFormatError(
+            f"`{key}` must be at most {maximum:g} (got {_shown(value)}): the simulated clock "
+            "would round shorter times away",
+            line,
+        )
     return number
+
+
+def _seconds(line: int, obj: Mapping[str, Any], key: str) -> float:
+    return _number(line, obj, key, maximum=LONGEST_SECONDS)
 
 
 def _header(line: int, obj: Mapping[str, Any]) -> tuple[dict[str, float], dict[str, Any]]:
@@ -269,6 +287,8 @@ def _header(line: int, obj: Mapping[str, Any]) -> tuple[dict[str, float], dict[s
         raise TraceFormatError(
             f'the header must say "format": "{FORMAT}" (got {_shown(obj.get("format"))})', line
         )
+    if not isinstance(obj.get("name", ""), str):
+        raise TraceFormatError(f"`name` must be a string (got {_shown(obj['name'])})", line)
     raw = obj.get("capacity")
     if not isinstance(raw, dict) or not raw:
         raise TraceFormatError("the header needs a non-empty `capacity` object", line)
@@ -286,9 +306,12 @@ def _header(line: int, obj: Mapping[str, Any]) -> tuple[dict[str, float], dict[s
             raise TraceFormatError("a service needs a non-empty name", line)
         if not isinstance(spec, dict):
             raise TraceFormatError(f"service {_shown(name)} must be an object", line)
-        for key in ("gpus", "gpu_mem_gib", "restore_seconds", "cold_start_seconds"):
+        for key in ("gpus", "gpu_mem_gib"):
             if key in spec:
                 _number(line, spec, key)
+        for key in ("restore_seconds", "cold_start_seconds"):
+            if key in spec:
+                _seconds(line, spec, key)
         for key in ("gpus", "max_batch"):
             count = spec.get(key, 1)
             if key in spec:
@@ -354,11 +377,11 @@ def _action(
     if low > limit:
         raise TraceFormatError(f"needs {low:g} {resource}, more than the capacity {limit:g}", line)
     if "seconds_at_1" in obj:
-        seconds = _number(line, obj, "seconds_at_1")
+        seconds = _seconds(line, obj, "seconds_at_1")
     elif "seconds" in obj:
         if high > low:
             raise TraceFormatError("an elastic action needs `seconds_at_1`, not `seconds`", line)
-        seconds = _number(line, obj, "seconds")
+        seconds = _seconds(line, obj, "seconds")
     else:
         raise TraceFormatError("an action needs `seconds_at_1` (or `seconds` if rigid)", line)
     efficiency: Efficiency = Linear()
@@ -395,7 +418,7 @@ def _action(
     return TraceAction(
         trajectory=trajectory,
         index=index,
-        gap=_number(line, obj, "gap"),
+        gap=_seconds(line, obj, "gap"),
         kind=kind,
         resource=resource,
         min=low,
