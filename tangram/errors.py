@@ -19,6 +19,7 @@ already catch, so ``except ValueError`` around a bad demand keeps working::
     ├── NoCurrentRuntimeError (RuntimeError) ``tangram.acquire`` outside ``async with runtime``
     ├── AcquireReusedError (RuntimeError)    your code entered one ``acquire(...)`` twice
     ├── SelfDeadlockError (RuntimeError)     the task's own leases keep its demand from fitting
+    ├── PolicyError (RuntimeError)           your own policy's plan broke the ledger's rules
     ├── LeaseNotResizableError (RuntimeError)  ``wait_resized`` on a lease never resized
     ├── LeaseReleasedError (RuntimeError)    ``wait_resized`` on a lease no longer held
     ├── InstrumentNotAttachedError (KeyError)  removing an instrument that is not attached
@@ -69,6 +70,7 @@ __all__ = [
     "LeaseReleasedError",
     "NoCurrentRuntimeError",
     "PlotUnavailableError",
+    "PolicyError",
     "QuotaDeadlineError",
     "RuntimeClosedError",
     "SandboxBrokenError",
@@ -191,6 +193,16 @@ class SelfDeadlockError(TangramError, RuntimeError):
     wait forever. Raised at the acquire, before anything is queued (or, for an action
     already waiting, when ``Runtime.set_capacity`` lowers the capacity below that sum).
     Ask for everything in one demand, or release the outer lease first.
+    """
+
+
+class PolicyError(TangramError, RuntimeError):
+    """A scheduling policy's plan broke a rule the ledger keeps: it admitted an action
+    twice or one not waiting, gave units outside an elastic range, or granted more than
+    was free. Nothing of that plan was applied; the pass that asked for it fails.
+
+    Raised only by a policy of one's own (tangram's are checked against these rules by
+    the test suite). Where the runtime's own pass raised it, the runtime stops with it.
     """
 
 

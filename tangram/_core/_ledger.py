@@ -11,6 +11,7 @@ from collections.abc import Collection, Iterator
 
 from ._action import Action
 from ._estimator import Estimator
+from ._plan_check import check_plan
 from ._policy import DONE, RUNNING, WAITING, Entry, Plan, Policy, Split
 from ._queue import Queue
 from ._resources import Capacity, Shape
@@ -190,6 +191,7 @@ class Ledger:
         if self._queue.next_due() <= now:
             self._queue.fall_due(now)
         plan = self.policy.plan(self)
+        check_plan(plan, self.policy, self.free, self.tokens)
         # Shrinks before grows and admissions: applied in the plan's order, a grow listed
         # before the shrink that makes room for it would briefly hold more than the
         # capacity (and count it in ``peak``).

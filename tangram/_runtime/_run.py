@@ -39,6 +39,7 @@ from ..errors import (
     CapacityExceededError,
     InvalidCapacityError,
     NoCurrentRuntimeError,
+    PolicyError,
     RuntimeClosedError,
     SelfDeadlockError,
     SettingTypeError,
@@ -142,6 +143,7 @@ class Runtime(RunMixin):
         self._holders: dict[object, list[Lease]] = {}
         self._task_of: Callable[[], object] = asyncio.current_task
         self._planning = False
+        self._stopped_by: PolicyError | None = None  # the policy's fault that closed it
         self._decisions = 0
         self._decision_seconds = 0.0
         self._wake_at: float | None = None
@@ -210,6 +212,29 @@ class Runtime(RunMixin):
         for entry, lease in list(self._leases.items()):
             if entry.state == WAITING:
                 error = RuntimeClosedError("the runtime closed while this action was waiting")
+                self._fail_waiting(lease, error, now)
+
+    def _stop(self, fault: Exception) -> None:
+        """Close the runtime on a pass its policy failed, waking every waiter with why.
+
+        The policy would fail the next pass the same way, and a waiter left waiting for
+        it would wait forever; a fault raised from the timer's pass would instead cancel
+        the body of ``async with runtime``. Running actions keep their grants and give
+        them back as they end; new acquires raise :class:`RuntimeClosedError`.
+        """
+        if isinstance(fault, PolicyError):
+            why = str(fault)
+        else:
+            name = type(self._policy).__name__
+            why = f"policy {name} raised {fault!r}; nothing of its plan was applied"
+        logger.error("the runtime stopped: %s", why, exc_info=fault)
+        self._stopped_by = PolicyError(why)
+        self._state = _State.CLOSED
+        now = self._ledger.now
+        for entry, lease in list(self._leases.items()):
+            if entry.state == WAITING:
+                error = PolicyError(why)
+                error.__cause__ = fault
                 self._fail_waiting(lease, error, now)
 
     def _fail_waiting(self, lease: Lease, error: BaseException, now: float) -> None:
@@ -308,7 +333,9 @@ class Runtime(RunMixin):
     async def _enter(self, action: Action, wait_timeout: float | None, epoch: int) -> Lease:
         await self._checkpoint_if_cancelled()
         if self._state is not _RUNNING:
-            raise RuntimeClosedError(f"the runtime is {self._state.value}, not running")
+            raise RuntimeClosedError(
+                f"the runtime is {self._state.value}, not running"
+            ) from self._stopped_by
         task = self._task_of()
         own = self._holders.get(task)
         if own:
@@ -345,6 +372,8 @@ class Runtime(RunMixin):
             self._defer()
         else:
             self._reschedule(now)  # nobody ahead: an uncontended acquire starts at once
+        if lease._error is not None:  # that pass stopped the runtime (its policy's fault)
+            raise lease._error
         if entry.state == RUNNING:
             try:
                 await self._shielded_checkpoint()
@@ -432,6 +461,9 @@ class Runtime(RunMixin):
             plan = self._ledger.step(self._now() if now is None else now)
             self._decisions += 1
             self._decision_seconds += time.perf_counter() - started
+        except Exception as exc:
+            self._stop(exc)
+            return
         finally:
             self._planning = False
         leases = self._leases
