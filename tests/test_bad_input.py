@@ -243,6 +243,19 @@ _CALLS: list[tuple[str, Callable[[], object], type[errors.TangramError], str]] =
         "0",
     ),
     ("run NUL", _in_sandbox(lambda s: s.run("a\0b")), errors.InvalidSettingError, "NUL"),
+    # A lone surrogate (JSON's "\ud800") raised a bare UnicodeEncodeError from the spawn,
+    # after the cores were granted (a review of the adapters): each way text reaches it.
+    *(
+        (f"run {name} surrogate", _in_sandbox(call), errors.InvalidSettingError, "surrogate")
+        for name, call in [
+            ("code", lambda s: s.run(code="print('\ud800')")),
+            ("command", lambda s: s.run("echo \ud800")),
+            ("argv", lambda s: s.run(["echo", "\ud800"])),
+            ("env", lambda s: s.run("true", env={"A": "\ud800"})),
+            ("stdin", lambda s: s.run("cat", stdin="\ud800")),
+            ("put", lambda s: s.put("x", "\ud800")),
+        ]
+    ),
     ("run env 3", _in_sandbox(lambda s: s.run("true", env={"A": 3})), errors.SettingTypeError, "3"),
     ("put ../x", _in_sandbox(lambda s: s.put("../x", b"")), errors.InvalidSettingError, "'../x'"),
     ("get 3", _in_sandbox(lambda s: s.get(3)), errors.SettingTypeError, "3"),

@@ -44,7 +44,7 @@ from .._runtime._group import Gate
 from .._runtime._run import _enter_current, _exit_current
 from .._sandbox._backend import SandboxBackend, backend_class
 from .._sandbox._pool import SandboxPool
-from ..errors import InvalidSettingError
+from ..errors import InvalidSettingError, SettingTypeError
 from ._config import (
     ENV_VAR,
     Config,
@@ -214,7 +214,16 @@ def check(path: str | os.PathLike[str] | None = None, *, needs: tuple[str, ...] 
 
     :raises ConfigError: no config, an unreadable or invalid one, a table missing, or a
         job's scheduler that refuses this worker.
+    :raises InvalidSettingError: ``needs`` names what is not a table (``SettingTypeError``
+        for a plain string, whose letters it would otherwise check one by one).
     """
+    if isinstance(needs, str) or not all(isinstance(need, str) for need in needs):
+        raise SettingTypeError(f"`needs` must be a tuple of table names (got {needs!r})")
+    for need in needs:
+        if need not in ("sandbox", "gpu") and not (need.startswith("quota.") and need[6:]):
+            raise InvalidSettingError(
+                f"`needs` names 'sandbox', 'gpu' or 'quota.NAME' tables (got {need!r})"
+            )
     config = config_for(path)
     where = config.source or "the tangram config"
     for need in needs:

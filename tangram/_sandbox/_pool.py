@@ -569,7 +569,7 @@ class Sandbox:
         seconds = (
             self._pool.timeout if timeout is None else _seconds("timeout", timeout, strict=True)
         )
-        data = stdin.encode() if isinstance(stdin, str) else (stdin or b"")
+        data = _utf8("`stdin`", stdin) if isinstance(stdin, str) else (stdin or b"")
         if not isinstance(data, bytes):
             raise SettingTypeError(f"`stdin` must be bytes or str (got {stdin!r})")
         variables = dict(env or {})
@@ -592,7 +592,7 @@ class Sandbox:
 
         :raises SandboxBrokenError: the sandbox died; the pool replaces it.
         """
-        payload = data.encode() if isinstance(data, str) else data
+        payload = _utf8("`data`", data) if isinstance(data, str) else data
         async with self._lock:
             self._check()
             try:
@@ -629,18 +629,35 @@ def _exec_safe(argv: tuple[str, ...], env: Mapping[str, str]) -> None:
     A NUL byte in model-written code cannot reach a process: caught in the sandbox it
     cost a round trip and, before the runner answered cancels while idle, the sandbox.
 
-    :raises InvalidSettingError: a NUL byte in an argument or the environment, or an empty name.
+    A lone surrogate (``"\\ud800"``, which JSON may carry) cannot be encoded for one: it
+    raised a bare ``UnicodeEncodeError`` from the spawn, after the cores were granted.
+
+    :raises InvalidSettingError: a NUL byte or text that is not UTF-8 in an argument or the
+        environment, or an empty name.
     """
     for part in argv:
         if "\0" in part:
             raise InvalidSettingError(
                 f"the command or code contains a NUL byte (got {part[:80]!r})"
             )
+        _utf8("the command or code", part)
     for key, value in env.items():
         if not key or "\0" in key or "\0" in value:
             raise InvalidSettingError(
                 f"`env` names must be non-empty, without NUL bytes (got {key!r})"
             )
+        _utf8("`env`", key + value)
+
+
+def _utf8(name: str, text: str) -> bytes:
+    """``text`` as UTF-8, or a typed error naming where the lone surrogate is."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidSettingError(
+            f"{name} is not UTF-8 text (a lone surrogate "
+            f"{text[exc.start : exc.end]!r} at character {exc.start})"
+        ) from None
 
 
 def _relative(path: str) -> str:

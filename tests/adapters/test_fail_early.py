@@ -53,7 +53,13 @@ with warnings.catch_warnings():
 import tangram  # noqa: E402
 from tangram._frameworks import _failures, _session  # noqa: E402
 from tangram.config import ConfigError  # noqa: E402
-from tangram.errors import SandboxBrokenError, UnscoredSampleError  # noqa: E402
+from tangram import integrations  # noqa: E402
+from tangram.errors import (  # noqa: E402
+    InvalidSettingError,
+    SandboxBrokenError,
+    SettingTypeError,
+    UnscoredSampleError,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -108,6 +114,28 @@ def test_a_config_without_the_pool_a_tool_needs_fails_at_start(
     monkeypatch.setenv("TANGRAM_CONFIG", str(path))
     with pytest.raises(ConfigError, match=r"no \[sandbox\] table"):
         initialize_tools_from_config(str(TOOLS_YAML))
+
+
+@pytest.mark.parametrize(
+    ("needs", "error"),
+    [
+        ("sandbox", SettingTypeError),  # its letters were checked one by one: none a table
+        (("sandboxes",), InvalidSettingError),  # a typo passed for satisfied
+        (("quota.",), InvalidSettingError),
+        ((3,), SettingTypeError),
+    ],
+)
+def test_a_need_that_names_no_table_is_refused(
+    tmp_path: Path, needs: Any, error: type[Exception]
+) -> None:
+    """``check(needs=...)`` is what fails a worker at start; one it cannot read checked
+    nothing, so the worker started and every call failed later (a review)."""
+    path = tmp_path / "tangram.toml"
+    path.write_text('mode = "local"\n[capacity]\nsearch = 2\n')  # no [sandbox]
+    with pytest.raises(error, match="`needs`"):
+        integrations.check(path, needs=needs)
+    with pytest.raises(ConfigError, match=r"no \[sandbox\] table"):
+        integrations.check(path, needs=("sandbox",))
 
 
 @pytest.mark.parametrize("piece", ["verl tool", "verl reward", "openrlhf reward"])
