@@ -51,9 +51,9 @@ with warnings.catch_warnings():
     from verl.tools.tool_registry import initialize_tools_from_config
 
 import tangram  # noqa: E402
+from tangram import integrations  # noqa: E402
 from tangram._frameworks import _failures, _session  # noqa: E402
 from tangram.config import ConfigError  # noqa: E402
-from tangram import integrations  # noqa: E402
 from tangram.errors import (  # noqa: E402
     InvalidSettingError,
     SandboxBrokenError,
