@@ -13,11 +13,13 @@ same few parts each time, all of them here:
   :func:`check` where the framework builds the adapter's objects, so a bad set-up fails
   the worker at start, not every call after it. :func:`portal_call` runs a coroutine
   from a synchronous hook the framework calls in a worker thread.
-- **Demands and results in the framework's shapes** (:func:`cpu_demand`,
-  :func:`demand_of`, :func:`extract_code`, :func:`format_result`,
-  :func:`result_metrics`): a YAML's ``cpu: {min: 1, max: 4}`` as a demand, checked and
-  naming where it came from; a sandbox's result as the text the model reads back and as
-  the numbers the framework logs.
+- **Settings, demands and results in the framework's shapes** (:func:`cpu_demand`,
+  :func:`demand_of`, :func:`flag_of`, :func:`seconds_of`, :func:`count_of`,
+  :func:`text_of`, :func:`extract_code`, :func:`format_result`, :func:`result_metrics`):
+  a YAML's ``cpu: {min: 1, max: 4}`` as a demand and its ``partial: false`` or
+  ``timeout: 30`` as what they say, checked where the adapter is built and naming where
+  they came from (a quoted ``"false"`` is a ``ConfigError``, never true); a sandbox's
+  result as the text the model reads back and as the numbers the framework logs.
 - **The rule for tangram's own failures** (:func:`is_infrastructure`, :func:`record`): a
   command that fails is the model's result and goes back to the model; tangram failing
   under it (the scheduler gone, a sandbox that died) is not, and must reach the
@@ -41,11 +43,15 @@ tangram`` does not import this module.
 from __future__ import annotations
 
 from ._core._exports import publish as _publish
+from ._frameworks._convert import count_of as count_of
 from ._frameworks._convert import cpu_demand as cpu_demand
 from ._frameworks._convert import demand_of as demand_of
 from ._frameworks._convert import extract_code as extract_code
+from ._frameworks._convert import flag_of as flag_of
 from ._frameworks._convert import format_result as format_result
 from ._frameworks._convert import result_metrics as result_metrics
+from ._frameworks._convert import seconds_of as seconds_of
+from ._frameworks._convert import text_of as text_of
 from ._frameworks._failures import is_infrastructure as is_infrastructure
 from ._frameworks._failures import record as record
 from ._frameworks._metrics import is_level as is_level
@@ -72,9 +78,11 @@ __all__ = [
     "aclose",
     "check",
     "config_for",
+    "count_of",
     "cpu_demand",
     "demand_of",
     "extract_code",
+    "flag_of",
     "format_result",
     "grade",
     "is_infrastructure",
@@ -85,8 +93,10 @@ __all__ = [
     "record",
     "release_later",
     "result_metrics",
+    "seconds_of",
     "session",
     "step_logs",
+    "text_of",
 ]
 
 _publish("tangram.integrations", globals())

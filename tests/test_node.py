@@ -8,6 +8,7 @@ runs model code in sandboxes of the node's agent: tangram's local backend, for r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -335,6 +336,68 @@ async def test_a_steps_figures_come_from_the_jobs_scheduler(job: dict[str, str])
     assert set(after) == set(before)  # fixed keys: the frameworks stack the dicts
     assert after["tangram/actions"] >= 1
     assert any(k.startswith("tangram/unit_s/cpu@") and v > 0 for k, v in after.items())
+
+
+STEP_WORKER = """
+import asyncio, json, sys
+from tangram._frameworks._metrics import step_logs
+from tangram._frameworks._session import aclose, session
+
+async def main():
+    loop = asyncio.get_running_loop()
+    try:
+        async with session() as r:
+            await step_logs(r.scheduler, r, ("sandbox",))
+            print("READY", flush=True)
+            line = await loop.run_in_executor(None, sys.stdin.readline)
+            if line.strip() == "run":
+                async with r.sandbox_pool().sandbox("s") as sbx:
+                    await sbx.run(code="print(1)", cpu=1)
+            print(json.dumps(await step_logs(r.scheduler, r, ("sandbox",))), flush=True)
+    finally:
+        await aclose()
+
+asyncio.run(main())
+"""
+
+
+def _end(worker: subprocess.Popen[str]) -> None:
+    try:
+        worker.wait(30)
+    except subprocess.TimeoutExpired:
+        worker.kill()
+
+
+def test_the_samples_of_every_worker_add_up_to_what_the_job_did(job: dict[str, str]) -> None:
+    """Each worker read the job's scheduler against a baseline of its own, so every
+    worker's samples carried every action: two workers, one sandbox action, and the
+    samples added up to two (a review). The baseline is now the job's."""
+    outs = []
+    with contextlib.ExitStack() as stack:
+        workers = [
+            stack.enter_context(
+                subprocess.Popen(
+                    [sys.executable, "-c", STEP_WORKER],
+                    env=job,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+            )
+            for _ in range(2)
+        ]
+        for worker in workers:
+            stack.callback(_end, worker)
+        for worker in workers:
+            assert worker.stdout is not None and worker.stdout.readline().strip() == "READY"
+        for worker, say in zip(workers, ("run", "idle"), strict=True):
+            assert worker.stdin is not None and worker.stdout is not None
+            worker.stdin.write(say + "\n")
+            worker.stdin.flush()
+            outs.append(json.loads(worker.stdout.readline()))
+    assert [out["tangram/actions/sandbox"] for out in outs] == [1, 0]
+    exec_s = [out["tangram/exec_s/sandbox"] for out in outs]
+    assert exec_s[0] > 0 and exec_s[1] == 0
 
 
 @pytest.mark.anyio

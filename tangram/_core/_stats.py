@@ -45,13 +45,18 @@ COMPLETED, FAILED, CANCELLED = Outcome.COMPLETED, Outcome.FAILED, Outcome.CANCEL
 
 @attrs.frozen
 class Summary:
-    """Mean and quantiles of a duration, in seconds (NaN when there is no sample)."""
+    """Mean and quantiles of a duration, in seconds (NaN when there is no sample).
+
+    ``total`` is the sum, kept as it ran: ``mean * count`` rounds, and could come out a
+    step lower after a zero was added, which a reader of changes took for a restart.
+    """
 
     count: int
     mean: float
     p50: float
     p95: float
     p99: float
+    total: float = 0.0
 
     @classmethod
     def of(cls, samples: deque[float], count: int, total: float) -> Summary:
@@ -66,6 +71,7 @@ class Summary:
             nearest_rank(ordered, 0.50),
             nearest_rank(ordered, 0.95),
             nearest_rank(ordered, 0.99),
+            total,
         )
 
 

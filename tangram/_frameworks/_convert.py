@@ -7,15 +7,26 @@ demands are checked here, naming where they came from, before any call is schedu
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 from .._core._demand import Elastic
 from .._sandbox._backend import RunResult
 from ..errors import ConfigError
 
-__all__ = ["cpu_demand", "demand_of", "extract_code", "format_result", "result_metrics"]
+__all__ = [
+    "count_of",
+    "cpu_demand",
+    "demand_of",
+    "extract_code",
+    "flag_of",
+    "format_result",
+    "result_metrics",
+    "seconds_of",
+    "text_of",
+]
 
 
 def cpu_demand(value: object, where: str) -> int | Elastic:
@@ -23,27 +34,80 @@ def cpu_demand(value: object, where: str) -> int | Elastic:
 
     :raises ConfigError: anything else, naming ``where``.
     """
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+    if _whole(value) and value >= 1:
         return value
     if isinstance(value, Mapping):
         unknown = sorted(set(value) - {"min", "max", "resizable"})
         if unknown:
             raise ConfigError(f"{where}: unknown key(s) {unknown} in `cpu`")
-        try:
-            return Elastic(
-                int(value.get("min", 1)),
-                int(value["max"]),
-                resizable=bool(value.get("resizable", False)),
+        low, high = value.get("min", 1), value.get("max")
+        # int(1.9) was 1 and int(inf) an OverflowError: bounds are whole, as a rigid
+        # count is, and a flag is a boolean (bool("false") is True).
+        if not (_whole(low) and _whole(high)):
+            raise ConfigError(
+                f"{where}: `cpu` needs whole `min` and `max` (got {low!r} and {high!r})"
             )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ConfigError(f"{where}: `cpu` needs a whole `max` >= `min` ({exc})") from exc
-    raise ConfigError(f"{where}: `cpu` must be a core count or {{min, max}} (got {value!r})")
+        resizable = flag_of(value.get("resizable", False), f"{where}: `cpu.resizable`")
+        try:
+            return Elastic(low, high, resizable=resizable)
+        except ValueError as exc:
+            raise ConfigError(f"{where}: `cpu`: {exc}") from exc
+    raise ConfigError(f"{where}: `cpu` must be a core count or {{min, max}} (got {value!r:.80})")
+
+
+def _whole(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def flag_of(value: object, where: str) -> bool:
+    """A yes/no setting: ``true`` or ``false`` as the file writes them, never a string
+    (``bool("false")`` is True, so a quoted flag turned a setting on).
+
+    :raises ConfigError: anything but a boolean, naming ``where``.
+    """
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where} must be true or false (got {value!r:.80})")
+    return value
+
+
+def seconds_of(value: object, where: str) -> float | None:
+    """A time limit in seconds (> 0 and finite), or ``None`` for none.
+
+    :raises ConfigError: a string, a bool, zero, a negative or a non-finite number.
+    """
+    if value is None:
+        return None
+    if _whole(value) or isinstance(value, float):
+        seconds = float(value) if abs(value) < 2**1023 else math.inf
+        if math.isfinite(seconds) and seconds > 0:
+            return seconds
+    raise ConfigError(f"{where} must be a number of seconds > 0 (got {value!r:.80})")
+
+
+def count_of(value: object, where: str) -> int:
+    """A whole number >= 1 (turns, tests).
+
+    :raises ConfigError: anything else, a numeric string included.
+    """
+    if _whole(value) and value >= 1:
+        return value
+    raise ConfigError(f"{where} must be a whole number >= 1 (got {value!r:.80})")
+
+
+def text_of(value: object, where: str) -> str:
+    """A non-empty string (an action kind, a parameter's name).
+
+    :raises ConfigError: anything else.
+    """
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{where} must be a non-empty string (got {value!r:.80})")
+    return value
 
 
 def demand_of(value: object, where: str) -> dict[str, object]:
     """A demand table (``{search: 1, cpu: {min: 1, max: 4}}``) as ``acquire`` takes it."""
     if not isinstance(value, Mapping) or not value:
-        raise ConfigError(f"{where}: `demand` must be a non-empty table (got {value!r})")
+        raise ConfigError(f"{where}: `demand` must be a non-empty table (got {value!r:.80})")
     demand: dict[str, object] = {}
     for name, amount in value.items():
         demand[str(name)] = cpu_demand(amount, where) if isinstance(amount, Mapping) else amount

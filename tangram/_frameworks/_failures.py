@@ -30,13 +30,20 @@ def is_infrastructure(exc: BaseException) -> bool:
     Everything tangram raises on purpose is a :class:`~tangram.errors.TangramError`; an
     ``OSError`` reaching an adapter from a sandbox operation is the host failing (a full
     disk, a vanished daemon socket), since the model's code runs in a process of its own.
-    A bad argument is not (:class:`~tangram.errors.InvalidDemandError`,
-    :class:`~tangram.errors.InvalidSettingError`): it is the call's, and the arguments of
-    a tool call are the model's (a NUL byte in its code, code that is not a string). As an
-    infrastructure failure it would stop the training step, a stop the model could
-    trigger at will; as the tool's error it is an answer the model sees, as any tool's.
+    A bad argument (:class:`~tangram.errors.InvalidSettingError`) is not: it is the
+    call's, and the arguments of a tool call are the model's (a NUL byte in its code, code
+    that is not a string). As an infrastructure failure it would stop the training step, a
+    stop the model could trigger at will; as the tool's error it is an answer the model
+    sees, as any tool's. Adapters check their own settings where they are built, so what
+    reaches a call is the model's. A demand that cannot be served
+    (:class:`~tangram.errors.InvalidDemandError`: more cores than the node has, a resource
+    the config lacks) is tangram's: an adapter's demands come from its config or code,
+    never from the model, and shown to the model it trained the policy on a set-up
+    mistake while every call failed.
     """
-    if isinstance(exc, (InvalidDemandError, InvalidSettingError)):
+    if isinstance(exc, InvalidDemandError):
+        return True
+    if isinstance(exc, InvalidSettingError):
         return False
     return isinstance(exc, (TangramError, OSError))
 

@@ -20,7 +20,6 @@ loop (``anyio.from_thread``), never from the scrape's thread.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -115,21 +114,26 @@ def _many(name: str, kind: str, value: Any, accept: Any) -> tuple[Any, ...]:
 # -- the flat totals a step's dict is made of ------------------------------------------------
 
 
-def _total(count: int, mean: float) -> float:
-    return mean * count if count else 0.0
-
-
 def totals(snapshot: Snapshot) -> dict[str, float]:
     """Running totals and levels, one flat key each, in seconds, units and counts."""
+    out = scheduler_totals(snapshot.stats)
+    _grouped(out, "sandbox_replaced", snapshot.replaced)
+    _grouped(out, "restores", {n: s["restores"] or 0 for n, s in snapshot.services.items()})
+    _grouped(out, "restore_s", {n: s["restore_seconds"] or 0 for n, s in snapshot.services.items()})
+    _grouped(out, "limited", {f"{q}/{k}": s.limited for (q, k), s in snapshot.keys.items()})
+    return out
+
+
+def scheduler_totals(stats: Stats) -> dict[str, float]:
+    """The part of :func:`totals` the scheduler's stats hold, without the executors'."""
     out: dict[str, float] = {}
-    stats = snapshot.stats
     sums = dict.fromkeys(("actions", "queue_s", "overhead_s", "exec_s"), 0.0)
     for kind, k in stats.kinds.items():
         values = {
             "actions": float(k.completed + k.failed + k.cancelled),
-            "queue_s": _total(k.queue.count, k.queue.mean),
-            "overhead_s": _total(k.overhead.count, k.overhead.mean),
-            "exec_s": _total(k.exec.count, k.exec.mean),
+            "queue_s": k.queue.total,
+            "overhead_s": k.overhead.total,
+            "exec_s": k.exec.total,
         }
         for name, value in values.items():
             out[f"{PREFIX}{name}/{kind}"] = value
@@ -141,10 +145,6 @@ def totals(snapshot: Snapshot) -> dict[str, float]:
     out[f"{PREFIX}waiting"] = float(stats.waiting)
     out[f"{PREFIX}running"] = float(stats.running)
     out[f"{PREFIX}resizes"] = float(stats.resizes)
-    _grouped(out, "sandbox_replaced", snapshot.replaced)
-    _grouped(out, "restores", {n: s["restores"] or 0 for n, s in snapshot.services.items()})
-    _grouped(out, "restore_s", {n: s["restore_seconds"] or 0 for n, s in snapshot.services.items()})
-    _grouped(out, "limited", {f"{q}/{k}": s.limited for (q, k), s in snapshot.keys.items()})
     return out
 
 
@@ -219,6 +219,22 @@ class StepMetrics:
             now = totals(self._sources.read(await stats))
             return self._change(now)
 
+    async def step_shared(self) -> dict[str, float]:
+        """:meth:`step` with the job's one baseline for the scheduler's figures.
+
+        For the adapters in shared mode, where every worker reads the job's scheduler: the
+        change since the previous read by any worker (``stats_step`` of a ``tangram.ray``
+        remote runtime), so the samples of all workers add up to what the job did. The
+        executors' figures (this process's quotas) keep this process's baseline.
+        """
+        self._lock = self._lock or anyio.Lock()
+        async with self._lock:
+            before, stats = await self._sources.runtime.stats_step()
+            now = totals(self._sources.read(stats))
+            job = scheduler_totals(before) if before is not None else {}
+            self._last.update({key: job.get(key, 0.0) for key in scheduler_totals(stats)})
+            return self._change(now)
+
     def _change(self, now: dict[str, float]) -> dict[str, float]:
         last, self._last = self._last, now
         if self._keys is None:
@@ -254,9 +270,6 @@ _TOTALS = (
     "limited",
 )
 _PER_KIND = ("actions", "queue_s", "overhead_s", "exec_s")
-_steps: weakref.WeakKeyDictionary[Any, dict[tuple[str, ...], StepMetrics]] = (
-    weakref.WeakKeyDictionary()
-)
 
 
 def adapter_keys(resources: Iterable[str], kinds: Iterable[str]) -> tuple[str, ...]:
@@ -274,15 +287,16 @@ def adapter_keys(resources: Iterable[str], kinds: Iterable[str]) -> tuple[str, .
 async def step_logs(scheduler: Any, pools: Any, kinds: Iterable[str]) -> dict[str, float]:
     """What this process's scheduler did since the adapter's previous sample, for its logs.
 
-    ``pools`` is the session's :class:`~tangram._frameworks._session.Resources`. One
-    :class:`StepMetrics` per scheduler and set of ``kinds``, so each sample carries the
-    change since the one before it in this process: the samples of a step add up to what
-    the step did, and the trackers' per-sample mean is that divided by the samples. The
+    ``pools`` is the session's :class:`~tangram._frameworks._session.Resources`, which
+    keeps one :class:`StepMetrics` per set of ``kinds``, so each sample carries the
+    change since the one before it in this process (in shared mode, since the one before
+    it in the job, whichever worker took it): the samples of a step add up to what the
+    step did, and the trackers' per-sample mean is that divided by the samples. The
     resources are those of the scheduler's first figures (the config's, in every process
     that reads the same config).
     """
     named = tuple(dict.fromkeys(kinds))
-    per_kinds = _steps.setdefault(scheduler, {})
+    per_kinds: dict[tuple[str, ...], StepMetrics] = pools.steps
     steps = per_kinds.get(named)
     if steps is None:
         stats = scheduler.stats()
@@ -300,7 +314,7 @@ async def step_logs(scheduler: Any, pools: Any, kinds: Iterable[str]) -> dict[st
                 keys=adapter_keys(stats.resources, named),
             ),
         )
-    return await steps.step()
+    return await (steps.step_shared() if pools.job else steps.step())
 
 
 # -- Prometheus -----------------------------------------------------------------------------
@@ -428,7 +442,7 @@ class Collector:
                 actions.add_metric([kind, outcome], getattr(k, outcome))
             for phase, metric in phases.items():
                 part = getattr(k, phase)
-                metric.add_metric([kind], part.count, _total(part.count, part.mean))
+                metric.add_metric([kind], part.count, part.total)
         yield actions
         yield from phases.values()
         scalars = {

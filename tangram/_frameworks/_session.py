@@ -121,6 +121,9 @@ class Resources:
     quotas: Mapping[str, Any] = attrs.field(factory=dict)
     job: bool = False  # the scheduler is the job's (shared mode)
     gates: dict[float, Gate] = attrs.field(factory=dict)  # this loop's, per wait
+    # step_logs' running totals, per set of kinds: kept here, so they go with the session
+    # (a cache keyed by the scheduler, whose values held it, kept every one alive).
+    steps: dict[tuple[str, ...], Any] = attrs.field(factory=dict)
 
     def group(
         self, key: str, wait: float
@@ -342,6 +345,10 @@ async def _resources(path: str | os.PathLike[str] | None) -> Resources:
             hosted = _Hosted(loop)
             per_loop[loop] = hosted
             hosted.task = loop.create_task(_host(config, hosted), name=f"tangram:{key}")
+            # The entry holds its loop (the task, the future), so the weak key alone
+            # never let a finished loop go, nor its stopped scheduler and pools: the
+            # entry leaves when its task ends (aclose, or the loop cancelling it).
+            hosted.task.add_done_callback(functools.partial(_forget, per_loop, loop, hosted))
     try:
         # Shielded: a caller cancelled while the scheduler starts must not cancel the start
         # for the other callers waiting on it.
@@ -351,6 +358,17 @@ async def _resources(path: str | os.PathLike[str] | None) -> Resources:
             if per_loop.get(loop) is hosted:
                 del per_loop[loop]  # a failed start is retried by the next call
         raise
+
+
+def _forget(
+    per_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Hosted],
+    loop: asyncio.AbstractEventLoop,
+    hosted: _Hosted,
+    task: asyncio.Task[None],
+) -> None:
+    with _lock:
+        if per_loop.get(loop) is hosted:
+            del per_loop[loop]
 
 
 async def _host(config: Config, hosted: _Hosted) -> None:

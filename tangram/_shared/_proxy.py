@@ -634,6 +634,11 @@ class RemoteRuntime(RunMixin):
         """The shared runtime's :class:`tangram.Stats`."""
         return await self._actor.stats.remote()
 
+    async def stats_step(self) -> tuple[Any, Any]:
+        """The shared runtime's stats now and at the job's previous such call (``None``
+        at the first): the adapters' per-sample figures, one baseline for the job."""
+        return await self._actor.stats_step.remote()  # type: ignore[no-any-return]
+
     async def set_capacity(
         self, capacity: Mapping[str, object] | None = None, /, **amounts: object
     ) -> None:

@@ -136,6 +136,9 @@ class SchedulerActor:
         # callers used of each: (when measured, units taken by then, units a second).
         self._rates: dict[str, RateBook] = {}
         self._pool_use: dict[str, tuple[float, float, float]] = {}
+        # The job's stats as the adapters' last per-sample read saw them (stats_step).
+        self._stepped: Any = None
+        self._stepping: asyncio.Lock | None = None
 
     async def _ready(self) -> Runtime:
         """Start the runtime on first use: the actor's loop exists only inside a method."""
@@ -585,6 +588,20 @@ class SchedulerActor:
 
     async def stats(self) -> Any:
         return (await self._ready()).stats()
+
+    async def stats_step(self) -> tuple[Any, Any]:
+        """The job's stats now, and as the previous call (by any worker) saw them.
+
+        The adapters' per-sample figures are the change between the two: read with one
+        baseline for the whole job, the samples of every worker add up to what the job
+        did, where a baseline per process counted each action once per worker. One call
+        at a time, so that the spans the calls report never overlap.
+        """
+        self._stepping = self._stepping or asyncio.Lock()
+        async with self._stepping:
+            now = await self.stats()
+            last, self._stepped = self._stepped, now
+        return last, now
 
     async def counters(self) -> dict[str, float]:
         await self._ready()

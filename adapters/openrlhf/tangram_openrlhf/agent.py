@@ -46,8 +46,10 @@ import tangram
 from tangram import integrations
 from tangram.config import ConfigError
 from tangram.integrations import (
+    count_of,
     cpu_demand,
     extract_code,
+    flag_of,
     format_result,
     grade,
     is_infrastructure,
@@ -55,7 +57,9 @@ from tangram.integrations import (
     parse_tests,
     record,
     release_later,
+    seconds_of,
     step_logs,
+    text_of,
 )
 
 __all__ = ["AgentExecutor", "AgentInstance", "parse_tool_calls"]
@@ -77,12 +81,17 @@ DEFAULT_FEEDBACK = "\n<tool_response>\n{output}</tool_response>\n"
 
 
 def parse_tool_calls(text: str) -> list[dict[str, Any]]:
-    """The ``<tool_call>`` JSON objects of a model turn; malformed ones are skipped."""
+    """The ``<tool_call>`` JSON objects of a model turn; malformed ones are skipped.
+
+    Every way ``json`` fails on what a model writes is a malformed call: nesting deeper
+    than the parser recurses, an integer longer than Python converts (a ``ValueError``
+    of its own). Raised out of ``step``, OpenRLHF's executor failed the training step.
+    """
     calls = []
     for body in _TOOL_CALL.findall(text):
         try:
             call = json.loads(body)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # JSONDecodeError is a ValueError
             continue
         if isinstance(call, dict) and isinstance(call.get("arguments"), dict):
             calls.append(call)
@@ -90,12 +99,44 @@ def parse_tool_calls(text: str) -> list[dict[str, Any]]:
 
 
 def _settings() -> dict[str, Any]:
+    """``[adapters.openrlhf]``, each value checked: read where the executor is built, so a
+    mistake fails the engine actor at start, not every episode's step (which OpenRLHF
+    does not catch) or, quietly, what is scored (``partial = "false"`` was true)."""
     config = integrations.config_for(None)
     table = dict(config.adapters.get("openrlhf", {}))
     unknown = sorted(set(table) - _SETTINGS)
     if unknown:
         raise ConfigError(f"[adapters.openrlhf]: unknown key(s) {unknown}")
-    return table
+
+    def where(key: str) -> str:
+        return f"[adapters.openrlhf] `{key}`"
+
+    feedback = text_of(table.get("feedback", DEFAULT_FEEDBACK), where("feedback"))
+    try:
+        feedback.format(output="")
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ConfigError(
+            f"{where('feedback')} may name only {{output}} (got {feedback!r}: {exc!r})"
+        ) from None
+    reward = text_of(table.get("reward", "tests"), where("reward"))
+    if reward != "tests":
+        try:
+            integrations.load_object(reward)
+        except ConfigError as exc:
+            raise ConfigError(f"{where('reward')}: {exc}") from None
+    path = table.get("tangram_config")
+    return {
+        "tangram_config": None if path is None else text_of(path, where("tangram_config")),
+        "max_turns": count_of(table.get("max_turns", 4), where("max_turns")),
+        "cpu": cpu_demand(table.get("cpu", 1), "[adapters.openrlhf]"),
+        "timeout": seconds_of(table.get("timeout"), where("timeout")),
+        "kind": text_of(table.get("kind", "run_code"), where("kind")),
+        "reward": reward,
+        "feedback": feedback,
+        "case_timeout": seconds_of(table.get("case_timeout"), where("case_timeout")),
+        "partial": flag_of(table.get("partial", False), where("partial")),
+        "metrics": flag_of(table.get("metrics", False), where("metrics")),
+    }
 
 
 class AgentInstance(AgentInstanceBase):  # type: ignore[misc]
@@ -103,16 +144,16 @@ class AgentInstance(AgentInstanceBase):  # type: ignore[misc]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         settings = _settings()
-        self.config_path: str | None = settings.get("tangram_config")
-        self.max_turns = int(settings.get("max_turns", 4))
-        self.cpu = cpu_demand(settings.get("cpu", 1), "[adapters.openrlhf]")
-        self.timeout: float | None = settings.get("timeout")
-        self.kind: str = settings.get("kind", "run_code")
-        self.reward: str = settings.get("reward", "tests")
-        self.feedback: str = settings.get("feedback", DEFAULT_FEEDBACK)
-        self.case_timeout: float | None = settings.get("case_timeout")
-        self.partial = bool(settings.get("partial", False))
-        self.metrics = bool(settings.get("metrics", False))
+        self.config_path: str | None = settings["tangram_config"]
+        self.max_turns: int = settings["max_turns"]
+        self.cpu = settings["cpu"]
+        self.timeout: float | None = settings["timeout"]
+        self.kind: str = settings["kind"]
+        self.reward: str = settings["reward"]
+        self.feedback: str = settings["feedback"]
+        self.case_timeout: float | None = settings["case_timeout"]
+        self.partial: bool = settings["partial"]
+        self.metrics: bool = settings["metrics"]
         self.scheduler_logs: dict[str, float] = {}
         self.turns = 0
         self.tool_calls = 0
@@ -154,7 +195,15 @@ class AgentInstance(AgentInstanceBase):  # type: ignore[misc]
                     continue
                 self.last_code = code
                 self.tool_calls += 1
-                result = await self._run(code)
+                try:
+                    result = await self._run(code)
+                except Exception as exc:
+                    if is_infrastructure(exc):
+                        raise
+                    # The model's bad argument (a NUL byte, text that is not UTF-8): the
+                    # tool's answer, as verl's handler makes it. Raised, it stopped training.
+                    outputs.append(f"error: {exc}\n")
+                    continue
                 outputs.append(format_result(result))
             return {
                 "rewards": torch.tensor(0.0),
@@ -240,6 +289,5 @@ class AgentExecutor(MultiTurnAgentExecutor):  # type: ignore[misc]
         # OpenRLHF builds the executor when the vLLM engine actor starts: a missing or
         # bad config fails the actor there, not each episode after it.
         settings = _settings()
-        integrations.check(settings.get("tangram_config"), needs=("sandbox",))
-        cpu_demand(settings.get("cpu", 1), "[adapters.openrlhf]")
+        integrations.check(settings["tangram_config"], needs=("sandbox",))
         super().__init__(AgentInstance)

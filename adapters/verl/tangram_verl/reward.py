@@ -58,11 +58,14 @@ from tangram.integrations import (
     Gate,
     cpu_demand,
     extract_code,
+    flag_of,
     grade,
     is_infrastructure,
     parse_tests,
     record,
+    seconds_of,
     step_logs,
+    text_of,
 )
 from tangram_verl.tools import TOOL_METRICS
 
@@ -94,6 +97,18 @@ def _settings(overrides: Mapping[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(table) - _SETTINGS)
     if unknown:
         raise ConfigError(f"[adapters.verl.reward]: unknown key(s) {unknown}")
+    # Each value checked, not read with bool(): `partial = "false"` scored half an answer
+    # 0.5 where the file meant all or nothing.
+    for key in ("tests", "partial", "metrics", "group"):
+        if key in settings:
+            flag_of(settings[key], f"[adapters.verl.reward] `{key}`")
+    for key in ("timeout", "case_timeout"):
+        if key in settings:
+            seconds_of(settings[key], f"[adapters.verl.reward] `{key}`")
+    for key in ("service", "encode", "quota", "judge", "base_url"):
+        if key in settings:
+            text_of(settings[key], f"[adapters.verl.reward] `{key}`")
+    cpu_demand(settings.get("cpu", 1), "[adapters.verl.reward]")
     settings["tangram_config"] = path
     return settings
 
@@ -235,7 +250,7 @@ async def _score(
                     timeout=settings.get("timeout"),
                     case_timeout=settings.get("case_timeout"),
                 )
-            return verdict.score(partial=bool(settings.get("partial", False)))
+            return verdict.score(partial=settings.get("partial", False))
         if "service" in settings:
             encode = integrations.load_object(settings.get("encode", ""))
             row = encode(solution_str, ground_truth, **info)

@@ -29,7 +29,7 @@ from verl.utils.rollout_trace import rollout_trace_op
 import tangram
 from tangram import integrations
 from tangram.config import ConfigError
-from tangram.errors import TangramError, UnknownSandboxError
+from tangram.errors import InvalidDemandError, TangramError, UnknownSandboxError
 from tangram.integrations import (
     cpu_demand,
     demand_of,
@@ -38,6 +38,8 @@ from tangram.integrations import (
     record,
     release_later,
     result_metrics,
+    seconds_of,
+    text_of,
 )
 
 __all__ = [
@@ -121,12 +123,17 @@ class SandboxTool(BaseTool):
         self.config_path: str | None = config.get("tangram_config")
         integrations.check(self.config_path, needs=("sandbox",))
         self.cpu = cpu_demand(config.get("cpu", 1), where)
-        self.timeout: float | None = config.get("timeout", config.get("default_timeout"))
-        self.kind: str = config.get("kind", self.name)
-        self.language: str = config.get("language", config.get("default_language", "python"))
-        if self.language not in _LANGUAGES:
+        # Each checked here: a `timeout: "20"` reached every call as a bad argument, which
+        # verl hands to the model as the tool's output while training goes on.
+        self.timeout = seconds_of(
+            config.get("timeout", config.get("default_timeout")), f"{where}: `timeout`"
+        )
+        self.kind = text_of(config.get("kind", self.name), f"{where}: `kind`")
+        language = config.get("language", config.get("default_language", "python"))
+        if not isinstance(language, str) or language not in _LANGUAGES:
             raise ConfigError(f"{where}: `language` must be one of {sorted(_LANGUAGES)}")
-        self.code_param: str = config.get("code_param", "code")
+        self.language: str = language
+        self.code_param = text_of(config.get("code_param", "code"), f"{where}: `code_param`")
         self.scope: str = config.get("scope", "instance")
         if self.scope not in ("instance", "trajectory"):
             raise ConfigError(f"{where}: `scope` must be 'instance' or 'trajectory'")
@@ -137,7 +144,9 @@ class SandboxTool(BaseTool):
         self._trajectories: weakref.WeakKeyDictionary[Any, tangram.Sandbox] = (
             weakref.WeakKeyDictionary()
         )
-        self._binding = asyncio.Lock()
+        # A lock per trajectory, not one per tool: an asyncio.Lock binds to the first loop
+        # it waits on, and verl's workers run trajectories on more than one loop.
+        self._binding: weakref.WeakKeyDictionary[Any, asyncio.Lock] = weakref.WeakKeyDictionary()
 
     async def create(
         self, instance_id: str | None = None, **kwargs: Any
@@ -192,7 +201,10 @@ class SandboxTool(BaseTool):
     async def _trajectory_sandbox(
         self, resources: integrations.Resources, trajectory: Any, instance_id: str
     ) -> tangram.Sandbox:
-        async with self._binding:  # parallel calls of one trajectory share one sandbox
+        lock = self._binding.get(trajectory)
+        if lock is None:
+            lock = self._binding[trajectory] = asyncio.Lock()
+        async with lock:  # parallel calls of one trajectory share one sandbox
             sandbox = self._trajectories.get(trajectory)
             if sandbox is None:
                 name = str(getattr(trajectory, "request_id", uuid.uuid4().hex))
@@ -350,7 +362,7 @@ class TangramTool(BaseTool):
         tool_class = get_tool_class(wraps)  # type: ignore[no-untyped-call]
         self.inner: BaseTool = tool_class(config=inner_config, tool_schema=tool_schema)
         super().__init__(config, self.inner.tool_schema)
-        self.kind: str = config.get("kind", self.name)
+        self.kind = text_of(config.get("kind", self.name), f"{where}: `kind`")
         self._failed: dict[str, BaseException] = {}
 
     def get_openai_tool_schema(self) -> OpenAIFunctionToolSchema:
@@ -463,9 +475,14 @@ def with_tangram(
             else:
                 # The function's own error reaches verl, unless tangram raised it in there
                 # as its own failure (a :func:`run_code` whose sandbox died; not a bad
-                # argument, which is the call's); an ``OSError`` there is the tool's.
+                # argument or demand, which the function may build from the model's
+                # arguments, so they are the call's); an ``OSError`` there is the tool's.
                 failure = own[0]
-                if not (isinstance(failure, TangramError) and is_infrastructure(failure)):
+                if (
+                    not isinstance(failure, TangramError)
+                    or isinstance(failure, InvalidDemandError)
+                    or not is_infrastructure(failure)
+                ):
                     raise failure
             record(action, failure)
             return ToolResponse(text=FAILED_CALL), math.nan, {}
