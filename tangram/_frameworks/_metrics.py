@@ -219,7 +219,7 @@ class StepMetrics:
             now = totals(self._sources.read(await stats))
             return self._change(now)
 
-    async def step_shared(self) -> dict[str, float]:
+    async def _step_shared(self) -> dict[str, float]:
         """:meth:`step` with the job's one baseline for the scheduler's figures.
 
         For the adapters in shared mode, where every worker reads the job's scheduler: the
@@ -314,7 +314,7 @@ async def step_logs(scheduler: Any, pools: Any, kinds: Iterable[str]) -> dict[st
                 keys=adapter_keys(stats.resources, named),
             ),
         )
-    return await (steps.step_shared() if pools.job else steps.step())
+    return await (steps._step_shared() if pools.job else steps.step())
 
 
 # -- Prometheus -----------------------------------------------------------------------------

@@ -223,7 +223,8 @@ def check(path: str | os.PathLike[str] | None = None, *, needs: tuple[str, ...] 
     if isinstance(needs, str) or not all(isinstance(need, str) for need in needs):
         raise SettingTypeError(f"`needs` must be a tuple of table names (got {needs!r})")
     for need in needs:
-        if need not in ("sandbox", "gpu") and not (need.startswith("quota.") and need[6:]):
+        quota = need.startswith("quota.") and need != "quota."
+        if need not in ("sandbox", "gpu") and not quota:
             raise InvalidSettingError(
                 f"`needs` names 'sandbox', 'gpu' or 'quota.NAME' tables (got {need!r})"
             )
