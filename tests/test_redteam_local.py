@@ -257,3 +257,111 @@ async def test_output_past_the_limit_does_not_cost_the_trainer_a_core(pool: Sand
     assert result.timed_out and result.stdout_truncated
     spent = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     assert spent < 0.5, f"the trainer spent {spent:.1f} s of CPU draining discarded output"
+
+
+# -- the local backend: one sandbox's memory costing another sandbox its command ------------
+
+_SIBLING_TRAINER = r"""
+import os, sys, anyio, tangram
+from tangram._sandbox._local._backend import LocalBackend
+from tangram.integrations import grade
+
+RIGHT = "def add(a, b):\n    return a + b\n"
+TESTS = "assert add(2, 3) == 5\nassert add(-1, 4) == 3\n"
+# Each is inside the hog's own 4 GiB and 1 GiB disk, and over the 512 MiB every sandbox
+# together may use; the work dir's files stay after the command, the others while it runs.
+ATTACKS = {
+    "work dir files": "head -c 1000M /dev/zero > fill",
+    # Just under the cap, so the hog's own small processes are not what the OOM killer
+    # picks: the next process to need memory there is the biggest, the victim's.
+    "/tmp files": "head -c 500M /dev/zero > /tmp/fill; sleep 8",
+    "/dev/shm files": "head -c 500M /dev/zero > /dev/shm/fill; sleep 8",
+    # Many small processes, none bigger than the victim: the OOM killer picks the victim.
+    "anonymous memory": (
+        "for i in $(seq 100); do { head -c 5M /dev/zero; exec sleep 8; } | tail -c 5M & done;"
+        " wait"
+    ),
+}
+VICTIM = "sleep 3; exec python3 -c \"b = b'x' * (24 << 20); print('ok')\""
+
+async def main():
+    root, attack, victim = sys.argv[1:4]
+    cores = sorted(os.sched_getaffinity(0))[:2]  # two actions at once: hog and victim
+    backend = LocalBackend(root=root, cores=cores, memory="4GiB", disk="1GiB")
+    async with (
+        tangram.SandboxPool(backend) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+    ):
+        async with pool.sandbox("hog") as hog, pool.sandbox("victim") as other:
+            async def run_hog():
+                r = await hog.run(ATTACKS[attack], timeout=8)
+                print("hog", r.exit_code, r.signal, flush=True)
+
+            async with anyio.create_task_group() as group:
+                if victim == "command":  # running when the hog fills memory
+                    group.start_soon(run_hog)
+                    await anyio.sleep(0.2)
+                    r = await other.run(VICTIM, timeout=30)
+                    print("victim", r.exit_code, r.signal, r.stdout, flush=True)
+                else:  # a grading of another sample, started once the hog has filled
+                    group.start_soon(run_hog)
+                    await anyio.sleep(3)
+                    try:
+                        verdict = await grade(other, RIGHT, TESTS, timeout=20)
+                        print("verdict", verdict.score(), flush=True)
+                    except Exception as exc:
+                        print("error", type(exc).__name__, str(exc)[:300], flush=True)
+
+anyio.run(main)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes a memory cgroup for a trainer")
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="runs two actions at once")
+@pytest.mark.parametrize("victim", ["command", "grade"])
+@pytest.mark.parametrize(
+    "attack", ["work dir files", "/tmp files", "/dev/shm files", "anonymous memory"]
+)
+def test_one_sandboxs_memory_does_not_get_anothers_command_killed(attack: str, victim: str) -> None:
+    """Every sandbox's cgroup sits under one cap (half the trainer's memory, 512 MiB in
+    this 1 GiB trainer). Had each sandbox been limited only by its own ``memory`` (4 GiB)
+    and ``disk`` (1 GiB), the cap was one pool: a hog filling it with files (its work
+    dir's, its action's ``/tmp`` or ``/dev/shm``: pages no process owns) or with many
+    small processes got another trajectory's command OOM-killed, or its grading of a right
+    answer fail (a SandboxBrokenError stopping the step, or a 0): in GRPO, lowering the
+    rewards of the hog's siblings. Each sandbox now has a reservation of the cap."""
+    own = _memory_cgroup_v1()
+    if own is None:
+        pytest.skip("needs a cgroup v1 memory controller")
+    group = own / f"redteam-{os.getpid()}"
+    group.mkdir()
+    root = tempfile.mkdtemp(prefix="tangram-redteam-", dir="/tmp")
+    os.chmod(root, 0o755)
+    try:
+        (group / "memory.limit_in_bytes").write_text(str(1 << 30))
+
+        def enter() -> None:
+            with open(group / "cgroup.procs", "w") as handle:
+                handle.write("0")
+
+        run = subprocess.run(
+            [sys.executable, "-c", _SIBLING_TRAINER, root, attack, victim],
+            preexec_fn=enter,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        wanted = "victim 0 None b'ok\\n'" if victim == "command" else "verdict 1.0"
+        assert wanted in run.stdout, (
+            f"another sandbox's {attack} cost this one its {victim}: {run.stdout!r} "
+            f"{run.stderr[-1500:]!r}"
+        )
+    finally:
+        from tangram._sandbox._local._quota_fs import reap_boxes
+
+        reap_boxes(Path(root))
+        for leftover in sorted(group.rglob("*"), key=lambda p: -len(p.parts)):
+            if leftover.is_dir():
+                leftover.rmdir()
+        group.rmdir()
+        os.rmdir(root)

@@ -565,3 +565,100 @@ def test_a_command_dies_with_the_process_that_started_it(tmp_path: Path) -> None
         owner.wait()
         if owner.stdout is not None:
             owner.stdout.close()
+
+
+# -- memory reserved per sandbox (see tangram._sandbox._local._budget) ----------------------
+
+_GIB = 1 << 30
+
+
+@pytest.mark.parametrize("cap_gib", [0.5, 8, 32])
+@pytest.mark.parametrize("cores", [1, 2, 8, 32])
+@pytest.mark.parametrize("sandboxes", [1, 16, 256, 1024])
+@pytest.mark.parametrize(("memory", "disk"), [(4 * _GIB, _GIB), (256 << 20, 8 << 20)])
+def test_what_every_sandbox_may_hold_at_once_fits_under_the_cap(
+    cap_gib: float, cores: int, sandboxes: int, memory: int, disk: int
+) -> None:
+    """One action per core at its leaf's limit and every live sandbox's work dir full
+    (its bytes and its inodes) never add up past the cap, whatever was asked; so no
+    sandbox reaches the shared limit, only its own."""
+    from tangram._sandbox._local._budget import INODE_BYTES, inodes_for, plan_memory
+
+    cap = int(cap_gib * _GIB)
+    plan = plan_memory(
+        cap=cap, cores=cores, memory=memory, disk=disk, sandboxes=sandboxes, files_in_memory=True
+    )
+    assert plan.memory is not None and plan.disk is not None and plan.sandboxes == sandboxes
+    held = plan.disk + inodes_for(plan.disk) * INODE_BYTES
+    assert cores * plan.memory + sandboxes * held <= cap, plan
+    assert plan.memory <= memory and plan.disk <= disk
+    if plan.problem is None:
+        assert plan.lowered == (plan.memory < memory or plan.disk < disk)
+
+
+def test_a_16_gib_pod_gets_these_defaults() -> None:
+    """What docs/sandboxes.md promises for a 16 GiB pod lending 8 cores: half of its
+    8 GiB cap for the actions (512 MiB each), half for 256 work dirs (14 MiB each)."""
+    from tangram._sandbox._local._budget import plan_memory
+
+    plan = plan_memory(
+        cap=8 * _GIB, cores=8, memory=4 * _GIB, disk=_GIB, sandboxes=256, files_in_memory=True
+    )
+    assert plan.memory == 512 << 20 and plan.problem is None and plan.lowered
+    assert 14 << 20 <= plan.disk < 15 << 20  # type: ignore[operator]
+    # Without a tmpfs per work dir its files are page cache: the actions get it all.
+    plan = plan_memory(
+        cap=8 * _GIB, cores=8, memory=4 * _GIB, disk=_GIB, sandboxes=256, files_in_memory=False
+    )
+    assert plan.memory == _GIB and plan.sandboxes is None
+
+
+def test_settings_the_cap_cannot_hold_are_refused() -> None:
+    from tangram._sandbox._local._budget import plan_memory
+
+    plan = plan_memory(
+        cap=512 << 20, cores=64, memory=4 * _GIB, disk=_GIB, sandboxes=256, files_in_memory=True
+    )
+    assert plan.problem is not None and "lend fewer cores" in plan.problem
+
+
+async def test_a_sandbox_past_the_reserved_count_is_refused() -> None:
+    """Each live sandbox's work dir has memory reserved: one more would take a share of
+    someone else's, so it is refused (typed), until one is destroyed."""
+    backend = LocalBackend(sandboxes=2, memory="256MiB", disk="16MiB")
+    if backend.protections.memory_per_sandbox and backend._live_limit is None:
+        pytest.skip(f"work dirs are not memory here: {backend.protections.memory}")
+    if backend._live_limit is None:
+        pytest.skip(f"no cgroup memory controller here: {backend.protections.memory}")
+    async with (
+        SandboxPool(backend) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+    ):
+        async with pool.sandbox("a"), pool.sandbox("b") as b:
+            with pytest.raises(tangram.errors.SandboxError, match="sandboxes=2"):
+                async with pool.sandbox("c"):
+                    pass
+            assert (await b.run("echo ok")).ok
+        async with pool.sandbox("c") as c:  # their reservations came back
+            assert (await c.run("echo ok")).ok
+
+
+async def test_an_actions_tmp_and_shm_go_with_it() -> None:
+    """A parked sandbox is reserved only its work dir: its action's ``/tmp`` and
+    ``/dev/shm`` (tmpfs pages no process owns) must not outlive the action."""
+    backend = LocalBackend(memory="512MiB")
+    async with (
+        SandboxPool(backend) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+        pool.sandbox("t") as sbx,
+    ):
+        leaf = sbx._handle._leaf  # type: ignore[attr-defined]
+        if leaf is None or leaf.memory is None or backend._bwrap is None:
+            pytest.skip(f"no cgroup or no bubblewrap here: {backend.protections.missing}")
+        result = await sbx.run(
+            "head -c 64M /dev/zero > /tmp/f && head -c 64M /dev/zero > /dev/shm/f", timeout=30
+        )
+        assert result.ok, result
+        stat = dict(line.split() for line in (leaf.memory / "memory.stat").read_text().splitlines())
+        held = int(stat.get("total_shmem", stat.get("shmem", "0")))
+        assert held < 8 << 20, f"{held >> 20} MiB of the action's files outlived it"

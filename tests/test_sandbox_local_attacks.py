@@ -539,7 +539,8 @@ async def test_a_deep_tree_goes_with_its_sandbox(disk: str | None, scratch_root:
     # shutil.rmtree recursed 20,000 levels: RecursionError, the work dir stayed, and the
     # cgroup leaf and the uid lock after it leaked. With disk=None the walk removes it.
     async with (
-        SandboxPool(LocalBackend(disk=disk, root=scratch_root)) as pool,
+        # Few live sandboxes, so the memory reserved per work dir holds 20,000 inodes.
+        SandboxPool(LocalBackend(disk=disk, root=scratch_root, sandboxes=4)) as pool,
         tangram.Runtime(capacity=pool.capacity()),
     ):
         async with pool.sandbox("deep") as sbx:

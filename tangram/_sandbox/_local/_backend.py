@@ -18,6 +18,11 @@ each live sandbox is kept apart from the others and from the host by:
   ``setrlimit`` also caps each process's address space, CPU time, file size and open
   files; the work dir is a tmpfs of ``disk`` bytes (:mod:`._quota_fs`), so the host's
   disk is not the sandbox's; the kernel's OOM killer picks sandbox processes first;
+- memory of one sandbox is not another's: all sandboxes together are capped at half the
+  trainer's memory, and that cap is reserved, not shared (:mod:`._budget`): one action of
+  ``memory`` per lent core and ``sandboxes`` live work dirs of ``disk`` fit under it (the
+  two lowered until they do), so one sandbox's files or processes never get another's
+  command OOM-killed;
 - files: ``put`` and ``get`` walk the work dir through descriptors without following any
   link (:mod:`._files`), ``get`` reads at most ``max_file`` bytes; a vanished work dir
   breaks the sandbox;
@@ -62,6 +67,7 @@ from ..._core._validate import byte_size, whole
 from ...errors import InvalidSettingError, SandboxBrokenError, SandboxError, SettingTypeError
 from .._backend import ExecRequest, ExecResult, Host, SandboxBackend, SandboxHandle
 from .._cores import numa_nodes
+from ._budget import plan_memory
 from ._cgroup import CgroupLeaf, CgroupTree, open_tree
 from ._files import WorkDir
 from ._isolate import (
@@ -148,12 +154,17 @@ class LocalBackend(SandboxBackend):
     :param root: where work dirs are made (default: the system temp dir).
     :param memory: memory of one sandbox, all its processes together where a cgroup can
         be made (else per process), and each process's address space (``"4GiB"``);
-        ``None`` for none.
+        ``None`` for none. A ceiling: where one action per lent core at this size and
+        ``sandboxes`` work dirs do not fit in the memory every sandbox shares (half the
+        trainer's), each gets its reserved share instead (:attr:`protections` says it).
     :param processes: processes one sandbox may run at once.
     :param file_size: largest file a command may write; also the size of its ``/tmp``.
     :param disk: what the work dir may hold, all files together (a tmpfs of that size,
         its pages counted against ``memory`` too, where this process is root); ``None``
-        for a plain directory on the host's disk.
+        for a plain directory on the host's disk. A ceiling, like ``memory``.
+    :param sandboxes: sandboxes that may be alive at once, each with memory reserved for
+        its work dir's files (where they are a tmpfs); creating one more raises
+        :class:`~tangram.errors.SandboxError`. More live sandboxes, smaller work dirs.
     :param open_files: descriptors each process may hold open (``RLIMIT_NOFILE``).
     :param max_file: largest file ``get`` returns; a larger one raises ``OSError``
         (``errno.EFBIG``) without being read.
@@ -181,6 +192,7 @@ class LocalBackend(SandboxBackend):
         disk: str | int | None = "1GiB",
         open_files: int = 1024,
         max_file: str | int = "512MiB",
+        sandboxes: int = 256,
         user: str | int | None = None,
         uids: range = DEFAULT_UIDS,
         network: bool = False,
@@ -196,6 +208,8 @@ class LocalBackend(SandboxBackend):
             if value is not None and not isinstance(value, kinds):
                 raise SettingTypeError(f"`{name}` must be {said} or None (got {value!r})")
         whole("processes", processes, minimum=1)
+        whole("sandboxes", sandboxes, minimum=1)
+        self.sandboxes = sandboxes
         if not isinstance(uids, range) or not uids or uids.start < 1 or uids.step != 1:
             raise InvalidSettingError(
                 f"`uids` must be a non-empty range of positive ids (got {uids!r})"
@@ -205,6 +219,11 @@ class LocalBackend(SandboxBackend):
         self.processes = processes
         self.file_size = byte_size("file_size", file_size)
         self.disk = byte_size("disk", disk) if disk is not None else None
+        # What was asked; ``memory`` and ``disk`` become what is in force at the survey.
+        self._asked = (self.memory, self.disk)
+        self._live = 0  # sandboxes created and not yet removed
+        self._live_limit: int | None = None
+        self._memory_problem: str | None = None
         whole("open_files", open_files, minimum=16)
         self.open_files = open_files
         self.max_file = byte_size("max_file", max_file)
@@ -249,6 +268,8 @@ class LocalBackend(SandboxBackend):
 
     async def start(self) -> Sequence[Host]:
         protections = await anyio.to_thread.run_sync(lambda: self.protections)
+        if self._memory_problem is not None:
+            raise InvalidSettingError(self._memory_problem)
         if self._want_bwrap and not protections.namespaced:
             raise SandboxError(f"bubblewrap was required: {protections.namespaces}")
         for sentence in protections.missing:
@@ -290,12 +311,10 @@ class LocalBackend(SandboxBackend):
             )
         namespaces = self._find_bwrap()
         tree = open_tree()
+        disk, self._mount = self._survey_disk()
         if isinstance(tree, CgroupTree):
             self._cgroups = tree
-            memory = f"per sandbox (cgroup v{tree.version})"
-            total = tree.cap_total() if self.memory is not None else None
-            if total is not None:
-                memory += f", every sandbox together at most {format_size(total)}"
+            memory = f"per sandbox (cgroup v{tree.version}), {self._plan(tree)}"
             processes = (
                 f"per sandbox (cgroup v{tree.version} pids)"
                 if "pids" in (tree.controllers)
@@ -313,7 +332,6 @@ class LocalBackend(SandboxBackend):
         else:
             why = tree if isinstance(tree, str) else "no cpuset controller for its cgroups"
             cores = f"affinity only, which a command may widen to every core: {why}"
-        disk, self._mount = self._survey_disk()
         files, bounded = self._survey_files()
         syscalls = self._survey_syscalls()
         return Protections(
@@ -333,6 +351,28 @@ class LocalBackend(SandboxBackend):
             syscalls=syscalls,
             syscalls_filtered=self._seccomp is not None,
         )
+
+    def _plan(self, tree: CgroupTree) -> str:
+        """Set the limits that reserve each sandbox its share of the cap; say them."""
+        memory, disk = self._asked
+        plan = plan_memory(
+            cap=tree.cap_total() if memory is not None else None,
+            cores=len(self._cores),
+            memory=memory,
+            disk=disk,
+            sandboxes=self.sandboxes,
+            files_in_memory=self._mount,
+        )
+        self.memory, self.disk, self._live_limit = plan.memory, plan.disk, plan.sandboxes
+        self._memory_problem = plan.problem
+        if plan.problem is not None:
+            return plan.problem
+        if plan.lowered:
+            logger.info("local sandboxes' memory is %s", plan.said)
+        if self._bwrap is None and plan.sandboxes is not None:
+            # A command's files in the host's /tmp, and its SysV segments, outlive it.
+            return f"{plan.said}, but not what a command leaves outside its work dir"
+        return plan.said
 
     def _survey_syscalls(self) -> str:
         if self._bwrap is None:
@@ -355,7 +395,7 @@ class LocalBackend(SandboxBackend):
             return "not limited (disk=None): the work dir is on the host's disk", False
         problem = mount_problem()
         if problem is None:
-            return f"a tmpfs of {self.disk} bytes per work dir, counted in its memory", True
+            return "a tmpfs per work dir of at most `disk` bytes, counted in its memory", True
         return f"only each file (file_size), not their total: {problem}", False
 
     def _survey_files(self) -> tuple[str, bool]:
@@ -403,7 +443,21 @@ class LocalBackend(SandboxBackend):
     async def create(self, host: Host) -> SandboxHandle:
         if not self._started:
             await self.start()
-        return await anyio.to_thread.run_sync(self._make_sandbox, host)
+        if self._live_limit is not None and self._live >= self._live_limit:
+            # Its work dir's memory is reserved for each live sandbox: one more would
+            # share someone's reservation, and its files could cost them a command.
+            raise SandboxError(
+                f"{self._live} local sandboxes are alive, the most this backend reserves "
+                f"memory for (sandboxes={self._live_limit}, each a work dir of "
+                f"{format_size(self.disk or 0)}): destroy one first, or allow more with "
+                "`sandboxes` (each work dir then smaller)"
+            )
+        self._live += 1
+        try:
+            return await anyio.to_thread.run_sync(self._make_sandbox, host)
+        except BaseException:
+            self._live -= 1
+            raise
 
     def _make_sandbox(self, host: Host) -> _LocalHandle:
         claim = claim_uid(self._uids) if self._uids is not None else None
@@ -495,7 +549,12 @@ class _LocalHandle(SandboxHandle):
             return
         self._destroyed = True
         with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(self._remove)
+            try:
+                await anyio.to_thread.run_sync(self._remove)
+            finally:
+                # A box still mounted still holds its files: its reservation stays taken.
+                if not self._box.mounted:
+                    self._backend._live -= 1
 
     def _remove(self) -> None:
         # Whatever fails on the way, the cgroup and the uid go: a leaked uid lock or

@@ -32,13 +32,14 @@ from pathlib import Path
 
 import attrs
 
+from ._budget import inodes_for
+
 __all__ = ["Box", "make_box", "mount_problem", "reap_boxes", "remove_box"]
 
 _MS_NOSUID = 2
 _MS_NODEV = 4
 _MNT_DETACH = 2
 _SOURCE = "tangram-sbx-"
-_BYTES_PER_INODE = 16 << 10  # tmpfs's own default is one inode per page of RAM
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 
@@ -170,7 +171,7 @@ def reap_boxes(root: Path) -> None:
 
 def _mount(path: Path, size: int) -> None:
     assert _LIBC is not None
-    inodes = max(1024, size // _BYTES_PER_INODE)
+    inodes = inodes_for(size)  # also what the reservation counts (see _budget)
     options = f"size={size},nr_inodes={inodes},mode=0711"
     result = _LIBC.mount(
         f"{_SOURCE}{os.getpid()}".encode(),

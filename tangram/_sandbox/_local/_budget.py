@@ -1,0 +1,143 @@
+"""Memory reserved per sandbox, so no sandbox's memory can get another's command killed.
+
+Every sandbox's cgroup leaf sits below one base capped at half the trainer's memory (see
+:meth:`._cgroup.CgroupTree.cap_total`). Were the leaves' limits simply ``memory`` each,
+that base would be one shared pool: a sandbox's files (tmpfs pages no process owns, which
+outlive its command) could fill it, and another sandbox's next command, a grading harness
+for a different sample say, was OOM-killed at start (a policy lowering its siblings'
+rewards). So the cap is not shared but *reserved*, split where nothing can outgrow its
+share:
+
+- a parked sandbox holds only its work dir's files: at most ``disk`` bytes plus its
+  inodes (a tmpfs of that size, :mod:`._quota_fs`). Its action's ``/tmp``, ``/dev/shm``,
+  IPC objects and processes live in namespaces that end with the action, whose leftovers
+  are killed before its cores are given back;
+- at most one action per lent core runs at once (the pool never lends a core twice), and
+  a running sandbox holds at most ``memory`` (its leaf's limit counts every page of it).
+
+So ``cores x memory + sandboxes x (disk + inodes)`` never exceeds the cap: a sandbox then
+reaches only its own limits, never the base's. ``memory`` and ``disk`` are ceilings: where
+the asked values do not fit, running actions and parked files each get half the cap (or
+what the other side leaves), shared equally; ``sandboxes`` sandboxes may be alive at once,
+and the backend refuses to create one more (a :class:`~tangram.errors.SandboxError`).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from ..._core._units import format_size
+
+__all__ = ["INODE_BYTES", "MemoryPlan", "inodes_for", "plan_memory"]
+
+INODE_BYTES = 2 << 10
+"""Kernel memory one tmpfs inode may hold, charged to the sandbox: 1.45 KiB measured for
+an empty file or directory with a 255-byte name (the inode, its dentry, the name)."""
+
+_BYTES_PER_INODE = 16 << 10  # tmpfs's own default is one inode per page of RAM
+_MIN_INODES = 128
+MIN_MEMORY = 48 << 20
+"""Below this per action not even a Python interpreter starts: refused at start."""
+MIN_DISK = 256 << 10
+"""Below this per work dir a sandbox cannot hold a small program: refused at start."""
+_MIB = 1 << 20
+
+
+def inodes_for(size: int) -> int:
+    """How many files and directories a work dir of ``size`` bytes may hold."""
+    return max(_MIN_INODES, size // _BYTES_PER_INODE)
+
+
+def _held(disk: int) -> int:
+    """What a parked sandbox may hold: its work dir's bytes and its inodes."""
+    return disk + inodes_for(disk) * INODE_BYTES
+
+
+def _disk_within(share: int) -> int:
+    """The largest work dir whose bytes and inodes together fit in ``share``."""
+    low, high = 0, share
+    while low < high:  # _held is increasing: a bisection, 40-odd steps
+        middle = (low + high + 1) // 2
+        if _held(middle) <= share:
+            low = middle
+        else:
+            high = middle - 1
+    return low // 4096 * 4096  # tmpfs sizes are whole pages
+
+
+@attrs.frozen
+class MemoryPlan:
+    """The limits in force, and whether they keep every sandbox within its reservation.
+
+    ``memory`` is each leaf's limit (and each process's address space), ``disk`` each work
+    dir's size, ``sandboxes`` how many may be alive at once (``None``: not limited).
+    ``problem`` says why the settings cannot work here (the pool refuses to start);
+    ``said`` is the sentence for ``protections.memory`` and the start-up log.
+    """
+
+    memory: int | None
+    disk: int | None
+    sandboxes: int | None
+    said: str
+    problem: str | None = None
+    lowered: bool = False
+
+
+def plan_memory(
+    *,
+    cap: int | None,
+    cores: int,
+    memory: int | None,
+    disk: int | None,
+    sandboxes: int,
+    files_in_memory: bool,
+) -> MemoryPlan:
+    """Each sandbox's limits under ``cap`` (the base cgroup's), as the module says.
+
+    ``files_in_memory`` is whether a work dir is a tmpfs of ``disk`` bytes (when this
+    process is root); otherwise its files are on the host's disk, page cache the kernel
+    may reclaim, and a parked sandbox reserves nothing.
+    """
+    if cap is None or memory is None:
+        said = "not reserved: a sandbox's files and processes may use memory others need"
+        if cap is None:
+            said = f"{said} (no cap over all sandboxes could be set)"
+        else:
+            said = f"{said} (memory=None)"
+        return MemoryPlan(memory, disk, None, said)
+    files = files_in_memory and disk is not None
+    parked = sandboxes * _held(disk) if files and disk is not None else 0
+    running = cores * memory
+    half = cap // 2
+    if running + parked <= cap:
+        running_share, parked_share = running, parked
+    elif running <= half:
+        running_share, parked_share = running, cap - running
+    elif parked <= half:
+        running_share, parked_share = cap - parked, parked
+    else:
+        running_share, parked_share = half, cap - half
+    new_memory = min(memory, running_share // cores // _MIB * _MIB)
+    new_disk = disk
+    if files and disk is not None:
+        new_disk = min(disk, _disk_within(parked_share // sandboxes))
+    limit = sandboxes if files else None
+    lowered = new_memory < memory or new_disk != disk
+    said = (
+        f"reserved under a cap of {format_size(cap)} for all sandboxes: {cores} running "
+        f"actions (one per core) of {format_size(new_memory)}"
+    )
+    if files and new_disk is not None:
+        said += f" and {sandboxes} live sandboxes' work dirs of {format_size(new_disk)}"
+    if lowered:
+        said += f" (asked: memory {format_size(memory)}"
+        said += f", disk {format_size(disk)})" if disk is not None else ")"
+    problem = None
+    if new_memory < MIN_MEMORY or (files and new_disk is not None and new_disk < MIN_DISK):
+        problem = (
+            f"the memory this trainer may use cannot hold the sandboxes that may be alive at "
+            f"once: {said}, under the {format_size(MIN_MEMORY)} an action and "
+            f"{format_size(MIN_DISK)} a work dir need at least; lend fewer cores (`cores`), "
+            "allow fewer live sandboxes (`sandboxes`), or raise the container's memory limit"
+        )
+    return MemoryPlan(new_memory, new_disk, limit, said, problem, lowered)
