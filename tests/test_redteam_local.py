@@ -198,14 +198,10 @@ def _memory_cgroup_v1() -> Path | None:
     return None
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="makes a memory cgroup for a trainer")
-def test_files_left_in_idle_sandboxes_cannot_get_the_trainer_oom_killed() -> None:
-    """A trainer in a memory-limited container (768 MiB here, a pod's limit in practice)
-    with four live trajectories. Each sandbox's work dir is a tmpfs counted in its own
-    cgroup, below the trainer's, so the container's limit holds every sandbox's files as
-    well as the trainer. Four policies each write 200 MiB, inside their own 512 MiB memory
-    and 256 MiB disk; those pages belong to no process, so killing sandbox processes frees
-    nothing, and the next thing the OOM killer can pick is the trainer itself."""
+def _trainer_in_a_cgroup(limit: int, script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` (given a fresh sandbox root, then ``args``) as a trainer in a memory
+    cgroup of ``limit`` bytes of its own: a pod's limit, in practice. The boxes a killed
+    trainer left are reaped, and the cgroup removed, however it ends."""
     own = _memory_cgroup_v1()
     if own is None:
         pytest.skip("needs a cgroup v1 memory controller")
@@ -214,22 +210,18 @@ def test_files_left_in_idle_sandboxes_cannot_get_the_trainer_oom_killed() -> Non
     root = tempfile.mkdtemp(prefix="tangram-redteam-", dir="/tmp")
     os.chmod(root, 0o755)
     try:
-        (group / "memory.limit_in_bytes").write_text(str(768 << 20))
+        (group / "memory.limit_in_bytes").write_text(str(limit))
 
         def enter() -> None:
             with open(group / "cgroup.procs", "w") as handle:
                 handle.write("0")
 
-        run = subprocess.run(
-            [sys.executable, "-c", _FILLING_TRAINER, root],
+        return subprocess.run(
+            [sys.executable, "-c", script, root, *args],
             preexec_fn=enter,
             capture_output=True,
             text=True,
             timeout=120,
-        )
-        assert run.returncode == 0 and "trainer alive" in run.stdout, (
-            f"the trainer died (status {run.returncode}) of files its sandboxes left: "
-            f"{run.stdout!r}"
         )
     finally:
         from tangram._sandbox._local._quota_fs import reap_boxes
@@ -240,6 +232,20 @@ def test_files_left_in_idle_sandboxes_cannot_get_the_trainer_oom_killed() -> Non
                 leftover.rmdir()
         group.rmdir()
         os.rmdir(root)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes a memory cgroup for a trainer")
+def test_files_left_in_idle_sandboxes_cannot_get_the_trainer_oom_killed() -> None:
+    """A trainer in a memory-limited container (768 MiB here, a pod's limit in practice)
+    with four live trajectories. Each sandbox's work dir is a tmpfs counted in its own
+    cgroup, below the trainer's, so the container's limit holds every sandbox's files as
+    well as the trainer. Four policies each write 200 MiB, inside their own 512 MiB memory
+    and 256 MiB disk; those pages belong to no process, so killing sandbox processes frees
+    nothing, and the next thing the OOM killer can pick is the trainer itself."""
+    run = _trainer_in_a_cgroup(768 << 20, _FILLING_TRAINER)
+    assert run.returncode == 0 and "trainer alive" in run.stdout, (
+        f"the trainer died (status {run.returncode}) of files its sandboxes left: {run.stdout!r}"
+    )
 
 
 async def test_output_past_the_limit_does_not_cost_the_trainer_a_core(pool: SandboxPool) -> None:
@@ -330,38 +336,9 @@ def test_one_sandboxs_memory_does_not_get_anothers_command_killed(attack: str, v
     small processes got another trajectory's command OOM-killed, or its grading of a right
     answer fail (a SandboxBrokenError stopping the step, or a 0): in GRPO, lowering the
     rewards of the hog's siblings. Each sandbox now has a reservation of the cap."""
-    own = _memory_cgroup_v1()
-    if own is None:
-        pytest.skip("needs a cgroup v1 memory controller")
-    group = own / f"redteam-{os.getpid()}"
-    group.mkdir()
-    root = tempfile.mkdtemp(prefix="tangram-redteam-", dir="/tmp")
-    os.chmod(root, 0o755)
-    try:
-        (group / "memory.limit_in_bytes").write_text(str(1 << 30))
-
-        def enter() -> None:
-            with open(group / "cgroup.procs", "w") as handle:
-                handle.write("0")
-
-        run = subprocess.run(
-            [sys.executable, "-c", _SIBLING_TRAINER, root, attack, victim],
-            preexec_fn=enter,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        wanted = "victim 0 None b'ok\\n'" if victim == "command" else "verdict 1.0"
-        assert wanted in run.stdout, (
-            f"another sandbox's {attack} cost this one its {victim}: {run.stdout!r} "
-            f"{run.stderr[-1500:]!r}"
-        )
-    finally:
-        from tangram._sandbox._local._quota_fs import reap_boxes
-
-        reap_boxes(Path(root))
-        for leftover in sorted(group.rglob("*"), key=lambda p: -len(p.parts)):
-            if leftover.is_dir():
-                leftover.rmdir()
-        group.rmdir()
-        os.rmdir(root)
+    run = _trainer_in_a_cgroup(1 << 30, _SIBLING_TRAINER, attack, victim)
+    wanted = "victim 0 None b'ok\\n'" if victim == "command" else "verdict 1.0"
+    assert wanted in run.stdout, (
+        f"another sandbox's {attack} cost this one its {victim}: {run.stdout!r} "
+        f"{run.stderr[-1500:]!r}"
+    )
