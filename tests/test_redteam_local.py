@@ -342,3 +342,43 @@ def test_one_sandboxs_memory_does_not_get_anothers_command_killed(attack: str, v
         f"another sandbox's {attack} cost this one its {victim}: {run.stdout!r} "
         f"{run.stderr[-1500:]!r}"
     )
+
+
+_CANCELLING_TRAINER = r"""
+import sys, anyio, tangram
+from tangram._sandbox._local._backend import LocalBackend
+
+HOG = "head -c 380M /dev/zero > /tmp/fill; exec sleep 60"
+VICTIM = "exec python3 -c \"b = b'x' * (200 << 20); print('ok')\""
+
+async def main():
+    # One lent core: one action at a time, which may hold the whole running share.
+    backend = LocalBackend(root=sys.argv[1], cores=[0], disk="16MiB", sandboxes=2)
+    async with tangram.SandboxPool(backend) as pool, tangram.Runtime(capacity=pool.capacity()):
+        async with pool.sandbox("hog") as hog, pool.sandbox("victim") as victim:
+            leaf = hog._handle._leaf
+            for i in range(600):
+                # The trainer gives up on the action (a deadline, a worker gone in shared
+                # mode) just as its command starts, at one delay after another.
+                with anyio.move_on_after((i % 80) * 0.0002):
+                    await hog.run(HOG, timeout=60)
+                if leaf.pids():
+                    print("left running", i, sorted(leaf.pids()), flush=True)
+                    break
+            result = await victim.run(VICTIM, timeout=30)
+            print("victim", result.exit_code, result.signal, result.stdout, flush=True)
+
+anyio.run(main)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes a memory cgroup for a trainer")
+def test_a_run_cancelled_as_it_starts_leaves_nothing_running() -> None:
+    """A run cancelled between the spawn's submit and its wait left the command running
+    with no tree to kill it, and one cancelled as bubblewrap cloned the command left the
+    clone (the kill's last scan came before the clone): either ran on after its core was
+    lent again, outside every reservation, and got the next command on that core
+    OOM-killed (a re-attack of the memory reservation: 4 of 300 cancelled runs)."""
+    run = _trainer_in_a_cgroup(1 << 30, _CANCELLING_TRAINER)
+    assert "left running" not in run.stdout, run.stdout
+    assert "victim 0 None b'ok\\n'" in run.stdout, (run.stdout, run.stderr[-1500:])

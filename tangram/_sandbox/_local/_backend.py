@@ -635,7 +635,13 @@ class _LocalHandle(SandboxHandle):
 
         try:
             try:
-                process = await anyio.to_thread.run_sync(_SPAWNER.submit(spawn).result)
+                # Shielded, submit and wait alike: a cancel that landed between the submit
+                # and the wait left the spawned command running with no tree to kill it,
+                # its cores and memory lent again (a review of the memory reservation).
+                with anyio.CancelScope(shield=True):
+                    process = await anyio.to_thread.run_sync(
+                        lambda: _SPAWNER.submit(spawn).result()
+                    )
             finally:
                 for fd in (status_write, rules):
                     if fd >= 0:

@@ -129,13 +129,17 @@ def pin_tree(tree: Tree, cores: tuple[int, ...]) -> None:
 def kill_tree(tree: Tree) -> int:
     """Kill the action's whole tree, orphans included; return how many were left behind.
 
-    Repeats until nothing is found, because a process forking while we scan can add a
-    pid after the scan passed it; a forking process that has a kill pending cannot.
+    Repeats until a scan after the session's death finds nothing, because a process
+    forking while we scan can add a pid after the scan passed it; a forking process that
+    has a kill pending cannot. The session's own fork counts too: a scan that found it
+    alone, just before its kill, missed the child it was cloning (bubblewrap starting
+    the command as a cancel landed), which then ran on, re-parented, with no cores.
     """
     killed = 0
     deadline = time.monotonic() + 5.0
     while time.monotonic() < deadline:
         # Scan before killing: a process killed first may be gone before the scan counts it.
+        ended = not _alive(tree.session)
         pids, leftovers = _pids(tree)
         if tree.session > 0:
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -144,7 +148,18 @@ def kill_tree(tree: Tree) -> int:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
         killed = max(killed, leftovers)
-        if not [pid for pid in pids if pid != tree.session]:
+        if ended and not [pid for pid in pids if pid != tree.session]:
             break
         time.sleep(0.005)
     return killed
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not: it forks nothing more)."""
+    if pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            return handle.read().rpartition(b")")[2].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
