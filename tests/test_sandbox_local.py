@@ -434,6 +434,30 @@ async def test_cancelling_an_action_kills_it_and_returns_units() -> None:
         assert (await sbx.run("echo next")).ok
 
 
+async def test_a_fraction_of_a_core_holds_a_core_of_its_own() -> None:
+    """An action is pinned to cores of its own, so ``cpu=0.5`` holds a whole core in the
+    runtime's books: three at once on one core crashed the pool's core assignment with
+    InvalidCapacityError (the runtime had granted two halves of one core), and two
+    actions on a core break the memory reservation's one action per core (a review)."""
+    async with (
+        SandboxPool(LocalBackend(cores=[0])) as pool,
+        tangram.Runtime(capacity=pool.capacity()) as runtime,
+    ):
+        results: list[RunResult] = []
+
+        async def half(name: str) -> None:
+            async with pool.sandbox(name) as sbx:
+                results.append(await sbx.run("sleep 0.2; nproc", cpu=0.5))
+
+        async with anyio.create_task_group() as tg:
+            for i in range(3):
+                tg.start_soon(half, f"half-{i}")
+        assert [(r.exit_code, r.stdout, r.units) for r in results] == [(0, b"1\n", 1)] * 3
+        cpu = runtime.stats().resources["cpu"]
+        assert cpu.peak == 1 and cpu.held == 0
+        assert cpu.unit_seconds >= 0.6  # one after another, each holding the core
+
+
 async def test_a_broken_sandbox_fails_clearly_and_is_replaced() -> None:
     async with (
         SandboxPool(LocalBackend(), warm=1) as pool,

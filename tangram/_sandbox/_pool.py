@@ -79,6 +79,7 @@ class _Active:
     quota: float = 0.0
     max_units: int = 0
     error: SandboxBrokenError | None = None
+    throttle: float | None = None  # a fractional cpu: the share of its cores it may use
 
 
 class _HostState:
@@ -347,10 +348,17 @@ class SandboxPool:
         handle = sandbox._handle
         state = self._hosts[handle.host.name]
         resource = state.host.resource
+        # An action is pinned to cores of its own, so a fraction of one holds it whole in
+        # the runtime's books too (and is throttled to the fraction where the backend can):
+        # two cpu=0.5 actions granted one core between them crashed the pool's core
+        # assignment, and ran two actions on a core the memory reservation gives one.
+        throttle = None
+        if isinstance(cpu, float) and not cpu.is_integer():
+            cpu, throttle = max(1, math.ceil(cpu)), cpu
         async with runtime.acquire(
             {resource: cpu}, kind=kind, trajectory=sandbox.trajectory_id
         ) as lease:
-            active = _Active(lease, handle, resource)
+            active = _Active(lease, handle, resource, throttle=throttle)
             try:
                 async with state.lock:
                     state.active.append(active)
@@ -445,6 +453,8 @@ class SandboxPool:
         for active in state.active:
             amount = float(active.lease.grant.get(active.resource, 0.0))
             count = max(1, math.ceil(amount - 1e-9))
+            if active.throttle is not None:
+                amount = active.throttle
             if count < len(active.cores):
                 active.cores = state.cores.resize(active.cores, count)
                 active.quota = amount
