@@ -29,7 +29,11 @@ pytestmark = pytest.mark.anyio
 
 
 class GreedyPolicy:
-    """Admits every waiting action at once, capacity or not, with ``units`` units."""
+    """Admits every waiting action at once, capacity or not, with ``units`` units.
+
+    The ledger refuses such plans (``PolicyError``); the tests that use it to show what
+    the checker catches take that check out, standing for a bug that lets one through.
+    """
 
     def __init__(self, units: int = 1) -> None:
         self.units = units
@@ -81,6 +85,13 @@ async def test_raise_immediately_points_at_the_call() -> None:
         runtime._ledger.held["cpu"] = 0.0
 
 
+@pytest.fixture
+def unchecked_plans(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plans applied unchecked: a ledger whose own check has a hole."""
+    monkeypatch.setattr("tangram._core._ledger.check_plan", lambda *args: None)
+
+
+@pytest.mark.usefixtures("unchecked_plans")
 async def test_a_grant_over_capacity_is_detected() -> None:
     async with tangram.Runtime({"cpu": 2}, policy=GreedyPolicy()) as runtime:
         checker = InvariantChecker(runtime)
@@ -90,6 +101,7 @@ async def test_a_grant_over_capacity_is_detected() -> None:
         assert any("> capacity 2" in v for v in checker.violations), checker.violations
 
 
+@pytest.mark.usefixtures("unchecked_plans")
 async def test_an_elastic_grant_outside_its_range_is_detected() -> None:
     async with tangram.Runtime({"cpu": 8}, policy=GreedyPolicy(units=5)) as runtime:
         checker = InvariantChecker(runtime)
@@ -98,6 +110,7 @@ async def test_an_elastic_grant_outside_its_range_is_detected() -> None:
         assert any("outside [1, 3]" in v for v in checker.violations), checker.violations
 
 
+@pytest.mark.usefixtures("unchecked_plans")
 async def test_a_capacity_cut_may_leave_holdings_above_it_but_not_grow_them() -> None:
     async with tangram.Runtime({"cpu": 4}) as runtime:
         checker = InvariantChecker(runtime, raise_immediately=True)
