@@ -98,6 +98,15 @@ async def job(cluster: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
 class Caller:
     """A rollout process that makes API calls back to back, timing each grant."""
 
+    def __init__(self) -> None:
+        self.granted = 0  # wait_one's calls so far
+        self.calling: anyio.Event | None = None  # set at wait_one's 20th grant
+
+    async def until_calling(self) -> None:
+        """Return once wait_one has had its first grants."""
+        self.calling = self.calling or anyio.Event()
+        await self.calling.wait()
+
     async def call(
         self, scheduler: str, seconds: float, concurrency: int = 4, amount: float = 1.0
     ) -> dict[str, Any]:
@@ -125,7 +134,10 @@ class Caller:
             try:
                 for _ in range(100_000):
                     async with remote.acquire({"api": 1}, kind="search"):
-                        pass
+                        self.granted += 1
+                        if self.granted == 2 * BURST:
+                            self.calling = self.calling or anyio.Event()
+                            self.calling.set()
             except SchedulerUnavailableError:
                 return "SchedulerUnavailableError"
             except Exception as exc:
@@ -308,7 +320,11 @@ async def test_the_jobs_actor_dying_fails_a_nodes_api_calls_loudly(
                 )
             ).remote()
             outcome = caller.wait_one.remote(name)
-            await anyio.sleep(2.0)  # its calls run on node a's share
+            # Its calls run on node a's share: killed once they do (a fixed 2 s was at
+            # times before the caller had even found the actor, on a loaded machine).
+            with anyio.fail_after(60):
+                await caller.until_calling.remote()
+            await anyio.sleep(2.0)  # long enough for its node to lease a share
             killed = time.monotonic()
             ray.kill(remote.actor)
             ended = await outcome
