@@ -12,14 +12,13 @@ from collections.abc import Collection, Iterator
 from ._action import Action
 from ._estimator import Estimator
 from ._plan_check import check_plan
-from ._policy import DONE, RUNNING, WAITING, Entry, Plan, Policy, Split
+from ._policy import _EPS, DONE, RUNNING, WAITING, Entry, Plan, Policy, Split
 from ._queue import Queue
 from ._resources import Capacity, Shape
 
 __all__ = ["Ledger"]
 
 _GONE = 3
-_EPS = 1e-9  # the policy's tolerance: less than this of a kind is nothing to give
 
 
 class Ledger:

@@ -15,11 +15,9 @@ from collections.abc import Mapping
 from typing import NoReturn, cast
 
 from ..errors import PolicyError
-from ._policy import RUNNING, WAITING, Entry, Plan, Policy
+from ._policy import _EPS, RUNNING, WAITING, Entry, Plan, Policy
 
 __all__ = ["check_plan"]
-
-_EPS = 1e-9  # the policy's tolerance, as the ledger's
 
 
 def check_plan(

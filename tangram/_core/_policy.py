@@ -77,7 +77,7 @@ __all__ = [
     "View",
 ]
 
-_EPS = 1e-9
+_EPS = 1e-9  # the tolerance of every rule on units: less than this of a kind is nothing
 # Keeping a unit where it is counts this much more than moving it: without it two
 # running actions with nearly equal gains would trade a unit back and forth at every event.
 _STICKINESS = 1.1

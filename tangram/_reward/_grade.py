@@ -34,7 +34,7 @@ import attrs
 
 from .._core._demand import Elastic
 from .._core._validate import seconds
-from .._sandbox._pool import Sandbox
+from .._sandbox._pool import Sandbox, utf8
 from ..errors import InvalidSettingError, SandboxBrokenError, SettingTypeError
 from ._in_sandbox import _checks, _fork, _harness, _wire
 
@@ -263,14 +263,6 @@ def _parse(label: object) -> TestSuite:
 # -- grading -----------------------------------------------------------------------------
 
 
-def _utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def _interpreter(sandbox: Sandbox) -> str:
     # The interpreter ``sbx.run(code=...)`` uses; ``-I`` is added to it, so ``code=`` (no
     # way to pass flags) cannot be used. A local and a remote sandbox both name it.
@@ -319,7 +311,9 @@ async def grade(
     if not isinstance(answer, str):
         raise SettingTypeError(f"`answer` must be Python source (got {answer!r:.80})")
     suite = parse_tests(tests)
-    if not _utf8(answer):
+    try:
+        utf8("`answer`", answer)
+    except InvalidSettingError:
         # A lone surrogate (text decoded with ``surrogateescape``) cannot reach the
         # harness as source: the answer's text, so its 0, never the step's failure.
         return Verdict(0, suite.total)

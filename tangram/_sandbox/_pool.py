@@ -579,7 +579,7 @@ class Sandbox:
         seconds = (
             self._pool.timeout if timeout is None else _seconds("timeout", timeout, strict=True)
         )
-        data = _utf8("`stdin`", stdin) if isinstance(stdin, str) else (stdin or b"")
+        data = utf8("`stdin`", stdin) if isinstance(stdin, str) else (stdin or b"")
         if not isinstance(data, bytes):
             raise SettingTypeError(f"`stdin` must be bytes or str (got {stdin!r})")
         variables = dict(env or {})
@@ -602,7 +602,7 @@ class Sandbox:
 
         :raises SandboxBrokenError: the sandbox died; the pool replaces it.
         """
-        payload = _utf8("`data`", data) if isinstance(data, str) else data
+        payload = utf8("`data`", data) if isinstance(data, str) else data
         async with self._lock:
             self._check()
             try:
@@ -650,16 +650,16 @@ def _exec_safe(argv: tuple[str, ...], env: Mapping[str, str]) -> None:
             raise InvalidSettingError(
                 f"the command or code contains a NUL byte (got {part[:80]!r})"
             )
-        _utf8("the command or code", part)
+        utf8("the command or code", part)
     for key, value in env.items():
         if not key or "\0" in key or "\0" in value:
             raise InvalidSettingError(
                 f"`env` names must be non-empty, without NUL bytes (got {key!r})"
             )
-        _utf8("`env`", key + value)
+        utf8("`env`", key + value)
 
 
-def _utf8(name: str, text: str) -> bytes:
+def utf8(name: str, text: str) -> bytes:
     """``text`` as UTF-8, or a typed error naming where the lone surrogate is."""
     try:
         return text.encode("utf-8")

@@ -114,3 +114,18 @@ def test_each_setting_is_checked_where_the_executor_is_built(
     key = line.partition(" ")[0]
     with pytest.raises(ConfigError, match=key):
         agent_module.AgentExecutor()
+
+
+@pytest.mark.anyio
+async def test_the_executors_episodes_take_the_settings_it_checked(
+    config: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OpenRLHF builds an episode per prompt: the executor's checked settings serve each,
+    not a new read of the config (which loaded the `reward` object again every time)."""
+    executor = agent_module.AgentExecutor()
+    read = []
+    monkeypatch.setattr(agent_module, "_settings", lambda: read.append(1) or {})
+    episodes = [executor.agent_instance_cls() for _ in range(3)]
+    assert read == []
+    assert [e.max_turns for e in episodes] == [4, 4, 4]
+    assert [e.timeout for e in episodes] == [30, 30, 30]

@@ -142,8 +142,12 @@ def _settings() -> dict[str, Any]:
 class AgentInstance(AgentInstanceBase):  # type: ignore[misc]
     """One prompt's episode: a sandbox bound to it from ``reset`` until the episode ends."""
 
+    # OpenRLHF builds one per episode, with no arguments: built by :class:`AgentExecutor`
+    # it takes the settings the executor checked, not a new read of the config each time.
+    _checked: dict[str, Any] | None = None
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        settings = _settings()
+        settings = self._checked or _settings()
         self.config_path: str | None = settings["tangram_config"]
         self.max_turns: int = settings["max_turns"]
         self.cpu = settings["cpu"]
@@ -290,4 +294,4 @@ class AgentExecutor(MultiTurnAgentExecutor):  # type: ignore[misc]
         # bad config fails the actor there, not each episode after it.
         settings = _settings()
         integrations.check(settings["tangram_config"], needs=("sandbox",))
-        super().__init__(AgentInstance)
+        super().__init__(type("AgentInstance", (AgentInstance,), {"_checked": settings}))

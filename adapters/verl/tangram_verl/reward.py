@@ -108,7 +108,7 @@ def _settings(overrides: Mapping[str, Any]) -> dict[str, Any]:
     for key in ("service", "encode", "quota", "judge", "base_url"):
         if key in settings:
             text_of(settings[key], f"[adapters.verl.reward] `{key}`")
-    cpu_demand(settings.get("cpu", 1), "[adapters.verl.reward]")
+    settings["cpu"] = cpu_demand(settings.get("cpu", 1), "[adapters.verl.reward]")
     settings["tangram_config"] = path
     return settings
 
@@ -238,7 +238,6 @@ async def _score(
             code = extract_code(solution_str)
             if code is None:
                 return 0.0
-            cpu = cpu_demand(settings.get("cpu", 1), "[adapters.verl.reward]")
             name = "-".join(("reward", *(() if group is None else (group,)), uuid.uuid4().hex))
             async with resources.sandbox_pool().sandbox(name) as sandbox:
                 await arrive()
@@ -246,7 +245,7 @@ async def _score(
                     sandbox,
                     code,
                     tests,
-                    cpu=cpu,
+                    cpu=settings["cpu"],
                     timeout=settings.get("timeout"),
                     case_timeout=settings.get("case_timeout"),
                 )
@@ -325,7 +324,7 @@ class TangramRewardManager(RewardManagerBase):
         # Checked here, where verl's reward worker starts, not at the first sample, and
         # before verl's base class makes an event loop that a failed start would leak.
         integrations.check(self.settings.get("tangram_config"), needs=_needs(self.settings))
-        self.cpu = cpu_demand(self.settings.get("cpu", 1), "[adapters.verl.reward]")
+        self.cpu = self.settings["cpu"]
         self.group_wait: float | None = None
         if self.settings.get("group"):
             self.group_wait = self.settings.get("group_wait", DEFAULT_GROUP_WAIT)
