@@ -43,6 +43,10 @@ from tangram._sandbox._backend import SandboxBackend
 from tangram._sandbox._local._backend import LocalBackend
 from tangram._sandbox._pool import SandboxPool
 
+FEW = 16
+"""Live sandboxes each Docker pool here reserves memory for (``DockerBackend(sandboxes=)``,
+256 by default): a few, so each work dir keeps the 512 MiB the 300 MiB round trip needs."""
+
 # The test suite an action runs: CPU-bound "tests" split over $TANGRAM_CPUS forked workers.
 SUITE = r"""
 import os, sys
@@ -97,7 +101,9 @@ async def resize_latency(rounds: int) -> dict[str, float]:
     from tangram._sandbox._cores import format_cpu_list
     from tangram._sandbox._docker._backend import PERIOD_US, DockerBackend, DockerConfig
 
-    backend = DockerBackend(config=DockerConfig(image=image(), sync_docker_view=False))
+    backend = DockerBackend(
+        config=DockerConfig(image=image(), sync_docker_view=False), sandboxes=FEW
+    )
     hosts = await backend.start()
     host = hosts[0]
     handle: Any = await backend.create(host)
@@ -146,7 +152,7 @@ async def action_start(rounds: int, fresh_rounds: int) -> dict[str, float]:
     from tangram._sandbox._docker._backend import DockerBackend, DockerConfig
 
     figures: dict[str, float] = {}
-    backend = DockerBackend(config=DockerConfig(image=image()))
+    backend = DockerBackend(config=DockerConfig(image=image()), sandboxes=FEW)
     async with (
         SandboxPool(backend, warm=1) as pool,
         tangram.Runtime(capacity=pool.capacity()),
@@ -203,7 +209,7 @@ async def file_moves(sizes_mib: list[int], stdin_mib: list[int]) -> dict[str, fl
     from tangram._sandbox._docker._backend import DockerBackend, DockerConfig
 
     figures: dict[str, float] = {}
-    backend = DockerBackend(config=DockerConfig(image=image()))
+    backend = DockerBackend(config=DockerConfig(image=image()), sandboxes=FEW)
     async with (
         SandboxPool(backend) as pool,
         tangram.Runtime(capacity=pool.capacity()),
@@ -235,7 +241,8 @@ async def start_at_scale(count: int, rounds: int) -> dict[str, float]:
     """
     from tangram._sandbox._docker._backend import DockerBackend, DockerConfig
 
-    backend = DockerBackend(config=DockerConfig(image=image()))
+    # Live sandboxes are reserved per daemon (256 by default): this many, plus the probe.
+    backend = DockerBackend(config=DockerConfig(image=image()), sandboxes=count + 8)
     figures: dict[str, float] = {"scale_sandboxes": float(count)}
     started = time.perf_counter()
     async with SandboxPool(backend, warm=count) as pool:
@@ -375,7 +382,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         figures.update(await start_at_scale(32 if args.quick else 512, 20 if args.quick else 50))
         from tangram._sandbox._docker._backend import DockerBackend, DockerConfig
 
-        backend: SandboxBackend = DockerBackend(config=DockerConfig(image=image()))
+        backend: SandboxBackend = DockerBackend(config=DockerConfig(image=image()), sandboxes=FEW)
     else:
         backend = LocalBackend()
     figures["workload_backend"] = "docker" if docker else "local"

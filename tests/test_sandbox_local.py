@@ -591,7 +591,7 @@ def test_a_command_dies_with_the_process_that_started_it(tmp_path: Path) -> None
             owner.stdout.close()
 
 
-# -- memory reserved per sandbox (see tangram._sandbox._local._budget) ----------------------
+# -- memory reserved per sandbox (see tangram._sandbox._budget) ----------------------
 
 _GIB = 1 << 30
 
@@ -606,7 +606,7 @@ def test_what_every_sandbox_may_hold_at_once_fits_under_the_cap(
     """One action per core at its leaf's limit and every live sandbox's work dir full
     (its bytes and its inodes) never add up past the cap, whatever was asked; so no
     sandbox reaches the shared limit, only its own."""
-    from tangram._sandbox._local._budget import INODE_BYTES, inodes_for, plan_memory
+    from tangram._sandbox._budget import INODE_BYTES, inodes_for, plan_memory
 
     cap = int(cap_gib * _GIB)
     plan = plan_memory(
@@ -623,7 +623,7 @@ def test_what_every_sandbox_may_hold_at_once_fits_under_the_cap(
 def test_a_16_gib_pod_gets_these_defaults() -> None:
     """What docs/sandboxes.md promises for a 16 GiB pod lending 8 cores: half of its
     8 GiB cap for the actions (512 MiB each), half for 256 work dirs (14 MiB each)."""
-    from tangram._sandbox._local._budget import plan_memory
+    from tangram._sandbox._budget import plan_memory
 
     plan = plan_memory(
         cap=8 * _GIB, cores=8, memory=4 * _GIB, disk=_GIB, sandboxes=256, files_in_memory=True
@@ -638,7 +638,7 @@ def test_a_16_gib_pod_gets_these_defaults() -> None:
 
 
 def test_settings_the_cap_cannot_hold_are_refused() -> None:
-    from tangram._sandbox._local._budget import plan_memory
+    from tangram._sandbox._budget import plan_memory
 
     plan = plan_memory(
         cap=512 << 20, cores=64, memory=4 * _GIB, disk=_GIB, sandboxes=256, files_in_memory=True

@@ -64,7 +64,9 @@ class Setup:
 
 @contextlib.asynccontextmanager
 async def open_pool(**options: Any) -> AsyncIterator[Setup]:
-    backend = DockerBackend(config=options.pop("config", None) or config())
+    backend = DockerBackend(
+        config=options.pop("config", None) or config(), sandboxes=options.pop("sandboxes", 256)
+    )
     async with (
         SandboxPool(backend, **options) as pool,
         tangram.Runtime(capacity=pool.capacity()) as runtime,

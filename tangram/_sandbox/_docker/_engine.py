@@ -18,6 +18,7 @@ from ..._core._units import parse_size
 from ..._core._validate import byte_size, non_negative, positive, whole
 from ...errors import InvalidSettingError, SandboxBrokenError, SandboxError, SettingTypeError
 from .._backend import Host
+from .._budget import held, inodes_for
 from ._cgroupfs import PERIOD_US
 from ._reaper import LABEL, owner_labels
 
@@ -37,6 +38,12 @@ descriptor before an exec, and are slow under a limit of a million."""
 MIN_OPEN_FILES = 256
 """The least a derived limit may be before the pool refuses to start: macOS's default soft
 limit, under which common build, test and install tools work."""
+SHM_SIZE = 64 << 20
+"""``/dev/shm``'s size, Docker's own default; mounted by tangram so its inodes are bounded."""
+RUNNER_RESERVE = 64 << 20
+"""Memory kept beside what the tmpfs mounts may hold, for the runner and the next action's
+prepared process: were files alone able to fill the container's limit, the kernel would
+kill the runner once no command is left to kill, and a tool call would fail the step."""
 SHM_SEGMENTS = 4096
 """SysV shared memory segments an IPC namespace may hold (the kernel's ``SHMMNI`` for a new
 one; a container cannot change it): each is a file of the host's table while it exists."""
@@ -118,6 +125,10 @@ class DockerConfig:
     :param read_only: read-only root file system (the work dir and ``/tmp`` are tmpfs).
     :param work_size: size of the tmpfs work dir (``/work``), also the most one ``get``
         returns.
+    :param tmp_size: size of ``/tmp`` (``/dev/shm`` is 64 MiB). The three mounts, their
+        inodes and a reserve for the runner must fit in ``memory``: where they do not,
+        each is lowered by the same factor (:attr:`mounts`), so no command's files can
+        leave the runner nothing and fail the sandbox.
     :param user: the numeric ``"UID:GID"`` commands run as (never root). The runner runs
         as root inside the container with only the capabilities to switch to this user
         and to kill what it leaves behind, so no command can reach the runner's channel.
@@ -151,10 +162,42 @@ class DockerConfig:
     io_timeout: float = attrs.field(default=30.0, validator=positive)
     env: Mapping[str, str] = attrs.field(factory=dict, validator=_environment)
 
+    def __attrs_post_init__(self) -> None:
+        self.mounts  # noqa: B018 -- a memory too small for any files fails here, at the call
+
+    @property
+    def mounts(self) -> tuple[int, int, int]:
+        """The sizes of ``/work``, ``/tmp`` and ``/dev/shm``: as asked, or lowered by one
+        factor until their bytes and inodes fit in ``memory`` beside the runner's reserve.
+
+        :raises InvalidSettingError: ``memory`` leaves under 1 MiB per mount.
+        """
+        asked = (_size(self.work_size), _size(self.tmp_size), SHM_SIZE)
+        if self.memory is None:
+            return asked
+        room = _size(self.memory) - RUNNER_RESERVE
+        if sum(held(size) for size in asked) <= room:
+            return asked
+        low, high = 0.0, 1.0  # held() grows with the size: bisect the common factor
+        for _ in range(50):
+            middle = (low + high) / 2
+            if sum(held(int(size * middle)) for size in asked) <= room:
+                low = middle
+            else:
+                high = middle
+        fitted = tuple(int(size * low) // 4096 * 4096 for size in asked)
+        if min(fitted) < 1 << 20:
+            raise InvalidSettingError(
+                f"`memory={self.memory!r}` cannot hold a sandbox's files (/work, /tmp and "
+                f"/dev/shm, 1 MiB each at least, and their inodes) beside the runner's "
+                f"{RUNNER_RESERVE >> 20} MiB: give it more memory"
+            )
+        return fitted[0], fitted[1], fitted[2]
+
     @property
     def work_bytes(self) -> int:
         """The work dir's size in bytes: no file in it can be larger."""
-        return _size(self.work_size)
+        return self.mounts[0]
 
     @property
     def ids(self) -> tuple[int, int]:
@@ -166,9 +209,19 @@ class DockerConfig:
         self, name: str, cores: str, python: str, runner: str, open_files: int
     ) -> dict[str, Any]:
         uid, gid = self.ids
+        # Every mount bounds its inodes too: an empty file is about 1.2 KiB of kernel
+        # memory that ``size=`` does not count, and 843k of them in /tmp filled the
+        # container's limit with no process to kill but the runner. /dev/shm is mounted
+        # here (Docker then skips its own, which bounds only its bytes).
+        work, tmp, shm = self.mounts
         tmpfs = {
-            "/work": f"rw,exec,size={self.work_bytes},mode=0700,uid={uid},gid={gid}",
-            "/tmp": f"rw,nosuid,size={_size(self.tmp_size)},mode=1777",
+            "/work": f"rw,exec,{_bounded(work)},mode=0700,uid={uid},gid={gid}",
+            "/tmp": f"rw,nosuid,{_bounded(tmp)},mode=1777",
+            "/dev/shm": f"rw,nosuid,nodev,noexec,{_bounded(shm)},mode=1777",
+            # No pseudo-terminals: the kernel's `pty.max` is one count for the whole host
+            # (every container's devpts instance draws on it), so one sandbox holding
+            # 3,072 of them made another's `openpty` fail, and the host's own logins.
+            "/dev/pts": "ro,nosuid,noexec,size=4k,mode=0755",
         }
         host: dict[str, Any] = {
             "NetworkMode": self.network,
@@ -187,7 +240,13 @@ class DockerConfig:
             # disk, without a bound. Attaching works without a log.
             "LogConfig": {"Type": "none", "Config": {}},
             # Soft = hard: without CAP_SYS_RESOURCE no process here can raise it.
-            "Ulimits": [{"Name": "nofile", "Soft": open_files, "Hard": open_files}],
+            # A POSIX message queue is charged to its owner's uid across the host (every
+            # sandbox's commands share one) and outlives the action in its IPC namespace:
+            # one sandbox's queues made another's `mq_open` fail. None may be made.
+            "Ulimits": [
+                {"Name": "nofile", "Soft": open_files, "Hard": open_files},
+                {"Name": "msgqueue", "Soft": 0, "Hard": 0},
+            ],
             # A SysV segment lives in the IPC namespace, not in a process: without this a
             # parked sandbox kept up to SHM_SEGMENTS files of the host's table, and about
             # 600 parked sandboxes filled a 24 GiB host's with no command running. Forced,
@@ -217,6 +276,10 @@ class DockerConfig:
             "Labels": {LABEL: name, **owner_labels()},
             "HostConfig": host,
         }
+
+
+def _bounded(size: int) -> str:
+    return f"size={size},nr_inodes={inodes_for(size)}"
 
 
 def open_files_for(

@@ -50,6 +50,12 @@ CHUNK = 1 << 20
 """Most data bytes in one frame of a file move or of stdin."""
 META_LIMIT = 16 << 20
 DATA_LIMIT = 2 * CHUNK
+SETUP = "setup: "
+"""Marks a prepared process's failure before the command was sent: never its result."""
+SCRATCH = ("/tmp", "/dev/shm")
+SCRUB_SECONDS = 30.0
+"""Most an action's end waits for its scratch files to go: their inodes are bounded by
+the mounts' (4,096 each at the default sizes), which go in well under a second."""
 MESSAGE_LIMIT = 2000
 """Characters of an error message sent back; a path can be long, a reply stays small."""
 PR_SET_DUMPABLE = 4
@@ -207,6 +213,107 @@ def kill_others() -> int:
     return most
 
 
+def drop_to(uid: int, gid: int) -> None:
+    os.setgroups([])
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
+
+
+def scrub(uid: int, gid: int) -> None:
+    """Empty ``/tmp`` and ``/dev/shm`` after an action, before its reply.
+
+    What an action left there is not the next action's, and a parked sandbox holding it
+    held memory its host's reservation does not count (only ``/work`` is kept between
+    actions). Removed as the sandbox user, who owns every file a command made: the runner
+    has no capability over files. Skipped (no fork) when both are empty.
+    """
+    if not any(_listed(top) for top in SCRATCH):
+        return
+    pid = os.fork()
+    if pid == 0:
+        try:
+            with contextlib.suppress(OSError):  # never the runner, were memory short now
+                Path("/proc/self/oom_score_adj").write_text("1000")
+            drop_to(uid, gid)
+            for top in SCRATCH:
+                with contextlib.suppress(OSError):
+                    empty(top)
+        finally:
+            os._exit(0)
+    deadline = time.monotonic() + SCRUB_SECONDS
+    while os.waitpid(pid, os.WNOHANG)[0] == 0:
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            break
+        time.sleep(0.001)
+
+
+def _listed(top: str) -> bool:
+    try:
+        return bool(os.listdir(top))
+    except OSError:
+        return False
+
+
+def empty(top: str) -> None:
+    """Remove everything below ``top`` without recursion, long paths or a full listing.
+
+    A command may nest directories thousands deep (past the stack and ``PATH_MAX``), put a
+    million names in one, and take every permission off its own directories: each
+    directory met below the top is moved up to it under an unguessable name, so at most
+    two directories are open at once, and entries are removed as they are read.
+    """
+    top_fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    token = secrets.token_hex(8)
+    queue: list[str | None] = [None]
+    queued: set[str] = set()
+    moved = 0
+    try:
+        while queue:
+            name = queue.pop()
+            try:
+                if name is not None:
+                    os.chmod(name, 0o700, dir_fd=top_fd)
+                fd = os.open(
+                    name or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=top_fd
+                )
+            except OSError:
+                continue
+            try:
+                progress = True
+                while progress:  # removing while reading may skip names: read again
+                    progress = False
+                    with os.scandir(fd) as entries:
+                        for entry in entries:
+                            try:
+                                if not entry.is_dir(follow_symlinks=False):
+                                    os.unlink(entry.name, dir_fd=fd)
+                                elif name is None:
+                                    if entry.name in queued:
+                                        continue
+                                    queued.add(entry.name)
+                                    queue.append(entry.name)
+                                else:
+                                    # Moving a directory rewrites its "..": it must be
+                                    # writable, as its owner may make it.
+                                    os.chmod(entry.name, 0o700, dir_fd=fd)
+                                    moved += 1
+                                    new = f".{token}-{moved}"
+                                    os.rename(entry.name, new, src_dir_fd=fd, dst_dir_fd=top_fd)
+                                    queue.append(new)
+                            except OSError:
+                                continue
+                            progress = True
+            finally:
+                os.close(fd)
+            if name is not None:
+                with contextlib.suppress(OSError):
+                    os.rmdir(name, dir_fd=top_fd)
+    finally:
+        os.close(top_fd)
+
+
 class Spare:
     """A child forked ahead of the next action, already the sandbox user, waiting to exec.
 
@@ -243,9 +350,7 @@ class Spare:
             with contextlib.suppress(OSError):
                 Path("/proc/self/oom_score_adj").write_text("1000")
             os.setsid()
-            os.setgroups([])
-            os.setresgid(gid, gid, gid)
-            os.setresuid(uid, uid, uid)
+            drop_to(uid, gid)
             if LIBC.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
                 raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
             for target, fd in enumerate(std):
@@ -253,6 +358,12 @@ class Spare:
             for number in (signal.SIGPIPE, signal.SIGXFSZ):
                 # Python ignores these, and an ignored signal stays ignored across exec.
                 signal.signal(number, signal.SIG_DFL)
+        except BaseException as exc:
+            # Not the command's doing (it has not been sent yet): the runner's to handle.
+            with contextlib.suppress(BaseException):
+                os.write(failure, f"{SETUP}{type(exc).__name__}: {exc}"[:MESSAGE_LIMIT].encode())
+            os._exit(127)
+        try:
             chunks = []
             while chunk := os.read(order, CHUNK):
                 chunks.append(chunk)
@@ -274,7 +385,7 @@ class Spare:
             while view:
                 view = view[os.write(self.order, view) :]
         except OSError as exc:
-            return f"the prepared process is gone: {exc}"
+            return f"{SETUP}the prepared process is gone: {exc}"
         finally:
             os.close(self.order)
         chunks = []
@@ -315,7 +426,18 @@ class Spare:
         os.close(self.stderr)
 
 
+class SandboxSetupError(Exception):
+    """The runner could not prepare a process for the command: tangram's failure."""
+
+
 class Runner:
+    @staticmethod
+    def discard(proc: Spare) -> None:
+        proc.wait()
+        proc.close()
+        kill_others()
+        REAPED.clear()
+
     def __init__(self, channel: Channel, uid: int, gid: int) -> None:
         self.channel = channel
         self.uid = uid
@@ -344,11 +466,19 @@ class Runner:
         proc = self.spare or Spare(self.uid, self.gid)
         self.spare = None
         failure = proc.start(list(request["argv"]), env)
+        if failure is not None and failure.startswith(SETUP):
+            # The prepared process died before the command was sent (the kernel's OOM
+            # killer picks it first when memory runs short outside it): one fresh try,
+            # and never the command's result, since the command never ran.
+            self.discard(proc)
+            proc = Spare(self.uid, self.gid)
+            failure = proc.start(list(request["argv"]), env)
+            if failure is not None and failure.startswith(SETUP):
+                self.discard(proc)
+                raise SandboxSetupError(failure[len(SETUP) :])
         if failure is not None:
-            proc.wait()
-            proc.close()
-            kill_others()
-            REAPED.clear()
+            self.discard(proc)
+            scrub(self.uid, self.gid)
             missing = failure.startswith(("FileNotFoundError", "NotADirectoryError"))
             return {"ok": True, "exit_code": 127 if missing else 126, "stdout_len": 0}, (
                 f"{failure}\n".encode()
@@ -434,6 +564,7 @@ class Runner:
             status = -signal.SIGKILL
         REAPED.clear()  # the leftovers' statuses: nobody waits for them
         proc.close()
+        scrub(self.uid, self.gid)
         stdout, stderr = bytes(out[out_fd]), bytes(out[err_fd])
         reply = {
             "ok": True,

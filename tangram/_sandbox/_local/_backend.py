@@ -19,7 +19,7 @@ each live sandbox is kept apart from the others and from the host by:
   files; the work dir is a tmpfs of ``disk`` bytes (:mod:`._quota_fs`), so the host's
   disk is not the sandbox's; the kernel's OOM killer picks sandbox processes first;
 - memory of one sandbox is not another's: all sandboxes together are capped at half the
-  trainer's memory, and that cap is reserved, not shared (:mod:`._budget`): one action of
+  trainer's memory, and that cap is reserved, not shared (:mod:`.._budget`): one action of
   ``memory`` per lent core and ``sandboxes`` live work dirs of ``disk`` fit under it (the
   two lowered until they do), so one sandbox's files or processes never get another's
   command OOM-killed;
@@ -66,8 +66,8 @@ from ..._core._units import format_size
 from ..._core._validate import byte_size, whole
 from ...errors import InvalidSettingError, SandboxBrokenError, SandboxError, SettingTypeError
 from .._backend import ExecRequest, ExecResult, Host, SandboxBackend, SandboxHandle
+from .._budget import plan_memory
 from .._cores import numa_nodes
-from ._budget import plan_memory
 from ._cgroup import CgroupLeaf, CgroupTree, open_tree
 from ._files import WorkDir
 from ._isolate import (

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import attrs
 
-from ._budget import inodes_for
+from .._budget import inodes_for
 
 __all__ = ["Box", "make_box", "mount_problem", "reap_boxes", "remove_box"]
 
@@ -171,7 +171,7 @@ def reap_boxes(root: Path) -> None:
 
 def _mount(path: Path, size: int) -> None:
     assert _LIBC is not None
-    inodes = inodes_for(size)  # also what the reservation counts (see _budget)
+    inodes = inodes_for(size)  # also what the reservation counts (see .._budget)
     options = f"size={size},nr_inodes={inodes},mode=0711"
     result = _LIBC.mount(
         f"{_SOURCE}{os.getpid()}".encode(),

@@ -1,22 +1,27 @@
 """Memory reserved per sandbox, so no sandbox's memory can get another's command killed.
 
-Every sandbox's cgroup leaf sits below one base capped at half the trainer's memory (see
-:meth:`._cgroup.CgroupTree.cap_total`). Were the leaves' limits simply ``memory`` each,
-that base would be one shared pool: a sandbox's files (tmpfs pages no process owns, which
-outlive its command) could fill it, and another sandbox's next command, a grading harness
-for a different sample say, was OOM-killed at start (a policy lowering its siblings'
-rewards). So the cap is not shared but *reserved*, split where nothing can outgrow its
-share:
+All sandboxes of a backend draw on one pool of memory: for local sandboxes, the base
+cgroup above every sandbox's leaf, capped at half the trainer's memory (see
+:meth:`._local._cgroup.CgroupTree.cap_total`); for Docker ones, each daemon's host, half
+the memory its containers may use together (:mod:`._docker._backend`). Were each
+sandbox simply limited to ``memory``, that would be one shared pool: a sandbox's files
+(tmpfs pages no process owns, which outlive its command) could fill it, and another
+sandbox's next command, a grading harness for a different sample say, was OOM-killed at
+start (a policy lowering its siblings' rewards). So the cap is not shared but *reserved*,
+split where nothing can outgrow its share:
 
 - a parked sandbox holds only its work dir's files: at most ``disk`` bytes plus its
-  inodes (a tmpfs of that size, :mod:`._quota_fs`). Its action's ``/tmp``, ``/dev/shm``,
-  IPC objects and processes live in namespaces that end with the action, whose leftovers
-  are killed before its cores are given back;
+  inodes (a tmpfs of that size with ``inodes_for(disk)`` inodes: :mod:`._local._quota_fs`,
+  or Docker's ``/work`` mount). Its action's ``/tmp``, ``/dev/shm``, IPC objects and
+  processes end with the action (namespaces that end with it locally; emptied and killed
+  by the runner in a container) before its cores are given back;
 - at most one action per lent core runs at once (the pool never lends a core twice), and
-  a running sandbox holds at most ``memory`` (its leaf's limit counts every page of it).
+  a running sandbox holds at most ``memory`` (its leaf's or container's limit counts
+  every page of it).
 
-So ``cores x memory + sandboxes x (disk + inodes)`` never exceeds the cap: a sandbox then
-reaches only its own limits, never the base's. ``memory`` and ``disk`` are ceilings: where
+So ``cores x memory + sandboxes x (disk + inodes)`` never exceeds the cap (for Docker,
+``sandboxes x`` also each container's runner, which a parked container keeps): a sandbox
+then reaches only its own limits, never the cap's. ``memory`` and ``disk`` are ceilings: where
 the asked values do not fit, running actions and parked files each get half the cap (or
 what the other side leaves), shared equally; ``sandboxes`` sandboxes may be alive at once,
 and the backend refuses to create one more (a :class:`~tangram.errors.SandboxError`).
@@ -26,9 +31,17 @@ from __future__ import annotations
 
 import attrs
 
-from ..._core._units import format_size
+from .._core._units import format_size
 
-__all__ = ["INODE_BYTES", "MemoryPlan", "inodes_for", "plan_memory"]
+__all__ = [
+    "INODE_BYTES",
+    "MIN_DISK",
+    "MIN_MEMORY",
+    "MemoryPlan",
+    "held",
+    "inodes_for",
+    "plan_memory",
+]
 
 INODE_BYTES = 2 << 10
 """Kernel memory one tmpfs inode may hold, charged to the sandbox: 1.45 KiB measured for
@@ -48,7 +61,7 @@ def inodes_for(size: int) -> int:
     return max(_MIN_INODES, size // _BYTES_PER_INODE)
 
 
-def _held(disk: int) -> int:
+def held(disk: int) -> int:
     """What a parked sandbox may hold: its work dir's bytes and its inodes."""
     return disk + inodes_for(disk) * INODE_BYTES
 
@@ -58,7 +71,7 @@ def _disk_within(share: int) -> int:
     low, high = 0, share
     while low < high:  # _held is increasing: a bisection, 40-odd steps
         middle = (low + high + 1) // 2
-        if _held(middle) <= share:
+        if held(middle) <= share:
             low = middle
         else:
             high = middle - 1
@@ -91,12 +104,17 @@ def plan_memory(
     disk: int | None,
     sandboxes: int,
     files_in_memory: bool,
+    disk_name: str = "disk",
+    overhead: int = 0,
 ) -> MemoryPlan:
     """Each sandbox's limits under ``cap`` (the base cgroup's), as the module says.
 
     ``files_in_memory`` is whether a work dir is a tmpfs of ``disk`` bytes (when this
     process is root); otherwise its files are on the host's disk, page cache the kernel
-    may reclaim, and a parked sandbox reserves nothing.
+    may reclaim, and a parked sandbox reserves nothing. ``disk_name`` is what the
+    backend's users call ``disk`` (``work_size`` for Docker), for the sentences.
+    ``overhead`` is what a parked sandbox holds beside its work dir whatever its commands
+    do (a Docker container's runner; nothing for a local sandbox), reserved for each too.
     """
     if cap is None or memory is None:
         said = "not reserved: a sandbox's files and processes may use memory others need"
@@ -106,7 +124,7 @@ def plan_memory(
             said = f"{said} (memory=None)"
         return MemoryPlan(memory, disk, None, said)
     files = files_in_memory and disk is not None
-    parked = sandboxes * _held(disk) if files and disk is not None else 0
+    parked = sandboxes * (held(disk) + overhead) if files and disk is not None else 0
     running = cores * memory
     half = cap // 2
     if running + parked <= cap:
@@ -120,7 +138,7 @@ def plan_memory(
     new_memory = min(memory, running_share // cores // _MIB * _MIB)
     new_disk = disk
     if files and disk is not None:
-        new_disk = min(disk, _disk_within(parked_share // sandboxes))
+        new_disk = min(disk, _disk_within(parked_share // sandboxes - overhead))
     limit = sandboxes if files else None
     lowered = new_memory < memory or new_disk != disk
     said = (
@@ -129,9 +147,11 @@ def plan_memory(
     )
     if files and new_disk is not None:
         said += f" and {sandboxes} live sandboxes' work dirs of {format_size(new_disk)}"
+        if overhead:
+            said += f" (each plus {format_size(overhead)} for its runner)"
     if lowered:
         said += f" (asked: memory {format_size(memory)}"
-        said += f", disk {format_size(disk)})" if disk is not None else ")"
+        said += f", {disk_name} {format_size(disk)})" if disk is not None else ")"
     problem = None
     if new_memory < MIN_MEMORY or (files and new_disk is not None and new_disk < MIN_DISK):
         problem = (
