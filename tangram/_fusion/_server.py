@@ -16,6 +16,22 @@ executor_pod_name, files}``; ``GET /v1/ping`` answers ``"pong"``. Served languag
 ``memory_limit_MB`` are accepted and unused (nothing is compiled; the pool's memory limit
 applies).
 
+The code is written to a file in the request's sandbox and run as ``python FILE`` /
+``bash FILE``, as SandboxFusion runs it: as one ``-c`` argument, code over 128 KiB could
+not start and came back as the code's own failure (exit 126).
+
+What the request and the code control is answered as theirs, never as tangram's failure
+(a 503 the model could trigger at will, counted and logged at ERROR): a ``fetch_files``
+entry the code made unreadable (a symlink, a FIFO, a directory, over the backend's
+``max_file``) is skipped, as SandboxFusion skips a missing one, and named in
+``message``; ``files`` that clash (``a`` and ``a/b``) or do not fit in the sandbox's
+disk are refused 422. Each limit below bounds what one request costs the trainer's
+process: the body read (``MAX_BODY``), the files written (``MAX_FILES``), the time a
+command holds its cores (``MAX_RUN_TIMEOUT``), the bytes fetched (``MAX_FETCH_FILES``,
+``MAX_FETCH_BYTES``: one file asked for under several spellings, ``out`` and
+``./out``, is read once) and how long a silent connection holds a thread
+(``IDLE_TIMEOUT``).
+
 HTTP comes from the standard library's threading server: a thread per connection reads
 the request and waits on the event loop that owns the scheduler (through an anyio
 portal), so a slow client never blocks the loop and no dependency is added.
@@ -26,14 +42,17 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import errno
 import functools
 import http.server
 import json
 import logging
 import os
+import reprlib
+import secrets
 import threading
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import anyio.to_thread
@@ -43,9 +62,22 @@ from .._core._demand import Elastic
 from .._frameworks import _session
 from .._frameworks._failures import is_infrastructure, record
 from .._sandbox._backend import RunResult
-from .._sandbox._pool import Sandbox
+from .._sandbox._pool import Sandbox, _relative, utf8
+from ..errors import InvalidSettingError
 
-__all__ = ["DEFAULT_PORT", "LANGUAGES", "RequestError", "run_code", "serve"]
+__all__ = [
+    "DEFAULT_PORT",
+    "IDLE_TIMEOUT",
+    "LANGUAGES",
+    "MAX_BODY",
+    "MAX_FETCH_BYTES",
+    "MAX_FETCH_FILES",
+    "MAX_FILES",
+    "MAX_RUN_TIMEOUT",
+    "RequestError",
+    "run_code",
+    "serve",
+]
 
 logger = logging.getLogger("tangram.frameworks.fusion")
 
@@ -53,6 +85,48 @@ logger = logging.getLogger("tangram.frameworks.fusion")
 DEFAULT_PORT = 8080
 LANGUAGES = ("python", "bash")
 _DEFAULT_RUN_TIMEOUT = 10.0  # SandboxFusion's default
+#: The longest ``run_timeout`` served, in seconds; a longer one is refused (422). A
+#: request holds its cores for up to this long, and 1e19 s overflowed the CPU rlimit.
+MAX_RUN_TIMEOUT = 3600.0
+#: The largest request body read, in bytes; a larger ``Content-Length`` is refused (413)
+#: before any of it is read.
+MAX_BODY = 64 << 20
+#: The most entries of ``files`` one request may write (422 above).
+MAX_FILES = 1024
+#: The most entries of ``fetch_files`` one request may ask for (422 above).
+MAX_FETCH_FILES = 1024
+#: The most bytes one request fetches, all files together: past it the rest are skipped
+#: and named in ``message``. The answer holds them in base64 in the trainer's memory.
+MAX_FETCH_BYTES = 256 << 20
+#: Seconds a connection may stay silent (a half-sent request, an idle keep-alive) before
+#: it is closed: each holds a thread.
+IDLE_TIMEOUT = 15.0
+
+# What a put of the request's own files into a fresh sandbox (nothing has run in it yet)
+# fails with because of those files: more than its disk holds, a name too long.
+_NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.ENAMETOOLONG})
+# What a get fails with because of what the code left at a fetched name: missing, not a
+# regular file, behind a symlink, not readable, over ``max_file``, or a name too long.
+_UNREADABLE = frozenset(
+    {
+        errno.ENOENT,
+        errno.ENOTDIR,
+        errno.EISDIR,
+        errno.EACCES,
+        errno.EPERM,
+        errno.ELOOP,
+        errno.ENXIO,
+        errno.EFBIG,
+        errno.ENAMETOOLONG,
+        errno.EOVERFLOW,
+    }
+)
+_SHOWN_SKIPS = 10  # fetch_files skipped and named in ``message``; the rest are counted
+
+# Request values quoted in an error: bounded in length and depth, as a request can hold
+# a 60 MiB string or a list nested as deep as the JSON parser allows.
+_quote = reprlib.Repr()
+_quote.maxstring = _quote.maxother = 80
 
 
 class RequestError(ValueError):
@@ -63,54 +137,105 @@ class UnservedLanguageError(RequestError):
     """A language SandboxFusion knows that tangram's pool does not run (HTTP 501)."""
 
 
+def _path(field: str, path: object) -> str:
+    """``path`` as the work-dir-relative name the pool uses, or the request's error."""
+    try:
+        if not isinstance(path, str):
+            raise InvalidSettingError("a path must be a string")
+        utf8("the path", path)
+        return _relative(path)
+    except InvalidSettingError as exc:
+        raise RequestError(f"`{field}` entry {_quote.repr(path)}: {exc}") from None
+
+
 def _request(body: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(body, Mapping):
         raise RequestError("the body must be a JSON object")
     code = body.get("code")
     if not isinstance(code, str):
         raise RequestError("`code` must be a string")
+    if "\0" in code:  # as a program's argument it could not be passed either
+        raise RequestError("`code` contains a NUL byte")
+    try:
+        source = utf8("`code`", code)
+    except InvalidSettingError as exc:
+        raise RequestError(str(exc)) from None
     language = body.get("language")
     if not isinstance(language, str):
         raise RequestError("`language` must be a string")
     if language not in LANGUAGES:
         raise UnservedLanguageError(
-            f"language {language!r} is not served by tangram (served: {list(LANGUAGES)})"
+            f"language {_quote.repr(language)} is not served by tangram (served: {list(LANGUAGES)})"
         )
     stdin = body.get("stdin")
     if stdin is not None and not isinstance(stdin, str):
         raise RequestError("`stdin` must be a string or null")
     timeout = body.get("run_timeout", _DEFAULT_RUN_TIMEOUT)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise RequestError(f"`run_timeout` must be a positive number (got {timeout!r})")
-    files = body.get("files") or {}
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not 0 < timeout <= MAX_RUN_TIMEOUT  # NaN too
+    ):
+        raise RequestError(
+            f"`run_timeout` must be a number of seconds > 0 and <= {MAX_RUN_TIMEOUT:g} "
+            f"(got {_quote.repr(timeout)})"
+        )
+    return {
+        "code": source,
+        "language": language,
+        "stdin": stdin,
+        "timeout": float(timeout),
+        "files": _files(body.get("files") or {}),
+        "fetch": _fetch_list(body.get("fetch_files") or []),
+    }
+
+
+def _files(files: object) -> dict[str, bytes]:
+    """``files`` decoded, keyed by the pool's path; clashes refused before any is written.
+
+    A file and a directory of one name (``a`` and ``a/b``, in either order) cannot both
+    be written: found at the put, the refusal was an ``OSError``, answered as tangram's.
+    """
     if not isinstance(files, Mapping):
         raise RequestError("`files` must map paths to base64 contents")
+    if len(files) > MAX_FILES:
+        raise RequestError(f"`files` has {len(files)} entries, over the {MAX_FILES} served")
     decoded: dict[str, bytes] = {}
     for path, content in files.items():
         if content is None:
             continue
+        name = _path("files", path)
         try:
-            decoded[str(path)] = base64.b64decode(content, validate=True)
+            decoded[name] = base64.b64decode(content, validate=True)
         except (binascii.Error, TypeError, ValueError) as exc:
-            raise RequestError(f"`files[{path!r}]` is not base64: {exc}") from exc
-    fetch = body.get("fetch_files") or []
+            raise RequestError(f"`files[{_quote.repr(path)}]` is not base64: {exc}") from None
+    for name in decoded:
+        parts = name.split("/")
+        for depth in range(1, len(parts)):
+            if "/".join(parts[:depth]) in decoded:
+                raise RequestError(
+                    f"`files` has both {_quote.repr('/'.join(parts[:depth]))} and "
+                    f"{_quote.repr(name)} below it: one name cannot be a file and a directory"
+                )
+    return decoded
+
+
+def _fetch_list(fetch: object) -> list[tuple[str, str]]:
+    """``fetch_files`` as (the name asked for, the pool's path) pairs."""
     if not isinstance(fetch, list) or not all(isinstance(p, str) for p in fetch):
         raise RequestError("`fetch_files` must be a list of paths")
-    return {
-        "code": code,
-        "language": language,
-        "stdin": stdin,
-        "timeout": float(timeout),
-        "files": decoded,
-        "fetch": fetch,
-    }
+    if len(fetch) > MAX_FETCH_FILES:
+        raise RequestError(
+            f"`fetch_files` has {len(fetch)} entries, over the {MAX_FETCH_FILES} served"
+        )
+    return [(asked, _path("fetch_files", asked)) for asked in fetch]
 
 
-def _response(result: RunResult, files: Mapping[str, str]) -> dict[str, Any]:
+def _response(result: RunResult, files: Mapping[str, str], message: str) -> dict[str, Any]:
     ok = result.exit_code == 0 and not result.timed_out
     return {
         "status": "Success" if ok else "Failed",
-        "message": "",
+        "message": message,
         "compile_result": None,
         "run_result": {
             "status": "TimeLimitExceeded" if result.timed_out else "Finished",
@@ -137,42 +262,106 @@ async def run_code(
     :raises SandboxBrokenError: the sandbox died (tangram's failure, not the code's).
     """
     request = _request(body)
+    script = _script_name(request["language"], request["files"])
     async with _session.session(config) as resources:
         pool = resources.sandbox_pool()
         async with pool.sandbox(f"fusion-{uuid.uuid4().hex}") as sandbox:
             try:
                 for path, content in request["files"].items():
                     await sandbox.put(path, content)
-            except (TypeError, ValueError) as exc:
-                raise RequestError(f"`files`: {exc}") from exc
-            result = await _run(sandbox, request, cpu, kind)
-            fetched: dict[str, str] = {}
-            for path in request["fetch"]:
-                with contextlib.suppress(FileNotFoundError):  # as SandboxFusion: skipped
-                    fetched[path] = base64.b64encode(await sandbox.get(path)).decode()
-    return _response(result, fetched)
+                await sandbox.put(script, request["code"])
+            except OSError as exc:
+                # The sandbox is fresh: only the request's own files can fill it.
+                if exc.errno not in _NO_ROOM:
+                    raise
+                raise RequestError(
+                    f"`files` and `code` do not fit in the sandbox: {exc.strerror or exc}"
+                ) from None
+            result = await _run(sandbox, request, script, cpu, kind)
+            fetched, skipped = await _fetch(sandbox, request["fetch"])
+    return _response(result, fetched, _skipped_message(skipped))
+
+
+def _script_name(language: str, files: Mapping[str, bytes]) -> str:
+    """A name for the code in the work dir that none of the request's files uses."""
+    taken = {name.split("/", 1)[0] for name in files}
+    suffix = ".py" if language == "python" else ".sh"
+    while True:
+        name = f".tangram-run-{secrets.token_hex(8)}{suffix}"
+        if name not in taken:
+            return name
+
+
+async def _fetch(
+    sandbox: Sandbox, fetch: Sequence[tuple[str, str]]
+) -> tuple[dict[str, str], list[tuple[str, str]]]:
+    """The files asked for, base64, and those skipped with why.
+
+    Each file is read once, under the first name it was asked by: ``big``, ``./big`` and
+    ``././big`` are one file, and each spelling read it again (64 of a 1 MiB file were
+    64 MiB in the answer). Reading stops at ``MAX_FETCH_BYTES``; one read past it is the
+    most (the backend's ``max_file`` bounds a read), as every later entry is skipped.
+    What the code left unreadable is skipped, as SandboxFusion skips a missing file:
+    its doing, never tangram's failure. A missing file is skipped without a word, as
+    there.
+    """
+    fetched: dict[str, str] = {}
+    skipped: list[tuple[str, str]] = []
+    first: dict[str, str] = {}
+    total = 0
+    for asked, path in fetch:
+        if path in first:
+            if first[path] != asked:
+                skipped.append((asked, f"the same file as {_quote.repr(first[path])}"))
+            continue
+        first[path] = asked
+        if total >= MAX_FETCH_BYTES:
+            skipped.append((asked, f"over the {MAX_FETCH_BYTES} bytes fetched per request"))
+            continue
+        try:
+            data = await sandbox.get(path)
+        except OSError as exc:
+            if not _unreadable(exc):
+                raise
+            if not isinstance(exc, FileNotFoundError):
+                skipped.append((asked, exc.strerror or str(exc)))
+            continue
+        if total + len(data) > MAX_FETCH_BYTES:
+            total = MAX_FETCH_BYTES  # the rest are skipped unread
+            skipped.append((asked, f"over the {MAX_FETCH_BYTES} bytes fetched per request"))
+            continue
+        total += len(data)
+        fetched[asked] = base64.b64encode(data).decode()
+    return fetched, skipped
+
+
+def _unreadable(exc: OSError) -> bool:
+    # A refusal raised with a message alone (``PermissionError("... not a regular file")``)
+    # has no errno: its class says what it is.
+    if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
+        return True
+    return exc.errno in _UNREADABLE
+
+
+def _skipped_message(skipped: Sequence[tuple[str, str]]) -> str:
+    if not skipped:
+        return ""
+    shown = "; ".join(f"{_quote.repr(asked)} ({why})" for asked, why in skipped[:_SHOWN_SKIPS])
+    more = len(skipped) - _SHOWN_SKIPS
+    return f"fetch_files skipped: {shown}" + (f"; and {more} more" if more > 0 else "")
 
 
 async def _run(
-    sandbox: Sandbox, request: Mapping[str, Any], cpu: int | Elastic, kind: str
+    sandbox: Sandbox, request: Mapping[str, Any], script: str, cpu: int | Elastic, kind: str
 ) -> RunResult:
+    # The code runs from its file, relative to the work dir the command starts in (where
+    # SandboxFusion's code finds its ``files`` too).
+    argv = [sandbox.python if request["language"] == "python" else "bash", script]
     try:
-        if request["language"] == "python":
-            return await sandbox.run(
-                code=request["code"],
-                stdin=request["stdin"],
-                cpu=cpu,
-                timeout=request["timeout"],
-                kind=kind,
-            )
         return await sandbox.run(
-            ["bash", "-c", request["code"]],
-            stdin=request["stdin"],
-            cpu=cpu,
-            timeout=request["timeout"],
-            kind=kind,
+            argv, stdin=request["stdin"], cpu=cpu, timeout=request["timeout"], kind=kind
         )
-    except ValueError as exc:  # a NUL byte in the code: refused before it was queued
+    except InvalidSettingError as exc:  # a lone surrogate in stdin: refused before it ran
         raise RequestError(str(exc)) from exc
 
 
@@ -189,6 +378,9 @@ class _Server(http.server.ThreadingHTTPServer):
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # Read by StreamRequestHandler.setup as the socket's timeout: a connection silent this
+    # long (a half-sent request, an idle keep-alive) is closed, and its thread ends.
+    timeout = IDLE_TIMEOUT
     server: _Server
 
     def log_message(self, format: str, *args: Any) -> None:  # the base's name
@@ -196,11 +388,55 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _send(self, status: int, payload: Any) -> None:
         data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            if self.close_connection:
+                self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(data)
+        except OSError:  # the client hung up: nobody to answer
+            self.close_connection = True
+
+    def _refuse(self, status: int, detail: str) -> None:
+        """Answer ``status`` and close: the rest of the body is not read, so the connection
+        cannot carry another request."""
+        self.close_connection = True
+        self._send(status, {"detail": detail})
+        with contextlib.suppress(OSError):
+            self.wfile.flush()
+            # What the client already sent is drained (briefly, and not all of a huge
+            # body): a close with unread data resets the connection, which can lose the
+            # answer on its way.
+            self.connection.settimeout(0.5)
+            for _ in range(16):
+                if not self.connection.recv(1 << 16):
+                    break
+
+    def _body(self) -> bytearray | None:
+        """The request's body, or None once a refusal was answered."""
+        if self.headers.get("Transfer-Encoding") is not None:
+            self._refuse(411, "a body must come with a Content-Length")
+            return None
+        declared = self.headers.get_all("Content-Length") or ["0"]
+        text = declared[0].strip()
+        if len(set(declared)) > 1 or not (text.isascii() and text.isdigit()):
+            self._refuse(400, f"bad Content-Length: {_quote.repr(', '.join(declared))}")
+            return None
+        if len(text) > 18 or int(text) > MAX_BODY:  # 19 digits and more: over it anyway
+            self._refuse(413, f"the body is over the {MAX_BODY} bytes served")
+            return None
+        # In pieces: one read of the declared size allocated all of it at once, before a
+        # byte arrived (64 MiB per connection that declared it and sent nothing).
+        length, body = int(text), bytearray()
+        while len(body) < length:
+            piece = self.rfile.read1(min(length - len(body), 1 << 20))
+            if not piece:  # the client hung up mid-body
+                self.close_connection = True
+                return None
+            body += piece
+        return body  # not copied: json.loads reads a bytearray
 
     def do_GET(self) -> None:
         if self.path.rstrip("/") == "/v1/ping":
@@ -209,15 +445,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._send(404, {"detail": "Not Found"})
 
     def do_POST(self) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        raw = self.rfile.read(length)
+        raw = self._body()
+        if raw is None:
+            return
         if self.path.rstrip("/") != "/run_code":
             self._send(404, {"detail": "Not Found"})
             return
         try:
             body = json.loads(raw or b"null")
-        except json.JSONDecodeError as exc:
-            self._send(422, {"detail": f"invalid JSON: {exc}"})
+        except (ValueError, RecursionError) as exc:  # bad JSON, not UTF-8, nested too deep
+            self._send(422, {"detail": f"invalid JSON: {type(exc).__name__}: {exc}"[:500]})
             return
         options = self.server.options
         try:

@@ -633,6 +633,11 @@ class Sandbox:
             self._pool._replace(self._handle)
 
 
+#: Linux's ``MAX_ARG_STRLEN`` (32 pages of 4 KiB), the terminating NUL included: the
+#: longest single argument or ``NAME=value`` an ``execve`` takes.
+_MAX_ARG_STRLEN = 32 * 4096
+
+
 def _exec_safe(argv: tuple[str, ...], env: Mapping[str, str]) -> None:
     """Refuse what no ``execve`` can take, before anything is queued or sent.
 
@@ -642,21 +647,34 @@ def _exec_safe(argv: tuple[str, ...], env: Mapping[str, str]) -> None:
     A lone surrogate (``"\\ud800"``, which JSON may carry) cannot be encoded for one: it
     raised a bare ``UnicodeEncodeError`` from the spawn, after the cores were granted.
 
+    One string longer than ``execve`` takes (``MAX_ARG_STRLEN``, 128 KiB: valid code
+    over it passed as ``code=``) failed the spawn with ``E2BIG``, answered exit 126: the
+    code's own verdict for a program that never ran.
+
     :raises InvalidSettingError: a NUL byte or text that is not UTF-8 in an argument or the
-        environment, or an empty name.
+        environment, an empty name, or an argument or variable too long for ``execve``.
     """
     for part in argv:
         if "\0" in part:
             raise InvalidSettingError(
                 f"the command or code contains a NUL byte (got {part[:80]!r})"
             )
-        utf8("the command or code", part)
+        if len(utf8("the command or code", part)) >= _MAX_ARG_STRLEN:
+            raise InvalidSettingError(
+                f"an argument of the command or the code is {len(part.encode())} bytes, over "
+                f"the {_MAX_ARG_STRLEN - 1} one process argument can hold: write it to a "
+                f"file with `put` and run the file (got {part[:80]!r}...)"
+            )
     for key, value in env.items():
         if not key or "\0" in key or "\0" in value:
             raise InvalidSettingError(
                 f"`env` names must be non-empty, without NUL bytes (got {key!r})"
             )
-        utf8("`env`", key + value)
+        if len(utf8("`env`", key + value)) + 1 >= _MAX_ARG_STRLEN:
+            raise InvalidSettingError(
+                f"`env[{key[:80]!r}]` is over the {_MAX_ARG_STRLEN - 1} bytes one process "
+                f"variable can hold"
+            )
 
 
 def utf8(name: str, text: str) -> bytes:

@@ -649,6 +649,8 @@ class _LocalHandle(SandboxHandle):
         except OSError as exc:
             if status_read >= 0:
                 os.close(status_read)
+            if not _commands_own(exc, argv[0], direct=bwrap is None):  # not a 126: ours
+                raise SandboxBrokenError(f"the sandbox could not start a command: {exc}") from exc
             # A command that does not exist is the command's failure, like a shell's 127.
             code = 127 if exc.errno == errno.ENOENT else 126
             return ExecResult(code, b"", f"{exc}\n".encode())
@@ -713,6 +715,22 @@ class _LocalHandle(SandboxHandle):
         return attrs.evolve(result, cpu_seconds=cpu)
 
 
+_COMMAND_ERRNOS = frozenset(  # execve's answers about the program it was given
+    {errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.ENOEXEC, errno.ELOOP}
+    | {errno.ENAMETOOLONG, errno.ETXTBSY, errno.EISDIR, errno.EINVAL, errno.ELIBBAD}
+)
+
+
+def _commands_own(exc: OSError, program: str, *, direct: bool) -> bool:
+    """Whether a spawn's error is the command's (a shell's 126, 127), not the host's (fork's
+    EAGAIN, ENOMEM): E2BIG (the request's size), or execve's answer about the program,
+    spawned directly (under bubblewrap, the program is ours; the child's set-up names
+    another file, or none)."""
+    return exc.errno == errno.E2BIG or (
+        direct and exc.errno in _COMMAND_ERRNOS and exc.filename == program
+    )
+
+
 def _core_ids(cores: Sequence[int] | None) -> tuple[int, ...]:
     """The pool's core ids, sorted: checked here, as ``sched_setaffinity`` would refuse a
     bad one only at the first command."""
@@ -735,7 +753,8 @@ def _setup(
     request: ExecRequest,
 ) -> Callable[[], None]:
     """The child's set-up between fork and exec: only async-signal-safe-ish syscalls."""
-    cpu_seconds = max(1, int(request.timeout * max(1, len(cores)) * 2) + 1)
+    # Capped (35,000 years): 1e19 s overflowed setrlimit in the child, 1e308 int() here.
+    cpu_seconds = int(min(1 << 40, request.timeout * max(1, len(cores)) * 2 + 1))
     open_files = backend.open_files
     if os.geteuid() != 0:  # only root may raise a hard limit
         hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
