@@ -32,6 +32,7 @@ from __future__ import annotations
 import attrs
 
 from .._core._units import format_size
+from ..errors import SandboxError
 
 __all__ = [
     "INODE_BYTES",
@@ -41,6 +42,7 @@ __all__ = [
     "held",
     "inodes_for",
     "plan_memory",
+    "refuse_past",
 ]
 
 INODE_BYTES = 2 << 10
@@ -94,6 +96,21 @@ class MemoryPlan:
     said: str
     problem: str | None = None
     lowered: bool = False
+
+
+def refuse_past(live: int, limit: int | None, where: str, work: int, setting: str) -> None:
+    """Refuse one more live sandbox where ``limit`` are alive: its work dir's memory is
+    reserved for each live one, so one more would share someone's reservation, and its
+    files could cost them a command.
+
+    :raises SandboxError: ``limit`` sandboxes are alive ``where``.
+    """
+    if limit is not None and live >= limit:
+        raise SandboxError(
+            f"{live} sandboxes are alive {where}, the most this backend reserves memory for "
+            f"(sandboxes={limit}, each a work dir of {format_size(work)}): destroy one "
+            f"first, or allow more with `{setting}` (each work dir then smaller)"
+        )
 
 
 def plan_memory(

@@ -63,7 +63,7 @@ from ..._core._units import format_size, parse_size
 from ..._core._validate import whole
 from ...errors import InvalidSettingError, SandboxBrokenError, SandboxError
 from .._backend import Host, SandboxBackend, SandboxHandle
-from .._budget import MIN_DISK, MIN_MEMORY, MemoryPlan, plan_memory
+from .._budget import MIN_DISK, MIN_MEMORY, MemoryPlan, plan_memory, refuse_past
 from .._cores import format_cpu_list, numa_nodes
 from ._cgroupfs import PERIOD_US, _v1_mounts
 from ._container import PARKED_QUOTA_US, DockerHandle
@@ -117,13 +117,13 @@ class Reservation:
         :raises SandboxError: ``limit`` sandboxes are alive: one more would hold memory
             reserved for the others, and its files could cost them a command.
         """
-        if self.limit is not None and self.live >= self.limit:
-            raise SandboxError(
-                f"{self.live} sandboxes are alive on {where}, the most this backend reserves "
-                f"memory for (sandboxes={self.limit}, each a work dir of "
-                f"{format_size(self.config.work_bytes)}): destroy one first, or allow more "
-                "with `DockerBackend(sandboxes=)` (each work dir then smaller)"
-            )
+        refuse_past(
+            self.live,
+            self.limit,
+            f"on {where}",
+            self.config.work_bytes,
+            "DockerBackend(sandboxes=)",
+        )
         self.live += 1
 
     def give_back(self) -> None:

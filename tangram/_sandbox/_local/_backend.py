@@ -62,11 +62,10 @@ import anyio
 import anyio.abc
 import attrs
 
-from ..._core._units import format_size
 from ..._core._validate import byte_size, whole
 from ...errors import InvalidSettingError, SandboxBrokenError, SandboxError, SettingTypeError
 from .._backend import ExecRequest, ExecResult, Host, SandboxBackend, SandboxHandle
-from .._budget import plan_memory
+from .._budget import plan_memory, refuse_past
 from .._cores import numa_nodes
 from ._cgroup import CgroupLeaf, CgroupTree, open_tree
 from ._files import WorkDir
@@ -443,15 +442,7 @@ class LocalBackend(SandboxBackend):
     async def create(self, host: Host) -> SandboxHandle:
         if not self._started:
             await self.start()
-        if self._live_limit is not None and self._live >= self._live_limit:
-            # Its work dir's memory is reserved for each live sandbox: one more would
-            # share someone's reservation, and its files could cost them a command.
-            raise SandboxError(
-                f"{self._live} local sandboxes are alive, the most this backend reserves "
-                f"memory for (sandboxes={self._live_limit}, each a work dir of "
-                f"{format_size(self.disk or 0)}): destroy one first, or allow more with "
-                "`sandboxes` (each work dir then smaller)"
-            )
+        refuse_past(self._live, self._live_limit, "here", self.disk or 0, "sandboxes")
         self._live += 1
         try:
             return await anyio.to_thread.run_sync(self._make_sandbox, host)
