@@ -698,3 +698,40 @@ async def test_a_thread_whose_leader_exited_does_not_outlive_its_action(
         size = beats.stat().st_size
         await anyio.sleep(0.5)
         assert beats.stat().st_size == size, "a process of the action is still running"
+
+
+@pytest.mark.parametrize("mode", [0o000, 0o100, 0o200, 0o400, 0o500])
+async def test_a_command_cannot_lock_the_next_one_out_of_its_work_dir(mode: int) -> None:
+    """The sandbox's user owns its work dir and may take its own permissions off it: the
+    next command's bubblewrap could not enter it, and the sandbox broke (a step failure
+    at the code's will). The mode is put back before each command."""
+    async with (
+        SandboxPool(LocalBackend()) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+        pool.sandbox("t") as sbx,
+    ):
+        await sbx.put("kept", b"kept")
+        assert (await sbx.run(code=f"import os; os.chmod('.', {mode})")).exit_code == 0
+        after = await sbx.run("cat kept")
+    assert (after.exit_code, after.stdout) == (0, b"kept"), after
+
+
+async def test_code_too_long_for_one_process_start_is_refused_at_the_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under a small stack limit (``ARG_MAX`` is a quarter of it, 128 KiB at least), code
+    under one argument's limit still failed the spawn with E2BIG, answered exit 126: the
+    code's own verdict for a program that never ran. Refused at the call instead."""
+    from tangram.errors import InvalidSettingError
+
+    code = "print('ran')\n#" + "x" * 100_000
+    async with (
+        SandboxPool(LocalBackend()) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+        pool.sandbox("t") as sbx,
+    ):
+        assert (await sbx.run(code=code)).stdout == b"ran\n"
+        with monkeypatch.context() as patch:  # as with `ulimit -s 512`
+            patch.setattr(os, "sysconf", lambda name: 128 << 10)
+            with pytest.raises(InvalidSettingError, match="one process start can take"):
+                await sbx.run(code=code)

@@ -636,6 +636,10 @@ class Sandbox:
 #: Linux's ``MAX_ARG_STRLEN`` (32 pages of 4 KiB), the terminating NUL included: the
 #: longest single argument or ``NAME=value`` an ``execve`` takes.
 _MAX_ARG_STRLEN = 32 * 4096
+#: Of the whole argument list and environment ``execve`` takes (``ARG_MAX``, a quarter of
+#: the stack limit, at least 128 KiB), what a backend's own wrapper may need: bubblewrap's
+#: options, the sandbox's own variables.
+_WRAPPER_ARGS = 32 << 10
 
 
 def _exec_safe(argv: tuple[str, ...], env: Mapping[str, str]) -> None:
@@ -675,6 +679,16 @@ def _exec_safe(argv: tuple[str, ...], env: Mapping[str, str]) -> None:
                 f"`env[{key[:80]!r}]` is over the {_MAX_ARG_STRLEN - 1} bytes one process "
                 f"variable can hold"
             )
+    total = sum(len(part.encode()) + 1 + 8 for part in argv)  # each string and its pointer
+    total += sum(len(key.encode()) + len(value.encode()) + 2 + 8 for key, value in env.items())
+    room = max(os.sysconf("SC_ARG_MAX"), _MAX_ARG_STRLEN) - _WRAPPER_ARGS
+    if total > room:
+        # Under a small stack limit code just under one argument's limit still failed the
+        # spawn with E2BIG, answered exit 126: the code's verdict for a program never run.
+        raise InvalidSettingError(
+            f"the command, its code and `env` take {total} bytes, over the {room} one process "
+            "start can take here: write long code to a file with `put` and run the file"
+        )
 
 
 def utf8(name: str, text: str) -> bytes:

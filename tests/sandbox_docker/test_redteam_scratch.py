@@ -24,9 +24,11 @@ from pathlib import Path
 
 import anyio
 import pytest
+from _xattrs import SET_XATTRS, expected
 
 from tangram._core._units import parse_size
 from tangram._sandbox._budget import held
+from tangram._sandbox._docker._backend import PARKED_RUNNER
 from tangram._sandbox._docker._engine import RUNNER_RESERVE
 from tangram.errors import InvalidSettingError, SandboxBrokenError
 
@@ -183,3 +185,86 @@ async def test_no_sandbox_can_take_the_pseudo_terminals_the_host_shares(docker: 
     async with open_pool() as setup, setup.pool.sandbox("t") as sbx:
         opened = await sbx.run(code=PTY)
     assert opened.stdout == b"refused False []\n", opened
+
+
+# Everything an action may leave that outlives its processes, each made until the
+# container is 40 MiB from its limit (or the kernel refuses): SysV semaphore arrays and
+# message queues (in the IPC namespace, owned by no process), and files in the scratch
+# mounts. Parked, a sandbox must then hold no more than its reservation counts.
+HOARD = r"""
+import ctypes, os
+kind = KIND
+libc = ctypes.CDLL(None, use_errno=True)
+limit = int(open('/sys/fs/cgroup/memory/memory.limit_in_bytes').read())
+use = lambda: int(open('/sys/fs/cgroup/memory/memory.usage_in_bytes').read())
+class Msg(ctypes.Structure):
+    _fields_ = [('mtype', ctypes.c_long), ('mtext', ctypes.c_char * 8000)]
+message = Msg(1, b'x' * 8000)
+made = 0
+while use() < limit - (40 << 20):
+    if kind == 'sem':
+        ok = libc.semget(0, 32000, 0o1600) >= 0
+    elif kind == 'msg':
+        queue = libc.msgget(0, 0o1600)
+        ok = queue >= 0 and libc.msgsnd(queue, ctypes.byref(message), 8000, 0o4000) == 0
+    else:
+        try:
+            with open(f'{kind}/f{made}', 'wb') as f:
+                f.write(b'x' * (1 << 20))
+            ok = True
+        except OSError:
+            ok = False
+    if not ok:
+        break
+    made += 1
+print(kind, made, use() >> 20)
+"""
+
+
+def _usage(container: str) -> int:
+    for path in (
+        f"/sys/fs/cgroup/memory/docker/{container}/memory.usage_in_bytes",
+        f"/sys/fs/cgroup/system.slice/docker-{container}.scope/memory.current",
+        f"/sys/fs/cgroup/docker/{container}/memory.current",
+    ):
+        try:
+            return int(Path(path).read_text())
+        except OSError:
+            continue
+    raise AssertionError(f"no memory cgroup found for container {container}")
+
+
+@pytest.mark.parametrize("kind", ["sem", "msg", "/tmp", "/dev/shm"])
+async def test_a_parked_sandbox_holds_no_more_than_its_reservation(docker: None, kind: str) -> None:
+    async with open_pool() as setup, setup.pool.sandbox("t") as sbx:
+        reserved = setup.pool.backend.reservations[sbx.host.name]  # type: ignore[attr-defined]
+        with anyio.fail_after(60):
+            hoard = await sbx.run(code=HOARD.replace("KIND", repr(kind)), timeout=45)
+        held_now = _usage((await inspect(sbx))["Id"])
+    assert hoard.stdout.startswith(f"{kind} ".encode()), hoard  # the attack itself ran
+    allowed = held(reserved.config.work_bytes) + PARKED_RUNNER
+    assert held_now <= allowed, (
+        f"parked with an empty /work, the sandbox holds {held_now >> 20} MiB, its "
+        f"reservation {allowed >> 20} MiB; the action made {hoard.stdout!r}"
+    )
+
+
+async def test_no_command_can_set_an_extended_attribute(docker: None) -> None:
+    """Every setter, by number, on each tmpfs mount: ``EOPNOTSUPP``."""
+    async with open_pool() as setup, setup.pool.sandbox("t") as sbx:
+        code = SET_XATTRS.replace("WHERE", repr(("/work", "/tmp", "/dev/shm")))
+        result = await sbx.run(code=code, timeout=30)
+    assert result.stdout == expected("/work", "/tmp", "/dev/shm"), result
+
+
+@pytest.mark.parametrize("mode", [0o000, 0o100, 0o200, 0o400, 0o500])
+async def test_a_command_cannot_lock_the_next_one_out_of_its_work_dir(
+    docker: None, mode: int
+) -> None:
+    """The sandbox's user owns /work and may take its own permissions off it: every later
+    command failed to start (exit 126). The mode is put back before each command."""
+    async with open_pool() as setup, setup.pool.sandbox("t") as sbx:
+        await sbx.put("kept", b"kept")
+        assert (await sbx.run(code=f"import os; os.chmod('/work', {mode})")).exit_code == 0
+        after = await sbx.run("cat kept")
+    assert (after.exit_code, after.stdout) == (0, b"kept"), after

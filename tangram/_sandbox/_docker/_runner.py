@@ -62,6 +62,19 @@ PR_SET_DUMPABLE = 4
 PR_GET_DUMPABLE = 3
 PR_SET_NO_NEW_PRIVS = 38
 F_SETPIPE_SZ = 1031
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+XATTR_SETTERS = {
+    # ``uname -m``: per audit architecture, the numbers of setxattr, lsetxattr, fsetxattr
+    # and setxattrat (x32's are x86_64's with bit 30 set; the 32-bit ABIs' are their own).
+    "x86_64": (
+        (0xC000003E, (188, 189, 190, 463, *(0x40000000 | n for n in (188, 189, 190, 463)))),
+        (0x40000003, (226, 227, 228, 463)),
+    ),
+    "aarch64": ((0xC00000B7, (5, 6, 7, 463)), (0x40000028, (226, 227, 228, 463))),
+}
+"""Extended attributes no command may set (``EOPNOTSUPP``): a POSIX ACL on a tmpfs inode
+is up to 64 KiB of kernel memory that neither the mount's size nor the container's limit
+counts (1,311 files of a parked work dir held 302 MiB of the host's)."""
 
 LIBC = ctypes.CDLL(None, use_errno=True)
 
@@ -213,6 +226,30 @@ def kill_others() -> int:
     return most
 
 
+def xattr_filter(machine: str) -> list[tuple[int, int, int, int]]:
+    """The BPF program that answers :data:`XATTR_SETTERS` with ``EOPNOTSUPP``: a block
+    per architecture, which a call of another one jumps over."""
+    load, jump_eq, ret = 0x20, 0x15, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_RET|K
+    allow, refuse = 0x7FFF0000, 0x00050000 | errno.EOPNOTSUPP
+    program = [(load, 0, 0, 4)]  # seccomp_data.arch
+    for arch, numbers in XATTR_SETTERS.get(machine, ()):
+        count = len(numbers)
+        program += [(jump_eq, 0, count + 3, arch), (load, 0, 0, 0)]  # then .nr
+        program += [(jump_eq, count - i, 0, n) for i, n in enumerate(numbers)]
+        program += [(ret, 0, 0, allow), (ret, 0, 0, refuse)]
+    return [*program, (ret, 0, 0, allow)]
+
+
+def refuse_xattrs() -> None:
+    """Load :func:`xattr_filter` for this process and what it execs (after no_new_privs)."""
+    program = xattr_filter(os.uname().machine)
+    if len(program) > 2:  # an architecture with a table
+        code = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *i) for i in program))
+        fprog = struct.pack("HP", len(program), ctypes.addressof(code))  # struct sock_fprog
+        if LIBC.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, fprog, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP) failed")
+
+
 def drop_to(uid: int, gid: int) -> None:
     os.setgroups([])
     os.setresgid(gid, gid, gid)
@@ -220,15 +257,14 @@ def drop_to(uid: int, gid: int) -> None:
 
 
 def scrub(uid: int, gid: int) -> None:
-    """Empty ``/tmp`` and ``/dev/shm`` after an action, before its reply.
+    """Empty ``/tmp`` and ``/dev/shm`` after an action, before its reply, as the sandbox
+    user, who owns every file a command made (the runner has no capability over files).
 
     What an action left there is not the next action's, and a parked sandbox holding it
-    held memory its host's reservation does not count (only ``/work`` is kept between
-    actions). Removed as the sandbox user, who owns every file a command made: the runner
-    has no capability over files. Skipped (no fork) when both are empty.
+    held memory its host's reservation does not count (only ``/work`` is kept).
     """
-    if not any(_listed(top) for top in SCRATCH):
-        return
+    if not any(os.path.isdir(top) and os.listdir(top) for top in SCRATCH):
+        return  # nothing to remove: no fork
     pid = os.fork()
     if pid == 0:
         try:
@@ -249,26 +285,18 @@ def scrub(uid: int, gid: int) -> None:
         time.sleep(0.001)
 
 
-def _listed(top: str) -> bool:
-    try:
-        return bool(os.listdir(top))
-    except OSError:
-        return False
-
-
 def empty(top: str) -> None:
     """Remove everything below ``top`` without recursion, long paths or a full listing.
 
-    A command may nest directories thousands deep (past the stack and ``PATH_MAX``), put a
-    million names in one, and take every permission off its own directories: each
-    directory met below the top is moved up to it under an unguessable name, so at most
-    two directories are open at once, and entries are removed as they are read.
+    A command may nest directories past the stack and ``PATH_MAX``, put thousands of names
+    in one, and take every permission off its own directories: each directory met below
+    the top is moved up to it under an unguessable name (so at most two are open at once),
+    and entries are removed as they are read, reading again until a pass removes nothing.
     """
     top_fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    token = secrets.token_hex(8)
+    token, moved = secrets.token_hex(8), 0
     queue: list[str | None] = [None]
     queued: set[str] = set()
-    moved = 0
     try:
         while queue:
             name = queue.pop()
@@ -280,33 +308,27 @@ def empty(top: str) -> None:
                 )
             except OSError:
                 continue
-            try:
-                progress = True
-                while progress:  # removing while reading may skip names: read again
-                    progress = False
-                    with os.scandir(fd) as entries:
-                        for entry in entries:
-                            try:
-                                if not entry.is_dir(follow_symlinks=False):
-                                    os.unlink(entry.name, dir_fd=fd)
-                                elif name is None:
-                                    if entry.name in queued:
-                                        continue
-                                    queued.add(entry.name)
-                                    queue.append(entry.name)
-                                else:
-                                    # Moving a directory rewrites its "..": it must be
-                                    # writable, as its owner may make it.
-                                    os.chmod(entry.name, 0o700, dir_fd=fd)
-                                    moved += 1
-                                    new = f".{token}-{moved}"
-                                    os.rename(entry.name, new, src_dir_fd=fd, dst_dir_fd=top_fd)
-                                    queue.append(new)
-                            except OSError:
-                                continue
+            progress = True
+            while progress:
+                progress = False
+                with os.scandir(fd) as entries:
+                    for entry in entries:
+                        if name is None and entry.name in queued:
+                            continue
+                        with contextlib.suppress(OSError):
+                            if not entry.is_dir(follow_symlinks=False):
+                                os.unlink(entry.name, dir_fd=fd)
+                            elif name is None:  # the top's own directories, in place
+                                queued.add(entry.name)
+                                queue.append(entry.name)
+                            else:  # moving a directory rewrites its "..": made writable
+                                os.chmod(entry.name, 0o700, dir_fd=fd)
+                                moved += 1
+                                new = f".{token}-{moved}"
+                                os.rename(entry.name, new, src_dir_fd=fd, dst_dir_fd=top_fd)
+                                queue.append(new)
                             progress = True
-            finally:
-                os.close(fd)
+            os.close(fd)
             if name is not None:
                 with contextlib.suppress(OSError):
                     os.rmdir(name, dir_fd=top_fd)
@@ -353,6 +375,7 @@ class Spare:
             drop_to(uid, gid)
             if LIBC.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
                 raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
+            refuse_xattrs()
             for target, fd in enumerate(std):
                 os.dup2(fd, target)  # the runner's channel on 0-2 is gone from here on
             for number in (signal.SIGPIPE, signal.SIGXFSZ):
@@ -370,6 +393,10 @@ class Spare:
             if not chunks:
                 os._exit(0)  # the runner stopped without using it
             request = json.loads(b"".join(chunks))
+            with contextlib.suppress(OSError):
+                # The last command may have taken its permissions off its own work dir:
+                # every later command then failed to start. Its owner puts them back.
+                os.chmod(WORK, 0o700)
             os.chdir(WORK)
             os.execvpe(request["argv"][0], request["argv"], request["env"])
         except BaseException as exc:

@@ -56,7 +56,8 @@ class WorkDir:
             self._fd = -1
 
     def check(self) -> None:
-        """Raise :class:`SandboxBrokenError` when the work dir was removed or replaced.
+        """Raise :class:`SandboxBrokenError` when the work dir was removed or replaced, and
+        give it back its mode (see below) before the next command.
 
         A work dir silently recreated would hand the next action an empty sandbox that
         looks healthy (issue #17), so a missing one breaks the sandbox instead.
@@ -69,6 +70,11 @@ class WorkDir:
             alive = False
         if not alive:
             raise SandboxBrokenError(f"the work dir {self.path} is gone")
+        # A command owns its work dir and may take its own permissions off it (chmod 0):
+        # the next command's bubblewrap could not enter it, and the sandbox broke at the
+        # sandbox's will (a failed step). Put back before each command.
+        with contextlib.suppress(OSError):
+            os.fchmod(self._fd, 0o700)
 
     def write(self, relative: str, data: bytes) -> None:
         """Create or replace the file ``relative`` with ``data``, creating parent dirs.

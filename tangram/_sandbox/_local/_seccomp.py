@@ -24,7 +24,7 @@ from collections.abc import Mapping
 
 import attrs
 
-__all__ = ["DENIED", "SyscallFilter", "syscall_filter"]
+__all__ = ["DENIED", "NO_XATTRS", "SyscallFilter", "syscall_filter"]
 
 DENIED: tuple[str, ...] = (
     # Another process's memory and descriptors (the sandbox's init, a judge).
@@ -94,8 +94,14 @@ DENIED: tuple[str, ...] = (
 """Calls a sandbox's commands may not make; where this architecture lacks one, it is not
 in the filter (``SyscallFilter.numbers`` names those that are)."""
 
+NO_XATTRS: tuple[str, ...] = ("setxattr", "lsetxattr", "fsetxattr", "setxattrat")
+"""Refused ``EOPNOTSUPP``, as by a file system without extended attributes: a POSIX ACL on
+a tmpfs inode (the work dir, ``/tmp``) is up to 64 KiB of kernel memory that neither the
+mount's size nor the sandbox's memory limit counts (1,000 files held 63 MiB)."""
+
 
 _RWF_NOWAIT = 0x8
+_UNIFIED = {"setxattrat": 463}
 
 
 @attrs.frozen
@@ -142,6 +148,15 @@ def syscall_filter() -> SyscallFilter:
             continue
         rules.add_rule(seccomp.ERRNO(errno.EPERM), name)
         numbers[name] = number
+    for name in NO_XATTRS:
+        # A call newer than this libseccomp (setxattrat, Linux 6.13) by its number: from
+        # 424 on, one number on every architecture.
+        number = seccomp.resolve_syscall(arch, name)
+        if number < 0:
+            number = _UNIFIED.get(name, -1)
+        if number >= 0:
+            rules.add_rule(seccomp.ERRNO(errno.EOPNOTSUPP), number)
+            numbers[name] = number
     # ``preadv2`` with RWF_NOWAIT reads only what is cached: one sandbox probed which
     # pages of a shared ``/usr`` file another had read (a channel across time, issue
     # #27's second review). Refused with that flag alone; plain reads keep their timing.
