@@ -11,12 +11,16 @@ fetches, its timeout, how long a silent connection holds a thread.
 from __future__ import annotations
 
 import base64
+import contextlib
 import errno
 import json
+import re
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
+import time
 import types
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -602,3 +606,239 @@ async def test_silent_connections_are_closed(server: str, monkeypatch: pytest.Mo
         for sock in socks:
             sock.close()
     assert (await _post(server, BASE)).status_code == 200
+
+
+# -- 6. one request's memory, and every connection's, is bounded --------------------------
+
+# The server in a child process, its peak RSS measured for one request (argv[1] picks it).
+PEAK = r"""
+import json, os, resource, socket, sys, tempfile
+from pathlib import Path
+import anyio, anyio.to_thread
+from tangram import _fusion
+from tangram._frameworks import _session
+from tangram._fusion import _server
+
+CASE = sys.argv[1]
+cfg = Path(tempfile.mkdtemp()) / "t.toml"
+cfg.write_text('mode = "local"\n[sandbox]\nbackend = "local"\nwarm = 0\ntimeout = 30\n')
+os.environ["TANGRAM_CONFIG"] = str(cfg)
+ITEMS = {"empty-lists": b"[]", "empty-dicts": b"{}", "zeros": b"0", "floats": b"1.5",
+         "empty-strings": b'""', "short-strings": b'"ab"'}
+
+def body():
+    if CASE == "fetch":
+        mib = _server.MAX_FETCH_BYTES >> 20
+        code = (f"open('a', 'wb').truncate({mib * 3 // 4} << 20)\n"
+                f"open('b', 'wb').truncate({2 * mib} << 20)\n")
+        return json.dumps({"code": code, "language": "python", "fetch_files": ["a", "b"]}).encode()
+    item, head = ITEMS[CASE], b'{"code":"print(1)","language":"python","x":['
+    n = (_server.MAX_BODY - len(head) - 10) // (len(item) + 1) - 1
+    return head + (item + b",") * n + item + b"]}"  # no list of n items built here
+
+def post(url, data):
+    host, port = url.split("//")[1].split(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"POST /run_code HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(data) + data)
+        reply = b""
+        while chunk := s.recv(1 << 20):
+            reply = reply or chunk[:12]
+        return reply
+
+async def main():
+    data = body()
+    async with _fusion.serve(port=0) as url:
+        await anyio.to_thread.run_sync(post, url, b'{"code": "print(1)", "language": "python"}')
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        reply = await anyio.to_thread.run_sync(post, url, data)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        print(f"delta_mib={(peak - base) >> 10} status={reply[9:12].decode()}")
+    await _session.aclose()
+
+anyio.run(main)
+"""
+
+
+def _peak(case: str) -> tuple[int, str]:
+    out = subprocess.run(
+        [sys.executable, "-c", PEAK, case], capture_output=True, text=True, timeout=120
+    )
+    found = re.search(r"delta_mib=(\d+) status=(\d+)", out.stdout)
+    assert found, out.stdout + out.stderr[-2000:]
+    return int(found.group(1)), found.group(2)
+
+
+@pytest.mark.parametrize(
+    ("case", "status"),
+    [
+        ("empty-lists", "413"),  # 25x its size once parsed: refused unparsed (MAX_BRACKETS)
+        ("empty-dicts", "413"),
+        ("zeros", "200"),
+        ("floats", "200"),
+        ("empty-strings", "200"),
+        ("short-strings", "200"),  # the worst found: ~18x
+    ],
+)
+def test_one_body_costs_a_bounded_multiple_of_max_body(case: str, status: str) -> None:
+    delta, got = _peak(case)
+    assert got == status
+    assert delta < 24 * (_server.MAX_BODY >> 20), f"{case}: one body -> +{delta} MiB"
+
+
+def test_one_fetch_costs_at_most_twice_max_fetch_bytes() -> None:
+    """A second file up to ``max_file`` (sparse: no disk) was read whole to be skipped."""
+    delta, got = _peak("fetch")
+    assert got == "200"
+    assert delta < 2 * (_server.MAX_FETCH_BYTES >> 20), f"one fetch -> +{delta} MiB"
+
+
+@pytest.mark.anyio
+async def test_a_fetch_over_the_budget_is_skipped_unread(
+    server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_server, "MAX_FETCH_BYTES", 4000)  # counted in base64: 3000 raw
+    reads: list[str] = []
+    get = _server.Sandbox.get
+
+    async def counted(self: Any, path: str) -> bytes:
+        reads.append(path)
+        return await get(self, path)
+
+    monkeypatch.setattr(_server.Sandbox, "get", counted)
+    code = "open('a', 'wb').write(b'x' * 2000); open('b', 'wb').write(b'y' * 2000)\n"
+    code += "open('c', 'wb').write(b'z' * 900)"
+    body = {"code": code, "language": "python", "fetch_files": ["a", "b", "c", "gone"]}
+    answer = (await _post(server, body)).json()
+    assert list(answer["files"]) == ["a", "c"]  # a later file that fits is still fetched
+    assert "'b' (over the 4000 bytes" in answer["message"]
+    assert reads == ["a", "c", "gone"]  # b was never read
+    assert _failures.counts() == {}
+
+
+def _rss_mib() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) >> 10
+    return 0
+
+
+def _address(url: str) -> tuple[str, int]:
+    parsed = urlparse(url)
+    assert parsed.hostname is not None and parsed.port is not None
+    return parsed.hostname, parsed.port
+
+
+@pytest.mark.anyio
+async def test_a_trickle_does_not_hold_a_thread_past_its_deadline(
+    server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The idle timeout bounds one recv: a header every 0.6 s held the thread forever."""
+    monkeypatch.setattr(_server._Handler, "timeout", 1.0)
+
+    def trickle() -> tuple[float, bytes]:
+        reply = b""
+        with socket.create_connection(_address(server), timeout=5) as sock:
+            sock.sendall(b"POST /run_code HTTP/1.1\r\nHost: x\r\n")
+            start = time.monotonic()
+            while time.monotonic() - start < 8.0:
+                time.sleep(0.6)
+                try:
+                    sock.sendall(b"X-Slow: y\r\n")
+                    sock.setblocking(False)
+                    chunk = sock.recv(1 << 16)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    break
+                finally:
+                    sock.setblocking(True)
+                if not chunk:
+                    break
+                reply += chunk
+            return time.monotonic() - start, reply
+
+    held, reply = await anyio.to_thread.run_sync(trickle)
+    assert held < 5.0, f"a trickle held a server thread {held:.1f}s (idle timeout 1 s)"
+    assert reply.startswith(b"HTTP/1.1 408"), reply
+    assert _failures.counts() == {}
+
+
+@pytest.mark.anyio
+async def test_a_slow_body_is_cut_at_the_request_deadline(
+    server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_server, "REQUEST_DEADLINE", 1.5)
+
+    def slow() -> bytes:
+        with socket.create_connection(_address(server), timeout=10) as sock:
+            sock.sendall(_head("1000") + b'{"code": ')
+            for _ in range(10):
+                time.sleep(0.5)
+                with contextlib.suppress(OSError):
+                    sock.sendall(b" ")
+            sock.settimeout(2)
+            with contextlib.suppress(OSError):
+                return sock.recv(200)
+            return b""
+
+    reply = await anyio.to_thread.run_sync(slow)
+    assert reply.startswith(b"HTTP/1.1 408"), reply
+    assert (await _post(server, BASE)).status_code == 200
+
+
+@pytest.mark.anyio
+async def test_connections_are_capped_and_the_rest_wait(
+    server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """150 half-sent requests held 151 threads; past the cap they wait unaccepted."""
+    monkeypatch.setattr(_server._Handler, "timeout", 2.0)
+    before = threading.active_count()
+    socks: list[socket.socket] = []
+
+    def open_many() -> None:
+        for _ in range(150):
+            sock = socket.create_connection(_address(server), timeout=10)
+            sock.sendall(b"POST /run_code HTTP/1.1\r\n")
+            socks.append(sock)
+
+    try:
+        await anyio.to_thread.run_sync(open_many)
+        await anyio.sleep(0.5)
+        grown = threading.active_count() - before
+        # a request past the cap is served once the half-sent ones time out
+        with anyio.fail_after(25):
+            response = await _post(server, BASE)
+    finally:
+        for sock in socks:
+            sock.close()
+    assert grown <= _server.MAX_CONNECTIONS + 2, f"150 half-sent requests hold {grown} threads"
+    assert response.status_code == 200
+    assert _failures.counts() == {}
+
+
+@pytest.mark.anyio
+async def test_half_sent_bodies_are_bounded_in_memory(server: str) -> None:
+    """Each connection parks at most MAX_BODY; a larger declared body is refused unread."""
+    size, count = _server.MAX_BODY - (1 << 20), 12
+    before = _rss_mib()
+    socks: list[socket.socket] = []
+    try:
+
+        def fill() -> None:
+            for _ in range(count):
+                sock = socket.create_connection(_address(server), timeout=30)
+                sock.sendall(_head(str(_server.MAX_BODY)) + b" " * size)
+                socks.append(sock)
+
+        await anyio.to_thread.run_sync(fill)
+        await anyio.sleep(1.0)
+        grown = _rss_mib() - before
+    finally:
+        for sock in socks:
+            sock.close()
+    bound = 2 * count * _server.MAX_BODY >> 20
+    assert grown < bound, f"{count} half-sent bodies grew the RSS by {grown} MiB"
+    with socket.create_connection(_address(server), timeout=10) as sock:
+        sock.sendall(_head(str(_server.MAX_BODY + 1)))
+        assert sock.recv(200).startswith(b"HTTP/1.1 413")

@@ -50,7 +50,9 @@ import logging
 import os
 import reprlib
 import secrets
+import socket
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
@@ -67,13 +69,17 @@ from ..errors import InvalidSettingError
 
 __all__ = [
     "DEFAULT_PORT",
+    "BACKLOG",
     "IDLE_TIMEOUT",
     "LANGUAGES",
     "MAX_BODY",
+    "MAX_BRACKETS",
+    "MAX_CONNECTIONS",
     "MAX_FETCH_BYTES",
     "MAX_FETCH_FILES",
     "MAX_FILES",
     "MAX_RUN_TIMEOUT",
+    "REQUEST_DEADLINE",
     "RequestError",
     "run_code",
     "serve",
@@ -89,18 +95,42 @@ _DEFAULT_RUN_TIMEOUT = 10.0  # SandboxFusion's default
 #: request holds its cores for up to this long, and 1e19 s overflowed the CPU rlimit.
 MAX_RUN_TIMEOUT = 3600.0
 #: The largest request body read, in bytes; a larger ``Content-Length`` is refused (413)
-#: before any of it is read.
-MAX_BODY = 64 << 20
+#: before any of it is read. A SandboxFusion request is code and a few small files (verl
+#: sends code of some KiB and no files): 16 MiB holds code and about 12 MiB of files in
+#: base64. It bounds what one request costs the trainer, with ``MAX_BRACKETS``: the body
+#: read, then parsed one at a time (a lock: parsing holds the GIL anyway), at most about
+#: 18x its size at the peak (measured: +283 MiB for 16 MiB of ``["ab","ab",...]``, an
+#: object per 5 bytes; ``[1.5,...]`` +213 MiB, ``[0,...]`` +131 MiB), then dropped before
+#: the code runs.
+MAX_BODY = 16 << 20
+#: The most ``[`` and ``{`` bytes a body may hold, strings included; more is refused (413)
+#: before it is parsed. Each is a list or dict once parsed, 56 bytes and more for 2 bytes
+#: of body: 63 MiB of ``[[],[],...]`` cost 1.6 GiB. A request has a few; code with 100,000
+#: is a program of megabytes of literals.
+MAX_BRACKETS = 100_000
+#: The most connections served at once, each by a thread; the next ones wait, unaccepted,
+#: in the listen backlog (``BACKLOG``) until one ends, costing no thread and no memory
+#: here. With ``MAX_BODY`` this bounds the bodies in flight: 64 x 16 MiB = 1 GiB.
+MAX_CONNECTIONS = 64
+#: Connections the kernel holds unaccepted past ``MAX_CONNECTIONS`` (capped by the
+#: system's ``somaxconn``); past them a client's connect waits or is refused by the kernel.
+BACKLOG = 1024
 #: The most entries of ``files`` one request may write (422 above).
 MAX_FILES = 1024
 #: The most entries of ``fetch_files`` one request may ask for (422 above).
 MAX_FETCH_FILES = 1024
-#: The most bytes one request fetches, all files together: past it the rest are skipped
-#: and named in ``message``. The answer holds them in base64 in the trainer's memory.
+#: The most bytes one request fetches, all files together, counted in base64 as they are
+#: answered (4 bytes per 3): past it a file is skipped, unread, and named in ``message``.
+#: Each file's size is read first (a ``stat`` run in the sandbox, without following a
+#: link), so one request costs the trainer at most about twice this.
 MAX_FETCH_BYTES = 256 << 20
 #: Seconds a connection may stay silent (a half-sent request, an idle keep-alive) before
-#: it is closed: each holds a thread.
+#: it is closed: each holds a thread. A request line and headers, once begun, must all
+#: arrive within this too (a byte at a time would otherwise hold the thread forever).
 IDLE_TIMEOUT = 15.0
+#: Seconds from a request's first byte to the end of its body: past it the connection is
+#: closed. A 16 MiB body arrives in it at 280 KiB/s.
+REQUEST_DEADLINE = 60.0
 
 # What a put of the request's own files into a fresh sandbox (nothing has run in it yet)
 # fails with because of those files: more than its disk holds, a name too long.
@@ -121,6 +151,23 @@ _UNREADABLE = frozenset(
         errno.EOVERFLOW,
     }
 )
+# Each fetched file's size, read without following a link, before any is read: a file
+# that cannot fit what is left of ``MAX_FETCH_BYTES`` is skipped unread (-1: missing or
+# not a regular file, which ``get`` then refuses on its own).
+_SIZES = (
+    "import json, os, stat, sys\n"
+    "for p in json.load(sys.stdin):\n"
+    "    try:\n"
+    "        s = os.lstat(p)\n"
+    "    except (OSError, ValueError):\n"
+    "        print(-1)\n"
+    "        continue\n"
+    "    print(s.st_size if stat.S_ISREG(s.st_mode) else -1)\n"
+)
+_SIZES_TIMEOUT = 30.0
+# One body parsed at a time: parsing holds the GIL, so nothing is lost, and the peak of
+# parsing (up to ~18x the body) is paid once, not once per connection.
+_PARSING = threading.Lock()
 _SHOWN_SKIPS = 10  # fetch_files skipped and named in ``message``; the rest are counted
 
 # Request values quoted in an error: bounded in length and depth, as a request can hold
@@ -231,7 +278,7 @@ def _fetch_list(fetch: object) -> list[tuple[str, str]]:
     return [(asked, _path("fetch_files", asked)) for asked in fetch]
 
 
-def _response(result: RunResult, files: Mapping[str, str], message: str) -> dict[str, Any]:
+def _response(result: RunResult, files: Mapping[str, bytes], message: str) -> dict[str, Any]:
     ok = result.exit_code == 0 and not result.timed_out
     return {
         "status": "Success" if ok else "Failed",
@@ -261,7 +308,19 @@ async def run_code(
     :raises RequestError: a request SandboxFusion would refuse, or a language not served.
     :raises SandboxBrokenError: the sandbox died (tangram's failure, not the code's).
     """
-    request = _request(body)
+    response = await _serve_request(_request(body), config=config, cpu=cpu, kind=kind)
+    response["files"] = {name: data.decode() for name, data in response["files"].items()}
+    return response
+
+
+async def _serve_request(
+    request: Mapping[str, Any],
+    *,
+    config: str | os.PathLike[str] | None,
+    cpu: int | Elastic,
+    kind: str,
+) -> dict[str, Any]:
+    """A checked request (:func:`_request`) run; its ``files`` answered as base64 bytes."""
     script = _script_name(request["language"], request["files"])
     async with _session.session(config) as resources:
         pool = resources.sandbox_pool()
@@ -278,7 +337,7 @@ async def run_code(
                     f"`files` and `code` do not fit in the sandbox: {exc.strerror or exc}"
                 ) from None
             result = await _run(sandbox, request, script, cpu, kind)
-            fetched, skipped = await _fetch(sandbox, request["fetch"])
+            fetched, skipped = await _fetch(sandbox, request["fetch"], cpu, kind)
     return _response(result, fetched, _skipped_message(skipped))
 
 
@@ -293,30 +352,40 @@ def _script_name(language: str, files: Mapping[str, bytes]) -> str:
 
 
 async def _fetch(
-    sandbox: Sandbox, fetch: Sequence[tuple[str, str]]
-) -> tuple[dict[str, str], list[tuple[str, str]]]:
+    sandbox: Sandbox, fetch: Sequence[tuple[str, str]], cpu: int | Elastic, kind: str
+) -> tuple[dict[str, bytes], list[tuple[str, str]]]:
     """The files asked for, base64, and those skipped with why.
 
     Each file is read once, under the first name it was asked by: ``big``, ``./big`` and
     ``././big`` are one file, and each spelling read it again (64 of a 1 MiB file were
-    64 MiB in the answer). Reading stops at ``MAX_FETCH_BYTES``; one read past it is the
-    most (the backend's ``max_file`` bounds a read), as every later entry is skipped.
+    64 MiB in the answer). The sizes are read first, in the sandbox: a file whose base64
+    does not fit what is left of ``MAX_FETCH_BYTES`` is skipped unread (read whole, a
+    second file up to the backend's ``max_file`` cost the trainer 512 MiB to skip it).
     What the code left unreadable is skipped, as SandboxFusion skips a missing file:
     its doing, never tangram's failure. A missing file is skipped without a word, as
     there.
     """
-    fetched: dict[str, str] = {}
+    fetched: dict[str, bytes] = {}
     skipped: list[tuple[str, str]] = []
     first: dict[str, str] = {}
-    total = 0
     for asked, path in fetch:
-        if path in first:
+        first.setdefault(path, asked)
+    sizes = await _sizes(sandbox, list(first), cpu, kind) if first else {}
+    over = f"over the {MAX_FETCH_BYTES} bytes fetched per request"
+    total = 0
+    done: set[str] = set()
+    for asked, path in fetch:
+        if path in done:
             if first[path] != asked:
                 skipped.append((asked, f"the same file as {_quote.repr(first[path])}"))
             continue
-        first[path] = asked
-        if total >= MAX_FETCH_BYTES:
-            skipped.append((asked, f"over the {MAX_FETCH_BYTES} bytes fetched per request"))
+        done.add(path)
+        if sizes is None:
+            skipped.append((asked, "its size could not be read"))
+            continue
+        room = MAX_FETCH_BYTES - total
+        if _base64_size(sizes.get(path, -1)) > room:
+            skipped.append((asked, over))
             continue
         try:
             data = await sandbox.get(path)
@@ -326,13 +395,46 @@ async def _fetch(
             if not isinstance(exc, FileNotFoundError):
                 skipped.append((asked, exc.strerror or str(exc)))
             continue
-        if total + len(data) > MAX_FETCH_BYTES:
-            total = MAX_FETCH_BYTES  # the rest are skipped unread
-            skipped.append((asked, f"over the {MAX_FETCH_BYTES} bytes fetched per request"))
+        if _base64_size(len(data)) > room:  # it grew since its size was read
+            skipped.append((asked, over))
             continue
-        total += len(data)
-        fetched[asked] = base64.b64encode(data).decode()
+        encoded = base64.b64encode(data)
+        del data
+        total += len(encoded)
+        fetched[asked] = encoded
     return fetched, skipped
+
+
+def _base64_size(size: int) -> int:
+    return 4 * ((size + 2) // 3) if size > 0 else 0
+
+
+async def _sizes(
+    sandbox: Sandbox, paths: Sequence[str], cpu: int | Elastic, kind: str
+) -> dict[str, int] | None:
+    """Each path's size (-1: missing or not a regular file), or None if unknown.
+
+    Run in the sandbox after the code, from its work dir, as the code ran: ``get`` has no
+    size bound below the backend's ``max_file``. The code can only make this fail (a full
+    process table, say), so None skips the fetch as the code's doing.
+    """
+    try:
+        result = await sandbox.run(
+            [sandbox.python, "-I", "-c", _SIZES],
+            stdin=json.dumps(list(paths)),
+            cpu=cpu,
+            timeout=_SIZES_TIMEOUT,
+            kind=kind,
+        )
+    except InvalidSettingError:  # a path no command can be given: not the pool's fault
+        return None
+    lines = result.stdout.split()
+    if result.exit_code != 0 or result.timed_out or len(lines) != len(paths):
+        return None
+    try:
+        return dict(zip(paths, map(int, lines), strict=True))
+    except ValueError:
+        return None
 
 
 def _unreadable(exc: OSError) -> bool:
@@ -365,15 +467,82 @@ async def _run(
         raise RequestError(str(exc)) from exc
 
 
+def _json_parts(payload: Any) -> list[bytes]:
+    """``payload`` as JSON, in parts: a ``files`` of base64 bytes (JSON-safe as they are) is
+    written as it is, so the answer is never one more str and one more bytes of it all."""
+    files = payload.get("files") if isinstance(payload, dict) else None
+    if not files:
+        return [json.dumps(payload).encode()]
+    rest = json.dumps({key: value for key, value in payload.items() if key != "files"})
+    parts = [rest[:-1].encode(), b', "files": {']
+    for n, (name, data) in enumerate(files.items()):
+        parts += [b", " if n else b"", json.dumps(name).encode(), b': "', data, b'"']
+    parts.append(b"}}")
+    return parts
+
+
 class _Server(http.server.ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = BACKLOG
 
     def __init__(
         self, address: tuple[str, int], portal: BlockingPortal, options: Mapping[str, Any]
     ) -> None:
-        super().__init__(address, _Handler)
         self.portal = portal
         self.options = dict(options)
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._lock = threading.Lock()
+        self._deadlines: dict[socket.socket, float] = {}
+        self._late: set[socket.socket] = set()
+        super().__init__(address, _Handler)
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        # Past MAX_CONNECTIONS nothing is accepted: the next connection waits in the
+        # backlog, with no thread. The wait is short so that serve_forever still sees a
+        # shutdown; the listening socket stays readable, so it comes straight back here.
+        if not self._slots.acquire(timeout=0.2):
+            raise OSError("all connections taken")  # the base's skip: nothing accepted
+        try:
+            return super().get_request()
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def shutdown_request(self, request: Any) -> None:
+        try:
+            self.deadline(request, None)
+            with self._lock:
+                self._late.discard(request)
+            super().shutdown_request(request)
+        finally:
+            self._slots.release()
+
+    def deadline(self, connection: socket.socket, at: float | None) -> None:
+        """Stop reading ``connection`` at ``at`` (``time.monotonic``), or never (None)."""
+        with self._lock:
+            if at is None:
+                self._deadlines.pop(connection, None)
+            else:
+                self._deadlines[connection] = at
+
+    def late(self, connection: socket.socket) -> bool:
+        """Whether ``connection``'s reading was stopped at its deadline."""
+        with self._lock:
+            return connection in self._late
+
+    def service_actions(self) -> None:
+        # Run by serve_forever at least every poll interval (0.5 s). A socket's timeout
+        # bounds one recv: a byte at a time, each within it, held a thread forever. A
+        # connection past its deadline has its reading shut: the read blocked on it ends.
+        now = time.monotonic()
+        with self._lock:
+            late = [sock for sock, at in self._deadlines.items() if at <= now]
+            for sock in late:
+                del self._deadlines[sock]
+                self._late.add(sock)
+        for sock in late:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RD)
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -382,20 +551,48 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     # long (a half-sent request, an idle keep-alive) is closed, and its thread ends.
     timeout = IDLE_TIMEOUT
     server: _Server
+    _started = 0.0
 
     def log_message(self, format: str, *args: Any) -> None:  # the base's name
         logger.debug("%s " + format, self.address_string(), *args)
 
+    def handle_one_request(self) -> None:
+        # The request's first byte is awaited for the idle timeout; from it, the request
+        # line and headers must arrive within the idle timeout, and the body within
+        # REQUEST_DEADLINE (set by do_POST).
+        try:
+            if not self.rfile.peek(1):  # type: ignore[attr-defined]
+                self.close_connection = True
+                return
+        except OSError:  # silent past the idle timeout, or reset
+            self.close_connection = True
+            return
+        self._started = time.monotonic()
+        self.server.deadline(self.connection, self._started + self.timeout)
+        try:
+            super().handle_one_request()
+        finally:
+            self.server.deadline(self.connection, None)
+
+    def parse_request(self) -> bool:
+        if not super().parse_request():
+            return False
+        if self.server.late(self.connection):
+            self._refuse(408, f"the request's headers took over {self.timeout:g} s to arrive")
+            return False
+        return True
+
     def _send(self, status: int, payload: Any) -> None:
-        data = json.dumps(payload).encode()
+        parts = _json_parts(payload)
         try:
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
+            self.send_header("Content-Length", str(sum(map(len, parts))))
             if self.close_connection:
                 self.send_header("Connection", "close")
             self.end_headers()
-            self.wfile.write(data)
+            for part in parts:
+                self.wfile.write(part)
         except OSError:  # the client hung up: nobody to answer
             self.close_connection = True
 
@@ -427,15 +624,19 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if len(text) > 18 or int(text) > MAX_BODY:  # 19 digits and more: over it anyway
             self._refuse(413, f"the body is over the {MAX_BODY} bytes served")
             return None
+        self.server.deadline(self.connection, self._started + REQUEST_DEADLINE)
         # In pieces: one read of the declared size allocated all of it at once, before a
         # byte arrived (64 MiB per connection that declared it and sent nothing).
         length, body = int(text), bytearray()
         while len(body) < length:
             piece = self.rfile.read1(min(length - len(body), 1 << 20))
-            if not piece:  # the client hung up mid-body
+            if not piece:  # the client hung up mid-body, or took too long to send it
+                if self.server.late(self.connection):
+                    self._refuse(408, f"the request took over {REQUEST_DEADLINE:g} s to arrive")
                 self.close_connection = True
                 return None
             body += piece
+        self.server.deadline(self.connection, None)
         return body  # not copied: json.loads reads a bytearray
 
     def do_GET(self) -> None:
@@ -451,19 +652,38 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if self.path.rstrip("/") != "/run_code":
             self._send(404, {"detail": "Not Found"})
             return
+        brackets = raw.count(b"[") + raw.count(b"{")
+        if brackets > MAX_BRACKETS:
+            raw.clear()
+            detail = f"the body holds {brackets} `[` and `{{`, over the {MAX_BRACKETS} served"
+            self._send(413, {"detail": detail})
+            return
         try:
-            body = json.loads(raw or b"null")
+            with _PARSING:
+                body = json.loads(raw or b"null")
+                raw.clear()  # the parsed request, then the checked one, are all kept
+                request = _request(body)
+                del body  # the run keeps only what it uses: the parse cost is paid here
+        except UnservedLanguageError as exc:
+            self._send(501, {"detail": str(exc)})
+            return
+        except RequestError as exc:
+            self._send(422, {"detail": str(exc)})
+            return
         except (ValueError, RecursionError) as exc:  # bad JSON, not UTF-8, nested too deep
             self._send(422, {"detail": f"invalid JSON: {type(exc).__name__}: {exc}"[:500]})
             return
+        finally:
+            raw.clear()
         options = self.server.options
         try:
-            response = self.server.portal.call(functools.partial(run_code, body, **options))
-        except UnservedLanguageError as exc:
-            self._send(501, {"detail": str(exc)})
-        except RequestError as exc:
-            self._send(422, {"detail": str(exc)})
+            response = self.server.portal.call(
+                functools.partial(_serve_request, request, **options)
+            )
         except Exception as exc:
+            if isinstance(exc, RequestError):
+                self._send(422, {"detail": str(exc)})
+                return
             if not is_infrastructure(exc) and isinstance(exc, ValueError):
                 # A bad argument in the request (a NUL byte in the code): the caller's.
                 self._send(422, {"detail": str(exc)})
@@ -476,6 +696,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             message = f"tangram could not run the code: {type(exc).__name__}: {exc}"
             self._send(503, {"status": "SandboxError", "message": message, "detail": message})
         else:
+            del request
             self._send(200, response)
 
 
