@@ -59,7 +59,7 @@ from typing import Any
 import anyio
 import attrs
 
-from ..._core._units import format_size, parse_size
+from ..._core._units import format_size
 from ..._core._validate import whole
 from ...errors import InvalidSettingError, SandboxBrokenError, SandboxError
 from .._backend import Host, SandboxBackend, SandboxHandle
@@ -212,10 +212,8 @@ class DockerBackend(SandboxBackend):
         """``[sandbox]`` keys are :class:`DockerConfig` fields (``image``, ``memory``...),
         and ``sandboxes``."""
         fields = dict(options)
-        if "sandboxes" in fields:
-            sandboxes = fields.pop("sandboxes")
-            return cls(config=DockerConfig(**fields), sandboxes=sandboxes)
-        return cls(config=DockerConfig(**fields))
+        sandboxes = fields.pop("sandboxes", 256)
+        return cls(config=DockerConfig(**fields), sandboxes=sandboxes)
 
     @classmethod
     def lending(cls, cores: Sequence[int]) -> DockerBackend:
@@ -367,7 +365,7 @@ class DockerBackend(SandboxBackend):
         plan = plan_memory(
             cap=cap,
             cores=running,
-            memory=_bytes(config.memory),
+            memory=config.memory_bytes,
             disk=config.work_bytes,
             sandboxes=self.sandboxes,
             files_in_memory=True,  # the work dir is always a tmpfs
@@ -385,7 +383,7 @@ class DockerBackend(SandboxBackend):
             )
         if plan.lowered:
             config = self._lowered(plan, said)
-            if config.work_bytes < _bytes(plan.disk):
+            if plan.disk is not None and config.work_bytes < plan.disk:
                 # The config fits its mounts in ``memory`` (:attr:`DockerConfig.mounts`):
                 # a smaller work dir holds less, so the reservation still holds.
                 said += (
@@ -573,13 +571,6 @@ def containers_memory_limit(
         if directory == base:
             return tightest
         directory = directory.parent
-
-
-def _bytes(value: str | int | None) -> int:
-    """A size setting in bytes (``None``, no limit, never reaches here: 0 to be safe)."""
-    if value is None:
-        return 0
-    return value if isinstance(value, int) else int(parse_size(value))
 
 
 def _is_local(url: str) -> bool:

@@ -8,6 +8,7 @@ daemon that stalls is a :class:`SandboxBrokenError` rather than a hang.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
@@ -166,6 +167,11 @@ class DockerConfig:
         self.mounts  # noqa: B018 -- a memory too small for any files fails here, at the call
 
     @property
+    def memory_bytes(self) -> int | None:
+        """``memory`` in bytes, ``None`` for no limit."""
+        return None if self.memory is None else _size(self.memory)
+
+    @functools.cached_property
     def mounts(self) -> tuple[int, int, int]:
         """The sizes of ``/work``, ``/tmp`` and ``/dev/shm``: as asked, or lowered by one
         factor until their bytes and inodes fit in ``memory`` beside the runner's reserve.
@@ -173,9 +179,9 @@ class DockerConfig:
         :raises InvalidSettingError: ``memory`` leaves under 1 MiB per mount.
         """
         asked = (_size(self.work_size), _size(self.tmp_size), SHM_SIZE)
-        if self.memory is None:
+        if self.memory_bytes is None:
             return asked
-        room = _size(self.memory) - RUNNER_RESERVE
+        room = self.memory_bytes - RUNNER_RESERVE
         if sum(held(size) for size in asked) <= room:
             return asked
         low, high = 0.0, 1.0  # held() grows with the size: bisect the common factor
@@ -264,9 +270,8 @@ class DockerConfig:
                 "kernel.msgmni": "0",
             },
         }
-        if self.memory is not None:
-            host["Memory"] = _size(self.memory)
-            host["MemorySwap"] = _size(self.memory)
+        if self.memory_bytes is not None:
+            host["Memory"] = host["MemorySwap"] = self.memory_bytes
         if self.pids is not None:
             host["PidsLimit"] = self.pids
         return {
