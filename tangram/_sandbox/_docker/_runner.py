@@ -53,9 +53,7 @@ DATA_LIMIT = 2 * CHUNK
 SETUP = "setup: "
 """Marks a prepared process's failure before the command was sent: never its result."""
 SCRATCH = ("/tmp", "/dev/shm")
-SCRUB_SECONDS = 30.0
-"""Most an action's end waits for its scratch files to go: their inodes are bounded by
-the mounts' (4,096 each at the default sizes), which go in well under a second."""
+SCRUB_SECONDS = 30.0  # scratch files' inodes are bounded (4,096 a mount): well under 1 s
 MESSAGE_LIMIT = 2000
 """Characters of an error message sent back; a path can be long, a reply stays small."""
 PR_SET_DUMPABLE = 4
@@ -251,9 +249,7 @@ def refuse_xattrs() -> None:
 
 
 def drop_to(uid: int, gid: int) -> None:
-    os.setgroups([])
-    os.setresgid(gid, gid, gid)
-    os.setresuid(uid, uid, uid)
+    os.setgroups([]), os.setresgid(gid, gid, gid), os.setresuid(uid, uid, uid)
 
 
 def scrub(uid: int, gid: int) -> None:
@@ -398,6 +394,7 @@ class Spare:
                 # every later command then failed to start. Its owner puts them back.
                 os.chmod(WORK, 0o700)
             os.chdir(WORK)
+            os.write(failure, b"\0")  # about to exec: an EOF without it is a death before
             os.execvpe(request["argv"][0], request["argv"], request["env"])
         except BaseException as exc:
             with contextlib.suppress(BaseException):
@@ -419,7 +416,9 @@ class Spare:
         while chunk := os.read(self.failure, 65536):  # EOF: the exec closed it
             chunks.append(chunk)
         os.close(self.failure)
-        return b"".join(chunks).decode(errors="replace") if chunks else None
+        if not chunks:  # killed with the order in its pipe (the OOM killer picks it first)
+            return f"{SETUP}the prepared process died before the command started"
+        return b"".join(chunks).lstrip(b"\0").decode(errors="replace") or None
 
     def poll(self) -> int | None:
         if self.returncode is None:
