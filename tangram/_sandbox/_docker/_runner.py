@@ -225,10 +225,9 @@ def kill_others() -> int:
 
 
 def xattr_filter(machine: str) -> list[tuple[int, int, int, int]]:
-    """The BPF program that answers :data:`XATTR_SETTERS` with ``EOPNOTSUPP``: a block
-    per architecture, which a call of another one jumps over."""
+    """BPF refusing :data:`XATTR_SETTERS`, a block per architecture (others jump over)."""
     load, jump_eq, ret = 0x20, 0x15, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_RET|K
-    allow, refuse = 0x7FFF0000, 0x00050000 | errno.EOPNOTSUPP
+    allow, refuse = 0x7FFF0000, 0x00050000 | errno.EOPNOTSUPP  # SECCOMP_RET_*
     program = [(load, 0, 0, 4)]  # seccomp_data.arch
     for arch, numbers in XATTR_SETTERS.get(machine, ()):
         count = len(numbers)
@@ -249,7 +248,9 @@ def refuse_xattrs() -> None:
 
 
 def drop_to(uid: int, gid: int) -> None:
-    os.setgroups([]), os.setresgid(gid, gid, gid), os.setresuid(uid, uid, uid)
+    os.setgroups([])
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
 
 
 def scrub(uid: int, gid: int) -> None:
