@@ -443,3 +443,43 @@ async def test_a_sandbox_that_breaks_is_not_reused(subject: Subject, found_by: s
         async with pool.sandbox("next") as fresh:
             assert fresh._handle is not broken
             assert (await fresh.run("echo fine")).stdout == b"fine\n"
+
+
+async def test_a_broken_sandbox_is_gone_when_its_block_ends(subject: Subject) -> None:
+    """The pool destroys a broken sandbox in the background as soon as it is found; its
+    block still ends only once it is gone, as every sandbox's does."""
+    async with pool_of(subject) as (pool, _):
+        async with pool.sandbox("t") as sbx:
+            assert (await sbx.run("echo ok")).ok
+            await subject.kill(sbx)
+            with pytest.raises(SandboxBrokenError):
+                await sbx.run("true")
+        assert await subject.live() == 0
+
+
+async def test_a_pool_closed_while_a_broken_sandbox_goes_leaves_nothing(subject: Subject) -> None:
+    """The pool's close cancels its background work; a broken sandbox's removal is part of
+    it and must finish anyway, or its container is left for a later run's reaper. (The
+    pool is entered by hand so that it closes while the sandbox's block is still open.)"""
+    async with tangram.Runtime(capacity={"cpu": len(CORES)}) as runtime:
+        pool = tangram.SandboxPool(subject.make(), runtime=runtime)
+        await pool.__aenter__()
+        block = pool.sandbox("t")
+        try:
+            assert pool.capacity() == {"cpu": len(CORES)}
+            sbx = await block.__aenter__()
+            handle, remove = sbx._handle, sbx._handle.destroy
+
+            async def slow_remove() -> None:
+                await anyio.sleep(0.5)  # a daemon slow to delete: the close comes meanwhile
+                await remove()
+
+            handle.destroy = slow_remove  # type: ignore[method-assign]
+            await subject.kill(sbx)
+            with pytest.raises(SandboxBrokenError):
+                await sbx.run("true")
+        finally:
+            await pool.aclose()
+        await block.__aexit__(None, None, None)
+        check_idle(runtime)
+    assert await subject.live() == 0

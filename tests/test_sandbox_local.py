@@ -650,9 +650,9 @@ async def test_a_sandbox_past_the_reserved_count_is_refused() -> None:
     """Each live sandbox's work dir has memory reserved: one more would take a share of
     someone else's, so it is refused (typed), until one is destroyed."""
     backend = LocalBackend(sandboxes=2, memory="256MiB", disk="16MiB")
-    if backend.protections.memory_per_sandbox and backend._live_limit is None:
+    if backend.protections.memory_per_sandbox and backend._places.limit is None:
         pytest.skip(f"work dirs are not memory here: {backend.protections.memory}")
-    if backend._live_limit is None:
+    if backend._places.limit is None:
         pytest.skip(f"no cgroup memory controller here: {backend.protections.memory}")
     async with (
         SandboxPool(backend) as pool,
@@ -665,6 +665,28 @@ async def test_a_sandbox_past_the_reserved_count_is_refused() -> None:
             assert (await b.run("echo ok")).ok
         async with pool.sandbox("c") as c:  # their reservations came back
             assert (await c.run("echo ok")).ok
+
+
+async def test_a_broken_sandboxs_place_goes_to_the_next_at_the_reserved_count() -> None:
+    """A broken sandbox is destroyed in the background; at exactly the reserved count the
+    next trajectory's sandbox was refused while it went (a tangram failure in the step)."""
+    backend = LocalBackend(sandboxes=2, memory="256MiB", disk="16MiB")
+    if backend.protections.memory_per_sandbox and backend._places.limit is None:
+        pytest.skip(f"work dirs are not memory here: {backend.protections.memory}")
+    if backend._places.limit is None:
+        pytest.skip(f"no cgroup memory controller here: {backend.protections.memory}")
+    async with (
+        SandboxPool(backend, warm=0) as pool,
+        tangram.Runtime(capacity=pool.capacity()),
+        pool.sandbox("a") as a,
+    ):
+        async with pool.sandbox("t") as sbx:
+            shutil.rmtree(workdir(sbx))
+            with pytest.raises(SandboxBrokenError):
+                await sbx.run("true")
+        async with pool.sandbox("u") as fresh:
+            assert (await fresh.run("echo ok")).ok
+        assert (await a.run("echo ok")).ok
 
 
 async def test_an_actions_tmp_and_shm_go_with_it() -> None:

@@ -24,11 +24,16 @@ So ``cores x memory + sandboxes x (disk + inodes)`` never exceeds the cap (for D
 then reaches only its own limits, never the cap's. ``memory`` and ``disk`` are ceilings: where
 the asked values do not fit, running actions and parked files each get half the cap (or
 what the other side leaves), shared equally; ``sandboxes`` sandboxes may be alive at once,
-and the backend refuses to create one more (a :class:`~tangram.errors.SandboxError`).
+and the backend refuses to create one more (a :class:`~tangram.errors.SandboxError`),
+or, while one is being destroyed, waits for its place (:class:`Places`).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+
+import anyio
 import attrs
 
 from .._core._units import format_size
@@ -39,10 +44,10 @@ __all__ = [
     "MIN_DISK",
     "MIN_MEMORY",
     "MemoryPlan",
+    "Places",
     "held",
     "inodes_for",
     "plan_memory",
-    "refuse_past",
 ]
 
 INODE_BYTES = 2 << 10
@@ -98,19 +103,68 @@ class MemoryPlan:
     lowered: bool = False
 
 
-def refuse_past(live: int, limit: int | None, where: str, work: int, setting: str) -> None:
-    """Refuse one more live sandbox where ``limit`` are alive: its work dir's memory is
-    reserved for each live one, so one more would share someone's reservation, and its
-    files could cost them a command.
+@attrs.define(eq=False)
+class Places:
+    """The live sandboxes of one reservation, against the count it reserves memory for.
 
-    :raises SandboxError: ``limit`` sandboxes are alive ``where``.
+    A sandbox being destroyed still holds its files until its removal ends, so its place
+    is not free; but it will be, so a sandbox asked for meanwhile waits for it rather than
+    being refused. A broken sandbox is destroyed in the background while its trajectory
+    goes on: at exactly ``limit`` live, its successor was refused, a tangram failure in
+    the caller's step.
     """
-    if limit is not None and live >= limit:
-        raise SandboxError(
-            f"{live} sandboxes are alive {where}, the most this backend reserves memory for "
-            f"(sandboxes={limit}, each a work dir of {format_size(work)}): destroy one "
-            f"first, or allow more with `{setting}` (each work dir then smaller)"
-        )
+
+    limit: int | None
+    """The most live sandboxes (``None``: not limited)."""
+    live: int = 0
+    """Created and not yet destroyed, those being destroyed included."""
+    leaving: int = 0
+    """Being destroyed: their places come back when their removal ends."""
+    _left: anyio.Event | None = None
+
+    async def take(self, where: str, work: int, setting: str) -> None:
+        """Count one more live sandbox, once one of ``limit`` has left if need be.
+
+        :raises SandboxError: ``limit`` sandboxes are alive ``where`` and none is leaving:
+            one more would share someone's reservation, and its files could cost them a
+            command.
+        """
+        while self.limit is not None and self.live >= self.limit and self.leaving:
+            self._left = left = self._left or anyio.Event()
+            await left.wait()
+        if self.limit is not None and self.live >= self.limit:
+            raise SandboxError(
+                f"{self.live} sandboxes are alive {where}, the most this backend reserves "
+                f"memory for (sandboxes={self.limit}, each a work dir of {format_size(work)}):"
+                f" destroy one first, or allow more with `{setting}` (each work dir then "
+                "smaller)"
+            )
+        self.live += 1
+
+    def give_back(self) -> None:
+        """A sandbox that was never used (its creation failed) is not live."""
+        self.live -= 1
+
+    @contextlib.contextmanager
+    def leave(self) -> Iterator[Callable[[], None]]:
+        """Around a removal: yields ``gone``, to call once its files are gone. A removal
+        that ends without it (its files still mounted) keeps its place taken."""
+        self.leaving += 1
+        freed = False
+
+        def gone() -> None:
+            nonlocal freed
+            if not freed:
+                freed = True
+                self.live -= 1
+
+        try:
+            yield gone
+        finally:
+            self.leaving -= 1
+            left, self._left = self._left, None
+            if left is not None:
+                left.set()
 
 
 def plan_memory(

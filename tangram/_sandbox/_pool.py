@@ -146,6 +146,7 @@ class SandboxPool:
         self._warm_changed: anyio.Event | None = None
         self._warm_error: Exception | None = None
         self._live: set[SandboxHandle] = set()
+        self._leaving: dict[SandboxHandle, anyio.Event] = {}
         self._task_group: anyio.abc.TaskGroup | None = None
         self.replaced = 0
 
@@ -271,16 +272,29 @@ class SandboxPool:
         return handle
 
     async def _destroy(self, handle: SandboxHandle) -> None:
+        """Destroy ``handle``, or wait for its destruction already under way (a broken
+        sandbox's, in the background): a sandbox block ends once its sandbox is gone."""
         if handle not in self._live:
+            gone = self._leaving.get(handle)
+            if gone is not None:
+                with anyio.CancelScope(shield=True):
+                    await gone.wait()
             return
         self._live.discard(handle)
+        self._leaving[handle] = gone = anyio.Event()
         state = self._hosts.get(handle.host.name)
         if state is not None:
             state.sandboxes -= 1
-        try:
-            await handle.destroy()
-        except Exception:
-            logger.exception("could not destroy sandbox %r", handle)
+        # Shielded: the pool's close cancels its background work, and a removal cut off
+        # there would leave the container to the reaper of a later run.
+        with anyio.CancelScope(shield=True):
+            try:
+                await handle.destroy()
+            except Exception:
+                logger.exception("could not destroy sandbox %r", handle)
+            finally:
+                del self._leaving[handle]
+                gone.set()
 
     def _replenish(self) -> None:
         if self._task_group is None or self._state is not _State.OPEN:

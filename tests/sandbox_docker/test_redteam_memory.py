@@ -29,6 +29,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 import tangram
@@ -238,6 +239,29 @@ async def test_a_sandbox_past_the_reserved_count_is_refused(docker: None) -> Non
         # Each destroyed sandbox gave its place back.
         async with pool.sandbox("d") as d, pool.sandbox("e"):
             assert (await d.run(["echo", "again"])).stdout == b"again\n"
+
+
+async def test_a_sandbox_asked_for_while_one_is_removed_waits_for_its_place(
+    docker: None,
+) -> None:
+    """At the reserved count, a container being deleted (a broken sandbox's, which the
+    pool removes in the background) still holds its place: a sandbox asked for then waits
+    for it, where it was refused (a tangram failure in the caller's step)."""
+    chosen = backend(sandboxes=2)
+    async with running(chosen) as pool:
+        host = pool.hosts[0]
+        reservation = chosen.reservations[host.name]
+        first, second = await chosen.create(host), await chosen.create(host)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(first.destroy)
+            with anyio.fail_after(30):
+                while not reservation.places.leaving:
+                    await anyio.lowlevel.checkpoint()
+            third = await chosen.create(host)
+        assert reservation.live == 2
+        for handle in (second, third):
+            await handle.destroy()
+        assert reservation.live == 0
 
 
 async def test_a_sandbox_that_fails_to_boot_gives_its_place_back(

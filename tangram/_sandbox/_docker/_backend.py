@@ -63,7 +63,7 @@ from ..._core._units import format_size
 from ..._core._validate import whole
 from ...errors import InvalidSettingError, SandboxBrokenError, SandboxError
 from .._backend import Host, SandboxBackend, SandboxHandle
-from .._budget import MIN_DISK, MIN_MEMORY, MemoryPlan, plan_memory, refuse_past
+from .._budget import MIN_DISK, MIN_MEMORY, MemoryPlan, Places, plan_memory
 from .._cores import format_cpu_list, numa_nodes
 from ._cgroupfs import PERIOD_US, _v1_mounts
 from ._container import PARKED_QUOTA_US, DockerHandle
@@ -108,26 +108,25 @@ class Reservation:
     limit: int | None
     said: str
     lowered: bool = False
-    live: int = 0
-    """Sandboxes created on the daemon and not yet destroyed."""
+    places: Places = attrs.field(init=False)
+    """The live sandboxes, and those being destroyed, against ``limit``."""
 
-    def take(self, where: str) -> None:
-        """Count one more live sandbox; refuse it past ``limit``.
+    def __attrs_post_init__(self) -> None:
+        self.places = Places(self.limit)
 
-        :raises SandboxError: ``limit`` sandboxes are alive: one more would hold memory
-            reserved for the others, and its files could cost them a command.
+    @property
+    def live(self) -> int:
+        """Sandboxes created on the daemon and not yet destroyed."""
+        return self.places.live
+
+    async def take(self, where: str) -> None:
+        """Count one more live sandbox; past ``limit``, once one being destroyed is gone.
+
+        :raises SandboxError: ``limit`` sandboxes are alive and none is being destroyed:
+            one more would hold memory reserved for the others, and its files could cost
+            them a command.
         """
-        refuse_past(
-            self.live,
-            self.limit,
-            f"on {where}",
-            self.config.work_bytes,
-            "DockerBackend(sandboxes=)",
-        )
-        self.live += 1
-
-    def give_back(self) -> None:
-        self.live -= 1
+        await self.places.take(f"on {where}", self.config.work_bytes, "DockerBackend(sandboxes=)")
 
 
 class _ReservedHandle(DockerHandle):
@@ -140,14 +139,17 @@ class _ReservedHandle(DockerHandle):
         self._reservation: Reservation | None = reservation
 
     async def destroy(self) -> None:
-        try:
+        reservation, self._reservation = self._reservation, None
+        if reservation is None:
             await super().destroy()
-        finally:
-            # Given back even where the delete failed: the attach stream is closed, so the
-            # runner reads EOF and exits, and the container's tmpfs mounts go with it.
-            reservation, self._reservation = self._reservation, None
-            if reservation is not None:
-                reservation.give_back()
+            return
+        with reservation.places.leave() as gone:
+            try:
+                await super().destroy()
+            finally:
+                # Given back even where the delete failed: the attach stream is closed, so
+                # the runner reads EOF and exits, and the container's tmpfs mounts go with it.
+                gone()
 
 
 class DockerBackend(SandboxBackend):
@@ -468,7 +470,7 @@ class DockerBackend(SandboxBackend):
         spec = config.container_spec(
             name, format_cpu_list(host.cores), self.python, self._runner, info.open_files
         )
-        reservation.take(info.url)  # before anything is made: a refusal leaves nothing
+        await reservation.take(info.url)  # before anything is made: a refusal leaves nothing
         handle: _ReservedHandle | None = None
         try:
             async with info.boots:
@@ -494,7 +496,7 @@ class DockerBackend(SandboxBackend):
                     raise
         except BaseException:
             if handle is None:
-                reservation.give_back()
+                reservation.places.give_back()
             raise
         return handle
 

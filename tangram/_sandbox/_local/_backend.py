@@ -65,7 +65,7 @@ import attrs
 from ..._core._validate import byte_size, whole
 from ...errors import InvalidSettingError, SandboxBrokenError, SandboxError, SettingTypeError
 from .._backend import ExecRequest, ExecResult, Host, SandboxBackend, SandboxHandle
-from .._budget import plan_memory, refuse_past
+from .._budget import Places, plan_memory
 from .._cores import numa_nodes
 from ._cgroup import CgroupLeaf, CgroupTree, open_tree
 from ._files import WorkDir
@@ -220,8 +220,7 @@ class LocalBackend(SandboxBackend):
         self.disk = byte_size("disk", disk) if disk is not None else None
         # What was asked; ``memory`` and ``disk`` become what is in force at the survey.
         self._asked = (self.memory, self.disk)
-        self._live = 0  # sandboxes created and not yet removed
-        self._live_limit: int | None = None
+        self._places = Places(None)  # set at the survey
         self._memory_problem: str | None = None
         whole("open_files", open_files, minimum=16)
         self.open_files = open_files
@@ -362,7 +361,8 @@ class LocalBackend(SandboxBackend):
             sandboxes=self.sandboxes,
             files_in_memory=self._mount,
         )
-        self.memory, self.disk, self._live_limit = plan.memory, plan.disk, plan.sandboxes
+        self.memory, self.disk = plan.memory, plan.disk
+        self._places = Places(plan.sandboxes)
         self._memory_problem = plan.problem
         if plan.problem is not None:
             return plan.problem
@@ -442,12 +442,12 @@ class LocalBackend(SandboxBackend):
     async def create(self, host: Host) -> SandboxHandle:
         if not self._started:
             await self.start()
-        refuse_past(self._live, self._live_limit, "here", self.disk or 0, "sandboxes")
-        self._live += 1
+        places = self._places
+        await places.take("here", self.disk or 0, "sandboxes")
         try:
             return await anyio.to_thread.run_sync(self._make_sandbox, host)
         except BaseException:
-            self._live -= 1
+            places.give_back()
             raise
 
     def _make_sandbox(self, host: Host) -> _LocalHandle:
@@ -539,13 +539,13 @@ class _LocalHandle(SandboxHandle):
         if self._destroyed:
             return
         self._destroyed = True
-        with anyio.CancelScope(shield=True):
+        with anyio.CancelScope(shield=True), self._backend._places.leave() as gone:
             try:
                 await anyio.to_thread.run_sync(self._remove)
             finally:
                 # A box still mounted still holds its files: its reservation stays taken.
                 if not self._box.mounted:
-                    self._backend._live -= 1
+                    gone()
 
     def _remove(self) -> None:
         # Whatever fails on the way, the cgroup and the uid go: a leaked uid lock or
