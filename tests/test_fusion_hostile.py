@@ -35,7 +35,7 @@ import pytest
 import tangram
 from tangram import _fusion
 from tangram._frameworks import _failures, _session
-from tangram._fusion import _server
+from tangram._fusion import _http, _server
 from tangram._reward._grade import grade
 from tangram._sandbox._local import _backend as local
 from tangram._sandbox._local._backend import LocalBackend
@@ -768,7 +768,7 @@ async def test_a_trickle_does_not_hold_a_thread_past_its_deadline(
 async def test_a_slow_body_is_cut_at_the_request_deadline(
     server: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_server, "REQUEST_DEADLINE", 1.5)
+    monkeypatch.setattr(_http, "REQUEST_DEADLINE", 1.5)
 
     def slow() -> bytes:
         with socket.create_connection(_address(server), timeout=10) as sock:

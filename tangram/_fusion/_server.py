@@ -32,9 +32,10 @@ command holds its cores (``MAX_RUN_TIMEOUT``), the bytes fetched (``MAX_FETCH_FI
 ``./out``, is read once) and how long a silent connection holds a thread
 (``IDLE_TIMEOUT``).
 
-HTTP comes from the standard library's threading server: a thread per connection reads
-the request and waits on the event loop that owns the scheduler (through an anyio
-portal), so a slow client never blocks the loop and no dependency is added.
+HTTP comes from the standard library's threading server, its framing and what a
+connection may cost in :mod:`._http`: a thread per connection reads the request and
+waits on the event loop that owns the scheduler (through an anyio portal), so a slow
+client never blocks the loop and no dependency is added.
 """
 
 from __future__ import annotations
@@ -44,15 +45,11 @@ import binascii
 import contextlib
 import errno
 import functools
-import http.server
 import json
 import logging
 import os
-import reprlib
 import secrets
-import socket
 import threading
-import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
@@ -66,6 +63,16 @@ from .._frameworks._failures import is_infrastructure, record
 from .._sandbox._backend import RunResult
 from .._sandbox._pool import Sandbox, _relative, utf8
 from ..errors import InvalidSettingError
+from ._http import (
+    BACKLOG,
+    IDLE_TIMEOUT,
+    MAX_BODY,
+    MAX_CONNECTIONS,
+    REQUEST_DEADLINE,
+    BoundedServer,
+    JsonHandler,
+    quote,
+)
 
 __all__ = [
     "DEFAULT_PORT",
@@ -94,27 +101,11 @@ _DEFAULT_RUN_TIMEOUT = 10.0  # SandboxFusion's default
 #: The longest ``run_timeout`` served, in seconds; a longer one is refused (422). A
 #: request holds its cores for up to this long, and 1e19 s overflowed the CPU rlimit.
 MAX_RUN_TIMEOUT = 3600.0
-#: The largest request body read, in bytes; a larger ``Content-Length`` is refused (413)
-#: before any of it is read. A SandboxFusion request is code and a few small files (verl
-#: sends code of some KiB and no files): 16 MiB holds code and about 12 MiB of files in
-#: base64. It bounds what one request costs the trainer, with ``MAX_BRACKETS``: the body
-#: read, then parsed one at a time (a lock: parsing holds the GIL anyway), at most about
-#: 18x its size at the peak (measured: +283 MiB for 16 MiB of ``["ab","ab",...]``, an
-#: object per 5 bytes; ``[1.5,...]`` +213 MiB, ``[0,...]`` +131 MiB), then dropped before
-#: the code runs.
-MAX_BODY = 16 << 20
 #: The most ``[`` and ``{`` bytes a body may hold, strings included; more is refused (413)
 #: before it is parsed. Each is a list or dict once parsed, 56 bytes and more for 2 bytes
 #: of body: 63 MiB of ``[[],[],...]`` cost 1.6 GiB. A request has a few; code with 100,000
 #: is a program of megabytes of literals.
 MAX_BRACKETS = 100_000
-#: The most connections served at once, each by a thread; the next ones wait, unaccepted,
-#: in the listen backlog (``BACKLOG``) until one ends, costing no thread and no memory
-#: here. With ``MAX_BODY`` this bounds the bodies in flight: 64 x 16 MiB = 1 GiB.
-MAX_CONNECTIONS = 64
-#: Connections the kernel holds unaccepted past ``MAX_CONNECTIONS`` (capped by the
-#: system's ``somaxconn``); past them a client's connect waits or is refused by the kernel.
-BACKLOG = 1024
 #: The most entries of ``files`` one request may write (422 above).
 MAX_FILES = 1024
 #: The most entries of ``fetch_files`` one request may ask for (422 above).
@@ -124,13 +115,6 @@ MAX_FETCH_FILES = 1024
 #: Each file's size is read first (a ``stat`` run in the sandbox, without following a
 #: link), so one request costs the trainer at most about twice this.
 MAX_FETCH_BYTES = 256 << 20
-#: Seconds a connection may stay silent (a half-sent request, an idle keep-alive) before
-#: it is closed: each holds a thread. A request line and headers, once begun, must all
-#: arrive within this too (a byte at a time would otherwise hold the thread forever).
-IDLE_TIMEOUT = 15.0
-#: Seconds from a request's first byte to the end of its body: past it the connection is
-#: closed. A 16 MiB body arrives in it at 280 KiB/s.
-REQUEST_DEADLINE = 60.0
 
 # What a put of the request's own files into a fresh sandbox (nothing has run in it yet)
 # fails with because of those files: more than its disk holds, a name too long.
@@ -170,11 +154,6 @@ _SIZES_TIMEOUT = 30.0
 _PARSING = threading.Lock()
 _SHOWN_SKIPS = 10  # fetch_files skipped and named in ``message``; the rest are counted
 
-# Request values quoted in an error: bounded in length and depth, as a request can hold
-# a 60 MiB string or a list nested as deep as the JSON parser allows.
-_quote = reprlib.Repr()
-_quote.maxstring = _quote.maxother = 80
-
 
 class RequestError(ValueError):
     """A request SandboxFusion would refuse (HTTP 422): the caller's mistake, not tangram's."""
@@ -192,7 +171,7 @@ def _path(field: str, path: object) -> str:
         utf8("the path", path)
         return _relative(path)
     except InvalidSettingError as exc:
-        raise RequestError(f"`{field}` entry {_quote.repr(path)}: {exc}") from None
+        raise RequestError(f"`{field}` entry {quote.repr(path)}: {exc}") from None
 
 
 def _request(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -212,7 +191,7 @@ def _request(body: Mapping[str, Any]) -> dict[str, Any]:
         raise RequestError("`language` must be a string")
     if language not in LANGUAGES:
         raise UnservedLanguageError(
-            f"language {_quote.repr(language)} is not served by tangram (served: {list(LANGUAGES)})"
+            f"language {quote.repr(language)} is not served by tangram (served: {list(LANGUAGES)})"
         )
     stdin = body.get("stdin")
     if stdin is not None and not isinstance(stdin, str):
@@ -225,7 +204,7 @@ def _request(body: Mapping[str, Any]) -> dict[str, Any]:
     ):
         raise RequestError(
             f"`run_timeout` must be a number of seconds > 0 and <= {MAX_RUN_TIMEOUT:g} "
-            f"(got {_quote.repr(timeout)})"
+            f"(got {quote.repr(timeout)})"
         )
     return {
         "code": source,
@@ -255,14 +234,14 @@ def _files(files: object) -> dict[str, bytes]:
         try:
             decoded[name] = base64.b64decode(content, validate=True)
         except (binascii.Error, TypeError, ValueError) as exc:
-            raise RequestError(f"`files[{_quote.repr(path)}]` is not base64: {exc}") from None
+            raise RequestError(f"`files[{quote.repr(path)}]` is not base64: {exc}") from None
     for name in decoded:
         parts = name.split("/")
         for depth in range(1, len(parts)):
             if "/".join(parts[:depth]) in decoded:
                 raise RequestError(
-                    f"`files` has both {_quote.repr('/'.join(parts[:depth]))} and "
-                    f"{_quote.repr(name)} below it: one name cannot be a file and a directory"
+                    f"`files` has both {quote.repr('/'.join(parts[:depth]))} and "
+                    f"{quote.repr(name)} below it: one name cannot be a file and a directory"
                 )
     return decoded
 
@@ -377,7 +356,7 @@ async def _fetch(
     for asked, path in fetch:
         if path in done:
             if first[path] != asked:
-                skipped.append((asked, f"the same file as {_quote.repr(first[path])}"))
+                skipped.append((asked, f"the same file as {quote.repr(first[path])}"))
             continue
         done.add(path)
         if sizes is None:
@@ -448,7 +427,7 @@ def _unreadable(exc: OSError) -> bool:
 def _skipped_message(skipped: Sequence[tuple[str, str]]) -> str:
     if not skipped:
         return ""
-    shown = "; ".join(f"{_quote.repr(asked)} ({why})" for asked, why in skipped[:_SHOWN_SKIPS])
+    shown = "; ".join(f"{quote.repr(asked)} ({why})" for asked, why in skipped[:_SHOWN_SKIPS])
     more = len(skipped) - _SHOWN_SKIPS
     return f"fetch_files skipped: {shown}" + (f"; and {more} more" if more > 0 else "")
 
@@ -467,196 +446,29 @@ async def _run(
         raise RequestError(str(exc)) from exc
 
 
-def _json_parts(payload: Any) -> list[bytes]:
-    """``payload`` as JSON, in parts: a ``files`` of base64 bytes (JSON-safe as they are) is
-    written as it is, so the answer is never one more str and one more bytes of it all."""
-    files = payload.get("files") if isinstance(payload, dict) else None
-    if not files:
-        return [json.dumps(payload).encode()]
-    rest = json.dumps({key: value for key, value in payload.items() if key != "files"})
-    parts = [rest[:-1].encode(), b', "files": {']
-    for n, (name, data) in enumerate(files.items()):
-        parts += [b", " if n else b"", json.dumps(name).encode(), b': "', data, b'"']
-    parts.append(b"}}")
-    return parts
+class _Handler(JsonHandler):
+    """SandboxFusion's two routes: ``GET /v1/ping`` and ``POST /run_code``."""
 
-
-class _Server(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = BACKLOG
-
-    def __init__(
-        self, address: tuple[str, int], portal: BlockingPortal, options: Mapping[str, Any]
-    ) -> None:
-        self.portal = portal
-        self.options = dict(options)
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        self._lock = threading.Lock()
-        self._deadlines: dict[socket.socket, float] = {}
-        self._late: set[socket.socket] = set()
-        super().__init__(address, _Handler)
-
-    def get_request(self) -> tuple[socket.socket, Any]:
-        # Past MAX_CONNECTIONS nothing is accepted: the next connection waits in the
-        # backlog, with no thread. The wait is short so that serve_forever still sees a
-        # shutdown; the listening socket stays readable, so it comes straight back here.
-        if not self._slots.acquire(timeout=0.2):
-            raise OSError("all connections taken")  # the base's skip: nothing accepted
-        try:
-            return super().get_request()
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def shutdown_request(self, request: Any) -> None:
-        try:
-            self.deadline(request, None)
-            with self._lock:
-                self._late.discard(request)
-            super().shutdown_request(request)
-        finally:
-            self._slots.release()
-
-    def deadline(self, connection: socket.socket, at: float | None) -> None:
-        """Stop reading ``connection`` at ``at`` (``time.monotonic``), or never (None)."""
-        with self._lock:
-            if at is None:
-                self._deadlines.pop(connection, None)
-            else:
-                self._deadlines[connection] = at
-
-    def late(self, connection: socket.socket) -> bool:
-        """Whether ``connection``'s reading was stopped at its deadline."""
-        with self._lock:
-            return connection in self._late
-
-    def service_actions(self) -> None:
-        # Run by serve_forever at least every poll interval (0.5 s). A socket's timeout
-        # bounds one recv: a byte at a time, each within it, held a thread forever. A
-        # connection past its deadline has its reading shut: the read blocked on it ends.
-        now = time.monotonic()
-        with self._lock:
-            late = [sock for sock, at in self._deadlines.items() if at <= now]
-            for sock in late:
-                del self._deadlines[sock]
-                self._late.add(sock)
-        for sock in late:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RD)
-
-
-class _Handler(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    # Read by StreamRequestHandler.setup as the socket's timeout: a connection silent this
-    # long (a half-sent request, an idle keep-alive) is closed, and its thread ends.
-    timeout = IDLE_TIMEOUT
     server: _Server
-    _started = 0.0
-
-    def log_message(self, format: str, *args: Any) -> None:  # the base's name
-        logger.debug("%s " + format, self.address_string(), *args)
-
-    def handle_one_request(self) -> None:
-        # The request's first byte is awaited for the idle timeout; from it, the request
-        # line and headers must arrive within the idle timeout, and the body within
-        # REQUEST_DEADLINE (set by do_POST).
-        try:
-            if not self.rfile.peek(1):  # type: ignore[attr-defined]
-                self.close_connection = True
-                return
-        except OSError:  # silent past the idle timeout, or reset
-            self.close_connection = True
-            return
-        self._started = time.monotonic()
-        self.server.deadline(self.connection, self._started + self.timeout)
-        try:
-            super().handle_one_request()
-        finally:
-            self.server.deadline(self.connection, None)
-
-    def parse_request(self) -> bool:
-        if not super().parse_request():
-            return False
-        if self.server.late(self.connection):
-            self._refuse(408, f"the request's headers took over {self.timeout:g} s to arrive")
-            return False
-        return True
-
-    def _send(self, status: int, payload: Any) -> None:
-        parts = _json_parts(payload)
-        try:
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(sum(map(len, parts))))
-            if self.close_connection:
-                self.send_header("Connection", "close")
-            self.end_headers()
-            for part in parts:
-                self.wfile.write(part)
-        except OSError:  # the client hung up: nobody to answer
-            self.close_connection = True
-
-    def _refuse(self, status: int, detail: str) -> None:
-        """Answer ``status`` and close: the rest of the body is not read, so the connection
-        cannot carry another request."""
-        self.close_connection = True
-        self._send(status, {"detail": detail})
-        with contextlib.suppress(OSError):
-            self.wfile.flush()
-            # What the client already sent is drained (briefly, and not all of a huge
-            # body): a close with unread data resets the connection, which can lose the
-            # answer on its way.
-            self.connection.settimeout(0.5)
-            for _ in range(16):
-                if not self.connection.recv(1 << 16):
-                    break
-
-    def _body(self) -> bytearray | None:
-        """The request's body, or None once a refusal was answered."""
-        if self.headers.get("Transfer-Encoding") is not None:
-            self._refuse(411, "a body must come with a Content-Length")
-            return None
-        declared = self.headers.get_all("Content-Length") or ["0"]
-        text = declared[0].strip()
-        if len(set(declared)) > 1 or not (text.isascii() and text.isdigit()):
-            self._refuse(400, f"bad Content-Length: {_quote.repr(', '.join(declared))}")
-            return None
-        if len(text) > 18 or int(text) > MAX_BODY:  # 19 digits and more: over it anyway
-            self._refuse(413, f"the body is over the {MAX_BODY} bytes served")
-            return None
-        self.server.deadline(self.connection, self._started + REQUEST_DEADLINE)
-        # In pieces: one read of the declared size allocated all of it at once, before a
-        # byte arrived (64 MiB per connection that declared it and sent nothing).
-        length, body = int(text), bytearray()
-        while len(body) < length:
-            piece = self.rfile.read1(min(length - len(body), 1 << 20))
-            if not piece:  # the client hung up mid-body, or took too long to send it
-                if self.server.late(self.connection):
-                    self._refuse(408, f"the request took over {REQUEST_DEADLINE:g} s to arrive")
-                self.close_connection = True
-                return None
-            body += piece
-        self.server.deadline(self.connection, None)
-        return body  # not copied: json.loads reads a bytearray
 
     def do_GET(self) -> None:
         if self.path.rstrip("/") == "/v1/ping":
-            self._send(200, "pong")
+            self.send_json(200, "pong")
         else:
-            self._send(404, {"detail": "Not Found"})
+            self.send_json(404, {"detail": "Not Found"})
 
     def do_POST(self) -> None:
-        raw = self._body()
+        raw = self.body()
         if raw is None:
             return
         if self.path.rstrip("/") != "/run_code":
-            self._send(404, {"detail": "Not Found"})
+            self.send_json(404, {"detail": "Not Found"})
             return
         brackets = raw.count(b"[") + raw.count(b"{")
         if brackets > MAX_BRACKETS:
             raw.clear()
             detail = f"the body holds {brackets} `[` and `{{`, over the {MAX_BRACKETS} served"
-            self._send(413, {"detail": detail})
+            self.send_json(413, {"detail": detail})
             return
         try:
             with _PARSING:
@@ -665,13 +477,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 request = _request(body)
                 del body  # the run keeps only what it uses: the parse cost is paid here
         except UnservedLanguageError as exc:
-            self._send(501, {"detail": str(exc)})
+            self.send_json(501, {"detail": str(exc)})
             return
         except RequestError as exc:
-            self._send(422, {"detail": str(exc)})
+            self.send_json(422, {"detail": str(exc)})
             return
         except (ValueError, RecursionError) as exc:  # bad JSON, not UTF-8, nested too deep
-            self._send(422, {"detail": f"invalid JSON: {type(exc).__name__}: {exc}"[:500]})
+            self.send_json(422, {"detail": f"invalid JSON: {type(exc).__name__}: {exc}"[:500]})
             return
         finally:
             raw.clear()
@@ -682,11 +494,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             )
         except Exception as exc:
             if isinstance(exc, RequestError):
-                self._send(422, {"detail": str(exc)})
+                self.send_json(422, {"detail": str(exc)})
                 return
             if not is_infrastructure(exc) and isinstance(exc, ValueError):
                 # A bad argument in the request (a NUL byte in the code): the caller's.
-                self._send(422, {"detail": str(exc)})
+                self.send_json(422, {"detail": str(exc)})
                 return
             # SandboxFusion answers its own failures as status SandboxError; the 503 with it
             # makes verl's client log the call as failed at ERROR, not as the code's verdict.
@@ -694,10 +506,21 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 logger.exception("run_code failed")
             record(options["kind"], exc)
             message = f"tangram could not run the code: {type(exc).__name__}: {exc}"
-            self._send(503, {"status": "SandboxError", "message": message, "detail": message})
+            self.send_json(503, {"status": "SandboxError", "message": message, "detail": message})
         else:
             del request
-            self._send(200, response)
+            self.send_json(200, response)
+
+
+class _Server(BoundedServer):
+    """The server, with the event loop's portal and the options each request runs with."""
+
+    def __init__(
+        self, address: tuple[str, int], portal: BlockingPortal, options: Mapping[str, Any]
+    ) -> None:
+        self.portal = portal
+        self.options = dict(options)
+        super().__init__(address, _Handler)
 
 
 @contextlib.asynccontextmanager
