@@ -646,14 +646,20 @@ def test_settings_the_cap_cannot_hold_are_refused() -> None:
     assert plan.problem is not None and "lend fewer cores" in plan.problem
 
 
-async def test_a_sandbox_past_the_reserved_count_is_refused() -> None:
-    """Each live sandbox's work dir has memory reserved: one more would take a share of
-    someone else's, so it is refused (typed), until one is destroyed."""
+def two_places() -> LocalBackend:
+    """A backend that reserves memory for two live sandboxes (skips where none is)."""
     backend = LocalBackend(sandboxes=2, memory="256MiB", disk="16MiB")
     if backend.protections.memory_per_sandbox and backend._places.limit is None:
         pytest.skip(f"work dirs are not memory here: {backend.protections.memory}")
     if backend._places.limit is None:
         pytest.skip(f"no cgroup memory controller here: {backend.protections.memory}")
+    return backend
+
+
+async def test_a_sandbox_past_the_reserved_count_is_refused() -> None:
+    """Each live sandbox's work dir has memory reserved: one more would take a share of
+    someone else's, so it is refused (typed), until one is destroyed."""
+    backend = two_places()
     async with (
         SandboxPool(backend) as pool,
         tangram.Runtime(capacity=pool.capacity()),
@@ -670,11 +676,7 @@ async def test_a_sandbox_past_the_reserved_count_is_refused() -> None:
 async def test_a_broken_sandboxs_place_goes_to_the_next_at_the_reserved_count() -> None:
     """A broken sandbox is destroyed in the background; at exactly the reserved count the
     next trajectory's sandbox was refused while it went (a tangram failure in the step)."""
-    backend = LocalBackend(sandboxes=2, memory="256MiB", disk="16MiB")
-    if backend.protections.memory_per_sandbox and backend._places.limit is None:
-        pytest.skip(f"work dirs are not memory here: {backend.protections.memory}")
-    if backend._places.limit is None:
-        pytest.skip(f"no cgroup memory controller here: {backend.protections.memory}")
+    backend = two_places()
     async with (
         SandboxPool(backend, warm=0) as pool,
         tangram.Runtime(capacity=pool.capacity()),
