@@ -1,4 +1,4 @@
-"""Red team, round 3, on the code reward: the answer's names, arguments and limits.
+"""Red team, rounds 3 and 4, on the code reward: the answer's names, arguments and limits.
 
 The hacks themselves are in ``tests/_hacks.py`` (``ROUND_3``, run by ``test_grade.py``'s
 ``test_a_hack_scores_zero`` and by the adapters' reward tests). Here: the controls that
@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import builtins
 import keyword
+import subprocess
+import sys
 
 import pytest
 from _grading import anyio_backend, judge, pool  # noqa: F401 (fixtures)
 from _hacks import HUMANEVAL_4, HUMANEVAL_38, HUMANEVAL_38_PROMPT, MBPP_2, ROUND_3, WRONG, YES
 from _reward_attacks import LIMITS, STAGES, limit_attack
 
+import tangram
+from tangram._reward._grade import grade
+from tangram._sandbox._local._backend import LocalBackend
 from tangram._sandbox._pool import SandboxPool
 from tangram.errors import InvalidSettingError, SandboxBrokenError
 
@@ -299,3 +304,159 @@ async def test_an_entry_point_declared_a_function_is_never_an_object_the_tests_b
         "prompt": "def title(s: str) -> str:\n    '''Title-case s.'''\n",
     }
     assert (await judge(pool, answer, label)).passed == 0
+
+
+# -- round 4: what the answer binds, seen where it runs; the sandbox's failures; exceptions
+
+
+def classic(answer: str, tests: str) -> bool:
+    """The classic recipe, to check a test's claim about it: answer and tests as one
+    program, passed where it exits 0."""
+    done = subprocess.run(
+        [sys.executable, "-c", answer + "\n" + tests], capture_output=True, timeout=60
+    )
+    return done.returncode == 0
+
+
+MAX_TESTS = "assert max([1, 5, 2]) == 5\nassert max([3]) == 3\nassert max([-4, -9]) == -4\n"
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        pytest.param("# coding: bogus\ndef max(xs):\n    return 0\n", id="a bogus coding cookie"),
+        pytest.param("if True:\n    def max(xs):\n        return 0\n", id="a def under an if"),
+        pytest.param(
+            "try:\n    def max(xs):\n        return 0\nexcept Exception:\n    pass\n",
+            id="a def under a try",
+        ),
+        pytest.param("globals()['max'] = lambda xs: 0\n", id="bound through globals()"),
+        pytest.param("for max in [lambda xs: 0]:\n    pass\n", id="a for loop's target"),
+        pytest.param("import builtins\nbuiltins.max = lambda xs: 0\n", id="builtins patched"),
+        pytest.param("import builtins\ndel builtins.max\n", id="the builtin deleted"),
+        pytest.param(
+            "exec('def max(xs):\\n    return 0')\n", id="defined by exec, which no parse reads"
+        ),
+    ],
+)
+async def test_a_builtin_the_answer_binds_anywhere_is_contested(
+    pool: SandboxPool, answer: str
+) -> None:
+    """Which builtins the answer binds was read from a parse of its top level: one bound
+    any other way was read as the real one, so a wrong ``max`` scored 1.0 where the classic
+    recipe calls it and fails. The answer's process now says what it binds, as it runs."""
+    assert not classic(answer, MAX_TESTS)
+    assert (await judge(pool, answer, MAX_TESTS)).score() == 0.0
+
+
+async def test_a_builtin_bound_by_a_call_during_the_tests_is_contested(pool: SandboxPool) -> None:
+    """Bound after the answer loaded, by a function the tests call: the tests are planned
+    and run again with the name contested, in every reading."""
+    answer = "def setup():\n    global max\n    max = lambda xs: 0\n"
+    tests = "setup()\n" + MAX_TESTS
+    assert not classic(answer, tests)
+    assert (await judge(pool, answer, tests)).score() == 0.0
+    right = "def setup():\n    global max\n    max = lambda xs: sorted(xs)[-1]\n"
+    assert classic(right, tests)
+    assert (await judge(pool, right, tests)).score() == 1.0
+
+
+@pytest.mark.parametrize("processes", [4, 5])
+async def test_a_sandbox_that_cannot_fork_the_answer_is_the_sandboxs_failure(
+    processes: int,
+) -> None:
+    """Room for the harness and its forker but not for an answer process (a low
+    ``processes``, or a shared user's process limit that other sandboxes fill): none of
+    the answer ran, yet a right answer scored 0, as if the failure were its own."""
+    async with (
+        SandboxPool(LocalBackend(processes=processes), warm=1) as sandboxes,
+        tangram.Runtime(capacity=sandboxes.capacity()),
+        sandboxes.sandbox("starved") as sandbox,
+    ):
+        with pytest.raises(SandboxBrokenError):
+            await grade(sandbox, RIGHT_ADD, "assert add(2, 3) == 5\n", timeout=8.0)
+
+
+DEPTH = "def depth(n):\n    return 0 if n == 0 else 1 + depth(n - 1)\n"
+
+
+@pytest.mark.parametrize(
+    ("answer", "tests"),
+    [
+        pytest.param(DEPTH, "assert depth(995) == 995\n", id="a call"),
+        pytest.param(
+            DEPTH + "print(depth(int(input())))\n",
+            {"inputs": ["993\n"], "outputs": ["993\n"]},
+            id="a program",
+        ),
+    ],
+)
+async def test_a_recursion_the_classic_recipe_allows_is_allowed(
+    pool: SandboxPool, answer: str, tests: object
+) -> None:
+    """The answer ran below the harness's own frames under the same recursion limit: a
+    recursion 993 deep passed the classic recipe and overflowed here."""
+    if isinstance(tests, str):
+        assert classic(answer, tests)
+    assert (await judge(pool, answer, tests)).score() == 1.0
+
+
+@pytest.mark.parametrize(
+    ("answer", "tests"),
+    [
+        pytest.param(
+            "def get(d, k):\n    return d[k]\n",
+            "try:\n    get({}, 'x')\n    ok = False\nexcept KeyError as e:\n"
+            "    ok = str(e) == \"'x'\" and e.args == ('x',)\nassert ok\n",
+            id="a KeyError's text and args",
+        ),
+        pytest.param(
+            "def check(v):\n    raise ValueError('bad value', v)\n",
+            "try:\n    check(7)\nexcept ValueError as e:\n    assert e.args == ('bad value', 7)\n",
+            id="args of several values",
+        ),
+        pytest.param(
+            "def text(b):\n    return b.decode('utf-8')\n",
+            "try:\n    text(b'\\xff')\n    ok = False\n"
+            "except ValueError:\n    ok = True\nassert ok\n",
+            id="a UnicodeDecodeError caught as ValueError",
+        ),
+        pytest.param(
+            "import json\ndef parse(s):\n    return json.loads(s)\n",
+            "try:\n    parse('{')\n    ok = False\nexcept ValueError:\n    ok = True\nassert ok\n",
+            id="a JSONDecodeError caught as ValueError",
+        ),
+        pytest.param(
+            "class Empty(LookupError):\n    pass\ndef first(xs):\n    if not xs:\n"
+            "        raise Empty('no item')\n    return xs[0]\n",
+            "try:\n    first([])\n    ok = False\nexcept LookupError as e:\n"
+            "    ok = str(e) == 'no item'\nassert ok\n",
+            id="the answer's own subclass of a builtin",
+        ),
+    ],
+)
+async def test_an_exception_reaches_the_tests_as_raised(
+    pool: SandboxPool, answer: str, tests: str
+) -> None:
+    """Rebuilt from its text, a ``KeyError('x')`` said ``"'x'"`` and its ``args`` were
+    that text; one whose class was not a builtin (``JSONDecodeError``) or whose builtin
+    takes no single string (``UnicodeDecodeError``) was caught by no ``except ValueError``.
+    It is now the nearest builtin of its class, made from its arguments."""
+    assert classic(answer, tests)
+    assert (await judge(pool, answer, tests)).score() == 1.0
+
+
+@pytest.mark.parametrize(
+    "raised",
+    ["StopIteration()", "StopAsyncIteration()", "SystemExit(0)", "KeyboardInterrupt()"],
+)
+async def test_an_exception_that_steers_control_flow_is_still_never_rebuilt(
+    pool: SandboxPool, raised: str
+) -> None:
+    """Its bases travel now: a subclass of ``StopIteration`` (or an exception the answer
+    names so) must still not end the tests' iteration as the real one would."""
+    answer = (
+        f"class Sneaky({raised.split('(')[0]}):\n    pass\ndef is_even(n):\n    raise Sneaky()\n"
+    )
+    tests = "assert all(map(is_even, [1, 3, 5]))\n"
+    assert (await judge(pool, answer, tests)).score() == 0.0

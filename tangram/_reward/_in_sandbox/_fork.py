@@ -79,7 +79,10 @@ class Forker:
         :raises OSError: the forker did not answer by ``until`` or is gone.
         """
         rights = array.array("i", fds).tobytes()
-        self.spawned = True  # from here on, the answer may be running
+        # From here on the answer may be running (a forker that does not answer may have
+        # been stopped by it), unless the forker says no process was made for the first
+        # request: then none of the answer ever ran.
+        first, self.spawned = not self.spawned, True
         self._asked += 1
         request = f"{mode} {self._asked}".encode()
         while True:  # never blocked by a forker the answer stopped
@@ -94,6 +97,9 @@ class Forker:
                 reply = self._socket.recv(64).split()
             except BlockingIOError:
                 continue
+            if reply == [str(self._asked).encode(), b"-"]:
+                self.spawned = not first
+                raise OSError("the forker could not make an answer process (fork failed)")
             if len(reply) != 2 or not all(part.isdigit() for part in reply):
                 raise OSError("the forker is gone")
             if int(reply[0]) == self._asked:
@@ -198,10 +204,24 @@ def _serve(sock: Any, libc: Any) -> None:
         mode, _, number = message.decode().partition(" ")
         ready_r, ready_w = os.pipe()
         go_r, go_w = os.pipe()
-        middle = os.fork()
+        try:
+            middle = os.fork()
+        except OSError:  # out of processes: said as such, and the forker serves on
+            middle = -1
+        if middle < 0:
+            for fd in (ready_r, ready_w, go_r, go_w, *fds):
+                os.close(fd)
+            try:
+                sock.send(number.encode() + b" -")
+            except OSError:
+                os._exit(0)
+            continue
         if middle == 0:
             os.close(ready_r)
-            child = os.fork()
+            try:
+                child = os.fork()
+            except BaseException:  # never back into the harness's code: this is a copy
+                os._exit(1)  # its pipe closes unwritten: the forker says no process
             if child == 0:
                 os.close(ready_w)
                 os.close(go_w)
@@ -285,11 +305,32 @@ def answer_main(mode: str, source_fd: int, requests_fd: int = -1, replies: int =
         chunks.append(chunk)
     os.close(source_fd)
     source = b"".join(chunks).decode()
+    # The answer runs below the harness's frames and this one, where ``python -c`` runs
+    # it at the top: as many more frames, so a recursion the classic recipe allows is.
+    depth, frame = 0, sys._getframe()
+    while frame.f_back is not None:
+        depth, frame = depth + 1, frame.f_back
+    sys.setrecursionlimit(sys.getrecursionlimit() + depth + 1)
     sys.argv = ["-c"]
     sys.path.insert(0, "")
     module = types.ModuleType("__main__")
     module.__dict__["__builtins__"] = builtins
     sys.modules["__main__"] = module
+    namespace = module.__dict__
+    # The builtins as they were before the answer ran: which of them it binds (a ``def
+    # max`` anywhere, ``globals()["max"] = ...``, ``builtins.max = ...``, a ``del``) is
+    # read here, where it runs, and said with every reply (see ``Answer.binds``).
+    pristine = dict(vars(builtins))
+    names = [n for n in pristine if not (n.startswith("__") and n.endswith("__"))]
+
+    def binds() -> list[str]:
+        return [
+            n
+            for n in names
+            if namespace.get(n, pristine[n]) is not pristine[n]
+            or getattr(builtins, n, None) is not pristine[n]
+        ]
+
     if mode == "main":
         exec(compile(source, "<string>", "exec"), module.__dict__)
         return
@@ -305,7 +346,7 @@ def answer_main(mode: str, source_fd: int, requests_fd: int = -1, replies: int =
     except BaseException as exc:
         send({"ready": False, "error": f"{type(exc).__name__}: {exc}"[:_MESSAGE_LIMIT]})
         os._exit(0)
-    send({"ready": True})
+    send({"ready": True, "binds": binds()})
     objects: dict[int, Any] = {}
 
     def keep(value: Any) -> int:
@@ -315,7 +356,6 @@ def answer_main(mode: str, source_fd: int, requests_fd: int = -1, replies: int =
     def find(number: int) -> Any:
         return objects[number]
 
-    namespace = module.__dict__
     for line in requests:
         try:
             request = json.loads(line)
@@ -338,7 +378,17 @@ def answer_main(mode: str, source_fd: int, requests_fd: int = -1, replies: int =
             }
             reply = {"ok": True, "value": encode(_plain(result), keep), "args": after}
         except BaseException as exc:
-            reply = {"ok": False, "error": type(exc).__name__, "message": str(exc)}
+            reply = {
+                "ok": False,
+                "error": type(exc).__name__,
+                "message": str(exc),
+                "kinds": [kind.__name__ for kind in type(exc).__mro__[1:]],
+            }
+            try:  # as raised, where they are data: the harness rebuilds it from them
+                reply["raised"] = encode(_plain(list(exc.args)), keep)
+            except BaseException:
+                reply["raised"] = None
+        reply["binds"] = binds()
         send(reply)
     os._exit(0)
 

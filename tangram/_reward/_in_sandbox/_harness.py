@@ -58,28 +58,38 @@ class AnswerError(Exception):
     """The answer's process could not give a result (it raised, died, hung, or lied)."""
 
 
-def _exception(name: Any, message: Any) -> Exception:
+def _exception(name: Any, message: Any, kinds: Any = None, args: Any = None) -> Exception:
     """What a call raises here when the answer's function raised ``name``.
 
-    A builtin ``Exception`` subclass of that name, so ``except ValueError`` in a test
-    works. Never one that steers control flow: ``GeneratorExit``, ``KeyboardInterrupt``
-    and ``SystemExit`` (not ``Exception``s), nor ``StopIteration`` and
-    ``StopAsyncIteration``, which raised inside ``map``'s or a generator's ``__next__``
-    end the iteration silently (``all(map(...))`` saw nothing false): those become an
-    :class:`AnswerError`, as PEP 479 makes one leaving a generator a ``RuntimeError``.
+    The builtin ``Exception`` subclass nearest its class (its own, else the first of its
+    bases, ``kinds``, that is one), made from its ``args`` where they came as data, so
+    ``except ValueError`` catches a ``json.JSONDecodeError`` and ``str(e)`` and ``e.args``
+    are as raised (a ``KeyError('x')`` rebuilt from its text said ``"'x'"``). Never one
+    that steers control flow: ``GeneratorExit``, ``KeyboardInterrupt`` and ``SystemExit``
+    (not ``Exception``s), nor ``StopIteration`` and ``StopAsyncIteration``, which raised
+    inside ``map``'s or a generator's ``__next__`` end the iteration silently
+    (``all(map(...))`` saw nothing false): those become an :class:`AnswerError`, as
+    PEP 479 makes one leaving a generator a ``RuntimeError``.
     """
     text = message[:_MESSAGE_LIMIT] if type(message) is str else ""
     label = name[:100] if type(name) is str else "an exception"
-    found = getattr(builtins, label, None)
-    if (
-        isinstance(found, type)
-        and issubclass(found, Exception)
-        and not issubclass(found, (StopIteration, StopAsyncIteration))
-    ):
-        try:
-            return found(text)
-        except Exception:
-            pass
+    said = args if type(args) is tuple else (text,)
+    bases = [k for k in kinds[:64] if type(k) is str] if type(kinds) is list else []
+    for kind in (label, *bases):
+        found = getattr(builtins, kind, None)
+        if not (
+            isinstance(found, type)
+            and issubclass(found, Exception)
+            and not issubclass(found, (StopIteration, StopAsyncIteration))
+        ):
+            continue
+        for given in (said, (text,)):
+            try:
+                error = found(*given)
+            except Exception:
+                continue
+            if isinstance(error, found):
+                return error
     return AnswerError(f"{label}: {text}")
 
 
@@ -135,7 +145,14 @@ class Answer:
         self.process: Child | None = None
         self.generation = 0
         self.failed: str | None = None
-        self.body = _parse(self.source)
+        # The text, as the answer's process compiles it: the bytes' coding cookie
+        # (``# coding: bogus``) failed this parse alone, and the answer bound nothing here.
+        self.body = _parse(source)
+        self.binds: set[str] = set()
+        """The builtins its processes said it binds (:func:`_readings`), as it ran."""
+        self.watch: frozenset[str] = frozenset()
+        """Builtins the tests use that the plans read as the real ones: one the answer
+        binds after all ends the plans (:class:`_Rebound`)."""
         self.classes = frozenset(s.name for s in self.body if isinstance(s, ast.ClassDef))
         self._buffer = bytearray()
         self._requests = -1
@@ -191,12 +208,23 @@ class Answer:
             self.failed = f"the answer did not load: {exc}"
             self.close()
             raise AnswerError(self.failed) from None
+        self._note(ready)
         if ready.get("ready") is not True:
             error = ready.get("error")
             why = error[:_MESSAGE_LIMIT] if type(error) is str else "no reason given"
             self.failed = f"the answer did not load: {why}"
             self.close()
             raise AnswerError(self.failed)
+
+    def _note(self, reply: Mapping[str, Any]) -> None:
+        said = reply.get("binds")
+        if type(said) is list:
+            self.binds.update(name for name in said if type(name) is str)
+
+    def _check_plans(self) -> None:
+        """:raises _Rebound: the answer binds a builtin the plans read as the real one."""
+        if self.binds & self.watch:
+            raise _Rebound
 
     def _send(self, data: bytes, until: float) -> None:
         view = memoryview(data)
@@ -264,6 +292,7 @@ class Answer:
             raise AnswerError("the object belonged to an answer process that has ended")
         if self.process is None:
             self._start()
+            self._check_plans()
         request = {
             "target": target,
             "method": method,
@@ -275,6 +304,8 @@ class Answer:
         try:
             self._send(json.dumps(request).encode() + b"\n", until)
             reply = self._receive(until)
+            self._note(reply)
+            self._check_plans()
             if reply.get("ok") is True:
                 value = decode(reply.get("value"), self._remote)
                 after = reply.get("args")
@@ -290,7 +321,16 @@ class Answer:
             # call: it is killed, and the next call starts a new one.
             self.close()
             raise AnswerError(f"no result: {exc}"[:_MESSAGE_LIMIT]) from None
-        raise _exception(reply.get("error"), reply.get("message"))
+        try:
+            raised = decode(reply.get("raised"), self._remote)
+        except (ValueError, TypeError, KeyError, RecursionError, MemoryError):
+            raised = None
+        raise _exception(
+            reply.get("error"),
+            reply.get("message"),
+            reply.get("kinds"),
+            tuple(raised) if type(raised) is list else None,
+        )
 
     def _remote(self, number: int) -> Remote:
         return Remote(self, number, self.generation)
@@ -375,7 +415,7 @@ class Remote:
         return method
 
 
-def _parse(source: bytes) -> list[ast.stmt]:
+def _parse(source: str) -> list[ast.stmt]:
     """The answer's top-level statements, read as text, never run; none where it does not
     parse (it then fails its tests when it runs)."""
     try:
@@ -459,12 +499,13 @@ def _free_names(tree: ast.Module, shadowed: frozenset[str] | set[str] = frozense
 
 
 def _readings(
-    tree: ast.Module, answer: Sequence[ast.stmt], entry_point: str | None
-) -> list[frozenset[str]]:
-    """The builtins the answer's names replace, in each way the tests may be read.
+    tree: ast.Module, binds: set[str], entry_point: str | None
+) -> tuple[list[frozenset[str]], frozenset[str]]:
+    """The builtins the answer's names replace, in each way the tests may be read; and
+    the builtins the tests use that every reading takes as the real ones.
 
-    Read as one module (the classic recipe), the tests call whatever the answer binds at
-    its top level, builtins included: right where the task's own function is named
+    Read as one module (the classic recipe), the tests call whatever the answer binds,
+    builtins included: right where the task's own function is named
     ``sum``, but an answer adding ``def abs(x): return 0`` then decided what HumanEval's
     ``abs(candidate(x) - y) < 1e-6`` computed, and ``range = lambda *a: []`` emptied the
     loop that held every assert. Read with the real builtins, the first case scores any
@@ -472,12 +513,18 @@ def _readings(
     may use ``sum`` both to call the answer and to compute what it should return), so a
     contested name gives two readings and a test passes only where it passes in both:
     never more than either alone. The entry point is the answer's in both.
+
+    ``binds`` is what the answer's top level binds as read here, and what its processes
+    said they bind as they ran: a ``def max`` under an ``if``, ``globals()["max"]``, a
+    ``for max in ...`` or a patched ``builtins.max`` bind it too, which no reading of
+    the source sees whole.
     """
     loaded = {
         node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and not _dunder(node.id)
     }
-    contested = (_top_level_names(answer) & set(dir(builtins)) & loaded) - {entry_point or ""}
-    return [frozenset(), frozenset(contested)] if contested else [frozenset()]
+    used = (loaded & set(dir(builtins))) - {entry_point or ""}
+    contested = frozenset(binds & used)
+    return ([frozenset(), contested] if contested else [frozenset()]), frozenset(used - contested)
 
 
 _Plan = tuple[list[tuple[ast.Module, bool]], bool, "dict[str, Any]"]
@@ -501,7 +548,10 @@ def _assert_plans(suite: Mapping[str, Any], answer: Answer) -> list[_Plan]:
     # answer's, not the module ``copy`` the tests would otherwise be handed.
     defined = _top_level_names(answer.body, imports=False)
     plans = []
-    for shadowed in _readings(tree, answer.body, entry_point):
+    readings, answer.watch = _readings(
+        tree, _top_level_names(answer.body) | answer.binds, entry_point
+    )
+    for shadowed in readings:
         # ``__main__``: tests often end in ``if __name__ == "__main__": check(...)``,
         # which under any other name was counted as a test and never ran.
         namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
@@ -523,6 +573,11 @@ def _assert_plans(suite: Mapping[str, Any], answer: Answer) -> list[_Plan]:
             namespace[entry_point] = Function(answer, entry_point, builds=not declared)
         plans.append((list(steps), bool(check), namespace))
     return plans
+
+
+class _Rebound(BaseException):
+    """The answer bound a builtin the tests use after the plans read it as the real one
+    (a call ran ``global max; max = ...``): the tests are planned and run again."""
 
 
 class _Ended(Exception):
@@ -720,12 +775,22 @@ def _judge(payload: Mapping[str, Any]) -> int:
     if suite["kind"] == "stdio":
         return _run_stdio(suite, payload["answer"], deadline)
     answer = Answer(payload["answer"], deadline)
-    plans = [] if suite["kind"] == "call" else _assert_plans(suite, answer)
+    if suite["kind"] == "call":
+        try:
+            answer.start()
+            return _run_calls(suite, answer)
+        finally:
+            answer.close()
+    plans = _assert_plans(suite, answer)
     try:
         answer.start()
-        if not plans:
-            return _run_calls(suite, answer)
-        return _run_readings(suite, plans, answer)
+        while True:  # each round contests one more name at least: at most one per builtin
+            if answer.binds & answer.watch:
+                plans = _assert_plans(suite, answer)
+            try:
+                return _run_readings(suite, plans, answer)
+            except _Rebound:
+                answer.close()
     finally:
         answer.close()
 
