@@ -460,3 +460,70 @@ async def test_an_exception_that_steers_control_flow_is_still_never_rebuilt(
     )
     tests = "assert all(map(is_even, [1, 3, 5]))\n"
     assert (await judge(pool, answer, tests)).score() == 0.0
+
+
+STACK = (
+    "class Stack:\n"
+    "    def __init__(self):\n        self.items = []\n"
+    "    def push(self, x):\n        self.items.append(x)\n"
+    "    def __len__(self):\n        return len(self.items)\n"
+    "    def __iter__(self):\n        return iter(self.items)\n"
+    "    def __getitem__(self, i):\n        return self.items[i]\n"
+    "    def __str__(self):\n        return f'Stack({self.items})'\n"
+    "    def __repr__(self):\n        return 'S' + str(self.items)\n"
+)
+
+
+@pytest.mark.parametrize(
+    "tests",
+    [
+        pytest.param("s = Stack()\ns.push(1)\ns.push(2)\nassert len(s) == 2\n", id="len"),
+        pytest.param("s = Stack()\nassert not s\ns.push(1)\nassert s\n", id="truth"),
+        pytest.param("s = Stack()\ns.push(1)\nassert list(s) == [1]\n", id="iter"),
+        pytest.param("s = Stack()\ns.push(7)\nassert s[0] == 7 and s[-1] == 7\n", id="index"),
+        pytest.param("s = Stack()\ns.push(7)\nassert 7 in s and 8 not in s\n", id="in"),
+        pytest.param("s = Stack()\ns.push(7)\nassert str(s) == 'Stack([7])'\n", id="str"),
+        pytest.param("s = Stack()\ns.push(7)\nassert repr(s) == 'S[7]'\n", id="repr"),
+    ],
+)
+async def test_an_object_the_tests_built_answers_pythons_protocols(
+    pool: SandboxPool, tests: str
+) -> None:
+    """Class-design tasks test their objects through ``len(s)``, ``list(s)``, ``s[0]`` and
+    ``str(s)``: the tests' stand-in for the answer's object answered none of them, and a
+    right ``Stack`` the classic recipe passes scored 0."""
+    assert classic(STACK, tests)
+    assert (await judge(pool, STACK, tests)).score() == 1.0
+
+
+@pytest.mark.parametrize(
+    "tests",
+    [
+        pytest.param("assert len(make()) == 3\n", id="len"),
+        pytest.param("assert 3 in make()\n", id="in"),
+        pytest.param("assert make()[0] == 3\n", id="index"),
+        pytest.param("assert str(make()) == '3'\n", id="str"),
+        pytest.param("assert list(make()) == [3]\n", id="iter"),
+        pytest.param("assert make() == 3\n", id="eq"),
+        pytest.param("assert not make()\n", id="truth"),
+    ],
+)
+async def test_a_returned_object_answers_no_protocol_for_the_value_it_stands_for(
+    pool: SandboxPool, tests: str
+) -> None:
+    """Where the tests expected a value, the answer's object must not pass for it: its
+    protocols (an object whose every answer is the expected one) are refused there, as
+    its methods named like a value's are."""
+    liar = (
+        "class Liar:\n"
+        "    def __len__(self):\n        return 3\n"
+        "    def __contains__(self, x):\n        return True\n"
+        "    def __getitem__(self, i):\n        return 3\n"
+        "    def __str__(self):\n        return '3'\n"
+        "    def __iter__(self):\n        return iter([3])\n"
+        "    def __eq__(self, other):\n        return True\n"
+        "    def __bool__(self):\n        return False\n"
+        "def make():\n    return Liar()\n"
+    )
+    assert classic(liar, tests)
+    assert (await judge(pool, liar, tests)).score() == 0.0

@@ -22,7 +22,9 @@ the forker fails its own next test.
 import array
 import builtins
 import ctypes
+import functools
 import json
+import operator
 import os
 import select
 import sys
@@ -44,6 +46,16 @@ _SCM_RIGHTS = 1
 _MESSAGE_LIMIT = 1000
 _FDS = 3
 """Descriptors an answer process is given: its source, then two for its mode."""
+_PROTOCOLS: "dict[str, Callable[..., Any]]" = {
+    "__len__": len,
+    "__bool__": bool,
+    "__iter__": iter,
+    "__getitem__": operator.getitem,
+    "__contains__": operator.contains,
+    "__str__": str,
+    "__repr__": repr,
+}
+"""The protocols the tests may use on an object they built (``Remote`` in the harness)."""
 _DEPTH = 100
 _ITEMS = 100_000
 """Items of an iterator the answer returns that are sent: an endless one is cut here."""
@@ -361,7 +373,11 @@ def answer_main(mode: str, source_fd: int, requests_fd: int = -1, replies: int =
             request = json.loads(line)
             target = request["target"]
             if type(target) is int:
-                function = getattr(find(target), request["method"])
+                method = request["method"]
+                if method in _PROTOCOLS:  # ``len(obj)``: its class's, as Python calls it
+                    function = functools.partial(_PROTOCOLS[method], find(target))
+                else:
+                    function = getattr(find(target), method)
             elif target in namespace:
                 function = namespace[target]
             elif request.get("solution") and "Solution" in namespace:

@@ -414,6 +414,40 @@ class Remote:
 
         return method
 
+    # Python's protocols, on an object the tests built, as its methods are: a right
+    # ``Stack`` whose tests read ``len(s)``, ``list(s)``, ``s[0]`` or ``str(s)`` scored 0.
+    # Each is the answer's builtin of that protocol on its object (``len(obj)`` there),
+    # its result decoded as data; Python checks its type here as on any object.
+    # Comparison and hashing stay this object's own: a forged ``__eq__`` is the oldest hack.
+
+    def _protocol(self, name: str, *args: Any) -> Any:
+        if not self._constructed:
+            raise TypeError(f"{name}: the answer returned an object, not a value")
+        return self._answer.call(self._number, name, args, {}, generation=self._generation)
+
+    def __len__(self) -> int:
+        return self._protocol("__len__")  # type: ignore[no-any-return]
+
+    def __bool__(self) -> bool:
+        return True if not self._constructed else self._protocol("__bool__")
+
+    def __iter__(self) -> Any:
+        return iter(self._protocol("__iter__"))
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._protocol("__getitem__", key)
+
+    def __contains__(self, item: Any) -> bool:
+        return self._protocol("__contains__", item)  # type: ignore[no-any-return]
+
+    def __str__(self) -> str:
+        return self._protocol("__str__") if self._constructed else repr(self)
+
+    def __repr__(self) -> str:
+        if self._constructed:
+            return self._protocol("__repr__")  # type: ignore[no-any-return]
+        return f"<the answer's object {self._number}>"
+
 
 def _parse(source: str) -> list[ast.stmt]:
     """The answer's top-level statements, read as text, never run; none where it does not
