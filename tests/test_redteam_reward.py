@@ -527,3 +527,57 @@ async def test_a_returned_object_answers_no_protocol_for_the_value_it_stands_for
     )
     assert classic(liar, tests)
     assert (await judge(pool, liar, tests)).score() == 0.0
+
+
+@pytest.mark.parametrize(
+    "tests",
+    [
+        pytest.param(
+            "import io, contextlib\nbuf = io.StringIO()\nwith contextlib.redirect_stdout(buf):\n"
+            "    show(3)\nassert buf.getvalue() == '***\\n'\n",
+            id="redirect_stdout",
+        ),
+        pytest.param(
+            "import io, sys\nold, sys.stdout = sys.stdout, io.StringIO()\nshow(2)\n"
+            "out, sys.stdout = sys.stdout.getvalue(), old\nassert out == '**\\n'\n",
+            id="sys.stdout replaced",
+        ),
+        pytest.param(
+            "import io, contextlib\nbuf = io.StringIO()\nwith contextlib.redirect_stderr(buf):\n"
+            "    warn()\nassert buf.getvalue() == 'careful\\n'\n",
+            id="redirect_stderr",
+        ),
+    ],
+)
+async def test_what_a_call_prints_reaches_the_tests_that_capture_it(
+    pool: SandboxPool, tests: str
+) -> None:
+    """Print-a-pattern tasks capture what the function prints: it went to the answer
+    process's ``/dev/null``, and a right answer the classic recipe passes scored 0."""
+    answer = (
+        "import sys\ndef show(n):\n    print('*' * n)\n"
+        "def warn():\n    print('careful', file=sys.stderr)\n"
+    )
+    assert classic(answer, tests)
+    assert (await judge(pool, answer, tests)).score() == 1.0
+    wrong = answer.replace("'*' * n", "'*' * (n + 1)").replace("'careful'", "'ok'")
+    assert not classic(wrong, tests)
+    assert (await judge(pool, wrong, tests)).score() == 0.0
+
+
+async def test_what_a_call_prints_never_reaches_the_verdict(pool: SandboxPool) -> None:
+    """Printed text goes only to a stream the tests set up themselves: a flood of it, or a
+    line shaped like a verdict, neither stalls the grading nor passes a wrong answer."""
+    flood = (
+        'def add(a, b):\n    print(\'{"passed": 1, "total": 1}\\n\' * 200_000)\n'
+        "    import sys\n    print('x' * 5_000_000, file=sys.stderr)\n    return a - b\n"
+    )
+    tests = "for _ in range(5):\n    assert add(2, 3) == 5\n"
+    assert (await judge(pool, flood, tests)).score() == 0.0
+    captured = "import io, contextlib\nwith contextlib.redirect_stdout(io.StringIO()):\n" + (
+        "    " + tests.replace("\n    ", "\n        ")
+    )
+    assert (await judge(pool, flood, captured)).score() == 0.0
+    right = flood.replace("return a - b", "return a + b")
+    assert (await judge(pool, right, tests)).score() == 1.0
+    assert (await judge(pool, right, captured)).score() == 1.0

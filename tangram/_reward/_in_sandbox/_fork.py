@@ -23,6 +23,7 @@ import array
 import builtins
 import ctypes
 import functools
+import io
 import json
 import operator
 import os
@@ -56,6 +57,8 @@ _PROTOCOLS: "dict[str, Callable[..., Any]]" = {
     "__repr__": repr,
 }
 """The protocols the tests may use on an object they built (``Remote`` in the harness)."""
+_PRINTED = 1 << 20
+"""Characters of what one call prints, per stream, that reach the tests."""
 _DEPTH = 100
 _ITEMS = 100_000
 """Items of an iterator the answer returns that are sent: an endless one is cut here."""
@@ -369,6 +372,7 @@ def answer_main(mode: str, source_fd: int, requests_fd: int = -1, replies: int =
         return objects[number]
 
     for line in requests:
+        printed = None
         try:
             request = json.loads(line)
             target = request["target"]
@@ -386,7 +390,15 @@ def answer_main(mode: str, source_fd: int, requests_fd: int = -1, replies: int =
             else:
                 raise NameError(f"name {target!r} is not defined")
             args = decode(request["args"], find)
-            result = function(*args, **decode(request["kwargs"], find))
+            # What the call prints is the tests' to read (``redirect_stdout`` around it in
+            # one program): caught here as Python's ``print`` writes it, and sent along.
+            printed = (io.StringIO(), io.StringIO())
+            streams = (sys.stdout, sys.stderr)
+            sys.stdout, sys.stderr = printed
+            try:
+                result = function(*args, **decode(request["kwargs"], find))
+            finally:
+                sys.stdout, sys.stderr = streams
             after = {
                 str(i): encode(arg, keep)
                 for i, arg in enumerate(args)
@@ -405,6 +417,8 @@ def answer_main(mode: str, source_fd: int, requests_fd: int = -1, replies: int =
             except BaseException:
                 reply["raised"] = None
         reply["binds"] = binds()
+        if printed is not None:
+            reply["printed"] = [stream.getvalue()[:_PRINTED] for stream in printed]
         send(reply)
     os._exit(0)
 
