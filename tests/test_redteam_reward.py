@@ -12,11 +12,12 @@ import builtins
 import keyword
 import subprocess
 import sys
+import tempfile
 
 import pytest
 from _grading import anyio_backend, judge, pool  # noqa: F401 (fixtures)
 from _hacks import HUMANEVAL_4, HUMANEVAL_38, HUMANEVAL_38_PROMPT, MBPP_2, ROUND_3, WRONG, YES
-from _reward_attacks import LIMITS, STAGES, limit_attack
+from _reward_attacks import LEAK, LEAK_TESTS, LIMITS, ORACLE, ORACLE_TESTS, STAGES, limit_attack
 
 import tangram
 from tangram._reward._grade import grade
@@ -312,9 +313,13 @@ async def test_an_entry_point_declared_a_function_is_never_an_object_the_tests_b
 def classic(answer: str, tests: str) -> bool:
     """The classic recipe, to check a test's claim about it: answer and tests as one
     program, passed where it exits 0."""
-    done = subprocess.run(
-        [sys.executable, "-c", answer + "\n" + tests], capture_output=True, timeout=60
-    )
+    with tempfile.TemporaryDirectory() as cwd:  # an answer may keep state in files
+        done = subprocess.run(
+            [sys.executable, "-c", answer + "\n" + tests],
+            capture_output=True,
+            timeout=60,
+            cwd=cwd,
+        )
     return done.returncode == 0
 
 
@@ -581,3 +586,98 @@ async def test_what_a_call_prints_never_reaches_the_verdict(pool: SandboxPool) -
     right = flood.replace("return a - b", "return a + b")
     assert (await judge(pool, right, tests)).score() == 1.0
     assert (await judge(pool, right, captured)).score() == 1.0
+
+
+FIB = "def fib():\n    a, b = 0, 1\n    while True:\n        yield a\n        a, b = b, a + b\n"
+PRIMES = (
+    "def primes():\n    n = 2\n    while True:\n"
+    "        if all(n % d for d in range(2, n)):\n            yield n\n        n += 1\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("answer", "tests"),
+    [
+        pytest.param(
+            FIB,
+            "g = fib()\nassert [next(g) for _ in range(10)] == [0, 1, 1, 2, 3, 5, 8, 13, 21, 34]\n",
+            id="an endless generator of growing items",
+        ),
+        pytest.param(
+            PRIMES,
+            "g = primes()\nassert [next(g) for _ in range(5)] == [2, 3, 5, 7, 11]\n",
+            id="an endless generator of costly items",
+        ),
+        pytest.param(
+            "import itertools\ndef evens():\n"
+            "    return filter(lambda n: n % 2 == 0, itertools.count())\n",
+            "import itertools\nassert list(itertools.islice(evens(), 3)) == [0, 2, 4]\n",
+            id="an endless filter",
+        ),
+        pytest.param(
+            "def pairs(n):\n    return ((i, iter(range(i))) for i in range(n))\n",
+            "assert [(i, list(r)) for i, r in pairs(3)] == [(0, []), (1, [0]), (2, [0, 1])]\n",
+            id="iterators inside an iterator",
+        ),
+        pytest.param(
+            "def count(n):\n    yield from range(n)\n",
+            "assert list(count(5000)) == list(range(5000))\nassert sum(count(10)) == 45\n"
+            "g = count(1)\nassert next(g) == 0\ntry:\n    next(g)\n    ended = False\n"
+            "except StopIteration:\n    ended = True\nassert ended\n",
+            id="a finite generator, to its end and past it",
+        ),
+        pytest.param(
+            "def risky():\n    yield 1\n    yield 2\n    raise ValueError('third')\n",
+            "g = risky()\nassert next(g) == 1 and next(g) == 2\ntry:\n    next(g)\n"
+            "    raised = False\nexcept ValueError as e:\n    raised = str(e) == 'third'\n"
+            "assert raised\n",
+            id="items, then what the generator raised",
+        ),
+    ],
+)
+async def test_a_returned_iterator_gives_its_items_as_the_tests_ask(
+    pool: SandboxPool, answer: str, tests: str
+) -> None:
+    """Its items were all taken when the call returned (up to 100,000): an endless
+    generator of growing or costly items failed its call, where the classic recipe takes
+    the ten the tests ask for. They are now taken as the tests ask."""
+    assert classic(answer, tests)
+    assert (await judge(pool, answer, tests)).score() == 1.0
+
+
+async def test_an_iterator_cannot_pass_for_a_value_or_end_the_tests_early(
+    pool: SandboxPool,
+) -> None:
+    """Its end is its own, as in one program: it never stops the tests' own loop, and it
+    equals no list."""
+    liar = "def evens(n):\n    return iter([0, 2, 4])\n"
+    assert (await judge(pool, liar, "assert evens(3) == [0, 2, 4]\n")).score() == 0.0
+    short = "def evens(n):\n    yield 0\n"
+    tests = "assert list(evens(3)) == [0, 2, 4]\n"
+    assert not classic(short, tests)
+    assert (await judge(pool, short, tests)).score() == 0.0
+    stops = "def is_even(n):\n    raise StopIteration\n"
+    assert (await judge(pool, stops, "assert all(map(is_even, [1, 3]))\n")).score() == 0.0
+
+
+async def test_a_round_the_answer_starts_over_is_no_retry(pool: SandboxPool) -> None:
+    """A re-attack of the rounds above: the tests start over when the answer binds a
+    builtin they use, and a round's results were forgotten. A wrong answer guessed, noted
+    in a file where ``check`` stopped (a call with no successor was answered wrong), bound
+    one more builtin to start over, and scored 1.0 (the classic recipe runs it once: 0).
+    A test now passes only where it passed every time it ran."""
+    label = {"test": ORACLE_TESTS, "entry_point": "secret_bit"}
+    assert not classic(ORACLE + "\n" + ORACLE_TESTS, "check(secret_bit)\n")
+    assert (await judge(pool, ORACLE, label, timeout=20.0)).score() == 0.0
+
+
+async def test_what_the_second_reading_shows_is_not_replayed_in_a_new_round(
+    pool: SandboxPool,
+) -> None:
+    """In the second reading a contested builtin is the answer's, so the tests'
+    ``sorted(expected)`` hands it what they expect, as the classic recipe does. It then
+    bound ``len`` to start the tests over and answered the new round from that table: a
+    ``common`` that computes nothing scored 4 of 4 (the classic recipe passes 1)."""
+    assert not classic(LEAK, LEAK_TESTS)
+    verdict = await judge(pool, LEAK, LEAK_TESTS, timeout=20.0)
+    assert verdict.passed <= 1, verdict

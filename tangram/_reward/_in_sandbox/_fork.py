@@ -36,7 +36,7 @@ from collections.abc import Callable, ItemsView, KeysView, Mapping, Sequence, Va
 if __name__ != "__main__":  # imported by tangram; in the sandbox the program holds them
     from typing import Any
 
-    from ._wire import Iterated, decode, encode
+    from ._wire import Lazy, decode, encode
 
 __all__ = ["Child", "Forker", "answer_main"]
 
@@ -47,6 +47,32 @@ _SCM_RIGHTS = 1
 _MESSAGE_LIMIT = 1000
 _FDS = 3
 """Descriptors an answer process is given: its source, then two for its mode."""
+_CHUNK = 1024
+"""Most items of a returned iterator sent in one reply (the harness asks for 1, 2, 4...)."""
+_PENDING: "dict[int, BaseException]" = {}
+"""What an iterator raised after the items already taken for one reply: raised at the next."""
+
+
+def _take(iterator: Any, count: Any) -> "tuple[list[Any], bool]":
+    """Up to ``count`` items of ``iterator``, and whether it ended (``__take__``)."""
+    error = _PENDING.pop(id(iterator), None)
+    if error is not None:
+        raise error
+    items: list[Any] = []
+    wanted = min(count, _CHUNK) if type(count) is int and count > 0 else 1
+    while len(items) < wanted:
+        try:
+            items.append(next(iterator))
+        except StopIteration:
+            return items, True
+        except BaseException as exc:
+            if not items:
+                raise
+            _PENDING[id(iterator)] = exc  # the items came first, as one at a time would
+            break
+    return items, False
+
+
 _PROTOCOLS: "dict[str, Callable[..., Any]]" = {
     "__len__": len,
     "__bool__": bool,
@@ -55,13 +81,14 @@ _PROTOCOLS: "dict[str, Callable[..., Any]]" = {
     "__contains__": operator.contains,
     "__str__": str,
     "__repr__": repr,
+    "__take__": _take,
 }
-"""The protocols the tests may use on an object they built (``Remote`` in the harness)."""
+"""What the harness may ask of an object by name: the protocols on one the tests built
+(``Remote``), and ``__take__`` on an iterator the answer returned (``Lazy``)."""
+
 _PRINTED = 1 << 20
 """Characters of what one call prints, per stream, that reach the tests."""
 _DEPTH = 100
-_ITEMS = 100_000
-"""Items of an iterator the answer returns that are sent: an endless one is cut here."""
 
 
 class Forker:
@@ -428,9 +455,10 @@ def _plain(value: Any, depth: int = 0) -> Any:
 
     Subclasses of the builtins (``Counter``, ``defaultdict``, ``OrderedDict``, a
     namedtuple, a ``str`` subclass) become the builtin, at any depth, as do numpy scalars
-    and arrays (``tolist``); iterators and generators become :class:`Iterated` (their
-    items, up to ``_ITEMS``), dict views lists. Left as handles, a right answer returning
-    a ``Counter`` failed ``assert f(x) == {...}`` (MBPP task 40's reference solution).
+    and arrays (``tolist``); iterators and generators are sent :class:`Lazy`, their items
+    taken as the tests ask (``__take__``), and dict views as lists. Left as handles, a
+    right answer returning a ``Counter`` failed ``assert f(x) == {...}`` (MBPP task 40's
+    reference solution).
     """
     kind = type(value)
     if value is None or kind in (bool, int, float, complex, str, bytes, bytearray, range):
@@ -455,10 +483,5 @@ def _plain(value: Any, depth: int = 0) -> Any:
         if isinstance(value, base):
             return base(value)  # type: ignore[arg-type]
     if hasattr(value, "__next__") and hasattr(value, "__iter__"):
-        items = []
-        for item in value:
-            items.append(_plain(item, depth + 1))
-            if len(items) >= _ITEMS:
-                break
-        return Iterated(items)
+        return Lazy(value)
     return value

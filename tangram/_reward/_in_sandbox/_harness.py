@@ -308,7 +308,7 @@ class Answer:
             self._check_plans()
             _print(reply.get("printed"))
             if reply.get("ok") is True:
-                value = decode(reply.get("value"), self._remote)
+                value = decode(reply.get("value"), self._remote, lazy=self._lazy)
                 after = reply.get("args")
                 # Only a call that returns None changes its arguments here, as Python's
                 # own in-place functions do (``list.sort``): an answer that returned a
@@ -323,7 +323,7 @@ class Answer:
             self.close()
             raise AnswerError(f"no result: {exc}"[:_MESSAGE_LIMIT]) from None
         try:
-            raised = decode(reply.get("raised"), self._remote)
+            raised = decode(reply.get("raised"), self._remote, lazy=self._lazy)
         except (ValueError, TypeError, KeyError, RecursionError, MemoryError):
             raised = None
         raise _exception(
@@ -335,6 +335,9 @@ class Answer:
 
     def _remote(self, number: int) -> Remote:
         return Remote(self, number, self.generation)
+
+    def _lazy(self, number: int) -> Items:
+        return Items(self, number, self.generation)
 
 
 def _print(printed: Any) -> None:
@@ -387,6 +390,51 @@ class Function:
         if isinstance(result, Remote) and self._builds:
             result._constructed = True
         return result
+
+
+_CHUNK = 1024  # the most items asked for at once, as the answer's side sends at most
+
+
+class Items:
+    """An iterator the answer returned: its items are taken from the answer's process as
+    the tests ask (1, then 2, 4 ... up to ``_CHUNK`` a call), each as data.
+
+    Taken all when the call returned (up to 100,000), an endless generator of growing or
+    costly items failed its call, where the classic recipe takes the ten the tests ask
+    for. It ends only where the answer's iterator ends, as in one program.
+    """
+
+    def __init__(self, answer: Answer, number: int, generation: int) -> None:
+        self._answer = answer
+        self._number = number
+        self._generation = generation
+        self._items: list[Any] = []
+        self._done = False
+        self._ask = 1
+
+    def __iter__(self) -> Items:
+        return self
+
+    def __next__(self) -> Any:
+        if not self._items:
+            if self._done:
+                raise StopIteration
+            got = self._answer.call(
+                self._number, "__take__", [self._ask], {}, generation=self._generation
+            )
+            if not (type(got) is tuple and len(got) == 2 and type(got[0]) is list):
+                raise AnswerError("the answer's iterator sent no items")
+            items, done = got
+            if len(items) > self._ask or (not items and done is not True):
+                raise AnswerError("the answer's iterator sent no items")
+            self._items, self._done = items[::-1], done is True
+            self._ask = min(2 * self._ask, _CHUNK)
+            if not self._items:
+                raise StopIteration
+        return self._items.pop()
+
+    def __repr__(self) -> str:
+        return f"<the answer's iterator {self._number}>"
 
 
 # What the tests may call on a builtin value: on one of the answer's objects they are the
@@ -648,8 +696,9 @@ def _run(code: Callable[[], object]) -> bool:
     return True
 
 
-def _run_asserts(suite: Mapping[str, Any], plan: _Plan) -> list[bool]:
-    """Whether each test passed, in order (``check(entry_point)`` last).
+def _run_asserts(suite: Mapping[str, Any], plan: _Plan, results: list[bool]) -> None:
+    """Whether each test passed, appended to ``results`` in order (``check(entry_point)``
+    last) as each ends: a run cut short (:class:`_Rebound`) leaves those that ended.
 
     Tests that end the program (``check(f); exit(0)``) end here too: as in one program,
     what comes after counts as the status says, all passed for 0, all failed otherwise.
@@ -657,7 +706,6 @@ def _run_asserts(suite: Mapping[str, Any], plan: _Plan) -> list[bool]:
     entry_point = suite.get("entry_point")
     steps, check, namespace = plan
     total = sum(is_test for _, is_test in steps) + bool(check and entry_point)
-    results: list[bool] = []
     broken = False
     try:
         for step, is_test in steps:
@@ -673,21 +721,32 @@ def _run_asserts(suite: Mapping[str, Any], plan: _Plan) -> list[bool]:
             results.append(not broken and _run(lambda: namespace["check"](namespace[entry_point])))
     except _Ended as end:
         results += [end.ok] * (total - len(results))
-    return results
 
 
-def _run_readings(suite: Mapping[str, Any], plans: Sequence[_Plan], answer: Answer) -> int:
-    """Tests passed in every reading; each reading starts a new answer process, so no
-    state one reading left in it decides the next."""
-    passed: list[bool] | None = None
+def _run_readings(
+    suite: Mapping[str, Any], plans: Sequence[_Plan], answer: Answer, kept: list[bool | None]
+) -> int:
+    """Tests passed every time they ran: in every reading of every round.
+
+    ``kept`` is each test's result so far (None: not run yet), over the rounds the
+    answer ended (:class:`_Rebound`) too, those cut short included. A round that started
+    over forgetting them was a retry the answer chose: it noted (in a file) where the
+    tests stopped, or what the second reading handed its builtins (``sorted(expected)``),
+    then bound a builtin the tests use to start over, and answered from what it learnt
+    (a wrong answer scored 1.0). Each reading starts a new answer process, so no state
+    one reading left in it decides the next.
+    """
     for number, plan in enumerate(plans):
         if number:
             answer.close()
-        results = _run_asserts(suite, plan)
-        passed = (
-            results if passed is None else [a and b for a, b in zip(passed, results, strict=True)]
-        )
-    return sum(passed or [])
+        results: list[bool] = []
+        try:
+            _run_asserts(suite, plan, results)
+        finally:
+            for index, ok in enumerate(results):
+                before = kept[index]
+                kept[index] = ok if before is None else before and ok
+    return sum(ok is True for ok in kept)
 
 
 def _run_calls(suite: Mapping[str, Any], answer: Answer) -> int:
@@ -828,13 +887,14 @@ def _judge(payload: Mapping[str, Any]) -> int:
         finally:
             answer.close()
     plans = _assert_plans(suite, answer)
+    kept: list[bool | None] = [None] * count_tests(suite)
     try:
         answer.start()
         while True:  # each round contests one more name at least: at most one per builtin
             if answer.binds & answer.watch:
                 plans = _assert_plans(suite, answer)
             try:
-                return _run_readings(suite, plans, answer)
+                return _run_readings(suite, plans, answer, kept)
             except _Rebound:
                 answer.close()
     finally:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 if __name__ != "__main__":  # for the type checker: the sandbox's program needs none
     from typing import Any
 
-__all__ = ["Iterated", "decode", "encode"]
+__all__ = ["Lazy", "decode", "encode"]
 
 _MAX_DEPTH = 200
 # Ints past this many bits travel as hex: CPython refuses to parse decimal strings over
@@ -28,11 +28,12 @@ _HEX: dict[type, str] = {bytes: "b", bytearray: "ba"}
 _FROM_HEX: dict[str, Callable[[str], Any]] = {"b": bytes.fromhex, "ba": bytearray.fromhex}
 
 
-class Iterated:
-    """An iterator's items, sent as such: they arrive as an iterator over them."""
+class Lazy:
+    """An iterator the answer returned, sent as a handle of its own: the harness takes
+    its items from the answer's process as the tests ask for them."""
 
-    def __init__(self, items: list[Any]) -> None:
-        self.items = items
+    def __init__(self, iterator: Any) -> None:
+        self.iterator = iterator
 
 
 def encode(value: Any, handle: Callable[[Any], int], depth: int = 0) -> Any:
@@ -65,15 +66,21 @@ def encode(value: Any, handle: Callable[[Any], int], depth: int = 0) -> Any:
         return {"c": [inner(value.real), inner(value.imag)]}
     if kind is range:
         return {"r": [value.start, value.stop, value.step]}
-    if kind is Iterated:
-        return {"it": [inner(item) for item in value.items]}
+    if kind is Lazy:
+        return {"g": handle(value.iterator)}
     return {"h": handle(value)}
 
 
-def decode(data: Any, handle: Callable[[int], Any], depth: int = 0) -> Any:
-    """Plain Python data from :func:`encode`'s output; ``handle`` resolves a handle.
+def decode(
+    data: Any,
+    handle: Callable[[int], Any],
+    depth: int = 0,
+    lazy: Callable[[int], Any] | None = None,
+) -> Any:
+    """Plain Python data from :func:`encode`'s output; ``handle`` resolves a handle, and
+    ``lazy`` an iterator's (none is accepted without it).
 
-    Builds only literals (and what ``handle`` returns), whatever the sender was.
+    Builds only literals (and what ``handle`` and ``lazy`` return), whatever the sender was.
 
     :raises ValueError: anything :func:`encode` does not write.
     """
@@ -81,21 +88,25 @@ def decode(data: Any, handle: Callable[[int], Any], depth: int = 0) -> Any:
         raise ValueError("value nested too deeply")
     if data is None or type(data) in (bool, str, int, float):
         return data
+
+    def inner(item: Any) -> Any:
+        return decode(item, handle, depth + 1, lazy)
+
     if type(data) is list:
-        return [decode(item, handle, depth + 1) for item in data]
+        return [inner(item) for item in data]
     if type(data) is not dict or len(data) != 1:
         raise ValueError("malformed value")
     ((tag, body),) = data.items()
     if tag in _BUILD and type(body) is list:
-        return _BUILD[tag](decode(item, handle, depth + 1) for item in body)
+        return _BUILD[tag](inner(item) for item in body)
     if tag in _FROM_HEX and type(body) is str:
         return _FROM_HEX[tag](body)
     if tag == "d" and type(body) is list:
-        pairs = [decode(pair, handle, depth + 1) for pair in body]
+        pairs = [inner(pair) for pair in body]
         if all(type(pair) is list and len(pair) == 2 for pair in pairs):
             return {k: v for k, v in pairs}
     if tag == "c" and type(body) is list and len(body) == 2:
-        real, imag = (decode(part, handle, depth + 1) for part in body)
+        real, imag = (inner(part) for part in body)
         if type(real) is float and type(imag) is float:
             return complex(real, imag)
     if tag == "f" and body in ("inf", "-inf", "nan"):
@@ -104,8 +115,8 @@ def decode(data: Any, handle: Callable[[int], Any], depth: int = 0) -> Any:
         return int(body, 16)
     if tag == "r" and type(body) is list and [type(part) for part in body] == [int] * 3:
         return range(*body)  # a step of 0 raises ValueError, as a malformed value
-    if tag == "it" and type(body) is list:
-        return iter([decode(item, handle, depth + 1) for item in body])
     if tag == "h" and type(body) is int:
         return handle(body)
+    if tag == "g" and type(body) is int and lazy is not None:
+        return lazy(body)
     raise ValueError(f"malformed value (tag {str(tag)[:20]!r})")
