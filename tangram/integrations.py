@@ -22,7 +22,7 @@ same few parts each time, all of them here:
   result as the text the model reads back and as the numbers the framework logs.
 - **The rule for tangram's own failures** (:func:`is_infrastructure`, :func:`record`): a
   command that fails is the model's result and goes back to the model; tangram failing
-  under it (the scheduler gone, a sandbox that died) is not, and must reach the
+  under it (the scheduler gone, a sandbox that died, a bug of its own) is not, and must reach the
   framework as an exception *outside* the handler that turns a tool's errors into
   observations, counted and logged at ERROR by :func:`record`.
 - **Sandboxes the framework drops** (:func:`release_later`): a sandbox bound to an object

@@ -483,3 +483,12 @@ async def test_a_pool_closed_while_a_broken_sandbox_goes_leaves_nothing(subject:
         await block.__aexit__(None, None, None)
         check_idle(runtime)
     assert await subject.live() == 0
+
+
+async def test_a_path_with_a_nul_byte_is_the_callers_error(subject: Subject) -> None:
+    """A NUL byte in a path (the model's, through a file tool or a SandboxFusion request)
+    is a bad argument, typed: the OS's own ``ValueError`` was read as tangram's failure."""
+    async with pool_of(subject) as (pool, _), pool.sandbox("t") as sbx:
+        for call in (sbx.put("a\0b", b"x"), sbx.get("a\0b")):
+            with pytest.raises(tangram.errors.InvalidSettingError, match="NUL"):
+                await call

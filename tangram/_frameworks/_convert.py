@@ -13,8 +13,9 @@ from collections.abc import Mapping
 from typing import Any, TypeGuard
 
 from .._core._demand import Elastic
+from .._core._units import parse_size
 from .._sandbox._backend import RunResult
-from ..errors import ConfigError
+from ..errors import ConfigError, InvalidCapacityError
 
 __all__ = [
     "count_of",
@@ -105,12 +106,36 @@ def text_of(value: object, where: str) -> str:
 
 
 def demand_of(value: object, where: str) -> dict[str, object]:
-    """A demand table (``{search: 1, cpu: {min: 1, max: 4}}``) as ``acquire`` takes it."""
+    """A demand table (``{search: 1, cpu: {min: 1, max: 4}}``) as ``acquire`` takes it,
+    each amount checked where the table is read: taken as it was, ``cpu = "two"`` or
+    ``search = -1`` passed the worker's start and failed every call of the run after it.
+
+    :raises ConfigError: not a non-empty table, or an amount that is not a number >= 0
+        and finite, a size (``"2GiB"``), an :class:`~tangram.Elastic` or a ``{min, max}``.
+    """
     if not isinstance(value, Mapping) or not value:
         raise ConfigError(f"{where}: `demand` must be a non-empty table (got {value!r:.80})")
     demand: dict[str, object] = {}
     for name, amount in value.items():
-        demand[str(name)] = cpu_demand(amount, where) if isinstance(amount, Mapping) else amount
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{where}: a demand names a resource (got {name!r:.80})")
+        if isinstance(amount, Mapping):
+            amount = cpu_demand(amount, where)
+        elif isinstance(amount, str):
+            try:
+                parse_size(amount)
+            except InvalidCapacityError as exc:
+                raise ConfigError(f"{where}: demand {name!r}: {exc}") from None
+        elif not isinstance(amount, Elastic) and not (
+            isinstance(amount, (int, float))
+            and not isinstance(amount, bool)
+            and 0 <= amount < math.inf
+        ):
+            raise ConfigError(
+                f"{where}: demand {name!r} must be a number >= 0, a size or "
+                f"{{min, max}} (got {amount!r:.80})"
+            )
+        demand[name] = amount
     return demand
 
 

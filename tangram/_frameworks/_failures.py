@@ -14,7 +14,7 @@ import collections
 import logging
 import threading
 
-from ..errors import InvalidDemandError, InvalidSettingError, TangramError
+from ..errors import InvalidSettingError
 
 __all__ = ["counts", "is_infrastructure", "record", "reset"]
 
@@ -25,27 +25,26 @@ _counts: collections.Counter[str] = collections.Counter()
 
 
 def is_infrastructure(exc: BaseException) -> bool:
-    """Whether ``exc`` is tangram's (or its host's) failure rather than the model's.
+    """Whether ``exc``, raised by tangram's part of a call (its session, a grant, a
+    sandbox, a grading), is tangram's (or its host's) failure rather than the model's.
 
-    Everything tangram raises on purpose is a :class:`~tangram.errors.TangramError`; an
-    ``OSError`` reaching an adapter from a sandbox operation is the host failing (a full
-    disk, a vanished daemon socket), since the model's code runs in a process of its own.
-    A bad argument (:class:`~tangram.errors.InvalidSettingError`) is not: it is the
-    call's, and the arguments of a tool call are the model's (a NUL byte in its code, code
-    that is not a string). As an infrastructure failure it would stop the training step, a
-    stop the model could trigger at will; as the tool's error it is an answer the model
-    sees, as any tool's. Adapters check their own settings where they are built, so what
+    Every exception is, but a bad argument (:class:`~tangram.errors.InvalidSettingError`):
+    it is the call's, and the arguments of a tool call are the model's (a NUL byte in its
+    code, code that is not a string). As an infrastructure failure it would stop the
+    training step, a stop the model could trigger at will; as the tool's error it is an
+    answer the model sees, as any tool's. Adapters check their own settings where they
+    are built, and the model's arguments before tangram runs them, so a bad argument that
     reaches a call is the model's. A demand that cannot be served
     (:class:`~tangram.errors.InvalidDemandError`: more cores than the node has, a resource
     the config lacks) is tangram's: an adapter's demands come from its config or code,
-    never from the model, and shown to the model it trained the policy on a set-up
-    mistake while every call failed.
+    never from the model. So is an exception tangram never meant to raise (an
+    ``AttributeError`` of a bug in a backend): only ``TangramError`` and ``OSError``
+    counted once, and a bug's text reached the model as its tool's output.
+
+    Ask it of what tangram's part of a call raised, not of the exceptions of code the
+    adapter wraps (a user's tool function), which are that code's own.
     """
-    if isinstance(exc, InvalidDemandError):
-        return True
-    if isinstance(exc, InvalidSettingError):
-        return False
-    return isinstance(exc, (TangramError, OSError))
+    return isinstance(exc, Exception) and not isinstance(exc, InvalidSettingError)
 
 
 def record(kind: str, exc: BaseException) -> None:

@@ -720,6 +720,8 @@ def _relative(path: str) -> str:
     """A work-dir-relative path that cannot climb out of the work dir."""
     if not isinstance(path, str) or not path:
         raise SettingTypeError(f"`path` must be a non-empty string (got {path!r})")
+    if "\0" in path:  # the caller's: the OS's own ValueError read as tangram's failure
+        raise InvalidSettingError(f"`path` contains a NUL byte (got {path[:80]!r})")
     parts = [part for part in path.split("/") if part not in ("", ".")]
     if not parts or ".." in parts or os.path.isabs(path):
         raise InvalidSettingError(

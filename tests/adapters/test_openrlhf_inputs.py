@@ -124,7 +124,7 @@ async def test_the_executors_episodes_take_the_settings_it_checked(
     not a new read of the config (which loaded the `reward` object again every time)."""
     executor = agent_module.AgentExecutor()
     read = []
-    monkeypatch.setattr(agent_module, "_settings", lambda: read.append(1) or {})
+    monkeypatch.setattr(agent_module, "read_settings", lambda: read.append(1) or {})
     episodes = [executor.agent_instance_cls() for _ in range(3)]
     assert read == []
     assert [e.max_turns for e in episodes] == [4, 4, 4]

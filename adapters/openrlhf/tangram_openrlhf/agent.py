@@ -44,12 +44,8 @@ from openrlhf.utils.agent import (  # type: ignore[import-untyped]
 
 import tangram
 from tangram import integrations
-from tangram.config import ConfigError
 from tangram.integrations import (
-    count_of,
-    cpu_demand,
     extract_code,
-    flag_of,
     format_result,
     grade,
     is_infrastructure,
@@ -57,27 +53,13 @@ from tangram.integrations import (
     parse_tests,
     record,
     release_later,
-    seconds_of,
     step_logs,
-    text_of,
 )
+from tangram_openrlhf._settings import settings as read_settings
 
 __all__ = ["AgentExecutor", "AgentInstance", "parse_tool_calls"]
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-_SETTINGS = {
-    "max_turns",
-    "cpu",
-    "timeout",
-    "kind",
-    "reward",
-    "feedback",
-    "tangram_config",
-    "case_timeout",
-    "partial",
-    "metrics",
-}
-DEFAULT_FEEDBACK = "\n<tool_response>\n{output}</tool_response>\n"
 
 
 def parse_tool_calls(text: str) -> list[dict[str, Any]]:
@@ -98,47 +80,6 @@ def parse_tool_calls(text: str) -> list[dict[str, Any]]:
     return calls
 
 
-def _settings() -> dict[str, Any]:
-    """``[adapters.openrlhf]``, each value checked: read where the executor is built, so a
-    mistake fails the engine actor at start, not every episode's step (which OpenRLHF
-    does not catch) or, quietly, what is scored (``partial = "false"`` was true)."""
-    config = integrations.config_for(None)
-    table = dict(config.adapters.get("openrlhf", {}))
-    unknown = sorted(set(table) - _SETTINGS)
-    if unknown:
-        raise ConfigError(f"[adapters.openrlhf]: unknown key(s) {unknown}")
-
-    def where(key: str) -> str:
-        return f"[adapters.openrlhf] `{key}`"
-
-    feedback = text_of(table.get("feedback", DEFAULT_FEEDBACK), where("feedback"))
-    try:
-        feedback.format(output="")
-    except (KeyError, IndexError, ValueError) as exc:
-        raise ConfigError(
-            f"{where('feedback')} may name only {{output}} (got {feedback!r}: {exc!r})"
-        ) from None
-    reward = text_of(table.get("reward", "tests"), where("reward"))
-    if reward != "tests":
-        try:
-            integrations.load_object(reward)
-        except ConfigError as exc:
-            raise ConfigError(f"{where('reward')}: {exc}") from None
-    path = table.get("tangram_config")
-    return {
-        "tangram_config": None if path is None else text_of(path, where("tangram_config")),
-        "max_turns": count_of(table.get("max_turns", 4), where("max_turns")),
-        "cpu": cpu_demand(table.get("cpu", 1), "[adapters.openrlhf]"),
-        "timeout": seconds_of(table.get("timeout"), where("timeout")),
-        "kind": text_of(table.get("kind", "run_code"), where("kind")),
-        "reward": reward,
-        "feedback": feedback,
-        "case_timeout": seconds_of(table.get("case_timeout"), where("case_timeout")),
-        "partial": flag_of(table.get("partial", False), where("partial")),
-        "metrics": flag_of(table.get("metrics", False), where("metrics")),
-    }
-
-
 class AgentInstance(AgentInstanceBase):  # type: ignore[misc]
     """One prompt's episode: a sandbox bound to it from ``reset`` until the episode ends."""
 
@@ -147,7 +88,7 @@ class AgentInstance(AgentInstanceBase):  # type: ignore[misc]
     _checked: dict[str, Any] | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        settings = self._checked or _settings()
+        settings = self._checked or read_settings()
         self.config_path: str | None = settings["tangram_config"]
         self.max_turns: int = settings["max_turns"]
         self.cpu = settings["cpu"]
@@ -167,9 +108,15 @@ class AgentInstance(AgentInstanceBase):  # type: ignore[misc]
         self._finalizer: weakref.finalize[Any, AgentInstance] | None = None
 
     async def reset(self, states: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
-        async with integrations.session(self.config_path) as resources:
-            self._block = resources.sandbox_pool().sandbox(f"openrlhf-{id(self):x}")
-            self._sandbox = await self._block.__aenter__()
+        try:
+            async with integrations.session(self.config_path) as resources:
+                self._block = resources.sandbox_pool().sandbox(f"openrlhf-{id(self):x}")
+                self._sandbox = await self._block.__aenter__()
+        except Exception as exc:
+            # It fails the episode, as in step: counted and logged at ERROR the same way.
+            if is_infrastructure(exc):
+                record(self.kind, exc)
+            raise
         self._finalizer = weakref.finalize(
             self, release_later, asyncio.get_running_loop(), self._block
         )
@@ -292,6 +239,6 @@ class AgentExecutor(MultiTurnAgentExecutor):  # type: ignore[misc]
     def __init__(self) -> None:
         # OpenRLHF builds the executor when the vLLM engine actor starts: a missing or
         # bad config fails the actor there, not each episode after it.
-        settings = _settings()
+        settings = read_settings()
         integrations.check(settings["tangram_config"], needs=("sandbox",))
         super().__init__(type("AgentInstance", (AgentInstance,), {"_checked": settings}))

@@ -33,13 +33,13 @@ from tangram import integrations
 from tangram.config import ConfigError
 from tangram.integrations import (
     Verdict,
-    cpu_demand,
     extract_code,
     grade,
     is_infrastructure,
     parse_tests,
     record,
 )
+from tangram_openrlhf._settings import settings as read_settings
 
 __all__ = ["check", "reward_func", "score_code"]
 
@@ -49,27 +49,25 @@ async def score_code(query: str, prompt: str, label: Any) -> tuple[float, Verdic
 
     :raises ValueError: the label holds no test that can be run.
     """
-    config = integrations.config_for(None)
-    settings = dict(config.adapters.get("openrlhf", {}))
-    cpu = cpu_demand(settings.get("cpu", 1), "[adapters.openrlhf]")
+    settings = read_settings()
     tests = parse_tests(label)
     answer = query[len(prompt) :] if query.startswith(prompt) else query
     code = extract_code(answer)
     if code is None:
         return 0.0, None
     async with (
-        integrations.session(None) as resources,
+        integrations.session(settings["tangram_config"]) as resources,
         resources.sandbox_pool().sandbox(f"reward-{uuid.uuid4().hex}") as sandbox,
     ):
         verdict = await grade(
             sandbox,
             code,
             tests,
-            cpu=cpu,
-            timeout=settings.get("timeout"),
-            case_timeout=settings.get("case_timeout"),
+            cpu=settings["cpu"],
+            timeout=settings["timeout"],
+            case_timeout=settings["case_timeout"],
         )
-    return verdict.score(partial=bool(settings.get("partial", False))), verdict
+    return verdict.score(partial=settings["partial"]), verdict
 
 
 async def _score_all(queries: list[str], prompts: list[str], labels: list[Any]) -> list[Any]:
@@ -106,12 +104,14 @@ def reward_func(queries: list[str], prompts: list[str], labels: list[Any]) -> di
 
 
 def check() -> None:
-    """Load and check the config ``reward_func`` will use (``[sandbox]``, the ``cpu``).
+    """Load and check the config ``reward_func`` will use: ``[sandbox]``, and every key of
+    ``[adapters.openrlhf]`` as the agent executor checks it.
 
-    :raises ConfigError: no tangram config, an invalid one, or one without ``[sandbox]``.
+    :raises ConfigError: no tangram config, an invalid one, one without ``[sandbox]``, or
+        a setting of the wrong type or name (``partial = "false"``, ``timeout = "30"``).
     """
-    config = integrations.check(None, needs=("sandbox",))
-    cpu_demand(config.adapters.get("openrlhf", {}).get("cpu", 1), "[adapters.openrlhf]")
+    settings = read_settings()
+    integrations.check(settings["tangram_config"], needs=("sandbox",))
 
 
 if __name__ == "reward_func":  # loaded by path by OpenRLHF's executor, at actor start

@@ -89,7 +89,10 @@ _SETTINGS = {
 }
 
 
-def _settings(overrides: Mapping[str, Any]) -> dict[str, Any]:
+def _settings(overrides: Mapping[str, Any], *, strict: bool = False) -> dict[str, Any]:
+    """The table overridden by ``overrides``, each value checked. ``strict``: an override
+    key that is no setting is refused too (``reward.tangram``, which is tangram's alone;
+    verl's ``reward_kwargs`` also carry verl's own keys)."""
     path = overrides.get("tangram_config")
     config = integrations.config_for(path)
     table = config.adapters.get("verl", {}).get("reward", {})
@@ -97,6 +100,9 @@ def _settings(overrides: Mapping[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(table) - _SETTINGS)
     if unknown:
         raise ConfigError(f"[adapters.verl.reward]: unknown key(s) {unknown}")
+    unknown = sorted(set(overrides) - _SETTINGS) if strict else []
+    if unknown:
+        raise ConfigError(f"reward.tangram: unknown key(s) {unknown}; known: {sorted(_SETTINGS)}")
     # Each value checked, not read with bool(): `partial = "false"` scored half an answer
     # 0.5 where the file meant all or nothing.
     for key in ("tests", "partial", "metrics", "group"):
@@ -111,6 +117,36 @@ def _settings(overrides: Mapping[str, Any]) -> dict[str, Any]:
     settings["cpu"] = cpu_demand(settings.get("cpu", 1), "[adapters.verl.reward]")
     settings["tangram_config"] = path
     return settings
+
+
+def _check_scoring(settings: Mapping[str, Any]) -> None:
+    """What the settings score with, checked where the manager is built: the functions
+    they name loaded, the service declared. Each passed the start and failed every
+    sample after it (a ``tests = false`` with nothing else, an ``encode`` that does not
+    load, a ``service`` no ``[[gpu.services]]`` entry names).
+
+    :raises ConfigError: no way to score, or one that cannot work.
+    """
+    if not _needs(settings):
+        raise ConfigError(
+            "[adapters.verl.reward] needs `tests = true` (code tests), `service` (GPU) or "
+            "`quota` (API judge)"
+        )
+    if settings.get("tests"):
+        return
+    key = "encode" if "service" in settings else "judge"
+    try:
+        integrations.load_object(settings.get(key, ""))
+    except ConfigError as exc:
+        raise ConfigError(f"[adapters.verl.reward] `{key}`: {exc}") from None
+    if "service" in settings:
+        gpu = integrations.config_for(settings.get("tangram_config")).gpu
+        names = sorted(service.name for service in (gpu.services if gpu is not None else ()))
+        if settings["service"] not in names:
+            raise ConfigError(
+                f"[adapters.verl.reward] `service` {settings['service']!r} is not a "
+                f"[[gpu.services]] entry (declared: {names})"
+            )
 
 
 def _needs(settings: Mapping[str, Any]) -> tuple[str, ...]:
@@ -320,10 +356,12 @@ class TangramRewardManager(RewardManagerBase):
     ) -> None:
         reward = config.get("reward", {}) if hasattr(config, "get") else {}
         overrides = reward.get("tangram", None) if hasattr(reward, "get") else None
-        self.settings = _settings(dict(overrides or {}))
+        self.settings = _settings(dict(overrides or {}), strict=True)
         # Checked here, where verl's reward worker starts, not at the first sample, and
         # before verl's base class makes an event loop that a failed start would leak.
         integrations.check(self.settings.get("tangram_config"), needs=_needs(self.settings))
+        if compute_score is None or compute_score is default_compute_score:
+            _check_scoring(self.settings)  # tangram scores: with what the settings name
         self.cpu = self.settings["cpu"]
         self.group_wait: float | None = None
         if self.settings.get("group"):

@@ -29,7 +29,7 @@ from verl.utils.rollout_trace import rollout_trace_op
 import tangram
 from tangram import integrations
 from tangram.config import ConfigError
-from tangram.errors import InvalidDemandError, TangramError, UnknownSandboxError
+from tangram.errors import InvalidDemandError, SandboxError, TangramError, UnknownSandboxError
 from tangram.integrations import (
     cpu_demand,
     demand_of,
@@ -235,11 +235,16 @@ class SandboxTool(BaseTool):
         failed = self._failed.get(instance_id)
         if failed is not None:
             raise failed
+        # The model's arguments, checked before tangram runs them: what fails from here on
+        # is tangram's (or the model's bad text, an InvalidSettingError), never a model's
+        # argument that broke the adapter (a list for `parameters`, a huge `timeout`).
+        if not isinstance(parameters, Mapping):
+            return ToolResponse(text="the arguments must be an object"), 0.0, {}
         code = parameters.get(self.code_param)
         if not isinstance(code, str):
             return ToolResponse(text=f"`{self.code_param}` must be a string"), 0.0, {}
         language = parameters.get("language", self.language)
-        if language not in _LANGUAGES:
+        if not isinstance(language, str) or language not in _LANGUAGES:
             return ToolResponse(text=f"`language` must be one of {sorted(_LANGUAGES)}"), 0.0, {}
         timeout = _timeout(parameters.get("timeout"), self.timeout)
         trajectory = kwargs.get("agent_data")
@@ -297,10 +302,17 @@ def _preparation(options: Mapping[str, Any], where: str) -> dict[str, Any]:
 
 
 def _timeout(asked: Any, configured: float | None) -> float | None:
-    """A call's own ``timeout`` argument (SandboxFusionTool reads one), capped by the config's."""
-    if isinstance(asked, bool) or not isinstance(asked, (int, float)) or not asked > 0:
+    """A call's own ``timeout`` argument (SandboxFusionTool reads one), capped by the
+    config's; a value that is no usable number (an int past a float's range) is ignored."""
+    if isinstance(asked, bool) or not isinstance(asked, (int, float)):
         return configured
-    return float(asked) if configured is None else min(float(asked), configured)
+    try:
+        seconds = float(asked)
+    except OverflowError:
+        return configured
+    if not 0 < seconds < math.inf:
+        return configured
+    return seconds if configured is None else min(seconds, configured)
 
 
 def record_call(trajectory: Any, result: tangram.RunResult) -> None:
@@ -450,6 +462,8 @@ def with_tangram(
     """
     integrations.check(config)
     wanted = {**(demand or {}), **amounts}
+    if wanted:
+        wanted = demand_of(wanted, "with_tangram")
 
     def decorate(fn: F) -> F:
         if not inspect.iscoroutinefunction(fn):
@@ -500,8 +514,20 @@ async def run_code(
     kind: str = "run_code",
     config: str | None = None,
 ) -> tangram.RunResult:
-    """Run Python in a fresh sandbox of this process's pool (for stateless function tools)."""
-    async with integrations.session(config) as resources:
-        name = uuid.uuid4().hex
-        async with resources.sandbox_pool().sandbox(name) as sandbox:
-            return await sandbox.run(code=code, cpu=cpu, timeout=timeout, kind=kind)
+    """Run Python in a fresh sandbox of this process's pool (for stateless function tools).
+
+    :raises InvalidSettingError: the code cannot run (a NUL byte, text that is not UTF-8):
+        the caller's, so the model's where it wrote the code.
+    :raises TangramError: tangram failed to run it; an exception it never meant to raise
+        (a bug) comes as a :class:`~tangram.errors.SandboxError` from it, so that
+        :func:`with_tangram` tells it from the function's own errors.
+    """
+    try:
+        async with integrations.session(config) as resources:
+            name = uuid.uuid4().hex
+            async with resources.sandbox_pool().sandbox(name) as sandbox:
+                return await sandbox.run(code=code, cpu=cpu, timeout=timeout, kind=kind)
+    except TangramError:
+        raise
+    except Exception as exc:
+        raise SandboxError(f"tangram failed to run the code: {type(exc).__name__}: {exc}") from exc
