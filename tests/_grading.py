@@ -1,8 +1,12 @@
-"""What the code-reward tests share: short limits, a local sandbox pool, one graded call."""
+"""What the code-reward tests share: short limits, a local sandbox pool, one graded call,
+and the classic recipe to compare with."""
 
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
+import tempfile
 from collections.abc import AsyncIterator
 
 import pytest
@@ -40,3 +44,17 @@ async def pool() -> AsyncIterator[SandboxPool]:
 async def judge(pool: SandboxPool, answer: str, tests: object, **limits: float) -> Verdict:
     async with pool.sandbox("graded") as sandbox:
         return await grade(sandbox, answer, tests, **{**LIMITS, **limits})
+
+
+def classic(answer: str, tests: str) -> bool:
+    """The classic recipe, to check a test's claim about it: answer and tests as one
+    program, passed where it exits 0, in a directory of its own (an answer may keep
+    state in files)."""
+    with tempfile.TemporaryDirectory() as cwd:
+        done = subprocess.run(
+            [sys.executable, "-c", answer + "\n" + tests],
+            capture_output=True,
+            timeout=60,
+            cwd=cwd,
+        )
+    return done.returncode == 0

@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import builtins
 import keyword
-import subprocess
-import sys
-import tempfile
 
 import pytest
-from _grading import anyio_backend, judge, pool  # noqa: F401 (fixtures)
+from _grading import anyio_backend, classic, judge, pool  # noqa: F401 (fixtures)
 from _hacks import HUMANEVAL_4, HUMANEVAL_38, HUMANEVAL_38_PROMPT, MBPP_2, ROUND_3, WRONG, YES
 from _reward_attacks import LEAK, LEAK_TESTS, LIMITS, ORACLE, ORACLE_TESTS, STAGES, limit_attack
 
@@ -310,19 +307,6 @@ async def test_an_entry_point_declared_a_function_is_never_an_object_the_tests_b
 # -- round 4: what the answer binds, seen where it runs; the sandbox's failures; exceptions
 
 
-def classic(answer: str, tests: str) -> bool:
-    """The classic recipe, to check a test's claim about it: answer and tests as one
-    program, passed where it exits 0."""
-    with tempfile.TemporaryDirectory() as cwd:  # an answer may keep state in files
-        done = subprocess.run(
-            [sys.executable, "-c", answer + "\n" + tests],
-            capture_output=True,
-            timeout=60,
-            cwd=cwd,
-        )
-    return done.returncode == 0
-
-
 MAX_TESTS = "assert max([1, 5, 2]) == 5\nassert max([3]) == 3\nassert max([-4, -9]) == -4\n"
 
 
@@ -510,7 +494,6 @@ async def test_an_object_the_tests_built_answers_pythons_protocols(
         pytest.param("assert str(make()) == '3'\n", id="str"),
         pytest.param("assert list(make()) == [3]\n", id="iter"),
         pytest.param("assert make() == 3\n", id="eq"),
-        pytest.param("assert not make()\n", id="truth"),
     ],
 )
 async def test_a_returned_object_answers_no_protocol_for_the_value_it_stands_for(
@@ -518,7 +501,8 @@ async def test_a_returned_object_answers_no_protocol_for_the_value_it_stands_for
 ) -> None:
     """Where the tests expected a value, the answer's object must not pass for it: its
     protocols (an object whose every answer is the expected one) are refused there, as
-    its methods named like a value's are."""
+    its methods named like a value's are. Its truth is its own (one bit the answer could
+    return as data): ``tests/test_reward_calls.py``."""
     liar = (
         "class Liar:\n"
         "    def __len__(self):\n        return 3\n"

@@ -29,12 +29,13 @@ import anyio.abc
 import attrs
 
 from .._core._demand import Elastic
+from .._core._validate import real, whole
 from .._core._validate import seconds as _seconds
-from .._core._validate import whole
 from .._runtime._run import current_runtime
 from .._runtime._scheduler import LeaseLike, Scheduler
 from ..errors import (
     DemandTypeError,
+    InvalidDemandError,
     InvalidSettingError,
     SandboxBrokenError,
     SandboxClosedError,
@@ -604,6 +605,10 @@ class Sandbox:
             raise DemandTypeError(
                 f"`cpu` must be a number of cores or tangram.Elastic (got {cpu!r})"
             )
+        if not isinstance(cpu, Elastic) and not 0 < real(cpu) < math.inf:
+            # Before any arithmetic on it: NaN or infinity raised a bare ValueError from
+            # rounding it up, and -0.5 was rounded up to a core instead of refused.
+            raise InvalidDemandError(f"`cpu` must be a number of cores > 0 (got {cpu!r})")
         _exec_safe(argv, variables)
         async with self._lock:
             self._check()

@@ -23,7 +23,6 @@ import array
 import builtins
 import ctypes
 import functools
-import io
 import json
 import operator
 import os
@@ -47,30 +46,16 @@ _SCM_RIGHTS = 1
 _MESSAGE_LIMIT = 1000
 _FDS = 3
 """Descriptors an answer process is given: its source, then two for its mode."""
-_CHUNK = 1024
-"""Most items of a returned iterator sent in one reply (the harness asks for 1, 2, 4...)."""
-_PENDING: "dict[int, BaseException]" = {}
-"""What an iterator raised after the items already taken for one reply: raised at the next."""
 
 
-def _take(iterator: Any, count: Any) -> "tuple[list[Any], bool]":
-    """Up to ``count`` items of ``iterator``, and whether it ended (``__take__``)."""
-    error = _PENDING.pop(id(iterator), None)
-    if error is not None:
-        raise error
-    items: list[Any] = []
-    wanted = min(count, _CHUNK) if type(count) is int and count > 0 else 1
-    while len(items) < wanted:
-        try:
-            items.append(next(iterator))
-        except StopIteration:
-            return items, True
-        except BaseException as exc:
-            if not items:
-                raise
-            _PENDING[id(iterator)] = exc  # the items came first, as one at a time would
-            break
-    return items, False
+def _take(iterator: Any, count: Any = 1) -> "tuple[list[Any], bool]":
+    """The next item of ``iterator``, and whether it ended (``__take__``): one at a time,
+    as the tests ask, so that what it does on the way (a print, a change the tests read
+    next) comes when it would in one program."""
+    try:
+        return [next(iterator)], False
+    except StopIteration:
+        return [], True
 
 
 _PROTOCOLS: "dict[str, Callable[..., Any]]" = {
@@ -87,7 +72,62 @@ _PROTOCOLS: "dict[str, Callable[..., Any]]" = {
 (``Remote``), and ``__take__`` on an iterator the answer returned (``Lazy``)."""
 
 _PRINTED = 1 << 20
-"""Characters of what one call prints, per stream, that reach the tests."""
+"""Characters of what one call prints that reach the tests; past them the call fails."""
+
+
+class _Record:
+    """One stream of a call that the tests capture: its writes join one ordered log."""
+
+    def __init__(self, printed: "_Printed", index: int) -> None:
+        self._printed = printed
+        self._index = index
+
+    def write(self, text: Any) -> int:
+        if type(text) is not str:
+            raise TypeError(f"write() argument must be str, not {type(text).__name__}")
+        self._printed.add(self._index, text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def writable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        return False
+
+
+class _Printed:
+    """What one call prints to the streams the tests capture (``capture``: stdout's and
+    stderr's flags, sent by the harness), in the order written: ``log`` holds
+    ``[stream, text]`` runs, ``overflow`` says more than ``_PRINTED`` was written."""
+
+    def __init__(self, capture: Any) -> None:
+        flags = capture if type(capture) is list and len(capture) == 2 else [False, False]
+        self.capture = [flag is True for flag in flags]
+        self.log: list[list[Any]] = []
+        self.size = 0
+        self.overflow = False
+
+    def streams(self, current: "tuple[Any, Any]") -> "tuple[Any, Any]":
+        return tuple(  # type: ignore[return-value]
+            _Record(self, index) if self.capture[index] else stream
+            for index, stream in enumerate(current)
+        )
+
+    def add(self, index: int, text: str) -> None:
+        if self.overflow or not text:
+            return
+        self.size += len(text)
+        if self.size > _PRINTED:
+            self.overflow, self.log = True, []
+        elif self.log and self.log[-1][0] == index:
+            self.log[-1][1] += text
+        else:
+            self.log.append([index, text])
+
+
 _DEPTH = 100
 
 
@@ -417,11 +457,12 @@ def answer_main(mode: str, source_fd: int, requests_fd: int = -1, replies: int =
             else:
                 raise NameError(f"name {target!r} is not defined")
             args = decode(request["args"], find)
-            # What the call prints is the tests' to read (``redirect_stdout`` around it in
-            # one program): caught here as Python's ``print`` writes it, and sent along.
-            printed = (io.StringIO(), io.StringIO())
+            # What the call prints is the tests' to read where they capture it
+            # (``redirect_stdout`` around it in one program): recorded here, both streams
+            # in the order written, and sent along; elsewhere it goes where it went.
+            printed = _Printed(request.get("capture"))
             streams = (sys.stdout, sys.stderr)
-            sys.stdout, sys.stderr = printed
+            sys.stdout, sys.stderr = printed.streams(streams)
             try:
                 result = function(*args, **decode(request["kwargs"], find))
             finally:
@@ -444,8 +485,9 @@ def answer_main(mode: str, source_fd: int, requests_fd: int = -1, replies: int =
             except BaseException:
                 reply["raised"] = None
         reply["binds"] = binds()
-        if printed is not None:
-            reply["printed"] = [stream.getvalue()[:_PRINTED] for stream in printed]
+        if printed is not None and printed.log:
+            reply["printed"] = printed.log
+            reply["overflow"] = printed.overflow
         send(reply)
     os._exit(0)
 
@@ -482,6 +524,6 @@ def _plain(value: Any, depth: int = 0) -> Any:
     for base in (bool, int, float, str, bytes):
         if isinstance(value, base):
             return base(value)  # type: ignore[arg-type]
-    if hasattr(value, "__next__") and hasattr(value, "__iter__"):
+    if hasattr(value, "__next__"):  # an iterator, to Python's ``for``, with or without __iter__
         return Lazy(value)
     return value

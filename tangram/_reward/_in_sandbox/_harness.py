@@ -299,6 +299,9 @@ class Answer:
             "args": encode(list(args), _handle_of),
             "kwargs": encode(dict(kwargs), _handle_of),
             "solution": solution,
+            # Whether the tests capture each stream now: only then is what the call prints
+            # recorded and sent (it overfilled the reply where nothing would read it).
+            "capture": [sys.stdout is not sys.__stdout__, sys.stderr is not sys.__stderr__],
         }
         until = self.deadline.case()
         try:
@@ -306,7 +309,7 @@ class Answer:
             reply = self._receive(until)
             self._note(reply)
             self._check_plans()
-            _print(reply.get("printed"))
+            _print(reply)
             if reply.get("ok") is True:
                 value = decode(reply.get("value"), self._remote, lazy=self._lazy)
                 after = reply.get("args")
@@ -340,15 +343,25 @@ class Answer:
         return Items(self, number, self.generation)
 
 
-def _print(printed: Any) -> None:
-    """What a call printed, written where the tests have put ``sys.stdout`` and
-    ``sys.stderr`` (``redirect_stdout``): nowhere while they are this process's own, whose
-    stderr the sandbox caps and whose stdout is ``/dev/null`` beside the verdicts."""
-    if type(printed) is list and len(printed) == 2:
-        streams = ((sys.stdout, sys.__stdout__), (sys.stderr, sys.__stderr__))
-        for text, (stream, own) in zip(printed, streams, strict=True):
-            if type(text) is str and text and stream is not None and stream is not own:
-                stream.write(text)
+def _print(reply: Mapping[str, Any]) -> None:
+    """What a call printed, written in its order where the tests capture stdout and
+    stderr now (``redirect_stdout``); the answer's process records nothing else.
+
+    :raises AnswerError: it printed more than the reply carries: a prefix handed over as
+        the whole output would pass a comparison the whole output fails.
+    """
+    if reply.get("overflow") is True:
+        raise AnswerError("the call printed more than the tests' capture takes")
+    printed = reply.get("printed")
+    if type(printed) is not list:
+        return
+    streams = (sys.stdout, sys.stderr)
+    owns = (sys.__stdout__, sys.__stderr__)
+    for run in printed:
+        if type(run) is list and len(run) == 2 and run[0] in (0, 1) and type(run[1]) is str:
+            stream = streams[run[0]]
+            if stream is not None and stream is not owns[run[0]]:
+                stream.write(run[1])
 
 
 def _handle_of(value: Any) -> int:
@@ -392,16 +405,14 @@ class Function:
         return result
 
 
-_CHUNK = 1024  # the most items asked for at once, as the answer's side sends at most
-
-
 class Items:
-    """An iterator the answer returned: its items are taken from the answer's process as
-    the tests ask (1, then 2, 4 ... up to ``_CHUNK`` a call), each as data.
+    """An iterator the answer returned: each item is taken from the answer's process when
+    the tests ask for it, as data.
 
     Taken all when the call returned (up to 100,000), an endless generator of growing or
     costly items failed its call, where the classic recipe takes the ten the tests ask
-    for. It ends only where the answer's iterator ends, as in one program.
+    for; taken ahead of the tests (a few at a time), its side effects, prints included,
+    came early. It ends only where the answer's iterator ends, as in one program.
     """
 
     def __init__(self, answer: Answer, number: int, generation: int) -> None:
@@ -410,7 +421,6 @@ class Items:
         self._generation = generation
         self._items: list[Any] = []
         self._done = False
-        self._ask = 1
 
     def __iter__(self) -> Items:
         return self
@@ -419,16 +429,13 @@ class Items:
         if not self._items:
             if self._done:
                 raise StopIteration
-            got = self._answer.call(
-                self._number, "__take__", [self._ask], {}, generation=self._generation
-            )
+            got = self._answer.call(self._number, "__take__", [1], {}, generation=self._generation)
             if not (type(got) is tuple and len(got) == 2 and type(got[0]) is list):
                 raise AnswerError("the answer's iterator sent no items")
             items, done = got
-            if len(items) > self._ask or (not items and done is not True):
+            if len(items) > 1 or (not items and done is not True):
                 raise AnswerError("the answer's iterator sent no items")
-            self._items, self._done = items[::-1], done is True
-            self._ask = min(2 * self._ask, _CHUNK)
+            self._items, self._done = items, done is True
             if not self._items:
                 raise StopIteration
         return self._items.pop()
@@ -489,7 +496,11 @@ class Remote:
         return self._protocol("__len__")  # type: ignore[no-any-return]
 
     def __bool__(self) -> bool:
-        return True if not self._constructed else self._protocol("__bool__")
+        # Asked of every object, built or returned: one bit the answer could return as
+        # data; read as True, an empty container of its own passed ``assert f(x)``.
+        return self._answer.call(  # type: ignore[no-any-return]
+            self._number, "__bool__", (), {}, generation=self._generation
+        )
 
     def __iter__(self) -> Any:
         return iter(self._protocol("__iter__"))
@@ -874,7 +885,8 @@ def _keep_stdout_for_verdicts() -> None:
     os.close(null)
 
 
-def _judge(payload: Mapping[str, Any]) -> int:
+def _judge(payload: Mapping[str, Any], total: int) -> int:
+    """Tests passed of ``total`` (the suite's, counted once by the caller)."""
     suite = payload["tests"]
     deadline = _Deadline(float(payload["budget"]), float(payload["case_timeout"]))
     if suite["kind"] == "stdio":
@@ -887,7 +899,7 @@ def _judge(payload: Mapping[str, Any]) -> int:
         finally:
             answer.close()
     plans = _assert_plans(suite, answer)
-    kept: list[bool | None] = [None] * count_tests(suite)
+    kept: list[bool | None] = [None] * total
     try:
         answer.start()
         while True:  # each round contests one more name at least: at most one per builtin
@@ -933,7 +945,7 @@ def _harness() -> None:
         return
     _emit(secret, {"started": True})
     try:
-        passed = _judge(payload)
+        passed = _judge(payload, total)
     except Exception as exc:
         if not _answer_ran():
             # Before any of the answer ran, nothing but tangram or the sandbox failed.

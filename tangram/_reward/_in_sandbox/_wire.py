@@ -66,6 +66,8 @@ def encode(value: Any, handle: Callable[[Any], int], depth: int = 0) -> Any:
         return {"c": [inner(value.real), inner(value.imag)]}
     if kind is range:
         return {"r": [value.start, value.stop, value.step]}
+    if kind is slice:  # ``s[1:]`` on an object the tests built
+        return {"sl": [inner(value.start), inner(value.stop), inner(value.step)]}
     if kind is Lazy:
         return {"g": handle(value.iterator)}
     return {"h": handle(value)}
@@ -115,6 +117,8 @@ def decode(
         return int(body, 16)
     if tag == "r" and type(body) is list and [type(part) for part in body] == [int] * 3:
         return range(*body)  # a step of 0 raises ValueError, as a malformed value
+    if tag == "sl" and type(body) is list and len(body) == 3:
+        return slice(*(inner(part) for part in body))
     if tag == "h" and type(body) is int:
         return handle(body)
     if tag == "g" and type(body) is int and lazy is not None:

@@ -1,0 +1,200 @@
+"""What a call carries between the tests and the answer's process, re-attacked: prints,
+a returned iterator's items, an object's truth and its slices.
+
+A hostile review of the fixes that made prints reach the tests, iterators lazy and built
+objects answer Python's protocols proved each case below on that code: a wrong answer
+scoring more than the classic recipe (stdout and stderr replayed out of order, a
+generator's prints taken ahead into the tests' capture, output past the cap cut into a
+pass, a returned empty container read as true) or a right one scoring 0 (a generator run
+ahead of the tests, a slice that could not travel, prints nobody captured overfilling the
+reply, ``sys.stdout.buffer`` missing, an iterator without ``__iter__``).
+"""
+
+from __future__ import annotations
+
+import pytest
+from _grading import anyio_backend, classic, judge, pool  # noqa: F401 (fixtures)
+
+from tangram._sandbox._pool import SandboxPool
+
+pytestmark = pytest.mark.anyio
+
+
+# 1. stdout and stderr captured into one buffer: the harness writes a call's whole stdout,
+#    then its whole stderr, so the order the answer printed them in is lost.
+ORDER_TESTS = (
+    "import io, contextlib\n"
+    "buf = io.StringIO()\n"
+    "with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):\n"
+    "    report()\n"
+    "assert buf.getvalue() == 'result: 1\\nwarning: done\\n', buf.getvalue()\n"
+)
+WRONG_ORDER = (
+    "import sys\n"
+    "def report():\n"
+    "    print('warning: done', file=sys.stderr)\n"
+    "    print('result: 1')\n"
+)
+
+
+async def test_stdout_and_stderr_captured_together_keep_their_order(pool: SandboxPool) -> None:
+    assert not classic(WRONG_ORDER, ORDER_TESTS)
+    assert (await judge(pool, WRONG_ORDER, ORDER_TESTS)).score() == 0.0
+
+
+# 2. Read-ahead: the harness takes 1, 2, 4 ... items a call, so what the generator prints
+#    (or does) for an item the tests have not asked for yet lands in the current capture.
+LAG_TESTS = (
+    "import io, contextlib\n"
+    "g = steps()\n"
+    "buf = io.StringIO()\n"
+    "with contextlib.redirect_stdout(buf):\n"
+    "    assert next(g) == 1\n"
+    "    assert next(g) == 2\n"
+    "assert buf.getvalue() == 'step 1\\nstep 2\\n', buf.getvalue()\n"
+)
+# Wrong: each step's message is printed one item late.
+LAGGING = (
+    "def steps():\n"
+    "    print('step 1')\n"
+    "    yield 1\n"
+    "    yield 2\n"
+    "    print('step 2')\n"
+    "    yield 3\n"
+)
+
+
+async def test_what_a_generator_prints_ahead_of_the_tests_does_not_reach_their_capture(
+    pool: SandboxPool,
+) -> None:
+    assert not classic(LAGGING, LAG_TESTS)
+    assert (await judge(pool, LAGGING, LAG_TESTS)).score() == 0.0
+
+
+# 2b. The same read-ahead costs a right answer: the generator's side effect for item 3
+#     happens before the tests asked for it.
+READ_AHEAD_STATE_TESTS = (
+    "q = Queue()\n"
+    "for i in range(5):\n"
+    "    q.put(i)\n"
+    "g = q.drain()\n"
+    "assert next(g) == 0\n"
+    "assert next(g) == 1\n"
+    "assert q.size() == 3\n"
+)
+RIGHT_QUEUE = (
+    "class Queue:\n"
+    "    def __init__(self):\n"
+    "        self.items = []\n"
+    "    def put(self, x):\n"
+    "        self.items.append(x)\n"
+    "    def size(self):\n"
+    "        return len(self.items)\n"
+    "    def drain(self):\n"
+    "        while self.items:\n"
+    "            yield self.items.pop(0)\n"
+)
+
+
+async def test_a_generator_is_not_run_ahead_of_the_tests(pool: SandboxPool) -> None:
+    assert classic(RIGHT_QUEUE, READ_AHEAD_STATE_TESTS)
+    assert (await judge(pool, RIGHT_QUEUE, READ_AHEAD_STATE_TESTS)).score() == 1.0
+
+
+# 3. An object the answer returned is always truthy: a wrong answer's empty container
+#    passes `assert f(x)` where the classic recipe asks its class and fails.
+FALSY = (
+    "class Path:\n"
+    "    def __init__(self, nodes):\n"
+    "        self.nodes = nodes\n"
+    "    def __len__(self):\n"
+    "        return len(self.nodes)\n"
+    "def find_path(a, b):\n"
+    "    return Path([])  # wrong: no path found\n"
+)
+FALSY_TESTS = "assert find_path(1, 2)\n"
+
+
+async def test_a_returned_object_is_as_truthy_as_its_class_says(pool: SandboxPool) -> None:
+    assert not classic(FALSY, FALSY_TESTS)
+    assert (await judge(pool, FALSY, FALSY_TESTS)).score() == 0.0
+
+
+# 4. Each stream is cut at 1 MiB a call: trailing output past it is dropped, so a wrong
+#    answer's extra output passes an exact comparison.
+BIG = 1 << 20
+TRUNC_TESTS = (
+    "import io, contextlib\n"
+    "buf = io.StringIO()\n"
+    "with contextlib.redirect_stdout(buf):\n"
+    "    dump()\n"
+    f"assert buf.getvalue() == 'x' * {BIG}\n"
+)
+TRUNC = f"def dump():\n    print('x' * {BIG} + 'WRONG TRAILER')\n"
+
+
+async def test_output_past_the_cap_is_not_dropped_into_a_pass(pool: SandboxPool) -> None:
+    assert not classic(TRUNC, TRUNC_TESTS)
+    assert (await judge(pool, TRUNC, TRUNC_TESTS, timeout=30.0, case_timeout=10.0)).score() == 0.0
+
+
+# 5. Right answers that score 0 where the classic recipe passes them.
+SLICE = (
+    "class Seq:\n"
+    "    def __init__(self, *xs):\n"
+    "        self.xs = list(xs)\n"
+    "    def __getitem__(self, i):\n"
+    "        return self.xs[i]\n"
+)
+SLICE_TESTS = "s = Seq(1, 2, 3)\nassert s[0] == 1\nassert s[1:] == [2, 3]\n"
+
+
+async def test_a_built_object_can_be_sliced(pool: SandboxPool) -> None:
+    assert classic(SLICE, SLICE_TESTS)
+    assert (await judge(pool, SLICE, SLICE_TESTS)).score() == 1.0
+
+
+WIDE = (
+    "import sys\n"
+    "def f():\n"
+    "    print('\\U0001F600' * 1_000_000)\n"
+    "    print('\\U0001F600' * 1_000_000, file=sys.stderr)\n"
+    "    return 1\n"
+)
+WIDE_TESTS = "assert f() == 1\n"
+
+
+async def test_what_a_call_prints_never_fails_it(pool: SandboxPool) -> None:
+    """Not captured by the tests at all, yet sent: 2 x 1M astral characters are 24 MB
+    of JSON (\\ud83d\\ude00 each), past the 16 MiB reply limit."""
+    assert classic(WIDE, WIDE_TESTS)
+    assert (await judge(pool, WIDE, WIDE_TESTS, timeout=30.0, case_timeout=10.0)).score() == 1.0
+
+
+BUFFER = "import sys\ndef f():\n    sys.stdout.buffer.write(b'hi\\n')\n    return 1\n"
+
+
+async def test_a_call_may_write_to_stdouts_buffer(pool: SandboxPool) -> None:
+    assert classic(BUFFER, WIDE_TESTS)
+    assert (await judge(pool, BUFFER, WIDE_TESTS)).score() == 1.0
+
+
+NEXT_ONLY = (
+    "class It:\n"
+    "    def __init__(self):\n"
+    "        self.i = 0\n"
+    "    def __next__(self):\n"
+    "        self.i += 1\n"
+    "        if self.i > 3:\n"
+    "            raise StopIteration\n"
+    "        return self.i\n"
+    "class Bag:\n"
+    "    def __iter__(self):\n"
+    "        return It()\n"
+)
+NEXT_ONLY_TESTS = "assert list(Bag()) == [1, 2, 3]\n"
+
+
+async def test_a_built_objects_iterator_without_iter_is_iterated(pool: SandboxPool) -> None:
+    assert classic(NEXT_ONLY, NEXT_ONLY_TESTS)
+    assert (await judge(pool, NEXT_ONLY, NEXT_ONLY_TESTS)).score() == 1.0
