@@ -1,0 +1,521 @@
+"""The harness's side of a call into the answer's process, and what crosses it.
+
+Part of the harness (:mod:`._harness`), joined into the one program the sandbox runs, so
+it imports nothing but the standard library and has no ``from __future__`` import (see
+:mod:`._checks`). Here: the answer's process for call tests (:class:`Answer`, made by
+the forker of :mod:`._fork`), and the tests' stand-ins for what it holds: its functions
+(:class:`Function`), its objects (:class:`Remote`) and iterators (:class:`Items`), the
+exceptions it raised (:func:`_exception`) and what its calls printed (:func:`_print`).
+Nothing the answer's process sends is trusted beyond the data :func:`._wire.decode` builds.
+"""
+
+import ast
+import builtins
+import json
+import os
+import select
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+if __name__ != "__main__":  # imported by tangram; in the sandbox the program holds them
+    from typing import Any
+
+    from ._fork import Child, Forker
+    from ._wire import decode, encode
+
+__all__ = ["Answer", "AnswerError", "Function", "Items", "Remote", "start_forker"]
+
+_REPLY_LIMIT = 16 << 20
+_MESSAGE_LIMIT = 1000
+
+
+class AnswerError(Exception):
+    """The answer's process could not give a result (it raised, died, hung, or lied)."""
+
+
+def _exception(name: Any, message: Any, kinds: Any = None, args: Any = None) -> Exception:
+    """What a call raises here when the answer's function raised ``name``.
+
+    The builtin ``Exception`` subclass nearest its class (its own, else the first of its
+    bases, ``kinds``, that is one), made from its ``args`` where they came as data, so
+    ``except ValueError`` catches a ``json.JSONDecodeError`` and ``str(e)`` and ``e.args``
+    are as raised (a ``KeyError('x')`` rebuilt from its text said ``"'x'"``). Never one
+    that steers control flow: ``GeneratorExit``, ``KeyboardInterrupt`` and ``SystemExit``
+    (not ``Exception``s), nor ``StopIteration`` and ``StopAsyncIteration``, which raised
+    inside ``map``'s or a generator's ``__next__`` end the iteration silently
+    (``all(map(...))`` saw nothing false): those become an :class:`AnswerError`, as
+    PEP 479 makes one leaving a generator a ``RuntimeError``.
+    """
+    text = message[:_MESSAGE_LIMIT] if type(message) is str else ""
+    label = name[:100] if type(name) is str else "an exception"
+    said = args if type(args) is tuple else (text,)
+    bases = [k for k in kinds[:64] if type(k) is str] if type(kinds) is list else []
+    for kind in (label, *bases):
+        found = getattr(builtins, kind, None)
+        if not (
+            isinstance(found, type)
+            and issubclass(found, Exception)
+            and not issubclass(found, (StopIteration, StopAsyncIteration))
+        ):
+            continue
+        for given in (said, (text,)):
+            try:
+                error = found(*given)
+            except Exception:
+                continue
+            if isinstance(error, found):
+                return error
+    return AnswerError(f"{label}: {text}")
+
+
+def _memfd(name: str, data: bytes) -> int:
+    fd = os.memfd_create(name)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+_FORKER: "Forker | None" = None
+"""Makes the answer's processes (:mod:`._fork`); started before the payload is read."""
+
+
+def start_forker() -> bool:
+    """Start the forker (:class:`._fork.Forker`): before the payload is read, so that it
+    holds neither the payload nor the verdicts' stream; whether it started."""
+    global _FORKER
+    try:
+        _FORKER = Forker()
+    except OSError:
+        _FORKER = None
+    return _FORKER is not None
+
+
+def _spawn(mode: str, fds: Sequence[int], until: float) -> Child:
+    """An answer process in ``mode`` given ``fds``.
+
+    :raises OSError: none could be made (the forker is gone, stopped or out of processes).
+    """
+    if _FORKER is None:
+        raise OSError("no forker")
+    return _FORKER.spawn(mode, fds, until)
+
+
+def _answer_ran() -> bool:
+    """Whether an answer process was ever made: from then on, every failure of this
+    process may be the answer's doing (see :func:`_harness`)."""
+    return _FORKER is not None and _FORKER.spawned
+
+
+class _Deadline:
+    def __init__(self, budget: float, case_timeout: float) -> None:
+        self.end = time.monotonic() + budget
+        self.case_timeout = case_timeout
+
+    def case(self) -> float:
+        """When the next call (or stdio case) must be done by."""
+        return min(self.end, time.monotonic() + self.case_timeout)
+
+
+class Answer:
+    """The answer's process for call tests: started on first use, restarted after it dies.
+
+    A load that fails (the answer's top level raised, exited, or hung) fails every later
+    call without a restart: the same source would fail the same way.
+    """
+
+    def __init__(self, source: str, deadline: _Deadline) -> None:
+        self.source = source.encode()
+        self.deadline = deadline
+        self.process: Child | None = None
+        self.generation = 0
+        self.failed: str | None = None
+        # The text, as the answer's process compiles it: the bytes' coding cookie
+        # (``# coding: bogus``) failed this parse alone, and the answer bound nothing here.
+        self.body = _parse(source)
+        self.binds: set[str] = set()
+        """The builtins its processes said it binds (:func:`_readings`), as it ran."""
+        self.watch: frozenset[str] = frozenset()
+        """Builtins the tests use that the plans read as the real ones: one the answer
+        binds after all ends the plans (:class:`_Rebound`)."""
+        self.classes = frozenset(s.name for s in self.body if isinstance(s, ast.ClassDef))
+        self._buffer = bytearray()
+        self._requests = -1
+        self._replies = -1
+
+    def close(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process = None
+        for fd in (self._requests, self._replies):
+            if fd >= 0:
+                os.close(fd)
+        self._requests = self._replies = -1
+        self._buffer.clear()
+
+    def start(self) -> None:
+        """Start the answer's process (and run its top level) before the first test.
+
+        :raises OSError: no process could be started: before the answer has run at all,
+            that is the sandbox's failure, not the answer's.
+        """
+        # An answer that does not load is recorded in ``failed``: every test fails.
+        try:
+            self._start()
+        except AnswerError:
+            pass
+        except MemoryError:
+            # The answer capped this process's memory (``prlimit`` needs only the same
+            # uid), then sent more than that before saying it was ready: its failure.
+            self.failed = "the answer exhausted the judge's memory"
+            self.close()
+
+    def _start(self) -> None:
+        source_fd = _memfd("answer", self.source)
+        request_r, request_w = os.pipe()
+        reply_r, reply_w = os.pipe()
+        try:
+            self.process = _spawn("call", (source_fd, request_r, reply_w), self.deadline.case())
+        except BaseException:
+            os.close(request_w)
+            os.close(reply_r)
+            raise
+        finally:
+            for fd in (source_fd, request_r, reply_w):
+                os.close(fd)
+        self.generation += 1
+        self._requests, self._replies = request_w, reply_r
+        os.set_blocking(request_w, False)
+        os.set_blocking(reply_r, False)
+        try:
+            ready = self._receive(self.deadline.case())
+        except AnswerError as exc:
+            self.failed = f"the answer did not load: {exc}"
+            self.close()
+            raise AnswerError(self.failed) from None
+        self._note(ready)
+        if ready.get("ready") is not True:
+            error = ready.get("error")
+            why = error[:_MESSAGE_LIMIT] if type(error) is str else "no reason given"
+            self.failed = f"the answer did not load: {why}"
+            self.close()
+            raise AnswerError(self.failed)
+
+    def _note(self, reply: Mapping[str, Any]) -> None:
+        said = reply.get("binds")
+        if type(said) is list:
+            self.binds.update(name for name in said if type(name) is str)
+
+    def _check_plans(self) -> None:
+        """:raises _Rebound: the answer binds a builtin the plans read as the real one."""
+        if self.binds & self.watch:
+            raise _Rebound
+
+    def _send(self, data: bytes, until: float) -> None:
+        view = memoryview(data)
+        while view:
+            left = until - time.monotonic()
+            if left <= 0:
+                raise AnswerError("timed out")
+            _, writable, _ = select.select([], [self._requests], [], left)
+            if not writable:
+                continue
+            try:
+                view = view[os.write(self._requests, view) :]
+            except BlockingIOError:
+                continue
+            except OSError as exc:
+                raise AnswerError(f"the answer's process is gone ({exc})") from None
+
+    def _receive(self, until: float) -> dict[str, Any]:
+        while b"\n" not in self._buffer:
+            left = until - time.monotonic()
+            if left <= 0:
+                raise AnswerError("timed out")
+            readable, _, _ = select.select([self._replies], [], [], left)
+            if not readable:
+                continue
+            try:
+                chunk = os.read(self._replies, 1 << 16)
+            except BlockingIOError:
+                continue
+            if not chunk:
+                raise AnswerError("the answer's process ended")
+            self._buffer += chunk
+            if len(self._buffer) > _REPLY_LIMIT:
+                raise AnswerError("the answer's reply is too large")
+        end = self._buffer.index(b"\n")
+        line = bytes(self._buffer[:end])
+        del self._buffer[: end + 1]
+        try:
+            reply = json.loads(line)
+        except (ValueError, RecursionError, MemoryError):
+            raise AnswerError("malformed reply") from None
+        if type(reply) is not dict:
+            raise AnswerError("malformed reply")
+        return reply
+
+    def call(
+        self,
+        target: str | int,
+        method: str | None,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        *,
+        generation: int | None = None,
+        solution: bool = False,
+    ) -> Any:
+        """``target(*args, **kwargs)`` in the answer's process: its result, as plain data.
+
+        :raises AnswerError: the answer could not answer (see the class).
+        """
+        if self.failed is not None:
+            raise AnswerError(self.failed)
+        if time.monotonic() >= self.deadline.end:
+            raise AnswerError("out of time")
+        if generation is not None and generation != self.generation:
+            raise AnswerError("the object belonged to an answer process that has ended")
+        if self.process is None:
+            self._start()
+            self._check_plans()
+        request = {
+            "target": target,
+            "method": method,
+            "args": encode(list(args), _handle_of),
+            "kwargs": encode(dict(kwargs), _handle_of),
+            "solution": solution,
+            # Whether the tests capture each stream now: only then is what the call prints
+            # recorded and sent (it overfilled the reply where nothing would read it).
+            "capture": [sys.stdout is not sys.__stdout__, sys.stderr is not sys.__stderr__],
+        }
+        until = self.deadline.case()
+        try:
+            self._send(json.dumps(request).encode() + b"\n", until)
+            reply = self._receive(until)
+            self._note(reply)
+            self._check_plans()
+            _print(reply)
+            if reply.get("ok") is True:
+                value = decode(reply.get("value"), self._remote, lazy=self._lazy)
+                after = reply.get("args")
+                # Only a call that returns None changes its arguments here, as Python's
+                # own in-place functions do (``list.sort``): an answer that returned a
+                # value and emptied its argument rewrote what ``f(xs) == sum(xs)``
+                # compared it with, in one statement or the next.
+                if value is None and type(after) is dict:
+                    _update(args, after, self._remote)
+                return value
+        except (AnswerError, ValueError, TypeError, KeyError, RecursionError, MemoryError) as exc:
+            # A process that hung, died or garbled its reply is not trusted with the next
+            # call: it is killed, and the next call starts a new one.
+            self.close()
+            raise AnswerError(f"no result: {exc}"[:_MESSAGE_LIMIT]) from None
+        try:
+            raised = decode(reply.get("raised"), self._remote, lazy=self._lazy)
+        except (ValueError, TypeError, KeyError, RecursionError, MemoryError):
+            raised = None
+        raise _exception(
+            reply.get("error"),
+            reply.get("message"),
+            reply.get("kinds"),
+            tuple(raised) if type(raised) is list else None,
+        )
+
+    def _remote(self, number: int) -> "Remote":
+        return Remote(self, number, self.generation)
+
+    def _lazy(self, number: int) -> "Items":
+        return Items(self, number, self.generation)
+
+
+def _print(reply: Mapping[str, Any]) -> None:
+    """What a call printed, written in its order where the tests capture stdout and
+    stderr now (``redirect_stdout``); the answer's process records nothing else.
+
+    :raises AnswerError: it printed more than the reply carries: a prefix handed over as
+        the whole output would pass a comparison the whole output fails.
+    """
+    if reply.get("overflow") is True:
+        raise AnswerError("the call printed more than the tests' capture takes")
+    printed = reply.get("printed")
+    if type(printed) is not list:
+        return
+    streams = (sys.stdout, sys.stderr)
+    owns = (sys.__stdout__, sys.__stderr__)
+    for run in printed:
+        if type(run) is list and len(run) == 2 and run[0] in (0, 1) and type(run[1]) is str:
+            stream = streams[run[0]]
+            if stream is not None and stream is not owns[run[0]]:
+                stream.write(run[1])
+
+
+def _handle_of(value: Any) -> int:
+    if isinstance(value, Remote):
+        return value._number
+    raise TypeError(f"cannot pass {type(value).__name__} to the answer")
+
+
+def _update(args: Sequence[Any], after: Mapping[str, Any], remote: Callable[[int], Any]) -> None:
+    """Mutations the answer made to list, dict, set and bytearray arguments, made here."""
+    for key, data in after.items():
+        index = int(key)
+        if not 0 <= index < len(args):
+            continue
+        original, new = args[index], decode(data, remote)
+        if type(original) is not type(new):
+            continue
+        if isinstance(original, (list, bytearray)):
+            original[:] = new
+        elif isinstance(original, (dict, set)):
+            original.clear()
+            original.update(new)
+
+
+class Function:
+    """What a test sees for one of the answer's names: calling it calls the answer."""
+
+    def __init__(
+        self, answer: Answer, name: str, *, solution: bool = False, builds: bool = True
+    ) -> None:
+        self._answer = answer
+        self._name = name
+        self._solution = solution
+        self._builds = builds and name in answer.classes
+        self.__name__ = name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._answer.call(self._name, None, args, kwargs, solution=self._solution)
+        if isinstance(result, Remote) and self._builds:
+            result._constructed = True
+        return result
+
+
+class Items:
+    """An iterator the answer returned: each item is taken from the answer's process when
+    the tests ask for it, as data.
+
+    Taken all when the call returned (up to 100,000), an endless generator of growing or
+    costly items failed its call, where the classic recipe takes the ten the tests ask
+    for; taken ahead of the tests (a few at a time), its side effects, prints included,
+    came early. It ends only where the answer's iterator ends, as in one program.
+    """
+
+    def __init__(self, answer: Answer, number: int, generation: int) -> None:
+        self._answer = answer
+        self._number = number
+        self._generation = generation
+        self._items: list[Any] = []
+        self._done = False
+
+    def __iter__(self) -> "Items":
+        return self
+
+    def __next__(self) -> Any:
+        if not self._items:
+            if self._done:
+                raise StopIteration
+            got = self._answer.call(self._number, "__take__", [1], {}, generation=self._generation)
+            if not (type(got) is tuple and len(got) == 2 and type(got[0]) is list):
+                raise AnswerError("the answer's iterator sent no items")
+            items, done = got
+            if len(items) > 1 or (not items and done is not True):
+                raise AnswerError("the answer's iterator sent no items")
+            self._items, self._done = items, done is True
+            if not self._items:
+                raise StopIteration
+        return self._items.pop()
+
+    def __repr__(self) -> str:
+        return f"<the answer's iterator {self._number}>"
+
+
+# What the tests may call on a builtin value: on one of the answer's objects they are the
+# answer's to answer, so ``f(x).startswith("Hello")`` passed for any object whose
+# ``startswith`` said yes (issue #27's second review).
+_VALUE_METHODS = frozenset(
+    name
+    for kind in (str, bytes, bytearray, list, tuple, dict, set, frozenset, int, float, complex)
+    for name in dir(kind)
+    if not name.startswith("_")
+)
+
+
+class Remote:
+    """One of the answer's objects, which stays in its process: its methods can be called.
+
+    A method named like one of a builtin value's (``startswith``, ``issubset``, ``pop``)
+    only on an object the tests built by calling one of the answer's classes
+    (``Stack().pop()``): elsewhere the tests expected a value, and a value would have
+    come as data.
+    """
+
+    def __init__(self, answer: Answer, number: int, generation: int) -> None:
+        self._answer = answer
+        self._number = number
+        self._generation = generation
+        self._constructed = False
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if name in _VALUE_METHODS and not self._constructed:
+            raise AttributeError(f"{name}: the answer returned an object, not a value")
+
+        def method(*args: Any, **kwargs: Any) -> Any:
+            return self._answer.call(self._number, name, args, kwargs, generation=self._generation)
+
+        return method
+
+    # Python's protocols, on an object the tests built, as its methods are: a right
+    # ``Stack`` whose tests read ``len(s)``, ``list(s)``, ``s[0]`` or ``str(s)`` scored 0.
+    # Each is the answer's builtin of that protocol on its object (``len(obj)`` there),
+    # its result decoded as data; Python checks its type here as on any object.
+    # Comparison and hashing stay this object's own: a forged ``__eq__`` is the oldest hack.
+
+    def _protocol(self, name: str, *args: Any) -> Any:
+        if not self._constructed:
+            raise TypeError(f"{name}: the answer returned an object, not a value")
+        return self._answer.call(self._number, name, args, {}, generation=self._generation)
+
+    def __len__(self) -> int:
+        return self._protocol("__len__")  # type: ignore[no-any-return]
+
+    def __bool__(self) -> bool:
+        # Asked of every object, built or returned: one bit the answer could return as
+        # data; read as True, an empty container of its own passed ``assert f(x)``.
+        return self._answer.call(  # type: ignore[no-any-return]
+            self._number, "__bool__", (), {}, generation=self._generation
+        )
+
+    def __iter__(self) -> Any:
+        return iter(self._protocol("__iter__"))
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._protocol("__getitem__", key)
+
+    def __contains__(self, item: Any) -> bool:
+        return self._protocol("__contains__", item)  # type: ignore[no-any-return]
+
+    def __str__(self) -> str:
+        return self._protocol("__str__") if self._constructed else repr(self)
+
+    def __repr__(self) -> str:
+        if self._constructed:
+            return self._protocol("__repr__")  # type: ignore[no-any-return]
+        return f"<the answer's object {self._number}>"
+
+
+def _parse(source: str) -> list[ast.stmt]:
+    """The answer's top-level statements, read as text, never run; none where it does not
+    parse (it then fails its tests when it runs)."""
+    try:
+        return ast.parse(source).body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return []
+
+
+class _Rebound(BaseException):
+    """The answer bound a builtin the tests use after the plans read it as the real one
+    (a call ran ``global max; max = ...``): the tests are planned and run again."""
