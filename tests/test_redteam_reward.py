@@ -568,8 +568,11 @@ async def test_what_a_call_prints_never_reaches_the_verdict(pool: SandboxPool) -
     )
     assert (await judge(pool, flood, captured)).score() == 0.0
     right = flood.replace("return a - b", "return a + b")
-    assert (await judge(pool, right, tests)).score() == 1.0
-    assert (await judge(pool, right, captured)).score() == 1.0
+    assert (await judge(pool, right, tests)).score() == 1.0  # nothing captured: none sent
+    # Past the 1 MiB the tests' capture takes the call fails (documented), within it passes.
+    assert (await judge(pool, right, captured)).score() == 0.0
+    within = right.replace("* 200_000", "* 20_000")
+    assert (await judge(pool, within, captured)).score() == 1.0
 
 
 FIB = "def fib():\n    a, b = 0, 1\n    while True:\n        yield a\n        a, b = b, a + b\n"

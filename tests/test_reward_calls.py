@@ -12,6 +12,8 @@ reply, ``sys.stdout.buffer`` missing, an iterator without ``__iter__``).
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from _grading import anyio_backend, classic, judge, pool  # noqa: F401 (fixtures)
 
@@ -198,3 +200,98 @@ NEXT_ONLY_TESTS = "assert list(Bag()) == [1, 2, 3]\n"
 async def test_a_built_objects_iterator_without_iter_is_iterated(pool: SandboxPool) -> None:
     assert classic(NEXT_ONLY, NEXT_ONLY_TESTS)
     assert (await judge(pool, NEXT_ONLY, NEXT_ONLY_TESTS)).score() == 1.0
+
+
+DEFAULTS = {"timeout": 60.0, "case_timeout": 10.0}  # tangram's own defaults (_grade.py)
+
+
+# A third re-attack. An object with ``__next__`` is sent as ``Lazy`` (_fork.py _plain, the last
+#    branch, now without the ``__iter__`` requirement) and becomes ``Items``, which has no
+#    ``__bool__``/``__len__``: always true. The answer's class says it is empty (len 0),
+#    so ``assert f(x)`` fails in one program and passes here: the FALSY hack that
+#    2c5a6c5 closed for Remote, reopened by adding a ``__next__`` to the class.
+FALSY_ITER = (
+    "class Path:\n"
+    "    def __init__(self, nodes):\n"
+    "        self.nodes = list(nodes)\n"
+    "    def __len__(self):\n"
+    "        return len(self.nodes)\n"
+    "    def __next__(self):\n"
+    "        if not self.nodes:\n"
+    "            raise StopIteration\n"
+    "        return self.nodes.pop(0)\n"
+    "def find_path(a, b):\n"
+    "    return Path([])  # wrong: no path found\n"
+)
+FALSY_TESTS = "assert find_path(1, 2)\n"
+
+
+async def test_an_empty_iterator_object_is_not_read_as_true(pool: SandboxPool) -> None:
+    assert not classic(FALSY_ITER, FALSY_TESTS)
+    assert (await judge(pool, FALSY_ITER, FALSY_TESTS)).score() == 0.0
+
+
+# _Printed.add merges a run with ``self.log[-1][1] += text``: the
+#    string is held by the list during the concatenation, so CPython cannot grow it in
+#    place and copies it every write: quadratic. A print-a-pattern answer writing 490,000
+#    single characters (480 KiB, under the 1 MiB cap) takes ~35 s in the answer's process
+#    (measured: 200k writes 4.5 s, 300k 14 s, 500k 36 s), past the default 10 s case
+#    timeout; the classic recipe's StringIO takes ~0.2 s.
+GRID = (
+    "def grid(n):\n"
+    "    for i in range(n):\n"
+    "        for j in range(n):\n"
+    "            print('#' if (i + j) % 2 else '.', end='')\n"
+    "        print()\n"
+)
+GRID_TESTS = (
+    "import io, contextlib\n"
+    "buf = io.StringIO()\n"
+    "with contextlib.redirect_stdout(buf):\n"
+    "    grid(700)\n"
+    "rows = buf.getvalue().split('\\n')\n"
+    "assert len(rows) == 701 and rows[0][:4] == '.#.#', rows[0][:4]\n"
+)
+
+
+async def test_a_pattern_printed_char_by_char_is_not_quadratic(pool: SandboxPool) -> None:
+    start = time.monotonic()
+    assert classic(GRID, GRID_TESTS)
+    assert time.monotonic() - start < 5
+    assert (await judge(pool, GRID, GRID_TESTS, **DEFAULTS)).score() == 1.0
+
+
+# _Record.write accepts only ``type(text) is str``; StringIO (what
+#    the tests capture into) accepts any str subclass: an ``Enum`` with a str mixin, a
+#    ``numpy.str_``, a markup string. A right answer writing one fails its call.
+SUBSTR = (
+    "import sys, enum\n"
+    "class Color(str, enum.Enum):\n"
+    "    RED = 'red'\n"
+    "def show():\n"
+    "    sys.stdout.write(Color.RED)\n"
+    "    sys.stdout.write('\\n')\n"
+)
+CAPTURE_TESTS = (
+    "import io, contextlib\n"
+    "buf = io.StringIO()\n"
+    "with contextlib.redirect_stdout(buf):\n"
+    "    show()\n"
+    "assert buf.getvalue() == 'red\\n', buf.getvalue()\n"
+)
+
+
+async def test_a_str_subclass_written_to_stdout_is_written(pool: SandboxPool) -> None:
+    assert classic(SUBSTR, CAPTURE_TESTS)
+    assert (await judge(pool, SUBSTR, CAPTURE_TESTS)).score() == 1.0
+
+
+# _Record has write/flush/writable/isatty only; the StringIO the
+#    tests capture into has writelines (and encoding, errors, closed, ...). A right answer
+#    using ``sys.stdout.writelines`` raises AttributeError.
+WRITELINES = "import sys\ndef show():\n    sys.stdout.writelines(['red', '\\n'])\n"
+
+
+async def test_writelines_to_a_captured_stdout_works(pool: SandboxPool) -> None:
+    assert classic(WRITELINES, CAPTURE_TESTS)
+    assert (await judge(pool, WRITELINES, CAPTURE_TESTS)).score() == 1.0

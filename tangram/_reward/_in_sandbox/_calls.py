@@ -412,6 +412,13 @@ class Items:
     def __iter__(self) -> "Items":
         return self
 
+    def __bool__(self) -> bool:
+        # Its class's, as for any object of the answer's (a generator is true; read as
+        # true, an empty object of its own with a ``__next__`` passed ``assert f(x)``).
+        return self._answer.call(  # type: ignore[no-any-return]
+            self._number, "__bool__", (), {}, generation=self._generation
+        )
+
     def __next__(self) -> Any:
         if not self._items:
             if self._done:

@@ -23,6 +23,7 @@ import array
 import builtins
 import ctypes
 import functools
+import io
 import json
 import operator
 import os
@@ -75,38 +76,38 @@ _PRINTED = 1 << 20
 """Characters of what one call prints that reach the tests; past them the call fails."""
 
 
-class _Record:
-    """One stream of a call that the tests capture: its writes join one ordered log."""
+class _Record(io.TextIOBase):
+    """One stream of a call that the tests capture: its writes join one ordered log. A
+    text stream as ``io.StringIO`` is (``writelines``, ``closed``, no ``fileno``), which
+    ``redirect_stdout`` would have put there in one program."""
 
     def __init__(self, printed: "_Printed", index: int) -> None:
+        super().__init__()
         self._printed = printed
         self._index = index
 
     def write(self, text: Any) -> int:
-        if type(text) is not str:
+        if not isinstance(text, str):
             raise TypeError(f"write() argument must be str, not {type(text).__name__}")
-        self._printed.add(self._index, text)
-        return len(text)
-
-    def flush(self) -> None:
-        pass
+        data = str.__add__("", text)  # a str subclass's characters, as StringIO takes them
+        self._printed.add(self._index, data)
+        return len(data)
 
     def writable(self) -> bool:
         return True
 
-    def isatty(self) -> bool:
-        return False
-
 
 class _Printed:
     """What one call prints to the streams the tests capture (``capture``: stdout's and
-    stderr's flags, sent by the harness), in the order written: ``log`` holds
-    ``[stream, text]`` runs, ``overflow`` says more than ``_PRINTED`` was written."""
+    stderr's flags, sent by the harness), in the order written: ``runs`` holds
+    ``[stream, pieces]``, joined once for the reply (added to a string at every write,
+    a pattern printed a character at a time took quadratic time), and ``overflow`` says
+    more than ``_PRINTED`` was written."""
 
     def __init__(self, capture: Any) -> None:
         flags = capture if type(capture) is list and len(capture) == 2 else [False, False]
         self.capture = [flag is True for flag in flags]
-        self.log: list[list[Any]] = []
+        self.runs: list[tuple[int, list[str]]] = []
         self.size = 0
         self.overflow = False
 
@@ -121,11 +122,15 @@ class _Printed:
             return
         self.size += len(text)
         if self.size > _PRINTED:
-            self.overflow, self.log = True, []
-        elif self.log and self.log[-1][0] == index:
-            self.log[-1][1] += text
+            self.overflow, self.runs = True, []
+        elif self.runs and self.runs[-1][0] == index:
+            self.runs[-1][1].append(text)
         else:
-            self.log.append([index, text])
+            self.runs.append((index, [text]))
+
+    def log(self) -> "list[list[Any]]":
+        """The runs, each ``[stream, text]``, for the reply."""
+        return [[index, "".join(pieces)] for index, pieces in self.runs]
 
 
 _DEPTH = 100
@@ -402,16 +407,17 @@ def answer_main(mode: str, source_fd: int, requests_fd: int = -1, replies: int =
     # The builtins as they were before the answer ran: which of them it binds (a ``def
     # max`` anywhere, ``globals()["max"] = ...``, ``builtins.max = ...``, a ``del``) is
     # read here, where it runs, and said with every reply (see ``Answer.binds``).
-    pristine = dict(vars(builtins))
-    names = [n for n in pristine if not (n.startswith("__") and n.endswith("__"))]
+    # Read from the builtins module's own dict, which a module ``__getattr__`` the answer
+    # adds cannot answer for; asked with every reply, so kept to two lookups a name.
+    held = vars(builtins)
+    pristine = dict(held)
+    names = [
+        (n, value) for n, value in pristine.items() if not (n.startswith("__") and n.endswith("__"))
+    ]
 
     def binds() -> list[str]:
-        return [
-            n
-            for n in names
-            if namespace.get(n, pristine[n]) is not pristine[n]
-            or getattr(builtins, n, None) is not pristine[n]
-        ]
+        mine, theirs = namespace.get, held.get
+        return [n for n, value in names if mine(n, value) is not value or theirs(n) is not value]
 
     if mode == "main":
         exec(compile(source, "<string>", "exec"), module.__dict__)
@@ -485,8 +491,8 @@ def answer_main(mode: str, source_fd: int, requests_fd: int = -1, replies: int =
             except BaseException:
                 reply["raised"] = None
         reply["binds"] = binds()
-        if printed is not None and printed.log:
-            reply["printed"] = printed.log
+        if printed is not None and (printed.runs or printed.overflow):
+            reply["printed"] = printed.log()
             reply["overflow"] = printed.overflow
         send(reply)
     os._exit(0)
