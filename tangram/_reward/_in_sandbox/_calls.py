@@ -423,7 +423,7 @@ class Items:
         if not self._items:
             if self._done:
                 raise StopIteration
-            got = self._answer.call(self._number, "__take__", [1], {}, generation=self._generation)
+            got = self._answer.call(self._number, "__take__", (), {}, generation=self._generation)
             if not (type(got) is tuple and len(got) == 2 and type(got[0]) is list):
                 raise AnswerError("the answer's iterator sent no items")
             items, done = got

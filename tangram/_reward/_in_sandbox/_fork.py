@@ -49,7 +49,7 @@ _FDS = 3
 """Descriptors an answer process is given: its source, then two for its mode."""
 
 
-def _take(iterator: Any, count: Any = 1) -> "tuple[list[Any], bool]":
+def _take(iterator: Any) -> "tuple[list[Any], bool]":
     """The next item of ``iterator``, and whether it ended (``__take__``): one at a time,
     as the tests ask, so that what it does on the way (a print, a change the tests read
     next) comes when it would in one program."""
