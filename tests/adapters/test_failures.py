@@ -32,11 +32,12 @@ with warnings.catch_warnings():
     import tangram_openrlhf.agent as agent_module
     import tangram_openrlhf.reward as reward_module
     from _tiny import per_process, tiny_tokenizer
-    from tangram_verl import run_code, with_tangram
+    from tangram_verl import with_tangram
+    from test_fail_early import _compute_tool
     from test_openrlhf import _call as _openrlhf_call
     from test_openrlhf import _Engine, _params
     from test_verl import TOOLS_YAML, _agent_loop, _call, _Server
-    from verl.tools.function_tool import function_tool, get_function_tool
+    from verl.tools.function_tool import get_function_tool
     from verl.tools.tool_registry import initialize_tools_from_config
 
 import tangram  # noqa: E402
@@ -112,6 +113,18 @@ async def test_a_tangram_bug_under_verls_sandbox_tool_fails_the_step(
     assert len(server.prompts) == 1, "the step went on after tangram failed"
 
 
+async def _episode(tokenizer: Any, engine: Any) -> Any:
+    """One OpenRLHF episode through tangram's executor: a tool call, then an answer."""
+    return await agent_module.AgentExecutor().execute(
+        prompt="Q: ",
+        label="assert True",
+        sampling_params=_params(),
+        max_length=4096,
+        hf_tokenizer=tokenizer,
+        llm_engine=engine,
+    )
+
+
 @pytest.mark.anyio
 async def test_a_tangram_bug_under_an_openrlhf_episode_fails_it(
     openrlhf_config: Path, buggy_backend: None, tmp_path: Path
@@ -120,32 +133,12 @@ async def test_a_tangram_bug_under_an_openrlhf_episode_fails_it(
     "error: {exc}" feedback: a bug inside tangram becomes the model's
     next observation and the episode is scored as usual."""
     tokenizer = tiny_tokenizer(tmp_path / "tok")
-    executor = agent_module.AgentExecutor()
     engine = _Engine(tokenizer, [_openrlhf_call("print(1)"), "done"])
     with contextlib.suppress(Exception):
-        await executor.execute(
-            prompt="Q: ",
-            label="assert True",
-            sampling_params=_params(),
-            max_length=4096,
-            hf_tokenizer=tokenizer,
-            llm_engine=engine,
-        )
+        await _episode(tokenizer, engine)
     seen = "".join(engine.prompts[1:])
     assert "tangram-internal-bug" not in seen, "tangram's own bug reached the model as output"
     assert len(engine.prompts) == 1, "the episode went on after tangram failed"
-
-
-def _register(name: str) -> None:
-    @function_tool(name)
-    @with_tangram(kind="compute")
-    async def compute(code: str) -> str:
-        """Run Python in a sandbox.
-
-        Args:
-            code: the program.
-        """
-        return (await run_code(code)).stdout.decode()
 
 
 @pytest.mark.anyio
@@ -155,7 +148,7 @@ async def test_a_tangram_bug_under_with_tangram_is_a_failed_call(
     """with_tangram re-raises a non-TangramError from run_code as the function's own
     : verl shows the bug's text to the model, no NaN marks the call,
      and the sample is scored."""
-    _register("review_buggy")
+    _compute_tool("review_buggy")
     tokenizer = tiny_tokenizer(tmp_path / "tok")
     call = json.dumps({"name": "review_buggy", "arguments": {"code": "print(1)"}})
     server = _Server(tokenizer, [f"<tool_call>{call}</tool_call><|im_end|>", "done<|im_end|>"])
@@ -340,17 +333,9 @@ async def test_a_failed_openrlhf_reset_is_counted(
 
     monkeypatch.setattr(SandboxPool, "_checkout", no_sandbox)
     tokenizer = tiny_tokenizer(tmp_path / "tok")
-    executor = agent_module.AgentExecutor()
     engine = _Engine(tokenizer, [_openrlhf_call("print(1)"), "done"])
     with pytest.raises(SandboxError):
-        await executor.execute(
-            prompt="Q: ",
-            label="assert True",
-            sampling_params=_params(),
-            max_length=4096,
-            hf_tokenizer=tokenizer,
-            llm_engine=engine,
-        )
+        await _episode(tokenizer, engine)
     assert sum(_failures.counts().values()) == 1, _failures.counts()
 
 

@@ -23,16 +23,17 @@ verl = pytest.importorskip("verl") if not os.environ.get("CI") else __import__("
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
-    from _tiny import per_process, tiny_tokenizer
+    from _tiny import tiny_tokenizer
     from tangram_verl import run_code, with_tangram
     from tangram_verl.reward import refuse_failed
     from tangram_verl.tools import FAILED_CALL
+    from test_failures import verl_config  # noqa: F401 (a fixture)
     from test_verl import TOOLS_YAML, _agent_loop, _Server
     from verl.tools.function_tool import function_tool, get_function_tool
     from verl.tools.tool_registry import initialize_tools_from_config
 
 from tangram import integrations  # noqa: E402
-from tangram._frameworks import _failures, _session  # noqa: E402
+from tangram._frameworks import _failures  # noqa: E402
 from tangram._sandbox._local._backend import _LocalHandle  # noqa: E402
 from tangram.errors import (  # noqa: E402
     InvalidDemandError,
@@ -43,15 +44,6 @@ from tangram.errors import (  # noqa: E402
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-@pytest.fixture
-async def verl_config(monkeypatch: pytest.MonkeyPatch):
-    path = per_process("tangram.toml")
-    monkeypatch.setenv("TANGRAM_CONFIG", str(path))
-    _failures.reset()
-    yield path
-    await _session.aclose()
 
 
 NON_FINITE = [math.nan, math.inf, -math.inf]
