@@ -129,6 +129,62 @@ async def test_without_the_seal_the_test_reading_hacks_would_work(
     assert (await judge(pool, hack.answer, hack.tests)).score() == 1.0
 
 
+# The answer's process scans every page it can read of its own memory for what the tests
+# expect: it was forked from the harness, so whatever the harness had read by then is there.
+READS_ITS_OWN_MEMORY = """
+import re
+
+def f():
+    with open("/proc/self/maps") as maps, open("/proc/self/mem", "rb", 0) as mem:
+        for line in maps:
+            span, perms = line.split()[:2]
+            if "r" not in perms:
+                continue
+            low, high = (int(x, 16) for x in span.split("-"))
+            try:
+                mem.seek(low)
+                page = mem.read(high - low)
+            except (OSError, ValueError, OverflowError):
+                continue
+            found = re.search(rb"MARK_[0-9]{6}_END", page)
+            if found:
+                return found.group().decode()
+    return "nothing"
+"""
+EXPECTS_A_MARK = "assert f() == 'MARK_271828_END'\n"
+
+
+async def test_the_harness_is_read_without_reading_on_into_the_tests(pool: SandboxPool) -> None:
+    """The program is read from stdin before the harness seals itself and forks the
+    answer's processes: read through a buffer, the tests behind it came along."""
+    assert (await judge(pool, READS_ITS_OWN_MEMORY, EXPECTS_A_MARK)).score() == 0.0
+
+
+async def test_a_buffered_read_of_the_harness_would_hand_the_answer_the_tests(
+    pool: SandboxPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Control: the same answer against a bootstrap that reads through ``sys.stdin``."""
+    buffered = _grade._BOOT.replace(
+        "def _r(n):\n", "def _r(n):\n    import sys\n    return sys.stdin.buffer.read(n)\n"
+    )
+    assert buffered != _grade._BOOT
+    monkeypatch.setattr(_grade, "_BOOT", buffered)
+    assert (await judge(pool, READS_ITS_OWN_MEMORY, EXPECTS_A_MARK)).score() == 1.0
+
+
+async def test_an_interpreter_of_other_bytecode_compiles_the_source_sent_with_it(
+    pool: SandboxPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the sandbox's Python is not this one's (a Docker image's), the magic number
+    differs and the harness is compiled there from its source."""
+    program = _grade._program(_grade._harness_source())
+    other = b"0" * 8 + program[8:]
+    assert other[:8] != program[:8]
+    monkeypatch.setattr(_grade, "_program", lambda source: other)
+    assert (await judge(pool, RIGHT, TESTS)).score() == 1.0
+    assert (await judge(pool, WRONG, TESTS)).score() == 0.0
+
+
 # -- correct answers, both formats --------------------------------------------------------
 
 HUMANEVAL = (

@@ -5,8 +5,8 @@ must not be anything the answer controls. Running ``answer + tests`` in one proc
 reading its exit status (what the adapters did before, and what most code-RL recipes do)
 scores 1.0 for ``os._exit(0)``, an ``atexit`` hook, a forged ``__eq__`` or a patched
 builtin. Here :func:`grade` sends the trusted harness (:mod:`._harness` with
-:mod:`._checks`, shipped as source) into the sandbox with a per-call secret and the tests
-on its stdin; the harness runs the answer in a separate process, runs the tests itself
+:mod:`._checks`, compiled: :func:`_program`) into the sandbox with a per-call secret and
+the tests on its stdin; the harness runs the answer in a separate process, runs the tests itself
 and prints the one line that counts, carrying the secret. See ``docs/rewards.md`` for what
 this guarantees and what it does not.
 
@@ -25,8 +25,10 @@ import ast
 import functools
 import json
 import logging
+import marshal
 import secrets
 from collections.abc import Mapping
+from importlib.util import MAGIC_NUMBER
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +68,43 @@ def _harness_source() -> str:
     paths = (_harness.__file__, _calls.__file__, _checks.__file__, _wire.__file__, _fork.__file__)
     parts = [Path(path).read_text(encoding="utf-8") for path in paths]
     return "\n".join([*parts, "main()\n"])
+
+
+#: What the sandbox's interpreter runs (``python -I -c``): it reads the harness from its
+#: stdin, and runs this process's bytecode of it where its bytecode is the same as ours
+#: (the magic number, which every change of bytecode changes, as for ``.pyc`` files), or
+#: else compiles the source sent with it. Compiling the harness (some 1,900 lines) took a
+#: third of an answer's grading. Read with ``os.read``, exactly its bytes: a buffered read
+#: would read on into the secret and the tests, and the answer's processes, forked from
+#: this one, would hold them (the harness seals itself before it reads them).
+_BOOT = """\
+import os as _o, marshal as _m, _frozen_importlib_external as _e
+def _r(n):
+    b = b""
+    while len(b) < n:
+        c = _o.read(0, n - len(b))
+        if not c:
+            raise EOFError("the harness was cut short")
+        b += c
+    return b
+def _b():
+    m, c, s = _r(%d).split()
+    c, s = _r(int(c)), _r(int(s))
+    return _m.loads(c) if m == _e.MAGIC_NUMBER.hex().encode() else compile(s, "<harness>", "exec")
+exec(_b())
+"""
+_HEAD = len(f"{MAGIC_NUMBER.hex()} {0:010d} {0:010d}\n")
+
+
+@functools.lru_cache(maxsize=2)
+def _program(source: str) -> bytes:
+    """What ``_BOOT`` reads before the harness's own stdin: a fixed-width head (magic
+    number, lengths), this interpreter's bytecode of ``source``, and ``source``."""
+    code = marshal.dumps(compile(source, "<harness>", "exec", dont_inherit=True, optimize=0))
+    text = source.encode("utf-8")
+    head = f"{MAGIC_NUMBER.hex()} {len(code):010d} {len(text):010d}\n".encode()
+    assert len(head) == _HEAD
+    return head + code + text
 
 
 @attrs.frozen
@@ -321,7 +360,7 @@ async def grade(
     budget = whole_run - min(_HARNESS_MARGIN, whole_run / 5)
     per_case = min(_seconds("case_timeout", case_timeout, DEFAULT_CASE_TIMEOUT), budget)
     secret = secrets.token_hex(16)
-    source = _harness_source()
+    program = _program(_harness_source())
     payload = {
         "answer": answer,
         "tests": dict(suite.spec),
@@ -329,8 +368,8 @@ async def grade(
         "case_timeout": per_case,
     }
     result = await sandbox.run(
-        [_interpreter(sandbox), "-I", "-c", source],
-        stdin=f"{secret}\n{json.dumps(payload)}",
+        [_interpreter(sandbox), "-I", "-c", _BOOT % _HEAD],
+        stdin=program + f"{secret}\n{json.dumps(payload)}".encode(),
         cpu=cpu,
         timeout=whole_run,
         kind=kind,
