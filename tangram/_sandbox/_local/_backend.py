@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import ctypes
 import errno
 import logging
 import math
@@ -55,7 +54,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import anyio
@@ -82,6 +81,7 @@ from ._lend import Lend, default_python, interpreter
 from ._proctree import MARKER, Tree, kill_tree, pin_tree
 from ._quota_fs import Box, make_box, mount_problem, reap_boxes, remove_box
 from ._seccomp import SyscallFilter, syscall_filter
+from ._spawner import Child, spawn
 from ._streams import communicate
 
 __all__ = ["LocalBackend", "Protections"]
@@ -94,10 +94,9 @@ _SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
 _EXEC = ("/bin/sh", "-c", 'exec "$@"', "sh")
 
 # prctl(PR_SET_PDEATHSIG) signals the child when the *thread* that forked it ends, not
-# the process. anyio's worker threads end when idle, which would kill long commands, so
-# every command is forked from this one thread, which lives as long as the process.
-_PR_SET_PDEATHSIG = 1
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+# the process. anyio's worker threads end when idle, which would kill the fork server
+# (._spawner) and every command with it, so it is started from this one thread, which
+# lives as long as the process; so is every command handed to it.
 _SPAWNER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tangram-spawn")
 _WARNED: set[str] = set()
 
@@ -575,6 +574,10 @@ class _LocalHandle(SandboxHandle):
         marker = None if bwrap else secrets.token_hex(8)
         env = {"PATH": _SYSTEM_PATH, "LANG": "C.UTF-8"}
         rules = backend._seccomp.pipe() if bwrap and backend._seccomp else -1
+        status_read, status_write = os.pipe() if bwrap else (-1, -1)
+        # The command's descriptors past its standard streams: 3, 4 in its process.
+        passed = [fd for fd in (status_write, rules) if fd >= 0]
+        number = {fd: 3 + i for i, fd in enumerate(passed)}
         if bwrap is not None:
             env["HOME"] = SANDBOX_WORK
             argv = [
@@ -585,7 +588,7 @@ class _LocalHandle(SandboxHandle):
                     network=backend.network,
                     extra_ro=backend._bwrap_dirs,
                     tmp_size=backend.file_size,
-                    seccomp=rules if rules >= 0 else None,
+                    seccomp=number[rules] if rules >= 0 else None,
                 )
             ]
         else:
@@ -594,9 +597,8 @@ class _LocalHandle(SandboxHandle):
         env.update(request.env)
         if marker is not None:
             env[MARKER] = marker
-        status_read, status_write = os.pipe() if bwrap else (-1, -1)
         if bwrap is not None:
-            argv += ["--json-status-fd", str(status_write), "--"]
+            argv += ["--json-status-fd", str(number[status_write]), "--"]
             prlimit = shutil.which("prlimit", path="/usr/bin:/bin")
             if self._owner is None and prlimit is not None:
                 # Counted inside the sandbox's user namespace: only this sandbox's
@@ -607,22 +609,14 @@ class _LocalHandle(SandboxHandle):
             argv = list(request.argv)
         usage_before = self._cpu_now()
         oom_before = self._leaf.oom_kills() if self._leaf is not None else None
+        cwd = str(self.workdir) if bwrap is None else "/"
+        spec = _set_up(backend, self._owner, self._leaf, cores, request)
 
-        def spawn() -> subprocess.Popen[bytes]:
+        def start() -> Child:
             self._files.check()
             if self._leaf is not None:
                 self._leaf.set_cores(cores)
-            return subprocess.Popen(
-                argv,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                cwd=self.workdir if bwrap is None else "/",
-                env=env,
-                start_new_session=True,
-                pass_fds=tuple(fd for fd in (status_write, rules) if fd >= 0),
-                preexec_fn=_setup(backend, self._owner, self._leaf, cores, request),
-            )
+            return spawn(argv, env, cwd, passed, spec)
 
         try:
             try:
@@ -631,7 +625,7 @@ class _LocalHandle(SandboxHandle):
                 # its cores and memory lent again (a review of the memory reservation).
                 with anyio.CancelScope(shield=True):
                     process = await anyio.to_thread.run_sync(
-                        lambda: _SPAWNER.submit(spawn).result()
+                        lambda: _SPAWNER.submit(start).result()
                     )
             finally:
                 for fd in (status_write, rules):
@@ -661,10 +655,10 @@ class _LocalHandle(SandboxHandle):
             self._tree = None
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(kill_tree, tree)
-                await anyio.to_thread.run_sync(process.wait)
-            for pipe in (process.stdin, process.stdout, process.stderr):
-                if pipe is not None:
-                    pipe.close()
+                try:
+                    await anyio.to_thread.run_sync(process.wait)
+                finally:
+                    process.close()
             if status_read >= 0:
                 os.close(status_read)
 
@@ -736,14 +730,15 @@ def _core_ids(cores: Sequence[int] | None) -> tuple[int, ...]:
     return tuple(sorted(cores))
 
 
-def _setup(
+def _set_up(
     backend: LocalBackend,
     owner: tuple[int, int] | None,
     leaf: CgroupLeaf | None,
     cores: tuple[int, ...],
     request: ExecRequest,
-) -> Callable[[], None]:
-    """The child's set-up between fork and exec: only async-signal-safe-ish syscalls."""
+) -> dict[str, object]:
+    """What the command's child sets up between fork and exec, in the fork server
+    (``._forkserver._set_up``): its cgroup, the lend, its uid, its cores and limits."""
     # Capped (35,000 years): 1e19 s overflowed setrlimit in the child, 1e308 int() here.
     cpu_seconds = int(min(1 << 40, request.timeout * max(1, len(cores)) * 2 + 1))
     open_files = backend.open_files
@@ -762,29 +757,11 @@ def _setup(
         # Counts every process of that uid: only this sandbox's with a uid per sandbox.
         limits.append((resource.RLIMIT_NPROC, backend.processes))
     procs = leaf.procs_files() if leaf is not None else []
-    owner_pid = os.getpid()
     lend = backend._lend if backend._bwrap is not None and owner is not None else None
-
-    def setup() -> None:
-        for path in procs:  # join the sandbox's cgroup before anything can fork
-            with open(path, "w") as handle:
-                handle.write("0")
-        # A host out of memory kills a sandbox's process before the trainer's.
-        with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as handle:
-            handle.write("1000")
-        if lend is not None:  # while still root: see _lend
-            lend.apply()
-        if owner is not None:
-            os.setgroups([])
-            os.setresgid(owner[1], owner[1], owner[1])
-            os.setresuid(owner[0], owner[0], owner[0])
-        if _LIBC is not None:  # after the change of user, which would clear it
-            _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-            if os.getppid() != owner_pid:  # the owner died before the signal was armed
-                os._exit(1)
-        if cores:
-            os.sched_setaffinity(0, cores)
-        for which, value in limits:
-            resource.setrlimit(which, (value, value))
-
-    return setup
+    return {
+        "procs": [str(path) for path in procs],
+        "lend": (lend.tops, lend.dirs) if lend is not None else None,
+        "owner": owner,
+        "cores": cores,
+        "limits": limits,
+    }

@@ -15,7 +15,6 @@ falls back to the system's ``python3``, with its warning, where it fails.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import stat
@@ -26,15 +25,12 @@ from collections.abc import Callable
 
 import attrs
 
+from ._forkserver import lend
 from ._isolate import bwrap_command, python_dirs, reachable_by_others
 
 __all__ = ["Lend", "default_python", "interpreter", "open_lend", "probe_lend"]
 
 _SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
-_CLONE_NEWNS = 0x00020000
-_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_REMOUNT, _MS_BIND = 1, 2, 4, 32, 4096
-_MS_REC, _MS_SLAVE = 16384, 1 << 19
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 
 
 def default_python(other_user: bool) -> str:
@@ -55,37 +51,8 @@ class Lend:
     dirs: tuple[str, ...]
 
     def apply(self) -> None:
-        """In a command's child, as root, before it becomes the sandbox's uid.
-
-        The directories are opened inside the new namespace (a bind's source must be a
-        mount of the caller's own namespace), before the tmpfs hides their path; the
-        descriptors are closed after, so nothing of the host's tree reaches the command.
-        """
-        assert _LIBC is not None
-        _call(_LIBC.unshare(_CLONE_NEWNS), "unshare")
-        _call(_LIBC.mount(b"none", b"/", None, _MS_REC | _MS_SLAVE, None), "/")
-        fds = [os.open(d, os.O_PATH | os.O_CLOEXEC) for d in self.dirs]
-        for top in self.tops:
-            flags = _MS_NOSUID | _MS_NODEV
-            _call(_LIBC.mount(b"tmpfs", top.encode(), b"tmpfs", flags, b"mode=0755"), top)
-        for directory, fd in zip(self.dirs, fds, strict=True):
-            if stat.S_ISDIR(os.fstat(fd).st_mode):
-                os.makedirs(directory, mode=0o755, exist_ok=True)
-            else:  # the interpreter's own path, a file: a file to mount it on
-                os.makedirs(os.path.dirname(directory), mode=0o755, exist_ok=True)
-                os.close(os.open(directory, os.O_CREAT | os.O_WRONLY, 0o755))
-            source = f"/proc/self/fd/{fd}".encode()
-            _call(_LIBC.mount(source, directory.encode(), None, _MS_BIND | _MS_REC, None), fd)
-            remount = _MS_BIND | _MS_REMOUNT | _MS_RDONLY
-            _call(_LIBC.mount(None, directory.encode(), None, remount, None), directory)
-        for fd in fds:
-            os.close(fd)
-
-
-def _call(result: int, what: object) -> None:
-    if result != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"{os.strerror(errno)} ({what})")
+        """In a command's child, as root, before it becomes the sandbox's uid."""
+        lend(self.tops, self.dirs)
 
 
 def _blocking_top(directory: str) -> str | None:
@@ -102,7 +69,7 @@ def _blocking_top(directory: str) -> str | None:
 def open_lend(python: str) -> Lend | None:
     """What to lay over the host for ``python``; ``None`` when nothing blocks it, or
     when its own directories deny others (lending the way would not open them)."""
-    if _LIBC is None or os.geteuid() != 0:
+    if sys.platform != "linux" or os.geteuid() != 0:
         return None
     tops: list[str] = []
     dirs: list[str] = []

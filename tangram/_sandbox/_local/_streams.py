@@ -10,12 +10,12 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import subprocess
 
 import anyio
 
 from .._backend import ExecRequest, ExecResult
 from ._proctree import Tree, kill_tree
+from ._spawner import Child
 
 __all__ = ["communicate"]
 
@@ -59,9 +59,7 @@ def _splice(fd: int, null: int) -> int:
     return moved
 
 
-async def communicate(
-    process: subprocess.Popen[bytes], request: ExecRequest, tree: Tree
-) -> ExecResult:
+async def communicate(process: Child, request: ExecRequest, tree: Tree) -> ExecResult:
     """Feed ``process`` its input and keep its outputs until it ends or times out; what it
     leaves running (``tree``) is killed then, closing the pipes those leftovers held."""
     assert process.stdin is not None and process.stdout is not None and process.stderr is not None
@@ -114,15 +112,10 @@ async def communicate(
                 await _discard(fd)
 
     async def wait_exit() -> None:
-        try:
-            pidfd = os.pidfd_open(process.pid)
-        except (AttributeError, OSError):
+        if process.pidfd is None:  # a kernel without pidfds (before Linux 5.3)
             await anyio.to_thread.run_sync(process.wait, abandon_on_cancel=True)
             return
-        try:
-            await anyio.wait_readable(pidfd)
-        finally:
-            os.close(pidfd)
+        await anyio.wait_readable(process.pidfd)
 
     async with anyio.create_task_group() as io:
         io.start_soon(feed)
