@@ -40,7 +40,6 @@ can widen its own affinity to every core; without root the work dir has no quota
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import errno
 import logging
@@ -81,7 +80,7 @@ from ._lend import Lend, default_python, interpreter
 from ._proctree import MARKER, Tree, kill_tree, pin_tree
 from ._quota_fs import Box, make_box, mount_problem, reap_boxes, remove_box
 from ._seccomp import SyscallFilter, syscall_filter
-from ._spawner import Child, spawn
+from ._spawner import SPAWNER, Child, spawn
 from ._streams import communicate
 
 __all__ = ["LocalBackend", "Protections"]
@@ -93,11 +92,6 @@ _SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
 # shell's 127 or 126, as without bubblewrap, instead of bubblewrap's own exit 1.
 _EXEC = ("/bin/sh", "-c", 'exec "$@"', "sh")
 
-# prctl(PR_SET_PDEATHSIG) signals the child when the *thread* that forked it ends, not
-# the process. anyio's worker threads end when idle, which would kill the fork server
-# (._spawner) and every command with it, so it is started from this one thread, which
-# lives as long as the process; so is every command handed to it.
-_SPAWNER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tangram-spawn")
 _WARNED: set[str] = set()
 
 
@@ -624,9 +618,7 @@ class _LocalHandle(SandboxHandle):
                 # and the wait left the spawned command running with no tree to kill it,
                 # its cores and memory lent again (a review of the memory reservation).
                 with anyio.CancelScope(shield=True):
-                    process = await anyio.to_thread.run_sync(
-                        lambda: _SPAWNER.submit(start).result()
-                    )
+                    process = await anyio.to_thread.run_sync(lambda: SPAWNER.submit(start).result())
             finally:
                 for fd in (status_write, rules):
                     if fd >= 0:

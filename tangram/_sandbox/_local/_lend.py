@@ -16,17 +16,18 @@ falls back to the system's ``python3``, with its warning, where it fails.
 from __future__ import annotations
 
 import os
+import select
 import shutil
+import signal
 import stat
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
 
 import attrs
 
-from ._forkserver import lend
 from ._isolate import bwrap_command, python_dirs, reachable_by_others
+from ._spawner import SPAWNER, spawn
 
 __all__ = ["Lend", "default_python", "interpreter", "open_lend", "probe_lend"]
 
@@ -49,10 +50,6 @@ class Lend:
 
     tops: tuple[str, ...]
     dirs: tuple[str, ...]
-
-    def apply(self) -> None:
-        """In a command's child, as root, before it becomes the sandbox's uid."""
-        lend(self.tops, self.dirs)
 
 
 def _blocking_top(directory: str) -> str | None:
@@ -93,43 +90,34 @@ def open_lend(python: str) -> Lend | None:
 
 def probe_lend(bwrap: str, uid: int, lend: Lend, python: str) -> str | None:
     """Run ``python`` in a sandbox as ``uid`` with ``lend`` laid over the host; None if it
-    works, else why not (a root without ``CAP_SYS_ADMIN``: an unprivileged container)."""
+    works, else why not (a root without ``CAP_SYS_ADMIN``: an unprivileged container).
+
+    Started as every command is, by the fork server, with the same set-up."""
     with tempfile.TemporaryDirectory(prefix="tangram-probe-") as work:
         os.chown(work, uid, uid)
         dirs = python_dirs(python)
         argv = bwrap_command(
             bwrap, workdir=work, uid=uid, network=False, extra_ro=dirs, tmp_size=1 << 20
         )
+        argv += ["--", python, "-c", "import sys; sys.exit(7)"]
+        spec = {"procs": [], "lend": (lend.tops, lend.dirs), "owner": (uid, uid), "cores": ()}
         try:
-            done = subprocess.run(
-                [*argv, "--", python, "-c", "import sys; sys.exit(7)"],
-                capture_output=True,
-                timeout=60,
-                preexec_fn=with_lend(lend, uid),
-                env={"PATH": _SYSTEM_PATH},
-            )
+            child = SPAWNER.submit(
+                spawn, argv, {"PATH": _SYSTEM_PATH}, "/", [], {**spec, "limits": []}
+            ).result()
         except (OSError, subprocess.SubprocessError) as exc:
             return f"it could not be lent: {exc}"
-    if done.returncode != 7:
-        detail = done.stderr.decode(errors="replace").strip() or f"exit {done.returncode}"
-        return f"it could not be lent: {detail}"
-    return None
-
-
-def with_lend(lend: Lend, uid: int) -> Callable[[], None]:
-    """A probe's child set-up: the lend, then the sandbox's uid."""
-
-    def setup() -> None:
         try:
-            lend.apply()
-        except OSError as exc:  # said on stderr: the parent only hears "preexec_fn"
-            os.write(2, f"lend: {exc}\n".encode())
-            os._exit(126)
-        os.setgroups([])
-        os.setresgid(uid, uid, uid)
-        os.setresuid(uid, uid, uid)
-
-    return setup
+            child.stdin.close()
+            if child.pidfd is not None and not select.select([child.pidfd], [], [], 60)[0]:
+                os.kill(child.pid, signal.SIGKILL)
+            detail = child.stderr.read().decode(errors="replace").strip()
+            code = child.wait()
+        finally:
+            child.close()
+    if code != 7:
+        return f"it could not be lent: {detail or f'exit {code}'}"
+    return None
 
 
 def interpreter(

@@ -27,10 +27,15 @@ from typing import IO, Any
 from ...errors import SandboxBrokenError
 from . import _forkserver
 
-__all__ = ["Child", "spawn"]
+__all__ = ["SPAWNER", "Child", "spawn"]
 
 _HEAD = struct.Struct("!I")
 _SOURCE = Path(_forkserver.__file__).read_text(encoding="utf-8")
+#: The one thread that starts the fork server and hands it commands. The kernel's
+#: parent-death signal follows the *thread* that forked: anyio's worker threads end when
+#: idle, which would kill the server and every command with it; this one lives as long
+#: as the process.
+SPAWNER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tangram-spawn")
 
 
 class Child:
@@ -207,9 +212,9 @@ def spawn(
 ) -> Child:
     """Start ``argv`` in the fork server; ``fds`` become its 3, 4 ... in order.
 
-    Its standard streams are new pipes, whose ends the :class:`Child` holds. Call from
-    one thread only (the backend's spawner thread): the server dies with the thread that
-    started it. ``spec`` is the set-up (``._forkserver._set_up``).
+    Its standard streams are new pipes, whose ends the :class:`Child` holds. Call on
+    :data:`SPAWNER` only: the server dies with the thread that started it. ``spec`` is
+    the set-up (``._forkserver._set_up``).
     """
     global _SERVER
     server = _SERVER
