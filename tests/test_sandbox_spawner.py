@@ -85,8 +85,9 @@ def test_the_command_is_the_fork_servers_child_not_the_trainers() -> None:
         child.close()
 
 
-def test_an_ended_command_stays_a_zombie_until_the_trainer_waits() -> None:
-    """Its pid cannot be reused while the trainer still kills by it (as with ``Popen``)."""
+def test_an_ended_command_stays_a_zombie_until_the_trainer_is_done_with_it() -> None:
+    """Its pid cannot be reused while the trainer still kills by it: the server reaps it
+    only once the trainer closes it, after its last kill of what the command left."""
     child = run(["/bin/sh", "-c", "exit 3"])
     try:
         assert child.pidfd is not None
@@ -96,11 +97,12 @@ def test_an_ended_command_stays_a_zombie_until_the_trainer_waits() -> None:
             assert time.monotonic() < deadline, state(child.pid)
             time.sleep(0.005)
         assert child.wait() == 3
-        while state(child.pid) is not None:
-            assert time.monotonic() < deadline, "never reaped"
-            time.sleep(0.005)
+        assert state(child.pid) == "Z"  # waited, but not yet given back
     finally:
         child.close()
+    while state(child.pid) is not None:
+        assert time.monotonic() < deadline, "never reaped"
+        time.sleep(0.005)
 
 
 def test_failures_read_as_subprocess_says_them() -> None:

@@ -80,7 +80,7 @@ from ._lend import Lend, default_python, interpreter
 from ._proctree import MARKER, Tree, kill_tree, pin_tree
 from ._quota_fs import Box, make_box, mount_problem, reap_boxes, remove_box
 from ._seccomp import SyscallFilter, syscall_filter
-from ._spawner import SPAWNER, Child, spawn
+from ._spawner import Child, spawn, submit
 from ._streams import communicate
 
 __all__ = ["LocalBackend", "Protections"]
@@ -569,90 +569,95 @@ class _LocalHandle(SandboxHandle):
         env = {"PATH": _SYSTEM_PATH, "LANG": "C.UTF-8"}
         rules = backend._seccomp.pipe() if bwrap and backend._seccomp else -1
         status_read, status_write = os.pipe() if bwrap else (-1, -1)
-        # The command's descriptors past its standard streams: 3, 4 in its process.
-        passed = [fd for fd in (status_write, rules) if fd >= 0]
-        number = {fd: 3 + i for i, fd in enumerate(passed)}
-        if bwrap is not None:
-            env["HOME"] = SANDBOX_WORK
-            argv = [
-                *bwrap_command(
-                    bwrap,
-                    workdir=str(self.workdir),
-                    uid=self._owner[0] if self._owner else backend._ns_uid,
-                    network=backend.network,
-                    extra_ro=backend._bwrap_dirs,
-                    tmp_size=backend.file_size,
-                    seccomp=number[rules] if rules >= 0 else None,
-                )
-            ]
-        else:
-            env.update(HOME=str(self.workdir), TMPDIR=str(self.workdir))
-            argv = []
-        env.update(request.env)
-        if marker is not None:
-            env[MARKER] = marker
-        if bwrap is not None:
-            argv += ["--json-status-fd", str(number[status_write]), "--"]
-            prlimit = shutil.which("prlimit", path="/usr/bin:/bin")
-            if self._owner is None and prlimit is not None:
-                # Counted inside the sandbox's user namespace: only this sandbox's
-                # processes, not every process of the caller's user.
-                argv += [prlimit, f"--nproc={backend.processes}", "--"]
-            argv += [*_EXEC, *request.argv]
-        else:
-            argv = list(request.argv)
-        usage_before = self._cpu_now()
-        oom_before = self._leaf.oom_kills() if self._leaf is not None else None
-        cwd = str(self.workdir) if bwrap is None else "/"
-        spec = _set_up(backend, self._owner, self._leaf, cores, request)
+        owned = {fd for fd in (rules, status_read, status_write) if fd >= 0}
 
-        def start() -> Child:
-            self._files.check()
-            if self._leaf is not None:
-                self._leaf.set_cores(cores)
-            return spawn(argv, env, cwd, passed, spec)
+        def close(*fds: int) -> None:
+            for fd in fds:
+                if fd in owned:
+                    owned.discard(fd)
+                    os.close(fd)
 
         try:
+            # The command's descriptors past its standard streams: 3, 4 in its process.
+            passed = [fd for fd in (status_write, rules) if fd >= 0]
+            number = {fd: 3 + i for i, fd in enumerate(passed)}
+            if bwrap is not None:
+                env["HOME"] = SANDBOX_WORK
+                argv = [
+                    *bwrap_command(
+                        bwrap,
+                        workdir=str(self.workdir),
+                        uid=self._owner[0] if self._owner else backend._ns_uid,
+                        network=backend.network,
+                        extra_ro=backend._bwrap_dirs,
+                        tmp_size=backend.file_size,
+                        seccomp=number[rules] if rules >= 0 else None,
+                    )
+                ]
+            else:
+                env.update(HOME=str(self.workdir), TMPDIR=str(self.workdir))
+                argv = []
+            env.update(request.env)
+            if marker is not None:
+                env[MARKER] = marker
+            if bwrap is not None:
+                argv += ["--json-status-fd", str(number[status_write]), "--"]
+                prlimit = shutil.which("prlimit", path="/usr/bin:/bin")
+                if self._owner is None and prlimit is not None:
+                    # Counted inside the sandbox's user namespace: only this sandbox's
+                    # processes, not every process of the caller's user.
+                    argv += [prlimit, f"--nproc={backend.processes}", "--"]
+                argv += [*_EXEC, *request.argv]
+            else:
+                argv = list(request.argv)
+            usage_before = self._cpu_now()
+            oom_before = self._leaf.oom_kills() if self._leaf is not None else None
+            cwd = str(self.workdir) if bwrap is None else "/"
+            spec = _set_up(backend, self._owner, self._leaf, cores, request)
+
+            def start() -> Child:
+                self._files.check()
+                if self._leaf is not None:
+                    self._leaf.set_cores(cores)
+                return spawn(argv, env, cwd, passed, spec)
+
             try:
-                # Shielded, submit and wait alike: a cancel that landed between the submit
-                # and the wait left the spawned command running with no tree to kill it,
-                # its cores and memory lent again (a review of the memory reservation).
-                with anyio.CancelScope(shield=True):
-                    process = await anyio.to_thread.run_sync(lambda: SPAWNER.submit(start).result())
-            finally:
-                for fd in (status_write, rules):
-                    if fd >= 0:
-                        os.close(fd)
-        except OSError as exc:
-            if status_read >= 0:
-                os.close(status_read)
-            if not _commands_own(exc, argv[0], direct=bwrap is None):  # not a 126: ours
-                raise SandboxBrokenError(f"the sandbox could not start a command: {exc}") from exc
-            # A command that does not exist is the command's failure, like a shell's 127.
-            code = 127 if exc.errno == errno.ENOENT else 126
-            return ExecResult(code, b"", f"{exc}\n".encode())
-        except subprocess.SubprocessError as exc:  # the child's set-up failed: ours, not its
-            if status_read >= 0:
-                os.close(status_read)
-            raise SandboxBrokenError(f"the sandbox could not start a command: {exc}") from exc
-        uid = self._claim.uid if self._claim is not None else None
-        tree = Tree(process.pid, marker, uid, self._leaf, bwrap is not None)
-        self._tree = tree
-        try:
-            if self._cores and self._cores != cores:  # resized while it was starting
-                await anyio.to_thread.run_sync(self._pin, tree, self._cores)
-            result = await communicate(process, request, tree)
-            return self._finish(result, status_read, usage_before, oom_before)
-        finally:
-            self._tree = None
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(kill_tree, tree)
                 try:
-                    await anyio.to_thread.run_sync(process.wait)
+                    # Shielded, submit and wait alike: a cancel that landed between the submit
+                    # and the wait left the spawned command running with no tree to kill it,
+                    # its cores and memory lent again (a review of the memory reservation).
+                    with anyio.CancelScope(shield=True):
+                        process = await anyio.to_thread.run_sync(lambda: submit(start).result())
                 finally:
-                    process.close()
-            if status_read >= 0:
-                os.close(status_read)
+                    close(status_write, rules)
+            except OSError as exc:
+                if not _commands_own(exc, argv[0], direct=bwrap is None):  # not a 126: ours
+                    raise SandboxBrokenError(
+                        f"the sandbox could not start a command: {exc}"
+                    ) from exc
+                # A command that does not exist is the command's failure, like a shell's 127.
+                code = 127 if exc.errno == errno.ENOENT else 126
+                return ExecResult(code, b"", f"{exc}\n".encode())
+            except subprocess.SubprocessError as exc:  # the child's set-up failed: ours, not its
+                raise SandboxBrokenError(f"the sandbox could not start a command: {exc}") from exc
+            uid = self._claim.uid if self._claim is not None else None
+            tree = Tree(process.pid, marker, uid, self._leaf, bwrap is not None)
+            self._tree = tree
+            try:
+                if self._cores and self._cores != cores:  # resized while it was starting
+                    await anyio.to_thread.run_sync(self._pin, tree, self._cores)
+                result = await communicate(process, request, tree)
+                return self._finish(result, status_read, usage_before, oom_before)
+            finally:
+                self._tree = None
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(kill_tree, tree)
+                    try:
+                        await anyio.to_thread.run_sync(process.wait)
+                    finally:
+                        process.close()  # its pid given back only now, after the last kill
+        finally:
+            close(*owned)
 
     def _cpu_now(self) -> float:
         if self._leaf is not None:

@@ -14,9 +14,12 @@ the same whatever the trainer holds.
 
 It also keeps each command as its child until told to reap it: it reports the exit
 status when the command ends (``waitid`` with ``WNOWAIT``, which leaves the zombie), so
-the pid cannot be reused while the trainer kills what the command left behind, as with a
-``Popen`` the trainer waits on last. It dies with the thread that started it
-(``PR_SET_PDEATHSIG``), and its commands die with it.
+the pid cannot be reused while the trainer kills what the command left behind. It dies
+with the thread that started it (``PR_SET_PDEATHSIG``, SIGTERM here: it first kills each
+command's session and cgroups, where what a command started outside bubblewrap would run
+on), and each command dies with it (SIGKILL). It watches its commands by ``poll`` (the
+trainer's descriptors may pass 1,024) and SIGCHLD, unblocked whatever mask it inherited,
+and checks them every second besides, for a signal lost.
 
 The protocol: each message is a 4-byte length and a pickle, the request's descriptors on
 its first byte (``SCM_RIGHTS``). The trainer's only peer is this process, started by it
@@ -50,6 +53,8 @@ _MS_REC, _MS_SLAVE = 16384, 1 << 19
 _HEAD = struct.Struct("!I")
 #: Descriptors one request carries at most: stdin, stdout, stderr and a few more.
 _MOST_FDS = 8
+#: Milliseconds between checks of the commands' exits with no signal: a SIGCHLD lost.
+_RECHECK_MS = 1000
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 
 
@@ -122,7 +127,7 @@ def _child(spec: dict[str, Any], fds: list[int], report: int, server: int) -> No
     try:
         # This server's own signal handling is not the command's.
         signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGCHLD, signal.SIGPIPE, signal.SIGXFSZ):
+        for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE, signal.SIGXFSZ):
             signal.signal(sig, signal.SIG_DFL)  # the last two as subprocess restores them
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
         # Every descriptor to its number in the command (0, 1, 2, then the request's),
@@ -150,7 +155,11 @@ def _child(spec: dict[str, Any], fds: list[int], report: int, server: int) -> No
 class _Server:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.running: set[int] = set()  # started, exit not yet reported
+        # Started and not yet reaped, with their cgroups' ``cgroup.procs`` files; those
+        # whose exit is reported, and those the trainer gave up before it (reaped then).
+        self.running: dict[int, list[str]] = {}
+        self.reported: set[int] = set()
+        self.abandoned: set[int] = set()
         self.pid = os.getpid()
 
     def send(self, message: object, fds: Sequence[int] = ()) -> None:
@@ -163,7 +172,7 @@ class _Server:
 
     def receive(self) -> tuple[Any, list[int]] | None:
         space = socket.CMSG_SPACE(_MOST_FDS * 4)
-        head, ancillary, _, _ = self.sock.recvmsg(_HEAD.size, space)
+        head, ancillary, _, _ = self.sock.recvmsg(_HEAD.size, space, socket.MSG_CMSG_CLOEXEC)
         fds: list[int] = []
         for level, kind, data in ancillary:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -191,6 +200,8 @@ class _Server:
         except OSError as exc:
             os.close(read)
             os.close(write)
+            for fd in fds:
+                os.close(fd)
             self.send(("failed", call, "fork", exc.errno or 0, str(exc), spec["argv"][0]))
             return
         if pid == 0:
@@ -206,7 +217,7 @@ class _Server:
             stage, code, text = pickle.loads(failure)
             self.send(("failed", call, stage, code, text, spec["argv"][0]))
             return
-        self.running.add(pid)
+        self.running[pid] = list(spec["procs"])
         try:
             pidfd = os.pidfd_open(pid)
         except (AttributeError, OSError):
@@ -218,50 +229,93 @@ class _Server:
                 os.close(pidfd)
 
     def report_exits(self) -> None:
-        for pid in list(self.running):
+        for pid in [pid for pid in self.running if pid not in self.reported]:
             try:
                 found = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
             except ChildProcessError:
-                found = None
-                self.running.discard(pid)
+                self.running.pop(pid, None)
+                continue
             if found is None:
                 continue
-            self.running.discard(pid)
+            if pid in self.abandoned:
+                self.reap(pid)
+                continue
+            self.reported.add(pid)
             code = found.si_status
-            status = code if found.si_code == os.CLD_EXITED else -code
-            self.send(("exited", pid, status))
+            self.send(("exited", pid, code if found.si_code == os.CLD_EXITED else -code))
+
+    def reap(self, pid: int) -> None:
+        """The trainer is done with ``pid``: reaped now if it has ended, else when it does
+        (waiting here would hold every other command's start)."""
+        if pid not in self.running:
+            return
+        if (
+            pid not in self.reported
+            and os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+        ):
+            self.abandoned.add(pid)
+            return
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+        self.running.pop(pid, None)
+        self.reported.discard(pid)
+        self.abandoned.discard(pid)
+
+    def kill_all(self, *_: object) -> None:
+        """The trainer died: end every command and all it started, then this server.
+
+        Each command dies of its own parent-death signal with this process, but what it
+        started does not where no pid namespace holds it (no bubblewrap): so its session
+        and its cgroups' processes are killed here first."""
+        for pid, procs in self.running.items():
+            with contextlib.suppress(OSError):
+                os.killpg(pid, signal.SIGKILL)
+            for path in procs:
+                try:
+                    with open(path) as handle:
+                        members = [int(line) for line in handle.read().split()]
+                except (OSError, ValueError):
+                    continue
+                for member in members:
+                    with contextlib.suppress(OSError):
+                        os.kill(member, signal.SIGKILL)
+        os._exit(0)
 
     def serve(self) -> None:
+        # A trainer's signal mask is inherited, and SIGCHLD blocked would hide every
+        # exit; the poll's timeout makes up for a signal lost all the same.
         wake_read, wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(wake_write)
         signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.signal(signal.SIGTERM, self.kill_all)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGCHLD, signal.SIGTERM])
+        poller = select.poll()  # not select: the socket's number may be past 1024
+        poller.register(self.sock.fileno(), select.POLLIN)
+        poller.register(wake_read, select.POLLIN)
         while True:
-            ready, _, _ = select.select([self.sock.fileno(), wake_read], [], [])
-            if wake_read in ready:
-                while True:
-                    try:
-                        if not os.read(wake_read, 512):
-                            break
-                    except BlockingIOError:
-                        break
-                self.report_exits()
-            if self.sock.fileno() in ready:
-                got = self.receive()
-                if got is None:
-                    return  # the trainer is gone: so are we, and our commands with us
-                (what, *args), fds = got
-                if what == "start":
-                    self.start(args[0], args[1], fds)
-                    self.report_exits()  # a command that ended at once
-                elif what == "reap":
-                    with contextlib.suppress(ChildProcessError):
-                        os.waitpid(args[0], 0)
-                    self.running.discard(args[0])
+            ready = dict(poller.poll(_RECHECK_MS))
+            with contextlib.suppress(BlockingIOError):
+                while os.read(wake_read, 512):
+                    pass
+            self.report_exits()
+            if self.sock.fileno() not in ready:
+                continue
+            got = self.receive()
+            if got is None:
+                return  # the trainer is gone: so are we, and our commands with us
+            (what, *args), fds = got
+            if what == "start":
+                self.start(args[0], args[1], fds)
+                self.report_exits()  # a command that ended at once
+            elif what == "reap":
+                self.reap(args[0])
 
 
 def main(fd: int, parent: int) -> None:
+    # SIGTERM, not SIGKILL, at the trainer's death: what its commands started goes first.
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
     if _LIBC is not None:
-        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
         if os.getppid() != parent:  # the trainer died before the signal was armed
             os._exit(1)
     _Server(socket.socket(fileno=fd)).serve()

@@ -27,7 +27,7 @@ import tempfile
 import attrs
 
 from ._isolate import bwrap_command, python_dirs, reachable_by_others
-from ._spawner import SPAWNER, spawn
+from ._spawner import spawn, submit
 
 __all__ = ["Lend", "default_python", "interpreter", "open_lend", "probe_lend"]
 
@@ -102,15 +102,18 @@ def probe_lend(bwrap: str, uid: int, lend: Lend, python: str) -> str | None:
         argv += ["--", python, "-c", "import sys; sys.exit(7)"]
         spec = {"procs": [], "lend": (lend.tops, lend.dirs), "owner": (uid, uid), "cores": ()}
         try:
-            child = SPAWNER.submit(
+            child = submit(
                 spawn, argv, {"PATH": _SYSTEM_PATH}, "/", [], {**spec, "limits": []}
             ).result()
         except (OSError, subprocess.SubprocessError) as exc:
             return f"it could not be lent: {exc}"
         try:
             child.stdin.close()
-            if child.pidfd is not None and not select.select([child.pidfd], [], [], 60)[0]:
-                os.kill(child.pid, signal.SIGKILL)
+            if child.pidfd is not None:
+                poll = select.poll()  # not select: the pidfd's number may be past 1024
+                poll.register(child.pidfd, select.POLLIN)
+                if not poll.poll(60_000):
+                    os.kill(child.pid, signal.SIGKILL)
             detail = child.stderr.read().decode(errors="replace").strip()
             code = child.wait()
         finally:

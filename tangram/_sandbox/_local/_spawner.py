@@ -2,11 +2,14 @@
 
 :func:`spawn` hands the server a command, its descriptors and its set-up, and returns a
 :class:`Child` that reads as much like a ``subprocess.Popen`` as the backend needs: its
-pid, its pipes, and ``wait`` for its status (which also has the server reap it). The
-server is started once per process, from the backend's spawner thread, which lives as
-long as the process (the server dies with the thread that started it); one that died is
-started again at the next command, and the commands it held end as the sandbox's
-failure, never as their own exit.
+pid, its pipes, and ``wait`` for its status. The server keeps the ended command as a
+zombie until :meth:`Child.close`, after the backend's last kill of what it left, so its
+pid is not reused meanwhile. The server is started once per process, in its own session
+(a Ctrl-C to the trainer's terminal is the trainer's to handle, not the server's), from
+the one thread :func:`submit` runs calls on, which lives as long as the process (the
+server dies with the thread that started it); one that died is started again at the
+next command, and the commands it held end as the sandbox's failure, never as their own
+exit. A forked trainer gets a thread and a server of its own.
 """
 
 from __future__ import annotations
@@ -16,26 +19,43 @@ import contextlib
 import itertools
 import os
 import pickle
+import select
+import signal
 import socket
 import struct
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 from ...errors import SandboxBrokenError
 from . import _forkserver
 
-__all__ = ["SPAWNER", "Child", "spawn"]
+__all__ = ["Child", "spawn", "submit"]
 
+T = TypeVar("T")
 _HEAD = struct.Struct("!I")
 _SOURCE = Path(_forkserver.__file__).read_text(encoding="utf-8")
-#: The one thread that starts the fork server and hands it commands. The kernel's
-#: parent-death signal follows the *thread* that forked: anyio's worker threads end when
-#: idle, which would kill the server and every command with it; this one lives as long
-#: as the process.
-SPAWNER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tangram-spawn")
+#: Seconds the server may take to report the exit of a command the kernel says ended:
+#: past them it is stopped or stuck, and it is killed (its commands are the sandboxes'
+#: failures) rather than hold the run past its timeout.
+_REPORT_LIMIT = 3.0
+
+
+def _new_thread() -> concurrent.futures.ThreadPoolExecutor:
+    # The kernel's parent-death signal follows the *thread* that forked: anyio's worker
+    # threads end when idle, which would kill the server and every command with it.
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tangram-spawn")
+
+
+_THREAD = _new_thread()
+
+
+def submit(fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+    """Run ``fn`` on the one thread that starts the fork server and hands it commands."""
+    return _THREAD.submit(fn, *args)
 
 
 class Child:
@@ -53,19 +73,32 @@ class Child:
         self.pidfd = pidfd
         self.stdin, self.stdout, self.stderr = pipes
         self._server = server
-        self._status: int | None = None
+        self._closed = False
 
     def wait(self) -> int:
-        """Block until the command ends; its status as ``Popen.returncode`` gives it.
+        """Block until the command ends; its status as ``Popen.returncode`` gives it. It
+        stays the server's zombie until :meth:`close`.
 
-        :raises SandboxBrokenError: the fork server died first (and took the command).
+        :raises SandboxBrokenError: the fork server died first (and took the command), or
+            did not report an exit the kernel had (stopped, or stuck).
         """
-        if self._status is None:
-            self._status = self._server.exits(self.pid).result()
-            self._server.reap(self.pid)
-        return self._status
+        future = self._server.exits(self.pid)
+        if not future.done() and self.pidfd is not None:
+            poll = select.poll()
+            poll.register(self.pidfd, select.POLLIN)
+            poll.poll()  # until the command has ended, as Popen.wait
+            try:
+                return future.result(timeout=_REPORT_LIMIT)
+            except concurrent.futures.TimeoutError:
+                self._server.kill()
+        return future.result()
 
     def close(self) -> None:
+        """Give the pid back (the server reaps it) and close the command's descriptors."""
+        if self._closed:
+            return
+        self._closed = True
+        self._server.reap(self.pid)
         if self.pidfd is not None:
             os.close(self.pidfd)
             self.pidfd = None
@@ -80,15 +113,19 @@ class _Server:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         python = sys.executable or "python3"
         program = f"{_SOURCE}\nmain({theirs.fileno()}, {os.getpid()})\n"
-        with theirs:
-            self.process = subprocess.Popen(
-                [python, "-I", "-c", program],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                pass_fds=(theirs.fileno(),),
-                close_fds=True,
-            )
-        self.owner = os.getpid()
+        try:
+            with theirs:
+                self.process = subprocess.Popen(
+                    [python, "-I", "-c", program],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    pass_fds=(theirs.fileno(),),
+                    close_fds=True,
+                    start_new_session=True,
+                )
+        except BaseException:
+            ours.close()
+            raise
         self._sock = ours
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
@@ -117,6 +154,13 @@ class _Server:
             self._exits.pop(pid, None)
         with contextlib.suppress(OSError):
             self._send(("reap", pid), [])
+
+    def kill(self) -> None:
+        """End a server that stopped answering: its commands fail as the sandboxes'."""
+        with contextlib.suppress(OSError):
+            self.process.send_signal(signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # the reader ends, failing what waits
 
     def _send(self, message: object, fds: list[int]) -> None:
         body = pickle.dumps(message)
@@ -172,7 +216,8 @@ class _Server:
 
 
 def _receive(sock: socket.socket) -> tuple[tuple[Any, ...], list[int]] | None:
-    head, ancillary, _, _ = sock.recvmsg(_HEAD.size, socket.CMSG_SPACE(4))
+    # Close-on-exec: a pidfd must not reach what the trainer starts itself.
+    head, ancillary, _, _ = sock.recvmsg(_HEAD.size, socket.CMSG_SPACE(4), socket.MSG_CMSG_CLOEXEC)
     fds: list[int] = []
     for level, kind, data in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -207,19 +252,29 @@ def _failure(stage: str, code: int, text: str, program: str) -> Exception:
 _SERVER: _Server | None = None
 
 
+def _forked() -> None:
+    """In a forked trainer: the parent's thread is not here, nor its server to use."""
+    global _THREAD, _SERVER
+    _THREAD = _new_thread()
+    _SERVER = None
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 def spawn(
     argv: list[str], env: dict[str, str], cwd: str, fds: list[int], spec: dict[str, Any]
 ) -> Child:
     """Start ``argv`` in the fork server; ``fds`` become its 3, 4 ... in order.
 
-    Its standard streams are new pipes, whose ends the :class:`Child` holds. Call on
-    :data:`SPAWNER` only: the server dies with the thread that started it. ``spec`` is
-    the set-up (``._forkserver._set_up``).
+    Its standard streams are new pipes, whose ends the :class:`Child` holds. Call through
+    :func:`submit` only: the server dies with the thread that started it. ``spec`` is the
+    set-up (``._forkserver._set_up``).
     """
     global _SERVER
     server = _SERVER
-    if server is None or not server.alive or server.owner != os.getpid():
-        server = _SERVER = _Server()  # a forked trainer's copy is its parent's
+    if server is None or not server.alive:
+        server = _SERVER = _Server()
     ends = [os.pipe2(os.O_CLOEXEC) for _ in range(3)]
     theirs = [ends[0][0], ends[1][1], ends[2][1]]
     try:
