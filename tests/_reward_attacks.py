@@ -1,4 +1,5 @@
-"""Answers that lower their judge's limits, shared by the local and Docker red-team tests.
+"""Attack answers shared by several red-team tests: answers that lower their judge's limits
+(the local and Docker suites), and one that searches memory and stdin for the tests.
 
 The answer runs under its judge's uid, and ``prlimit`` needs nothing more to lower another
 process's limits. Each attack is a wrong ``add`` (or program) that lowers one limit of its
@@ -232,3 +233,50 @@ LEAK_TESTS = (
     "assert sorted(common([7, 8], [8, 1])) == sorted([8])\n"
     "assert len(common([], [1])) == 0\n"
 )
+
+
+# The answer's process looks for the secret (32 hex digits and the payload after it) and
+# for the payload's keys: in its own memory, and on the stdin of every process it can open.
+LOOKS_FOR_THE_SECRET = r"""
+import os, re
+SIGNS = re.compile(rb"[0-9a-f]{32}\n[{]|[\"]case[_]timeout[\"]|MARK[_]161803")
+
+def _memory(pid):
+    with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", 0) as mem:
+        for line in maps:
+            span, perms = line.split()[:2]
+            if "r" not in perms:
+                continue
+            low, high = (int(x, 16) for x in span.split("-"))
+            try:
+                mem.seek(low)
+                yield mem.read(high - low)
+            except (OSError, ValueError, OverflowError):
+                continue
+
+def f():
+    found = []
+    for page in _memory("self"):
+        if SIGNS.search(page):
+            found.append("own memory")
+            break
+    for pid in [p for p in os.listdir("/proc") if p.isdigit()]:
+        try:
+            fd = os.open(f"/proc/{pid}/fd/0", os.O_RDONLY | os.O_NONBLOCK)
+            data = os.read(fd, 1 << 20)
+            os.close(fd)
+            if SIGNS.search(data):
+                found.append(f"stdin of {pid}")
+        except OSError:
+            pass
+        if pid != str(os.getpid()):
+            try:
+                if any(SIGNS.search(page) for page in _memory(pid)):
+                    found.append(f"memory of {pid}")
+            except OSError:
+                pass
+    return found or "nothing"
+"""
+NOTHING_FOUND = "assert f() == 'nothing'  # MARK_161803\n"
+#: The same answer's control: it passes only where it found the tests in its own memory.
+FOUND_IN_ITS_MEMORY = "assert 'own memory' in f()  # MARK_161803\n"

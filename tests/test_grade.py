@@ -14,6 +14,7 @@ import json
 import pytest
 from _grading import LIMITS, anyio_backend, judge, pool  # noqa: F401 (fixtures)
 from _hacks import HACKS, RIGHT, RIGHT_MAIN, STDIO, TESTS, WRONG
+from _reward_attacks import FOUND_IN_ITS_MEMORY, LOOKS_FOR_THE_SECRET, NOTHING_FOUND
 
 import tangram
 from tangram._reward import _grade
@@ -129,35 +130,10 @@ async def test_without_the_seal_the_test_reading_hacks_would_work(
     assert (await judge(pool, hack.answer, hack.tests)).score() == 1.0
 
 
-# The answer's process scans every page it can read of its own memory for what the tests
-# expect: it was forked from the harness, so whatever the harness had read by then is there.
-READS_ITS_OWN_MEMORY = """
-import re
-
-def f():
-    with open("/proc/self/maps") as maps, open("/proc/self/mem", "rb", 0) as mem:
-        for line in maps:
-            span, perms = line.split()[:2]
-            if "r" not in perms:
-                continue
-            low, high = (int(x, 16) for x in span.split("-"))
-            try:
-                mem.seek(low)
-                page = mem.read(high - low)
-            except (OSError, ValueError, OverflowError):
-                continue
-            found = re.search(rb"MARK_[0-9]{6}_END", page)
-            if found:
-                return found.group().decode()
-    return "nothing"
-"""
-EXPECTS_A_MARK = "assert f() == 'MARK_271828_END'\n"
-
-
 async def test_the_harness_is_read_without_reading_on_into_the_tests(pool: SandboxPool) -> None:
     """The program is read from stdin before the harness seals itself and forks the
     answer's processes: read through a buffer, the tests behind it came along."""
-    assert (await judge(pool, READS_ITS_OWN_MEMORY, EXPECTS_A_MARK)).score() == 0.0
+    assert (await judge(pool, LOOKS_FOR_THE_SECRET, NOTHING_FOUND)).score() == 1.0
 
 
 async def test_a_buffered_read_of_the_harness_would_hand_the_answer_the_tests(
@@ -169,7 +145,7 @@ async def test_a_buffered_read_of_the_harness_would_hand_the_answer_the_tests(
     )
     assert buffered != _grade._BOOT
     monkeypatch.setattr(_grade, "_BOOT", buffered)
-    assert (await judge(pool, READS_ITS_OWN_MEMORY, EXPECTS_A_MARK)).score() == 1.0
+    assert (await judge(pool, LOOKS_FOR_THE_SECRET, FOUND_IN_ITS_MEMORY)).score() == 1.0
 
 
 async def test_an_interpreter_of_other_bytecode_compiles_the_source_sent_with_it(

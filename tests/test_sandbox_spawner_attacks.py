@@ -738,56 +738,9 @@ async def test_the_last_kill_of_a_commands_tree_never_reaches_a_reused_pid(
 
 # -- the harness, read from stdin --------------------------------------------------------------
 
-# The answer's process looks for the secret (32 hex digits and the payload after it) and
-# for the payload's keys: in its own memory, and on the stdin of every process it can open.
-LOOKS_FOR_THE_SECRET = r"""
-import os, re
-SIGNS = re.compile(rb"[0-9a-f]{32}\n[{]|[\"]case[_]timeout[\"]|MARK[_]161803")
 
-def _memory(pid):
-    with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", 0) as mem:
-        for line in maps:
-            span, perms = line.split()[:2]
-            if "r" not in perms:
-                continue
-            low, high = (int(x, 16) for x in span.split("-"))
-            try:
-                mem.seek(low)
-                yield mem.read(high - low)
-            except (OSError, ValueError, OverflowError):
-                continue
-
-def f():
-    found = []
-    for page in _memory("self"):
-        if SIGNS.search(page):
-            found.append("own memory")
-            break
-    for pid in [p for p in os.listdir("/proc") if p.isdigit()]:
-        try:
-            fd = os.open(f"/proc/{pid}/fd/0", os.O_RDONLY | os.O_NONBLOCK)
-            data = os.read(fd, 1 << 20)
-            os.close(fd)
-            if SIGNS.search(data):
-                found.append(f"stdin of {pid}")
-        except OSError:
-            pass
-        if pid != str(os.getpid()):
-            try:
-                if any(SIGNS.search(page) for page in _memory(pid)):
-                    found.append(f"memory of {pid}")
-            except OSError:
-                pass
-    return found or "nothing"
-"""
-NOTHING_FOUND = "assert f() == 'nothing'  # MARK_161803\n"
-
-
-@pytest.mark.anyio
-async def test_the_answer_finds_neither_the_secret_nor_the_tests_anywhere() -> None:
-    async with local_pool() as pool, pool.sandbox("graded") as sbx:
-        verdict = await grade(sbx, LOOKS_FOR_THE_SECRET, NOTHING_FOUND, timeout=20, case_timeout=10)
-    assert verdict.judged and verdict.score() == 1.0, verdict
+# The answer that searches every memory and stdin it can open for the tests is
+# tests/test_grade.py's, with its control.
 
 
 @pytest.mark.anyio
