@@ -100,11 +100,15 @@ def probe_lend(bwrap: str, uid: int, lend: Lend, python: str) -> str | None:
             bwrap, workdir=work, uid=uid, network=False, extra_ro=dirs, tmp_size=1 << 20
         )
         argv += ["--", python, "-c", "import sys; sys.exit(7)"]
-        spec = {"procs": [], "lend": (lend.tops, lend.dirs), "owner": (uid, uid), "cores": ()}
+        spec: dict[str, object] = {
+            "procs": [],
+            "lend": (lend.tops, lend.dirs),
+            "owner": (uid, uid),
+            "cores": (),
+            "limits": [],
+        }
         try:
-            child = submit(
-                spawn, argv, {"PATH": _SYSTEM_PATH}, "/", [], {**spec, "limits": []}
-            ).result()
+            child = submit(spawn, argv, {"PATH": _SYSTEM_PATH}, "/", [], spec).result()
         except (OSError, subprocess.SubprocessError) as exc:
             return f"it could not be lent: {exc}"
         try:
