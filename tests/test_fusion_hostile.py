@@ -21,7 +21,6 @@ import sys
 import tempfile
 import threading
 import time
-import types
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -425,15 +424,14 @@ async def test_a_long_answer_is_still_graded() -> None:
     assert (verdict.passed, verdict.total) == (2, 2)
 
 
-def _failing_popen(monkeypatch: pytest.MonkeyPatch, exc: OSError) -> None:
-    def popen(*args: Any, **kwargs: Any) -> Any:
+def _failing_spawn(monkeypatch: pytest.MonkeyPatch, exc: OSError) -> None:
+    """The host's failure where the backend starts a command (the fork server's answer,
+    which reads as ``subprocess``'s would)."""
+
+    def spawn(*args: Any, **kwargs: Any) -> Any:
         raise exc
 
-    shim = types.SimpleNamespace(
-        **{k: getattr(subprocess, k) for k in dir(subprocess) if not k.startswith("__")}
-    )
-    shim.Popen = popen
-    monkeypatch.setattr(local, "subprocess", shim)
+    monkeypatch.setattr(local, "spawn", spawn)
 
 
 @pytest.mark.anyio
@@ -441,7 +439,7 @@ def _failing_popen(monkeypatch: pytest.MonkeyPatch, exc: OSError) -> None:
 async def test_a_host_spawn_failure_is_a_503_not_the_codes_verdict(
     server: str, monkeypatch: pytest.MonkeyPatch, code: int
 ) -> None:
-    _failing_popen(monkeypatch, OSError(code, "fork failed (injected)"))
+    _failing_spawn(monkeypatch, OSError(code, "fork failed (injected)"))
     response = await _post(server, BASE)
     assert response.status_code == 503, response.text[:300]
     assert response.json()["status"] == "SandboxError"
@@ -462,12 +460,12 @@ async def test_spawn_errors_are_told_apart_in_the_backend(monkeypatch: pytest.Mo
             FileNotFoundError(errno.ENOENT, "no work dir", "/some/work/dir"),
         ):
             with monkeypatch.context() as patch:
-                _failing_popen(patch, exc)
+                _failing_spawn(patch, exc)
                 async with pool.sandbox("t") as sbx:
                     with pytest.raises(SandboxBrokenError, match="could not start"):
                         await sbx.run(["true"])
         with monkeypatch.context() as patch:
-            _failing_popen(patch, OSError(errno.E2BIG, "Argument list too long", "/bin/sh"))
+            _failing_spawn(patch, OSError(errno.E2BIG, "Argument list too long", "/bin/sh"))
             async with pool.sandbox("t") as sbx:
                 assert (await sbx.run(["true"])).exit_code == 126
 
