@@ -107,14 +107,26 @@ class Caller:
         self.calling = self.calling or anyio.Event()
         await self.calling.wait()
 
+    async def ready(self) -> None:
+        """Return once the actor is up: its start is not in a timed window."""
+
     async def call(
-        self, scheduler: str, seconds: float, concurrency: int = 4, amount: float = 1.0
+        self,
+        scheduler: str,
+        seconds: float,
+        concurrency: int = 4,
+        amount: float = 1.0,
+        start_at: float = 0.0,
     ) -> dict[str, Any]:
+        """Call for ``seconds`` from ``start_at`` (a wall-clock time; at once once
+        connected where it has passed), so two callers' windows can be the same."""
         grants: list[float] = []
         async with tray.connect(
             name=scheduler, create=False, heartbeat=HEARTBEAT, lease_timeout=LEASE_TIMEOUT
         ) as remote:
-            deadline = time.time() + seconds
+            await anyio.sleep(max(0.0, start_at - time.time()))
+            start = time.time()
+            deadline = start + seconds
 
             async def loop() -> None:
                 while time.time() < deadline:
@@ -124,7 +136,11 @@ class Caller:
             async with anyio.create_task_group() as tg:
                 for _ in range(concurrency):
                     tg.start_soon(loop)
-            return {"grants": grants, "at_home": remote._local is not None}
+            return {
+                "grants": grants,
+                "at_home": remote._local is not None,
+                "window": (start, deadline),
+            }
 
     async def wait_one(self, scheduler: str) -> str:
         """One call that must wait (the rate is spent by then), and how it ended."""
@@ -176,9 +192,12 @@ async def test_api_calls_are_granted_on_their_node_within_the_jobs_rate(
     holds no more than the job's burst and rate allow; and each node gets a fair part."""
     remote: tray.RemoteRuntime = job["remote"]
     seconds = 4.0
+    callers = [_on(job, h) for h in ("a", "b")]
+    await anyio.to_thread.run_sync(lambda: ray.get([c.ready.remote() for c in callers]))
     before = await remote.actor.counters.remote()
+    start_at = time.time() + 1.0
     results = await anyio.to_thread.run_sync(
-        lambda: ray.get([_on(job, h).call.remote(job["name"], seconds) for h in ("a", "b")])
+        lambda: ray.get([c.call.remote(job["name"], seconds, start_at=start_at) for c in callers])
     )
     after = await remote.actor.counters.remote()
     assert all(result["at_home"] for result in results)
@@ -190,8 +209,14 @@ async def test_api_calls_are_granted_on_their_node_within_the_jobs_rate(
         most = most_in_window(grants, window)
         assert most <= BURST + RATE * window + slack, (window, most)
     assert len(grants) >= 0.6 * RATE * seconds, len(grants)  # the leases do not starve it
-    shares = sorted(len(result["grants"]) for result in results)
-    assert shares[0] >= 0.3 * len(grants), shares
+    # The fair part is judged while both call: a caller that connected late (its
+    # process or its connect slowed by a loaded machine) starts past ``start_at``, and
+    # the other has the whole rate meanwhile, as it should.
+    begin = max(result["window"][0] for result in results)
+    end = min(result["window"][1] for result in results)
+    assert end - begin >= seconds / 2, (begin, end)
+    shares = sorted(sum(begin <= at <= end for at in result["grants"]) for result in results)
+    assert shares[0] >= 0.3 * sum(shares), shares
     # Each agent asks for its share every heartbeat (0.5 s here) while it holds one, and
     # while its share grows from nothing RAMP times a heartbeat, after its first ask and
     # one more at once for the calls that came meanwhile: about 0.04 messages per call at
