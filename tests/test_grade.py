@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from _grading import LIMITS, anyio_backend, judge, pool  # noqa: F401 (fixtures)
+from _grading import LIMITS, anyio_backend, classic, judge, pool  # noqa: F401 (fixtures)
 from _hacks import HACKS, RIGHT, RIGHT_MAIN, STDIO, TESTS, WRONG
 from _reward_attacks import FOUND_IN_ITS_MEMORY, LOOKS_FOR_THE_SECRET, NOTHING_FOUND
 
@@ -259,6 +259,64 @@ async def test_answers_score_what_they_pass(
     assert verdict == Verdict(passed, total)
     assert verdict.score() == float(passed == total)
     assert verdict.score(partial=True) == passed / total
+
+
+# Code that reads its own annotations, and code whose annotation names nothing: plain
+# Python evaluates both where the ``def`` runs. The harness is one program that starts
+# ``from __future__ import annotations``, which ``compile`` hands on to what it compiles
+# unless told not to: the answer's annotations were then strings, and a ``def`` whose
+# annotation names nothing passed.
+_OWN = (
+    "def add(a: int, b: int) -> int:\n    return a + b if add.__annotations__['a'] is int else 0\n"
+)
+_NONE = "def add(a: Undefined, b: int) -> int:\n    return a + b\n"
+_CHECKS = "def _f(x: int):\n    pass\nassert _f.__annotations__['x'] is int\n"
+
+
+@pytest.mark.parametrize(
+    ("answer", "tests", "passed", "total"),
+    [
+        pytest.param(_OWN, TESTS, 2, 2, id="the answer, assertion tests"),
+        pytest.param(_NONE, TESTS, 0, 2, id="the answer naming nothing, assertion tests"),
+        pytest.param(
+            _OWN,
+            {"fn_name": "add", "inputs": [[2, 3], [-1, 4]], "outputs": [5, 3]},
+            2,
+            2,
+            id="the answer, call tests",
+        ),
+        pytest.param(
+            "def f(x: int):\n    pass\n"
+            "a, b = map(int, input().split())\n"
+            "print(a + b if f.__annotations__['x'] is int else 0)\n",
+            STDIO,
+            2,
+            2,
+            id="the answer as a program, input/output tests",
+        ),
+        pytest.param("x: Undefined = 1\n" + RIGHT_MAIN, STDIO, 0, 2, id="a program naming nothing"),
+        pytest.param(RIGHT, _CHECKS + TESTS, 3, 3, id="the tests"),
+        pytest.param(
+            "def add(a, b):\n    return a + b\n",
+            {
+                "prompt": 'def _f(x: int):\n    pass\n\n\ndef add(a, b):\n    """a + b"""\n',
+                "test": "def check(candidate):\n"
+                "    assert _f.__annotations__['x'] is int\n"
+                "    assert candidate(2, 3) == 5\n",
+                "entry_point": "add",
+            },
+            1,
+            1,
+            id="the prompt's definitions",
+        ),
+    ],
+)
+async def test_annotations_are_evaluated_as_plain_python_evaluates_them(
+    pool: SandboxPool, answer: str, tests: object, passed: int, total: int
+) -> None:
+    assert await judge(pool, answer, tests) == Verdict(passed, total)
+    if isinstance(tests, str):
+        assert classic(answer, tests) == (passed == total)
 
 
 async def test_a_function_that_dies_in_one_call_fails_only_that_test(pool: SandboxPool) -> None:

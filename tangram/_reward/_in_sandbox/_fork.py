@@ -420,7 +420,7 @@ def answer_main(mode: str, source_fd: int, requests_fd: int = -1, replies: int =
         return [n for n, value in names if mine(n, value) is not value or theirs(n) is not value]
 
     if mode == "main":
-        exec(compile(source, "<string>", "exec"), module.__dict__)
+        exec(compile(source, "<string>", "exec", dont_inherit=True), module.__dict__)
         return
     requests = os.fdopen(requests_fd, "rb")
 
@@ -430,7 +430,7 @@ def answer_main(mode: str, source_fd: int, requests_fd: int = -1, replies: int =
             view = view[os.write(replies, view) :]
 
     try:
-        exec(compile(source, "<string>", "exec"), module.__dict__)
+        exec(compile(source, "<string>", "exec", dont_inherit=True), module.__dict__)
     except BaseException as exc:
         send({"ready": False, "error": f"{type(exc).__name__}: {exc}"[:_MESSAGE_LIMIT]})
         os._exit(0)

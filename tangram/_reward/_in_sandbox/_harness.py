@@ -24,6 +24,10 @@ Python 3.10 or later on Linux (``prctl``, ``memfd_create``); standard library on
 it runs on the sandbox's interpreter, not tangram's.
 """
 
+# Every ``compile`` of the program (the answer's, the prompt's, the tests') passes
+# ``dont_inherit=True``: else what it compiles inherits this import, and their annotations
+# are strings where plain Python evaluates them (a ``def`` whose annotation names nothing
+# passed; one that reads its own annotations failed).
 from __future__ import annotations
 
 import ast
@@ -192,7 +196,7 @@ def _assert_plans(suite: Mapping[str, Any], answer: Answer) -> list[_Plan]:
         # ``__main__``: tests often end in ``if __name__ == "__main__": check(...)``,
         # which under any other name was counted as a test and never ran.
         namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
-        exec(compile(helpers, "<prompt>", "exec"), namespace)
+        exec(compile(helpers, "<prompt>", "exec", dont_inherit=True), namespace)
         for name in _free_names(tree, shadowed) - theirs:
             # Tests often lean on the answer's ``import math``; they get the real module.
             if name in sys.stdlib_module_names and name not in defined:
@@ -250,7 +254,7 @@ def _run_asserts(suite: Mapping[str, Any], plan: _Plan, results: list[bool]) -> 
             if broken and is_test:
                 results.append(False)
                 continue
-            code = compile(step, "<tests>", "exec")
+            code = compile(step, "<tests>", "exec", dont_inherit=True)
             ok = _run(lambda code=code: exec(code, namespace))  # type: ignore[misc]
             broken = broken or (not ok and not is_test)
             if is_test:
