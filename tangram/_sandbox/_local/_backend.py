@@ -566,7 +566,6 @@ class _LocalHandle(SandboxHandle):
         bwrap = backend._bwrap
         cores = self._cores or request.cores
         marker = None if bwrap else secrets.token_hex(8)
-        env = {"PATH": _SYSTEM_PATH, "LANG": "C.UTF-8"}
         rules = backend._seccomp.pipe() if bwrap and backend._seccomp else -1
         status_read, status_write = os.pipe() if bwrap else (-1, -1)
         owned = {fd for fd in (rules, status_read, status_write) if fd >= 0}
@@ -581,35 +580,7 @@ class _LocalHandle(SandboxHandle):
             # The command's descriptors past its standard streams: 3, 4 in its process.
             passed = [fd for fd in (status_write, rules) if fd >= 0]
             number = {fd: 3 + i for i, fd in enumerate(passed)}
-            if bwrap is not None:
-                env["HOME"] = SANDBOX_WORK
-                argv = [
-                    *bwrap_command(
-                        bwrap,
-                        workdir=str(self.workdir),
-                        uid=self._owner[0] if self._owner else backend._ns_uid,
-                        network=backend.network,
-                        extra_ro=backend._bwrap_dirs,
-                        tmp_size=backend.file_size,
-                        seccomp=number[rules] if rules >= 0 else None,
-                    )
-                ]
-            else:
-                env.update(HOME=str(self.workdir), TMPDIR=str(self.workdir))
-                argv = []
-            env.update(request.env)
-            if marker is not None:
-                env[MARKER] = marker
-            if bwrap is not None:
-                argv += ["--json-status-fd", str(number[status_write]), "--"]
-                prlimit = shutil.which("prlimit", path="/usr/bin:/bin")
-                if self._owner is None and prlimit is not None:
-                    # Counted inside the sandbox's user namespace: only this sandbox's
-                    # processes, not every process of the caller's user.
-                    argv += [prlimit, f"--nproc={backend.processes}", "--"]
-                argv += [*_EXEC, *request.argv]
-            else:
-                argv = list(request.argv)
+            argv, env = self._command(request, marker, number.get(status_write), number.get(rules))
             usage_before = self._cpu_now()
             oom_before = self._leaf.oom_kills() if self._leaf is not None else None
             cwd = str(self.workdir) if bwrap is None else "/"
@@ -658,6 +629,40 @@ class _LocalHandle(SandboxHandle):
                         process.close()  # its pid given back only now, after the last kill
         finally:
             close(*owned)
+
+    def _command(
+        self, request: ExecRequest, marker: str | None, status: int | None, rules: int | None
+    ) -> tuple[list[str], dict[str, str]]:
+        """The argv and environment that run ``request`` here: under bubblewrap, with its
+        status written to descriptor ``status`` and its system-call filter read from
+        ``rules``, as the command's process numbers them."""
+        backend = self._backend
+        bwrap = backend._bwrap
+        env = {"PATH": _SYSTEM_PATH, "LANG": "C.UTF-8"}
+        if bwrap is None:
+            env.update(HOME=str(self.workdir), TMPDIR=str(self.workdir))
+            env.update(request.env)
+            if marker is not None:
+                env[MARKER] = marker
+            return list(request.argv), env
+        env["HOME"] = SANDBOX_WORK
+        env.update(request.env)
+        argv = bwrap_command(
+            bwrap,
+            workdir=str(self.workdir),
+            uid=self._owner[0] if self._owner else backend._ns_uid,
+            network=backend.network,
+            extra_ro=backend._bwrap_dirs,
+            tmp_size=backend.file_size,
+            seccomp=rules,
+        )
+        argv += ["--json-status-fd", str(status), "--"]
+        prlimit = shutil.which("prlimit", path="/usr/bin:/bin")
+        if self._owner is None and prlimit is not None:
+            # Counted inside the sandbox's user namespace: only this sandbox's
+            # processes, not every process of the caller's user.
+            argv += [prlimit, f"--nproc={backend.processes}", "--"]
+        return [*argv, *_EXEC, *request.argv], env
 
     def _cpu_now(self) -> float:
         if self._leaf is not None:
