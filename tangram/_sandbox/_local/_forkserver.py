@@ -99,11 +99,8 @@ def _set_up(spec: dict[str, Any], server: int) -> None:
         with open(path, "w") as handle:
             handle.write("0")
     # A host out of memory kills a sandbox's process before the trainer's.
-    try:
-        with open("/proc/self/oom_score_adj", "w") as handle:
-            handle.write("1000")
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as handle:
+        handle.write("1000")
     if spec["lend"] is not None:  # while still root: see ._lend
         lend(*spec["lend"])
     owner = spec["owner"]
