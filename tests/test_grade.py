@@ -319,6 +319,51 @@ async def test_annotations_are_evaluated_as_plain_python_evaluates_them(
         assert classic(answer, tests) == (passed == total)
 
 
+def _unittest(check: str) -> str:
+    return (
+        "import unittest\n"
+        "class T(unittest.TestCase):\n"
+        "    def test_add(self):\n"
+        "        self.assertEqual(add(2, 3), 5)\n"
+        "    def test_negative(self):\n"
+        "        self.assertEqual(add(-1, 4), 3)\n" + check
+    )
+
+
+# Every way the tests can call ``unittest.main``: it runs the ``TestCase`` classes of
+# ``sys.modules["__main__"]``, which was the harness's own program. It found no test
+# there and exited 0, and a wrong answer scored full marks.
+_MAINS = {
+    "unittest.main()": "unittest.main()\n",
+    "under __main__": "if __name__ == '__main__':\n    unittest.main()\n",
+    "with arguments": "unittest.main(verbosity=2)\n",
+    "imported": "from unittest import main\nmain()\n",
+    "imported as": "from unittest import main as run\nrun()\n",
+    "after asserts": "assert add(0, 0) == 0\nunittest.main()\n",
+}
+
+
+@pytest.mark.parametrize("check", _MAINS.values(), ids=_MAINS.keys())
+@pytest.mark.parametrize(
+    "answer",
+    [
+        RIGHT,
+        WRONG,
+        "def add(a, b):\n    return a + b if a >= 0 else 0\n",  # fails one method
+    ],
+    ids=["right", "wrong", "half right"],
+)
+async def test_unittest_main_runs_the_tests_test_cases(
+    pool: SandboxPool, answer: str, check: str
+) -> None:
+    tests = _unittest(check)
+    verdict = await judge(pool, answer, tests)
+    assert verdict.judged
+    assert verdict.total == 1 + check.count("assert ")  # unittest.main() is one test
+    assert (verdict.passed == verdict.total) == classic(answer, tests)
+    assert verdict.passed == verdict.total if answer == RIGHT else verdict.passed < verdict.total
+
+
 async def test_a_function_that_dies_in_one_call_fails_only_that_test(pool: SandboxPool) -> None:
     answer = "import os\ndef add(a, b):\n    if a < 0:\n        os._exit(0)\n    return a + b\n"
     tests = "assert add(2, 3) == 5\nassert add(-1, 4) == 3\nassert add(1, 1) == 2\n"

@@ -32,18 +32,26 @@ def test_plan(source: str, entry_point: str | None) -> tuple[ast.Module, _Steps,
     whether ``check(entry_point)`` runs after them.
 
     A test is a top-level statement other than a ``def`` or ``class`` that holds, anywhere
-    in it, an ``assert`` or a call of a function the tests define: ``check(add)``, or a
-    ``for``, ``if``, ``with`` or ``try`` around asserts (counting only top-level asserts
-    left those unchecked after the last one). Every other statement is set-up, and a
-    set-up statement that fails fails every test after it; the statements after the last
-    test run as part of it, so no statement of the tests can fail unseen. When the source
-    defines ``check`` but never calls it (HumanEval's form), ``check(entry_point)`` is one
-    more test, after every statement.
+    in it, an ``assert``, a call of a function the tests define (``check(add)``) or a
+    ``unittest.main()``, which runs the tests' ``TestCase`` classes and exits 0 only if
+    they all pass; or a ``for``, ``if``, ``with`` or ``try`` around them (counting only
+    top-level asserts left those unchecked after the last one). Every other statement is
+    set-up, and a set-up statement that fails fails every test after it; the statements
+    after the last test run as part of it, so no statement of the tests can fail unseen.
+    When the source defines ``check`` but never calls it (HumanEval's form),
+    ``check(entry_point)`` is one more test, after every statement.
 
     :raises SyntaxError: the tests do not parse.
     """
     tree = ast.parse(source, "<tests>")
     defined = {stmt.name for stmt in tree.body if isinstance(stmt, ast.FunctionDef)}
+    mains = {  # ``from unittest import main``, under whatever name
+        alias.asname or alias.name
+        for stmt in tree.body
+        if isinstance(stmt, ast.ImportFrom) and stmt.module == "unittest" and not stmt.level
+        for alias in stmt.names
+        if alias.name == "main"
+    }
     tests: list[bool] = []
     calls_check = False
     for stmt in tree.body:
@@ -59,7 +67,10 @@ def test_plan(source: str, entry_point: str | None) -> tuple[ast.Module, _Steps,
             and node.func.id in defined
         }
         calls_check = calls_check or "check" in called
-        tests.append(bool(called) or any(isinstance(node, ast.Assert) for node in nodes))
+        tests.append(
+            bool(called)
+            or any(isinstance(node, ast.Assert) or _runs_unittest(node, mains) for node in nodes)
+        )
     check = bool(entry_point) and "check" in defined and not calls_check
     steps = [([stmt], is_test) for stmt, is_test in zip(tree.body, tests, strict=True)]
     if not check and any(tests):
@@ -67,6 +78,21 @@ def test_plan(source: str, entry_point: str | None) -> tuple[ast.Module, _Steps,
         steps = [*steps[:last], (tree.body[last:], True)]
     modules = [(ast.Module(body=body, type_ignores=[]), is_test) for body, is_test in steps]
     return tree, modules, check
+
+
+def _runs_unittest(node: ast.AST, mains: set[str]) -> bool:
+    """Whether ``node`` is a call of ``unittest.main`` (or of ``main`` imported from it)."""
+    if not isinstance(node, ast.Call):
+        return False
+    func = node.func
+    if isinstance(func, ast.Name):
+        return func.id in mains
+    return (
+        isinstance(func, ast.Attribute)
+        and func.attr == "main"
+        and isinstance(func.value, ast.Name)
+        and func.value.id == "unittest"
+    )
 
 
 def count_tests(suite: Mapping[str, Any]) -> int:

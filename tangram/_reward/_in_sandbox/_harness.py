@@ -38,6 +38,7 @@ import os
 import select
 import sys
 import time
+import types
 from collections.abc import Callable, Mapping, Sequence
 
 if __name__ != "__main__":  # imported by tangram; in the sandbox the program holds them
@@ -168,7 +169,7 @@ def _readings(
     return ([frozenset(), contested] if contested else [frozenset()]), frozenset(used - contested)
 
 
-_Plan = tuple[list[tuple[ast.Module, bool]], bool, "dict[str, Any]"]
+_Plan = tuple[list[tuple[ast.Module, bool]], bool, types.ModuleType]
 
 
 def _assert_plans(suite: Mapping[str, Any], answer: Answer) -> list[_Plan]:
@@ -194,8 +195,13 @@ def _assert_plans(suite: Mapping[str, Any], answer: Answer) -> list[_Plan]:
     )
     for shadowed in readings:
         # ``__main__``: tests often end in ``if __name__ == "__main__": check(...)``,
-        # which under any other name was counted as a test and never ran.
-        namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
+        # which under any other name was counted as a test and never ran. A module, which
+        # is ``sys.modules["__main__"]`` while they run: ``unittest.main()`` runs the
+        # ``TestCase`` classes of that module, and found none in the harness's own (it
+        # exited 0 with no test run, a wrong answer's full marks).
+        module = types.ModuleType("__main__")
+        namespace = vars(module)
+        namespace["__builtins__"] = builtins
         exec(compile(helpers, "<prompt>", "exec", dont_inherit=True), namespace)
         for name in _free_names(tree, shadowed) - theirs:
             # Tests often lean on the answer's ``import math``; they get the real module.
@@ -212,7 +218,7 @@ def _assert_plans(suite: Mapping[str, Any], answer: Answer) -> list[_Plan]:
                 namespace[name] = Function(answer, name)
         if entry_point:
             namespace[entry_point] = Function(answer, entry_point, builds=not declared)
-        plans.append((list(steps), bool(check), namespace))
+        plans.append((list(steps), bool(check), module))
     return plans
 
 
@@ -246,9 +252,12 @@ def _run_asserts(suite: Mapping[str, Any], plan: _Plan, results: list[bool]) -> 
     what comes after counts as the status says, all passed for 0, all failed otherwise.
     """
     entry_point = suite.get("entry_point")
-    steps, check, namespace = plan
+    steps, check, module = plan
+    namespace = vars(module)
     total = sum(is_test for _, is_test in steps) + bool(check and entry_point)
     broken = False
+    harness = sys.modules["__main__"]
+    sys.modules["__main__"] = module
     try:
         for step, is_test in steps:
             if broken and is_test:
@@ -263,6 +272,8 @@ def _run_asserts(suite: Mapping[str, Any], plan: _Plan, results: list[bool]) -> 
             results.append(not broken and _run(lambda: namespace["check"](namespace[entry_point])))
     except _Ended as end:
         results += [end.ok] * (total - len(results))
+    finally:
+        sys.modules["__main__"] = harness
 
 
 def _run_readings(
