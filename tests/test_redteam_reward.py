@@ -485,6 +485,93 @@ async def test_an_object_the_tests_built_answers_pythons_protocols(
     assert (await judge(pool, STACK, tests)).score() == 1.0
 
 
+_NODE = (
+    "class Node:\n"
+    "    def __init__(self, val, next=None):\n"
+    "        self.val, self.next = val, next\n"
+    "def reverse(head):\n"
+    "    prev = None\n"
+    "    while head:\n"
+    "        head.next, prev, head = prev, head, head.next\n"
+    "    return prev\n"
+)
+_ACCOUNT = (
+    "class Account:\n"
+    "    rate = 0.5\n"
+    "    def __init__(self, balance):\n        self.balance = balance\n"
+    "    def deposit(self, n):\n        self.balance += n\n        return self.balance\n"
+    "    @property\n"
+    "    def doubled(self):\n        return 2 * self.balance\n"
+    "def adder(n):\n"
+    "    def add(x):\n        return x + n\n"
+    "    return add\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("answer", "tests"),
+    [
+        pytest.param(_ACCOUNT, "a = Account(100)\nassert a.balance == 100\n", id="attribute"),
+        pytest.param(
+            _ACCOUNT,
+            "a = Account(100)\nassert a.deposit(50) == 150\nassert a.balance == 150\n",
+            id="after a method",
+        ),
+        pytest.param(_ACCOUNT, "assert Account(3).doubled == 6\n", id="property"),
+        pytest.param(_ACCOUNT, "assert Account(3).rate == 0.5\n", id="class attribute"),
+        pytest.param(
+            _ACCOUNT,
+            "a = Account(1)\nassert not hasattr(a, 'missing')\n"
+            "try:\n    a.missing\nexcept AttributeError:\n    pass\n"
+            "else:\n    raise AssertionError\n",
+            id="missing",
+        ),
+        pytest.param(_ACCOUNT, "add5 = adder(5)\nassert add5(3) == 8\n", id="returned closure"),
+        pytest.param(
+            _NODE,
+            "h = reverse(Node(1, Node(2, Node(3))))\n"
+            "assert [h.val, h.next.val, h.next.next.val] == [3, 2, 1]\n"
+            "assert h.next.next.next is None\n",
+            id="linked list",
+        ),
+    ],
+)
+async def test_the_tests_read_the_answers_attributes_and_call_what_it_returns(
+    pool: SandboxPool, answer: str, tests: str
+) -> None:
+    """``p.x``, ``node.next.val`` and ``make_adder(5)(3)``: a stand-in's every attribute
+    was a method to call, and a returned function could not be called, so right
+    answers the classic recipe passes scored 0 (a fidelity review)."""
+    assert classic(answer, tests)
+    assert (await judge(pool, answer, tests)).score() == 1.0
+
+
+@pytest.mark.parametrize(
+    "tests",
+    [
+        pytest.param("assert make().real == 3\n", id="a value's attribute"),
+        pytest.param("assert make().startswith('x')\n", id="a value's method"),
+        pytest.param("assert make().me.real == 3\n", id="through itself"),
+        pytest.param("assert make().me() == 3\n", id="itself, called"),
+    ],
+)
+async def test_an_attribute_read_forges_no_value(pool: SandboxPool, tests: str) -> None:
+    """A returned object whose every attribute and call says yes: reading an attribute
+    asks the answer's process for it, which may answer anything, so a value's own names
+    (``real``, ``startswith``) stay refused on an object the tests did not build, and an
+    attribute that is the object itself reads as one of its methods."""
+    answer = (
+        "class Yes:\n"
+        "    def __getattr__(self, name):\n"
+        "        return {'me': self, 'real': 3}.get(name, lambda *a: True)\n"
+        "    def __call__(self, *a):\n        return 3\n"
+        "    def __eq__(self, other):\n        return True\n"
+        "def make():\n    return Yes()\n"
+    )
+    assert classic(answer, tests)
+    assert (await judge(pool, answer, tests)).score() == 0.0
+
+
 @pytest.mark.parametrize(
     "tests",
     [

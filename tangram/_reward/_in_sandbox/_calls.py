@@ -450,12 +450,12 @@ _VALUE_METHODS = frozenset(
 
 
 class Remote:
-    """One of the answer's objects, which stays in its process: its methods can be called.
+    """One of the answer's objects, which stays in its process: its attributes can be
+    read, as data or as more of its objects, and its methods, and it, called.
 
-    A method named like one of a builtin value's (``startswith``, ``issubset``, ``pop``)
-    only on an object the tests built by calling one of the answer's classes
-    (``Stack().pop()``): elsewhere the tests expected a value, and a value would have
-    come as data.
+    A name like one of a builtin value's (``startswith``, ``real``, ``pop``) only on an
+    object the tests built by calling one of the answer's classes (``Stack().pop()``):
+    elsewhere the tests expected a value, and a value would have come as data.
     """
 
     def __init__(self, answer: Answer, number: int, generation: int) -> None:
@@ -464,16 +464,30 @@ class Remote:
         self._generation = generation
         self._constructed = False
 
-    def __getattr__(self, name: str) -> Callable[..., Any]:
+    def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
         if name in _VALUE_METHODS and not self._constructed:
             raise AttributeError(f"{name}: the answer returned an object, not a value")
+        # Read in the answer's process: every name was a method to call, so a right
+        # answer's ``p.x`` or ``node.next.val`` was a function and failed its test.
+        found = self._answer.call(
+            self._number, "__getattr__", (name,), {}, generation=self._generation
+        )
+        if type(found) is not Remote or found._number != self._number:
+            return found
 
-        def method(*args: Any, **kwargs: Any) -> Any:
+        def method(*args: Any, **kwargs: Any) -> Any:  # it can be called (see ``_attribute``)
             return self._answer.call(self._number, name, args, kwargs, generation=self._generation)
 
         return method
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # A function the answer returned (``make_adder(5)(3)``), or an object it made
+        # callable: what it returns is data or its objects, as any call's.
+        return self._answer.call(
+            self._number, "__call__", args, kwargs, generation=self._generation
+        )
 
     # Python's protocols, on an object the tests built, as its methods are: a right
     # ``Stack`` whose tests read ``len(s)``, ``list(s)``, ``s[0]`` or ``str(s)`` scored 0.

@@ -59,7 +59,16 @@ def _take(iterator: Any) -> "tuple[list[Any], bool]":
         return [], True
 
 
+def _attribute(value: Any, name: str) -> Any:
+    """``value.name`` as the tests read it (``__getattr__``): the attribute, or, where it
+    can be called, ``value`` itself, which tells the harness to call it by name (a
+    handle per method read would be kept for the rest of the grading)."""
+    found = getattr(value, name)
+    return value if callable(found) else found
+
+
 _PROTOCOLS: "dict[str, Callable[..., Any]]" = {
+    "__getattr__": _attribute,
     "__len__": len,
     "__bool__": bool,
     "__iter__": iter,
@@ -70,7 +79,8 @@ _PROTOCOLS: "dict[str, Callable[..., Any]]" = {
     "__take__": _take,
 }
 """What the harness may ask of an object by name: the protocols on one the tests built
-(``Remote``), and ``__take__`` on an iterator the answer returned (``Lazy``)."""
+(``Remote``), an attribute of any (``__getattr__``), and ``__take__`` on an iterator the
+answer returned (``Lazy``)."""
 
 _PRINTED = 1 << 20
 """Characters of what one call prints that reach the tests; past them the call fails."""
