@@ -570,9 +570,25 @@ def test_the_wire_carries_plain_values_unchanged(value: object) -> None:
     assert type(back) is type(value)
 
 
+def test_the_wire_carries_the_method_mark_as_itself() -> None:
+    sent = json.loads(json.dumps(_wire.encode([_wire.METHOD], lambda obj: 0)))
+    assert sent == [{"m": 0}]
+    assert _wire.decode(sent, lambda n: pytest.fail("no handles"))[0] is _wire.METHOD
+
+
 @pytest.mark.parametrize(
     "data",
-    [{"eq": 1}, {"t": "x"}, {"f": "1e400"}, {"d": [[1]]}, {"a": 1, "b": 2}, {"c": [1]}],
+    [
+        {"eq": 1},
+        {"t": "x"},
+        {"f": "1e400"},
+        {"d": [[1]]},
+        {"a": 1, "b": 2},
+        {"c": [1]},
+        {"m": 1},
+        {"m": False},
+        {"m": "0"},
+    ],
 )
 def test_the_wire_rejects_what_the_encoder_never_writes(data: object) -> None:
     with pytest.raises(ValueError):

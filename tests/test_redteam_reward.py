@@ -527,6 +527,18 @@ _ACCOUNT = (
             id="missing",
         ),
         pytest.param(_ACCOUNT, "add5 = adder(5)\nassert add5(3) == 8\n", id="returned closure"),
+        pytest.param(_ACCOUNT, "assert Account.rate == 0.5\n", id="the class's attribute"),
+        pytest.param(
+            "class Geometry:\n"
+            "    @staticmethod\n"
+            "    def area(r):\n        return 3 * r * r\n"
+            "import functools\n"
+            "@functools.lru_cache(maxsize=None)\n"
+            "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
+            "assert Geometry.area(2) == 12\nassert fib(10) == 55\n"
+            "fib.cache_clear()\nassert fib(12) == 144\n",
+            id="a class's static method, a cache's method",
+        ),
         pytest.param(
             _NODE,
             "h = reverse(Node(1, Node(2, Node(3))))\n"
@@ -552,7 +564,8 @@ async def test_the_tests_read_the_answers_attributes_and_call_what_it_returns(
         pytest.param("assert make().real == 3\n", id="a value's attribute"),
         pytest.param("assert make().startswith('x')\n", id="a value's method"),
         pytest.param("assert make().me.real == 3\n", id="through itself"),
-        pytest.param("assert make().me() == 3\n", id="itself, called"),
+        pytest.param("assert make().me.startswith('x')\n", id="a value's method, through"),
+        pytest.param("assert make().items == [3]\n", id="a dict's method as data"),
     ],
 )
 async def test_an_attribute_read_forges_no_value(pool: SandboxPool, tests: str) -> None:
@@ -562,9 +575,11 @@ async def test_an_attribute_read_forges_no_value(pool: SandboxPool, tests: str) 
     attribute that is the object itself reads as one of its methods."""
     answer = (
         "class Yes:\n"
-        "    def __getattr__(self, name):\n"
-        "        return {'me': self, 'real': 3}.get(name, lambda *a: True)\n"
-        "    def __call__(self, *a):\n        return 3\n"
+        "    real = 3\n"
+        "    items = [3]\n"
+        "    def startswith(self, *a):\n        return True\n"
+        "    @property\n"
+        "    def me(self):\n        return self\n"
         "    def __eq__(self, other):\n        return True\n"
         "def make():\n    return Yes()\n"
     )

@@ -22,7 +22,7 @@ if __name__ != "__main__":  # imported by tangram; in the sandbox the program ho
     from typing import Any
 
     from ._fork import Child, Forker
-    from ._wire import decode, encode
+    from ._wire import METHOD, decode, encode
 
 __all__ = ["Answer", "AnswerError", "Function", "Items", "Remote", "start_forker"]
 
@@ -391,6 +391,22 @@ class Function:
             result._constructed = True
         return result
 
+    def __getattr__(self, name: str) -> Any:
+        # Read in the answer's process, as an object's are (``Remote``): a class's static
+        # method (``Geometry.area(2)``), a cache's ``fib.cache_info()``. Names with an
+        # underscore are refused: Python and the tests' libraries probe for those
+        # (``_is_coroutine``, ``__wrapped__``), and a round trip each is no answer to them.
+        if name.startswith("_") or self._solution:
+            raise AttributeError(name)
+        found = self._answer.call(self._name, "__getattr__", (name,), {})
+        if found is not METHOD:
+            return found
+
+        def method(*args: Any, **kwargs: Any) -> Any:
+            return self._answer.call(self._name, name, args, kwargs)
+
+        return method
+
 
 class Items:
     """An iterator the answer returned: each item is taken from the answer's process when
@@ -474,10 +490,10 @@ class Remote:
         found = self._answer.call(
             self._number, "__getattr__", (name,), {}, generation=self._generation
         )
-        if type(found) is not Remote or found._number != self._number:
+        if found is not METHOD:
             return found
 
-        def method(*args: Any, **kwargs: Any) -> Any:  # it can be called (see ``_attribute``)
+        def method(*args: Any, **kwargs: Any) -> Any:  # called by name (see ``METHOD``)
             return self._answer.call(self._number, name, args, kwargs, generation=self._generation)
 
         return method

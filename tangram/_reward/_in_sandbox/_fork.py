@@ -36,7 +36,7 @@ from collections.abc import Callable, ItemsView, KeysView, Mapping, Sequence, Va
 if __name__ != "__main__":  # imported by tangram; in the sandbox the program holds them
     from typing import Any
 
-    from ._wire import Lazy, decode, encode
+    from ._wire import METHOD, Lazy, decode, encode
 
 __all__ = ["Child", "Forker", "answer_main"]
 
@@ -61,10 +61,10 @@ def _take(iterator: Any) -> "tuple[list[Any], bool]":
 
 def _attribute(value: Any, name: str) -> Any:
     """``value.name`` as the tests read it (``__getattr__``): the attribute, or, where it
-    can be called, ``value`` itself, which tells the harness to call it by name (a
-    handle per method read would be kept for the rest of the grading)."""
+    can be called, :data:`._wire.METHOD`, and the harness calls it by name (a handle per
+    method read would be kept for the rest of the grading)."""
     found = getattr(value, name)
-    return value if callable(found) else found
+    return METHOD if callable(found) else found
 
 
 _PROTOCOLS: "dict[str, Callable[..., Any]]" = {
@@ -458,13 +458,15 @@ def answer_main(mode: str, source_fd: int, requests_fd: int = -1, replies: int =
         printed = None
         try:
             request = json.loads(line)
-            target = request["target"]
-            if type(target) is int:
-                method = request["method"]
+            target, method = request["target"], request["method"]
+            if type(target) is str and method is not None and target not in namespace:
+                raise NameError(f"name {target!r} is not defined")
+            if type(target) is int or method is not None:  # an object's, or a name's
+                found = find(target) if type(target) is int else namespace[target]
                 if method in _PROTOCOLS:  # ``len(obj)``: its class's, as Python calls it
-                    function = functools.partial(_PROTOCOLS[method], find(target))
+                    function = functools.partial(_PROTOCOLS[method], found)
                 else:
-                    function = getattr(find(target), method)
+                    function = getattr(found, method)
             elif target in namespace:
                 function = namespace[target]
             elif request.get("solution") and "Solution" in namespace:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 if __name__ != "__main__":  # for the type checker: the sandbox's program needs none
     from typing import Any
 
-__all__ = ["Lazy", "decode", "encode"]
+__all__ = ["METHOD", "Lazy", "decode", "encode"]
 
 _MAX_DEPTH = 200
 # Ints past this many bits travel as hex: CPython refuses to parse decimal strings over
@@ -34,6 +34,17 @@ class Lazy:
 
     def __init__(self, iterator: Any) -> None:
         self.iterator = iterator
+
+
+class _Method:
+    """What an attribute read answers for an attribute that can be called (a method):
+    the tests then call it by name, so no handle is kept for each read."""
+
+    def __repr__(self) -> str:
+        return "METHOD"
+
+
+METHOD = _Method()
 
 
 def encode(value: Any, handle: Callable[[Any], int], depth: int = 0) -> Any:
@@ -70,6 +81,8 @@ def encode(value: Any, handle: Callable[[Any], int], depth: int = 0) -> Any:
         return {"sl": [inner(value.start), inner(value.stop), inner(value.step)]}
     if kind is Lazy:
         return {"g": handle(value.iterator)}
+    if value is METHOD:
+        return {"m": 0}
     return {"h": handle(value)}
 
 
@@ -123,4 +136,6 @@ def decode(
         return handle(body)
     if tag == "g" and type(body) is int and lazy is not None:
         return lazy(body)
+    if tag == "m" and body == 0 and type(body) is int:
+        return METHOD
     raise ValueError(f"malformed value (tag {str(tag)[:20]!r})")
