@@ -558,6 +558,84 @@ async def test_the_tests_read_the_answers_attributes_and_call_what_it_returns(
     assert (await judge(pool, answer, tests)).score() == 1.0
 
 
+_SHAPES = (
+    "from dataclasses import dataclass\n"
+    "@dataclass\n"
+    "class Point:\n    x: int\n    y: int\n"
+    "class V:\n"
+    "    def __init__(self, x):\n        self.x = x\n"
+    "    def __add__(self, other):\n"
+    "        return V(self.x + (other.x if isinstance(other, V) else other))\n"
+    "    __radd__ = __add__\n"
+    "    def __eq__(self, other):\n        return isinstance(other, V) and self.x == other.x\n"
+    "    def __lt__(self, other):\n        return self.x < other.x\n"
+    "class Plain:\n    pass\n"
+)
+
+
+@pytest.mark.parametrize(
+    "tests",
+    [
+        pytest.param("assert Point(1, 2) == Point(1, 2)\n", id="a dataclass's =="),
+        pytest.param("assert Point(1, 2) != Point(2, 1)\n", id="!="),
+        pytest.param("assert V(1) + V(2) == V(3)\n", id="+ then =="),
+        pytest.param("assert 1 + V(2) == V(3)\n", id="reflected +"),
+        pytest.param("assert V(1) < V(2) and not V(2) < V(1)\n", id="<"),
+        pytest.param("assert sorted([V(3), V(1)]) == [V(1), V(3)]\n", id="sorted"),
+        pytest.param("p = Plain()\nassert p == p and Plain() != Plain()\n", id="no __eq__"),
+        pytest.param("assert len({Point(1, 2).x, V(1).x}) == 1\n", id="attributes"),
+        pytest.param(
+            "try:\n    Plain() < Plain()\n    ok = False\n"
+            "except TypeError:\n    ok = True\nassert ok\n",
+            id="no __lt__",
+        ),
+    ],
+)
+async def test_the_tests_compare_and_add_objects_they_built_as_python_does(
+    pool: SandboxPool, tests: str
+) -> None:
+    """Class-design tasks compare and combine the objects their tests build: their class's
+    operators decide, as in one program (a right ``@dataclass`` scored 0 on ``==``)."""
+    assert classic(_SHAPES, tests)
+    assert (await judge(pool, _SHAPES, tests)).score() == 1.0
+
+
+_FORGED = (
+    "class Yes:\n"
+    "    def __eq__(self, other):\n        return True\n"
+    "    __lt__ = __le__ = __gt__ = __ge__ = __eq__\n"
+    "    def __ne__(self, other):\n        return False\n"
+    "    def __add__(self, other):\n        return self\n"
+    "    __radd__ = __add__\n"
+    "def f(x):\n    return Yes()\n"
+    "def g(x):\n    return Yes()\n"
+)
+
+
+@pytest.mark.parametrize(
+    "tests",
+    [
+        pytest.param("assert f(1) == 2\n", id="== a value"),
+        pytest.param("assert 2 == f(1)\n", id="a value =="),
+        pytest.param("assert f(1) == g(2)\n", id="== another answer"),
+        pytest.param("assert not f(1) != 2\n", id="!="),
+        pytest.param("assert f(1) <= 2 and f(1) >= 2\n", id="<= and >="),
+        pytest.param("assert f(1) + 1 == 2\n", id="+ then =="),
+        pytest.param("assert 1 + f(1) == 2\n", id="reflected + then =="),
+        pytest.param("assert f(1) in [2]\n", id="in a list"),
+        pytest.param("assert [f(1)] == [2]\n", id="in a list =="),
+    ],
+)
+async def test_operators_on_objects_the_answer_returned_forge_nothing(
+    pool: SandboxPool, tests: str
+) -> None:
+    """An object whose every comparison says yes, returned where a value was expected:
+    it passes all of these as one program; its operators are asked only where the
+    tests built one of the two objects from the answer's class."""
+    assert classic(_FORGED, tests)
+    assert (await judge(pool, _FORGED, tests)).score() == 0.0
+
+
 @pytest.mark.parametrize(
     "tests",
     [

@@ -465,6 +465,16 @@ _VALUE_METHODS = frozenset(
 )
 
 
+def _answered(name: str) -> Callable[..., Any]:
+    """``Remote``'s ``name`` operator (``__eq__``), answered in the answer's process."""
+
+    def operation(self: "Remote", other: Any) -> Any:
+        return self._operator(name, other)
+
+    operation.__name__ = name
+    return operation
+
+
 class Remote:
     """One of the answer's objects, which stays in its process: its attributes can be
     read, as data or as more of its objects, and its methods, and it, called.
@@ -509,7 +519,39 @@ class Remote:
     # ``Stack`` whose tests read ``len(s)``, ``list(s)``, ``s[0]`` or ``str(s)`` scored 0.
     # Each is the answer's builtin of that protocol on its object (``len(obj)`` there),
     # its result decoded as data; Python checks its type here as on any object.
-    # Comparison and hashing stay this object's own: a forged ``__eq__`` is the oldest hack.
+
+    def _operator(self, name: str, other: Any) -> Any:
+        # Comparison and arithmetic where the tests built one of the two from the
+        # answer's class (``Point(1, 2) == Point(1, 2)``, ``V(1) + V(2) == V(3)``): they
+        # trust that class's ``__eq__`` there, as in one program, which the answer could
+        # make say yes to anything. Between objects the answer returned and values (or
+        # each other), they stay this object's own, identity: a forged ``__eq__`` is the
+        # oldest hack, and ``f(x) == g(y)`` compares two of its answers.
+        if not (self._constructed or (type(other) is Remote and other._constructed)):
+            return NotImplemented
+        return self._answer.call(self._number, name, (other,), {}, generation=self._generation)
+
+    __hash__ = object.__hash__  # identity, as an object of a class without ``__eq__``
+    __eq__ = _answered("__eq__")
+    __ne__ = _answered("__ne__")
+    __lt__ = _answered("__lt__")
+    __le__ = _answered("__le__")
+    __gt__ = _answered("__gt__")
+    __ge__ = _answered("__ge__")
+    __add__ = _answered("__add__")
+    __sub__ = _answered("__sub__")
+    __mul__ = _answered("__mul__")
+    __truediv__ = _answered("__truediv__")
+    __floordiv__ = _answered("__floordiv__")
+    __mod__ = _answered("__mod__")
+    __pow__ = _answered("__pow__")
+    __radd__ = _answered("__radd__")
+    __rsub__ = _answered("__rsub__")
+    __rmul__ = _answered("__rmul__")
+    __rtruediv__ = _answered("__rtruediv__")
+    __rfloordiv__ = _answered("__rfloordiv__")
+    __rmod__ = _answered("__rmod__")
+    __rpow__ = _answered("__rpow__")
 
     def _protocol(self, name: str, *args: Any) -> Any:
         if not self._constructed:

@@ -67,6 +67,16 @@ def _attribute(value: Any, name: str) -> Any:
     return METHOD if callable(found) else found
 
 
+_ARITHMETIC = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow")
+_OPERATORS = ("eq", "ne", "lt", "le", "gt", "ge", *_ARITHMETIC)
+"""The operators the tests may apply to one of the answer's objects (``Remote``)."""
+
+
+def _reflected(operation: "Callable[[Any, Any], Any]") -> "Callable[[Any, Any], Any]":
+    """``operation`` with the answer's object on its right (``2 + v``)."""
+    return lambda value, other: operation(other, value)
+
+
 _PROTOCOLS: "dict[str, Callable[..., Any]]" = {
     "__getattr__": _attribute,
     "__len__": len,
@@ -77,6 +87,11 @@ _PROTOCOLS: "dict[str, Callable[..., Any]]" = {
     "__str__": str,
     "__repr__": repr,
     "__take__": _take,
+    # Comparison and arithmetic, with one of the answer's objects the tests built on
+    # either side (``Point(1, 2) == Point(1, 2)``, ``V(1) + V(2)``): Python's own
+    # operator, reflection and fallback included, run where the objects are.
+    **{f"__{name}__": getattr(operator, name) for name in _OPERATORS},
+    **{f"__r{name}__": _reflected(getattr(operator, name)) for name in _ARITHMETIC},
 }
 """What the harness may ask of an object by name: the protocols on one the tests built
 (``Remote``), an attribute of any (``__getattr__``), and ``__take__`` on an iterator the
