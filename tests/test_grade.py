@@ -570,10 +570,13 @@ def test_the_wire_carries_plain_values_unchanged(value: object) -> None:
     assert type(back) is type(value)
 
 
-def test_the_wire_carries_the_method_mark_as_itself() -> None:
-    sent = json.loads(json.dumps(_wire.encode([_wire.METHOD], lambda obj: 0)))
-    assert sent == [{"m": 0}]
-    assert _wire.decode(sent, lambda n: pytest.fail("no handles"))[0] is _wire.METHOD
+def test_the_wire_carries_the_method_mark_only_as_an_attribute_reads_answer() -> None:
+    sent = json.loads(json.dumps(_wire.encode(_wire.METHOD, lambda obj: 0)))
+    assert sent == {"m": 0}
+    assert _wire.decode(sent, lambda n: pytest.fail("no handles"), method=True) is _wire.METHOD
+    for elsewhere, method in (({"m": 0}, False), ([{"m": 0}], True), ({"t": [{"m": 0}]}, True)):
+        with pytest.raises(ValueError):
+            _wire.decode(elsewhere, lambda n: n, method=method)
 
 
 @pytest.mark.parametrize(

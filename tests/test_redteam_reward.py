@@ -562,12 +562,12 @@ _SHAPES = (
     "from dataclasses import dataclass\n"
     "@dataclass\n"
     "class Point:\n    x: int\n    y: int\n"
-    "class V:\n"
+    "class Vec:\n"
     "    def __init__(self, x):\n        self.x = x\n"
     "    def __add__(self, other):\n"
-    "        return V(self.x + (other.x if isinstance(other, V) else other))\n"
+    "        return Vec(self.x + (other.x if isinstance(other, Vec) else other))\n"
     "    __radd__ = __add__\n"
-    "    def __eq__(self, other):\n        return isinstance(other, V) and self.x == other.x\n"
+    "    def __eq__(self, other):\n        return isinstance(other, Vec) and self.x == other.x\n"
     "    def __lt__(self, other):\n        return self.x < other.x\n"
     "class Plain:\n    pass\n"
 )
@@ -578,12 +578,12 @@ _SHAPES = (
     [
         pytest.param("assert Point(1, 2) == Point(1, 2)\n", id="a dataclass's =="),
         pytest.param("assert Point(1, 2) != Point(2, 1)\n", id="!="),
-        pytest.param("assert V(1) + V(2) == V(3)\n", id="+ then =="),
-        pytest.param("assert 1 + V(2) == V(3)\n", id="reflected +"),
-        pytest.param("assert V(1) < V(2) and not V(2) < V(1)\n", id="<"),
-        pytest.param("assert sorted([V(3), V(1)]) == [V(1), V(3)]\n", id="sorted"),
+        pytest.param("assert Vec(1) + Vec(2) == Vec(3)\n", id="+ then =="),
+        pytest.param("assert 1 + Vec(2) == Vec(3)\n", id="reflected +"),
+        pytest.param("assert Vec(1) < Vec(2) and not Vec(2) < Vec(1)\n", id="<"),
+        pytest.param("assert sorted([Vec(3), Vec(1)]) == [Vec(1), Vec(3)]\n", id="sorted"),
         pytest.param("p = Plain()\nassert p == p and Plain() != Plain()\n", id="no __eq__"),
-        pytest.param("assert len({Point(1, 2).x, V(1).x}) == 1\n", id="attributes"),
+        pytest.param("assert len({Point(1, 2).x, Vec(1).x}) == 1\n", id="attributes"),
         pytest.param(
             "try:\n    Plain() < Plain()\n    ok = False\n"
             "except TypeError:\n    ok = True\nassert ok\n",
@@ -598,6 +598,105 @@ async def test_the_tests_compare_and_add_objects_they_built_as_python_does(
     operators decide, as in one program (a right ``@dataclass`` scored 0 on ``==``)."""
     assert classic(_SHAPES, tests)
     assert (await judge(pool, _SHAPES, tests)).score() == 1.0
+
+
+@pytest.mark.parametrize(
+    "tests",
+    [
+        pytest.param("assert add(2, 3) == 5\n", id="=="),
+        pytest.param("assert add(2, 3) >= 5 and add(2, 3) <= 5\n", id="<= and >="),
+        pytest.param("assert add(2, 3) + 1 == 6\n", id="+"),
+        pytest.param("assert len(add(2, 3)) == 5\n", id="len"),
+        pytest.param("assert str(add(2, 3)) == '5'\n", id="str"),
+        pytest.param("assert 5 in add(2, 3)\n", id="in"),
+    ],
+)
+async def test_a_class_named_as_the_function_the_tests_call_builds_no_trusted_object(
+    pool: SandboxPool, tests: str
+) -> None:
+    """Without a prompt that declares the function, an answer can make it a class whose
+    every operator says yes, and the tests' call of it builds one: the tests' trust in
+    the objects they build from the answer's classes is for classes they name as
+    classes (``Point``), not for ``add``, which they call for a value."""
+    answer = (
+        "class add:\n"
+        "    def __init__(self, *a):\n        pass\n"
+        "    def __eq__(self, other):\n        return True\n"
+        "    __le__ = __ge__ = __contains__ = __eq__\n"
+        "    def __add__(self, other):\n        return self\n"
+        "    def __len__(self):\n        return 5\n"
+        "    def __str__(self):\n        return '5'\n"
+    )
+    assert classic(answer, tests)
+    assert (await judge(pool, answer, tests)).score() == 0.0
+
+
+@pytest.mark.parametrize(
+    "tests",
+    [
+        pytest.param("assert callable(make_adder(1))\n", id="callable"),
+        pytest.param(
+            "import collections.abc\nassert isinstance(make_adder(1), collections.abc.Callable)\n",
+            id="a Callable",
+        ),
+    ],
+)
+async def test_only_what_the_answer_can_call_can_be_called(pool: SandboxPool, tests: str) -> None:
+    """A stand-in that could always be called passed ``callable(make_adder(1))`` for an
+    answer returning ``object()`` (the re-attack of the attribute reads); a closure
+    passes as in one program."""
+    wrong = "def make_adder(n):\n    return object()\n"
+    right = "def make_adder(n):\n    return lambda x: x + n\n"
+    assert not classic(wrong, tests) and classic(right, tests)
+    assert (await judge(pool, wrong, tests)).score() == 0.0
+    assert (await judge(pool, right, tests)).score() == 1.0
+
+
+async def test_the_method_mark_is_no_value_a_call_can_return(pool: SandboxPool) -> None:
+    """The mark an attribute read answers for a method is one object: returned by every
+    call (its process is forked from the harness's, which holds it), it made
+    ``f(a) == f(b)`` true for any two answers."""
+    answer = (
+        "import sys\n"
+        "_M = sys._getframe(1).f_globals['METHOD']\n"
+        "def canon(xs):\n    return _M\n"
+        "def pair(xs):\n    return [_M, _M]\n"
+    )
+    tests = (
+        "assert canon([3, 1, 2]) == canon([1, 2, 3])\n"
+        "assert canon([2, 2, 1]) == canon([1, 2, 2])\n"
+        "assert pair([1]) == pair([2])\n"
+    )
+    assert (await judge(pool, answer, tests)).passed == 0
+
+
+async def test_an_attribute_the_tests_set_reaches_the_answer(pool: SandboxPool) -> None:
+    answer = (
+        "class Account:\n"
+        "    def __init__(self, balance):\n        self.balance = balance\n"
+        "    def deposit(self, n):\n        self.balance += n\n        return self.balance\n"
+    )
+    tests = "a = Account(100)\na.balance = 0\nassert a.deposit(5) == 5\nassert a.balance == 5\n"
+    assert classic(answer, tests)
+    assert (await judge(pool, answer, tests)).score() == 1.0
+
+
+async def test_a_builtin_bound_inside_a_test_case_plans_the_tests_again(
+    pool: SandboxPool,
+) -> None:
+    """``unittest`` catches everything a test method raises, the harness's signal to plan
+    the tests again included: the test was kept as failed, and a right answer scored 0."""
+    answer = "def setup():\n    global max\n    max = lambda xs: sorted(xs)[-1]\n"
+    tests = (
+        "import unittest\n"
+        "class T(unittest.TestCase):\n"
+        "    def test_max(self):\n"
+        "        setup()\n"
+        "        self.assertEqual(max([1, 3, 2]), 3)\n"
+        "unittest.main()\n"
+    )
+    assert classic(answer, tests)
+    assert (await judge(pool, answer, tests)).score() == 1.0
 
 
 _FORGED = (
@@ -624,6 +723,8 @@ _FORGED = (
         pytest.param("assert 1 + f(1) == 2\n", id="reflected + then =="),
         pytest.param("assert f(1) in [2]\n", id="in a list"),
         pytest.param("assert [f(1)] == [2]\n", id="in a list =="),
+        pytest.param("assert f(1).__eq__(2)\n", id="__eq__ called"),
+        pytest.param("assert not f(1).__ne__(2)\n", id="__ne__ called"),
     ],
 )
 async def test_operators_on_objects_the_answer_returned_forge_nothing(

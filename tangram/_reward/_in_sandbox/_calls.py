@@ -24,7 +24,15 @@ if __name__ != "__main__":  # imported by tangram; in the sandbox the program ho
     from ._fork import Child, Forker
     from ._wire import METHOD, decode, encode
 
-__all__ = ["Answer", "AnswerError", "Function", "Items", "Remote", "start_forker"]
+__all__ = [
+    "Answer",
+    "AnswerError",
+    "CallableRemote",
+    "Function",
+    "Items",
+    "Remote",
+    "start_forker",
+]
 
 _REPLY_LIMIT = 16 << 20
 _MESSAGE_LIMIT = 1000
@@ -208,7 +216,7 @@ class Answer:
         if type(said) is list:
             self.binds.update(name for name in said if type(name) is str)
 
-    def _check_plans(self) -> None:
+    def replan(self) -> None:
         """:raises _Rebound: the answer binds a builtin the plans read as the real one."""
         if self.binds & self.watch:
             raise _Rebound
@@ -279,7 +287,7 @@ class Answer:
             raise AnswerError("the object belonged to an answer process that has ended")
         if self.process is None:
             self._start()
-            self._check_plans()
+            self.replan()
         request = {
             "target": target,
             "method": method,
@@ -295,10 +303,16 @@ class Answer:
             self._send(json.dumps(request).encode() + b"\n", until)
             reply = self._receive(until)
             self._note(reply)
-            self._check_plans()
+            self.replan()
             _print(reply)
             if reply.get("ok") is True:
-                value = decode(reply.get("value"), self._remote, lazy=self._lazy)
+                value = decode(
+                    reply.get("value"),
+                    self._remote,
+                    lazy=self._lazy,
+                    call=self._callable,
+                    method=method == "__getattr__",
+                )
                 after = reply.get("args")
                 # Only a call that returns None changes its arguments here, as Python's
                 # own in-place functions do (``list.sort``): an answer that returned a
@@ -325,6 +339,9 @@ class Answer:
 
     def _remote(self, number: int) -> "Remote":
         return Remote(self, number, self.generation)
+
+    def _callable(self, number: int) -> "Remote":
+        return CallableRemote(self, number, self.generation)
 
     def _lazy(self, number: int) -> "Items":
         return Items(self, number, self.generation)
@@ -373,6 +390,19 @@ def _update(args: Sequence[Any], after: Mapping[str, Any], remote: Callable[[int
             original.update(new)
 
 
+def _class_name(name: str) -> bool:
+    """Whether the tests name ``name`` as a class (``Point``, ``LRUCache``), not a function
+    (``add``) or a constant (``GCD``).
+
+    The objects the tests build from the answer's classes are trusted with Python's
+    protocols and operators (``Remote``); the answer decides which of its names are
+    classes, the tests how they name them. Without a prompt that declares ``add`` a
+    function, a ``class add`` whose every operator said yes built such an object at
+    ``assert add(2, 3) == 5``, and a wrong answer scored full marks.
+    """
+    return name[:1].isupper() and not name.isupper()
+
+
 class Function:
     """What a test sees for one of the answer's names: calling it calls the answer."""
 
@@ -382,7 +412,7 @@ class Function:
         self._answer = answer
         self._name = name
         self._solution = solution
-        self._builds = builds and name in answer.classes
+        self._builds = builds and name in answer.classes and _class_name(name)
         self.__name__ = name
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -508,11 +538,13 @@ class Remote:
 
         return method
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # A function the answer returned (``make_adder(5)(3)``), or an object it made
-        # callable: what it returns is data or its objects, as any call's.
-        return self._answer.call(
-            self._number, "__call__", args, kwargs, generation=self._generation
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Set in the answer's process, where the tests then read it (``a.balance = 0``).
+        if name.startswith("_"):
+            object.__setattr__(self, name, value)
+            return
+        self._answer.call(
+            self._number, "__setattr__", (name, value), {}, generation=self._generation
         )
 
     # Python's protocols, on an object the tests built, as its methods are: a right
@@ -527,7 +559,11 @@ class Remote:
         # make say yes to anything. Between objects the answer returned and values (or
         # each other), they stay this object's own, identity: a forged ``__eq__`` is the
         # oldest hack, and ``f(x) == g(y)`` compares two of its answers.
-        if not (self._constructed or (type(other) is Remote and other._constructed)):
+        if not (self._constructed or (isinstance(other, Remote) and other._constructed)):
+            # Identity, said as a bool: ``NotImplemented`` is true, and the tests' own
+            # ``f(x).__eq__(3)`` passed with it.
+            if name in ("__eq__", "__ne__"):
+                return (self is other) == (name == "__eq__")
             return NotImplemented
         return self._answer.call(self._number, name, (other,), {}, generation=self._generation)
 
@@ -584,6 +620,17 @@ class Remote:
         if self._constructed:
             return self._protocol("__repr__")  # type: ignore[no-any-return]
         return f"<the answer's object {self._number}>"
+
+
+class CallableRemote(Remote):
+    """One of the answer's objects that can be called: a function it returned
+    (``make_adder(5)(3)``), a class, an object with ``__call__``. What it returns is data
+    or more of its objects, as any call's."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._answer.call(
+            self._number, "__call__", args, kwargs, generation=self._generation
+        )
 
 
 def _parse(source: str) -> list[ast.stmt]:

@@ -79,6 +79,7 @@ def _reflected(operation: "Callable[[Any, Any], Any]") -> "Callable[[Any, Any], 
 
 _PROTOCOLS: "dict[str, Callable[..., Any]]" = {
     "__getattr__": _attribute,
+    "__setattr__": setattr,
     "__len__": len,
     "__bool__": bool,
     "__iter__": iter,

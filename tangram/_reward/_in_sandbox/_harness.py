@@ -244,12 +244,19 @@ def _run(code: Callable[[], object]) -> bool:
     return True
 
 
-def _run_asserts(suite: Mapping[str, Any], plan: _Plan, results: list[bool]) -> None:
+def _run_asserts(
+    suite: Mapping[str, Any], plan: _Plan, results: list[bool], replan: Callable[[], None]
+) -> None:
     """Whether each test passed, appended to ``results`` in order (``check(entry_point)``
     last) as each ends: a run cut short (:class:`_Rebound`) leaves those that ended.
 
     Tests that end the program (``check(f); exit(0)``) end here too: as in one program,
     what comes after counts as the status says, all passed for 0, all failed otherwise.
+
+    ``replan`` raises :class:`_Rebound` where the answer bound a builtin the plan reads,
+    asked before each result is kept: a call raises it too, but code of the tests can
+    catch it (``unittest`` catches everything in a test method), and the test that
+    failed for it was kept as failed where the tests, run again, passed.
     """
     entry_point = suite.get("entry_point")
     steps, check, module = plan
@@ -264,12 +271,19 @@ def _run_asserts(suite: Mapping[str, Any], plan: _Plan, results: list[bool]) -> 
                 results.append(False)
                 continue
             code = compile(step, "<tests>", "exec", dont_inherit=True)
-            ok = _run(lambda code=code: exec(code, namespace))  # type: ignore[misc]
+            try:
+                ok = _run(lambda code=code: exec(code, namespace))  # type: ignore[misc]
+            finally:
+                replan()
             broken = broken or (not ok and not is_test)
             if is_test:
                 results.append(ok)
         if check and entry_point:
-            results.append(not broken and _run(lambda: namespace["check"](namespace[entry_point])))
+            try:
+                ok = not broken and _run(lambda: namespace["check"](namespace[entry_point]))
+            finally:
+                replan()
+            results.append(ok)
     except _Ended as end:
         results += [end.ok] * (total - len(results))
     finally:
@@ -294,7 +308,7 @@ def _run_readings(
             answer.close()
         results: list[bool] = []
         try:
-            _run_asserts(suite, plan, results)
+            _run_asserts(suite, plan, results, answer.replan)
         finally:
             for index, ok in enumerate(results):
                 before = kept[index]

@@ -83,7 +83,9 @@ def encode(value: Any, handle: Callable[[Any], int], depth: int = 0) -> Any:
         return {"g": handle(value.iterator)}
     if value is METHOD:
         return {"m": 0}
-    return {"h": handle(value)}
+    # Whether it can be called travels with it: a stand-in that could always be called
+    # passed ``callable(make_adder(1))`` for an answer returning ``object()``.
+    return {"hc": handle(value)} if callable(value) else {"h": handle(value)}
 
 
 def decode(
@@ -91,11 +93,19 @@ def decode(
     handle: Callable[[int], Any],
     depth: int = 0,
     lazy: Callable[[int], Any] | None = None,
+    *,
+    call: Callable[[int], Any] | None = None,
+    method: bool = False,
 ) -> Any:
-    """Plain Python data from :func:`encode`'s output; ``handle`` resolves a handle, and
-    ``lazy`` an iterator's (none is accepted without it).
+    """Plain Python data from :func:`encode`'s output; ``handle`` resolves a handle,
+    ``call`` one of an object that can be called (``handle`` without it), and ``lazy``
+    an iterator's (none is accepted without it). :data:`METHOD` is accepted only where
+    ``method`` says it is the answer to an attribute read, and only as the whole value:
+    anywhere else it was one object every call of the answer could return, equal to
+    itself (``f(a) == f(b)`` for any ``a`` and ``b``).
 
-    Builds only literals (and what ``handle`` and ``lazy`` return), whatever the sender was.
+    Builds only literals (and what ``handle``, ``call`` and ``lazy`` return), whatever
+    the sender was.
 
     :raises ValueError: anything :func:`encode` does not write.
     """
@@ -105,7 +115,7 @@ def decode(
         return data
 
     def inner(item: Any) -> Any:
-        return decode(item, handle, depth + 1, lazy)
+        return decode(item, handle, depth + 1, lazy, call=call)
 
     if type(data) is list:
         return [inner(item) for item in data]
@@ -134,8 +144,10 @@ def decode(
         return slice(*(inner(part) for part in body))
     if tag == "h" and type(body) is int:
         return handle(body)
+    if tag == "hc" and type(body) is int:
+        return (call or handle)(body)
     if tag == "g" and type(body) is int and lazy is not None:
         return lazy(body)
-    if tag == "m" and body == 0 and type(body) is int:
+    if tag == "m" and body == 0 and type(body) is int and method and depth == 0:
         return METHOD
     raise ValueError(f"malformed value (tag {str(tag)[:20]!r})")
