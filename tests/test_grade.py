@@ -139,9 +139,16 @@ async def test_the_harness_is_read_without_reading_on_into_the_tests(pool: Sandb
 async def test_a_buffered_read_of_the_harness_would_hand_the_answer_the_tests(
     pool: SandboxPool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Control: the same answer against a bootstrap that reads through ``sys.stdin``."""
+    """Control: the same answer against a bootstrap that reads through a buffer, which
+    holds what it read ahead (``peek``) and hands it to the harness as its stdin.
+    Through ``sys.stdin.buffer`` alone, whether the read-ahead reached the secret hung on
+    where the harness's last byte fell in an 8 KiB block, and moved with its length."""
     buffered = _grade._BOOT.replace(
-        "def _r(n):\n", "def _r(n):\n    import sys\n    return sys.stdin.buffer.read(n)\n"
+        "def _r(n):\n",
+        "_F = open(0, 'rb', buffering=1 << 16, closefd=False)\ndef _r(n):\n    return _F.read(n)\n",
+    ).replace(
+        "exec(_b())\n",
+        "_c = _b()\n_F.peek(1)\nimport io, sys\nsys.stdin = io.TextIOWrapper(_F)\nexec(_c)\n",
     )
     assert buffered != _grade._BOOT
     monkeypatch.setattr(_grade, "_BOOT", buffered)

@@ -699,6 +699,111 @@ async def test_a_builtin_bound_inside_a_test_case_plans_the_tests_again(
     assert (await judge(pool, answer, tests)).score() == 1.0
 
 
+_YES = (
+    "class _Yes:\n"
+    "    def __init__(self, *a, **k):\n        pass\n"
+    "    def __eq__(self, other):\n        return True\n"
+    "    def __ne__(self, other):\n        return False\n"
+    "    def __bool__(self):\n        return True\n"
+    "    __hash__ = object.__hash__\n"
+)
+# MBPP task 629's function is named ``Split``, as a class would be.
+_SPLIT_TESTS = [
+    "assert Split([1,2,3,4,5]) == [2,4]",
+    "assert Split([4,5,6,7,8,0,1]) == [4,6,8,0]",
+    "assert Split ([8,12,15,19]) == [8,12]",
+]
+
+
+@pytest.mark.parametrize(
+    "label",
+    [
+        pytest.param(_SPLIT_TESTS, id="test_list"),
+        pytest.param({"test_list": _SPLIT_TESTS}, id="mapping"),
+        pytest.param(
+            {
+                "test": "def check(candidate):\n"
+                "    assert candidate([1,2,3,4,5]) == [2,4]\n"
+                "    assert candidate([8,12,15,19]) == [8,12]\n",
+                "entry_point": "Split",
+            },
+            id="entry point, no prompt",
+        ),
+        pytest.param(
+            "import unittest\n"
+            "class T(unittest.TestCase):\n"
+            "    def test_split(self):\n"
+            "        self.assertEqual(Split([1,2,3,4,5]), [2,4])\n"
+            "unittest.main()\n",
+            id="unittest",
+        ),
+        pytest.param(
+            "assert Find_Max([[1],[1,2]]) == [1,2]\nassert Diff([10,15], [25]) == [10,15,25]\n",
+            id="other names",
+        ),
+    ],
+)
+async def test_a_function_named_like_a_class_compares_as_a_value(
+    pool: SandboxPool, label: object
+) -> None:
+    """MBPP names functions ``Split``, ``Find_Max``, ``Diff``: the answer can make them
+    classes whose ``==`` says yes, and the tests' own call builds the object. A built
+    object's comparison is trusted only against another of the answer's objects, never
+    against a value (a second re-attack: every form of these tests scored 1.0)."""
+    answer = _YES + "".join(f"class {n}(_Yes):\n    pass\n" for n in ("Split", "Find_Max", "Diff"))
+    assert classic(answer, "\n".join(_SPLIT_TESTS))
+    assert (await judge(pool, answer, label)).score() == 0.0
+    right = "def Split(xs):\n    return [x for x in xs if x % 2 == 0]\n"
+    assert (await judge(pool, right, _SPLIT_TESTS)).score() == 1.0
+
+
+async def test_a_built_objects_comparison_is_its_own_classs(pool: SandboxPool) -> None:
+    """``midpoint(a, b) == Point(1, 1)``: the tests trust ``Point``'s ``==``, but Python
+    asks the left side first, an object the answer returned that says yes to anything."""
+    answer = (
+        _YES
+        + "class Point:\n    def __init__(self, x, y):\n        self.x, self.y = x, y\n"
+        + "    def __eq__(self, o):\n"
+        + "        return isinstance(o, Point) and (self.x, self.y) == (o.x, o.y)\n"
+        + "def midpoint(a, b):\n    return _Yes()\n"
+    )
+    tests = (
+        "assert midpoint(Point(0, 0), Point(2, 2)) == Point(1, 1)\n"
+        "assert not midpoint(Point(0, 0), Point(2, 2)) != Point(1, 1)\n"
+    )
+    assert classic(answer, tests)
+    assert (await judge(pool, answer, tests)).passed == 0
+
+
+@pytest.mark.parametrize(
+    ("answer", "tests"),
+    [
+        pytest.param(
+            "class Bag:\n"
+            "    def __setattr__(self, k, v):\n        v.clear()\n"
+            "    def total(self):\n        return 0\n",
+            "xs = [3, 1, 2]\nb = Bag()\nb.items = xs\nassert b.total() == sum(xs)\n",
+            id="a list emptied",
+        ),
+        pytest.param(
+            "class Config:\n"
+            "    def __setattr__(self, k, v):\n        v.clear(); v['a'] = 0\n"
+            "    def get(self, k):\n        return 0\n",
+            "want = {'a': 7}\nc = Config()\nc.values = want\nassert c.get('a') == want['a']\n",
+            id="a dict rewritten",
+        ),
+    ],
+)
+async def test_an_attribute_the_tests_set_changes_nothing_of_theirs(
+    pool: SandboxPool, answer: str, tests: str
+) -> None:
+    """Setting an attribute is a call that returns ``None``, whose changes to its
+    arguments were copied back to the tests: the answer emptied what they computed the
+    expected value from."""
+    assert classic(answer, tests)
+    assert (await judge(pool, answer, tests)).score() == 0.0
+
+
 _FORGED = (
     "class Yes:\n"
     "    def __eq__(self, other):\n        return True\n"

@@ -274,8 +274,12 @@ class Answer:
         *,
         generation: int | None = None,
         solution: bool = False,
+        changes: bool = True,
     ) -> Any:
-        """``target(*args, **kwargs)`` in the answer's process: its result, as plain data.
+        """``target(*args, **kwargs)`` in the answer's process: its result, as plain data;
+        with ``changes``, what a call returning ``None`` did to its arguments is done to
+        the tests' (an attribute the tests set is no such call: an answer's
+        ``__setattr__`` emptied the list the tests then computed the expected value of).
 
         :raises AnswerError: the answer could not answer (see the class).
         """
@@ -318,7 +322,7 @@ class Answer:
                 # own in-place functions do (``list.sort``): an answer that returned a
                 # value and emptied its argument rewrote what ``f(xs) == sum(xs)``
                 # compared it with, in one statement or the next.
-                if value is None and type(after) is dict:
+                if changes and value is None and type(after) is dict:
                     _update(args, after, self._remote)
                 return value
         except (AnswerError, ValueError, TypeError, KeyError, RecursionError, MemoryError) as exc:
@@ -495,6 +499,17 @@ _VALUE_METHODS = frozenset(
 )
 
 
+_MIRRORED = {
+    "__eq__": "__eq__",
+    "__ne__": "__ne__",
+    "__lt__": "__gt__",
+    "__le__": "__ge__",
+    "__gt__": "__lt__",
+    "__ge__": "__le__",
+}
+"""Each comparison, and the same asked of the other side (``a < b`` is ``b > a``)."""
+
+
 def _answered(name: str) -> Callable[..., Any]:
     """``Remote``'s ``name`` operator (``__eq__``), answered in the answer's process."""
 
@@ -544,7 +559,12 @@ class Remote:
             object.__setattr__(self, name, value)
             return
         self._answer.call(
-            self._number, "__setattr__", (name, value), {}, generation=self._generation
+            self._number,
+            "__setattr__",
+            (name, value),
+            {},
+            generation=self._generation,
+            changes=False,
         )
 
     # Python's protocols, on an object the tests built, as its methods are: a right
@@ -553,17 +573,30 @@ class Remote:
     # its result decoded as data; Python checks its type here as on any object.
 
     def _operator(self, name: str, other: Any) -> Any:
-        # Comparison and arithmetic where the tests built one of the two from the
-        # answer's class (``Point(1, 2) == Point(1, 2)``, ``V(1) + V(2) == V(3)``): they
-        # trust that class's ``__eq__`` there, as in one program, which the answer could
-        # make say yes to anything. Between objects the answer returned and values (or
-        # each other), they stay this object's own, identity: a forged ``__eq__`` is the
-        # oldest hack, and ``f(x) == g(y)`` compares two of its answers.
-        if not (self._constructed or (isinstance(other, Remote) and other._constructed)):
-            # Identity, said as a bool: ``NotImplemented`` is true, and the tests' own
-            # ``f(x).__eq__(3)`` passed with it.
+        # Comparison between two of the answer's objects where the tests built one of
+        # them from its class (``Point(1, 2) == Point(1, 2)``, ``Vec(1) + Vec(2) ==
+        # Vec(3)``): they trust that class's comparison there, as in one program, and it
+        # alone decides (``_own`` in the answer's process). With a value on the other
+        # side, or between objects the answer returned, it stays identity: a forged
+        # ``__eq__`` is the oldest hack, and a function the tests name like a class
+        # (MBPP's ``Split``) can be the answer's class, ``Split(xs) == [2, 4]`` built
+        # by the tests' own call. Arithmetic with a built object on either side is its
+        # operators', as Python runs them: what it makes is compared by these rules.
+        mirrored = _MIRRORED.get(name)
+        if mirrored is not None:
+            if isinstance(other, Remote) and (self._constructed or other._constructed):
+                built, against, asked = (
+                    (self, other, name) if self._constructed else (other, self, mirrored)
+                )
+                return built._answer.call(
+                    built._number, asked, (against,), {}, generation=built._generation
+                )
             if name in ("__eq__", "__ne__"):
+                # Said as a bool: ``NotImplemented`` is true, and the tests' own
+                # ``f(x).__eq__(3)`` passed with it.
                 return (self is other) == (name == "__eq__")
+            return NotImplemented
+        if not (self._constructed or (isinstance(other, Remote) and other._constructed)):
             return NotImplemented
         return self._answer.call(self._number, name, (other,), {}, generation=self._generation)
 

@@ -68,8 +68,28 @@ def _attribute(value: Any, name: str) -> Any:
 
 
 _ARITHMETIC = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow")
-_OPERATORS = ("eq", "ne", "lt", "le", "gt", "ge", *_ARITHMETIC)
-"""The operators the tests may apply to one of the answer's objects (``Remote``)."""
+"""The arithmetic the tests may apply to one of the answer's objects (``Remote``)."""
+_COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")
+
+
+def _own(name: str) -> "Callable[[Any, Any], Any]":
+    """The comparison ``name`` of an object the tests built, asked of its class alone.
+
+    Python asks the other side when a class says ``NotImplemented`` (a dataclass does,
+    for any other class): an object the answer returned, whose ``__eq__`` says yes to
+    anything, then decided ``midpoint(a, b) == Point(1, 1)``. Here it is identity for
+    ``==`` and ``!=``, and a ``TypeError`` for an order, as for objects that define none.
+    """
+
+    def compare(built: Any, other: Any) -> Any:
+        found = getattr(type(built), name)(built, other)
+        if found is not NotImplemented:
+            return found
+        if name in ("__eq__", "__ne__"):
+            return (built is other) == (name == "__eq__")
+        raise TypeError(f"{type(built).__name__} has no {name} for {type(other).__name__}")
+
+    return compare
 
 
 def _reflected(operation: "Callable[[Any, Any], Any]") -> "Callable[[Any, Any], Any]":
@@ -89,9 +109,11 @@ _PROTOCOLS: "dict[str, Callable[..., Any]]" = {
     "__repr__": repr,
     "__take__": _take,
     # Comparison and arithmetic, with one of the answer's objects the tests built on
-    # either side (``Point(1, 2) == Point(1, 2)``, ``V(1) + V(2)``): Python's own
-    # operator, reflection and fallback included, run where the objects are.
-    **{f"__{name}__": getattr(operator, name) for name in _OPERATORS},
+    # either side (``Point(1, 2) == Point(1, 2)``, ``V(1) + V(2)``), run where the
+    # objects are: a comparison is the built object's class's (``_own``), arithmetic
+    # Python's own operator, reflection included.
+    **{f"__{name}__": _own(f"__{name}__") for name in _COMPARISONS},
+    **{f"__{name}__": getattr(operator, name) for name in _ARITHMETIC},
     **{f"__r{name}__": _reflected(getattr(operator, name)) for name in _ARITHMETIC},
 }
 """What the harness may ask of an object by name: the protocols on one the tests built
