@@ -427,7 +427,7 @@ class Function:
 
     def __getattr__(self, name: str) -> Any:
         # Read in the answer's process, as an object's are (``Remote``): a class's static
-        # method (``Geometry.area(2)``), a cache's ``fib.cache_info()``. Names with an
+        # method (``Geometry.area(2)``), a cache's ``fib.cache_clear()``. Names with an
         # underscore are refused: Python and the tests' libraries probe for those
         # (``_is_coroutine``, ``__wrapped__``), and a round trip each is no answer to them.
         if name.startswith("_") or self._solution:
