@@ -374,6 +374,23 @@ DEPTH = "def depth(n):\n    return 0 if n == 0 else 1 + depth(n - 1)\n"
     [
         pytest.param(DEPTH, "assert depth(995) == 995\n", id="a call"),
         pytest.param(
+            "import sys\nsys.setrecursionlimit(1100)\n" + DEPTH,
+            "assert depth(1092) == 1092\n",
+            id="under its own limit",
+        ),
+        pytest.param(
+            "import sys\n"
+            "def limits():\n"
+            "    before = sys.getrecursionlimit()\n"
+            "    sys.setrecursionlimit(before + 7)\n"
+            "    after = sys.getrecursionlimit()\n"
+            "    sys.setrecursionlimit(before)\n"
+            "    try:\n        sys.setrecursionlimit(0)\n    except ValueError:\n"
+            "        return after - before\n",
+            "assert limits() == 7\n",
+            id="its limit as it set it",
+        ),
+        pytest.param(
             DEPTH + "print(depth(int(input())))\n",
             {"inputs": ["993\n"], "outputs": ["993\n"]},
             id="a program",

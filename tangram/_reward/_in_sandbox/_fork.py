@@ -445,7 +445,7 @@ def answer_main(mode: str, source_fd: int, requests_fd: int = -1, replies: int =
     depth, frame = 0, sys._getframe()
     while frame.f_back is not None:
         depth, frame = depth + 1, frame.f_back
-    sys.setrecursionlimit(sys.getrecursionlimit() + depth + 1)
+    _lift_recursion_limit(depth + 1)
     sys.argv = ["-c"]
     sys.path.insert(0, "")
     module = types.ModuleType("__main__")
@@ -546,6 +546,25 @@ def answer_main(mode: str, source_fd: int, requests_fd: int = -1, replies: int =
             reply["overflow"] = printed.overflow
         send(reply)
     os._exit(0)
+
+
+def _lift_recursion_limit(frames: int) -> None:
+    """Raise the recursion limit by ``frames``, the harness's below the answer, and keep
+    it raised when the answer sets its own: ``setrecursionlimit(1100)`` left it about
+    ten frames short of what ``python -c`` allows, and ``getrecursionlimit`` says what
+    the answer set."""
+    real_set, real_get = sys.setrecursionlimit, sys.getrecursionlimit
+    real_set(real_get() + frames)
+
+    def setrecursionlimit(limit: int) -> None:
+        if isinstance(limit, int) and limit < 1:
+            real_set(limit)  # Python's own ``ValueError``
+        real_set(limit + frames)
+
+    def getrecursionlimit() -> int:
+        return real_get() - frames
+
+    sys.setrecursionlimit, sys.getrecursionlimit = setrecursionlimit, getrecursionlimit
 
 
 def _plain(value: Any, depth: int = 0) -> Any:
