@@ -522,7 +522,8 @@ def _answered(name: str) -> Callable[..., Any]:
 
 class Remote:
     """One of the answer's objects, which stays in its process: its attributes can be
-    read, as data or as more of its objects, and its methods, and it, called.
+    read, as data or as more of its objects, and its methods called (the object itself
+    only where the answer's process says it can be: ``CallableRemote``).
 
     A name like one of a builtin value's (``startswith``, ``real``, ``pop``) only on an
     object the tests built by calling one of the answer's classes (``Stack().pop()``):
@@ -582,9 +583,10 @@ class Remote:
         # (MBPP's ``Split``) can be the answer's class, ``Split(xs) == [2, 4]`` built
         # by the tests' own call. Arithmetic with a built object on either side is its
         # operators', as Python runs them: what it makes is compared by these rules.
+        built_side = self._constructed or (isinstance(other, Remote) and other._constructed)
         mirrored = _MIRRORED.get(name)
         if mirrored is not None:
-            if isinstance(other, Remote) and (self._constructed or other._constructed):
+            if isinstance(other, Remote) and built_side:
                 built, against, asked = (
                     (self, other, name) if self._constructed else (other, self, mirrored)
                 )
@@ -596,7 +598,7 @@ class Remote:
                 # ``f(x).__eq__(3)`` passed with it.
                 return (self is other) == (name == "__eq__")
             return NotImplemented
-        if not (self._constructed or (isinstance(other, Remote) and other._constructed)):
+        if not built_side:
             return NotImplemented
         return self._answer.call(self._number, name, (other,), {}, generation=self._generation)
 
