@@ -295,3 +295,101 @@ WRITELINES = "import sys\ndef show():\n    sys.stdout.writelines(['red', '\\n'])
 async def test_writelines_to_a_captured_stdout_works(pool: SandboxPool) -> None:
     assert classic(WRITELINES, CAPTURE_TESTS)
     assert (await judge(pool, WRITELINES, CAPTURE_TESTS)).score() == 1.0
+
+
+# 12. The standard library's value types, each (tests, right answer, wrong answer). An
+#     ``OrderedDict`` travelled as a dict, so a wrong order passed ``== OrderedDict(...)``
+#     where the classic recipe compares orders; a ``Counter``, a ``defaultdict`` and a
+#     ``deque`` lost their own methods, lookups and comparisons, and a ``deque``, a
+#     ``Fraction`` or a ``Decimal`` could not be passed at all: right answers scored 0.
+STDLIB_VALUES = {
+    "an OrderedDict's order": (
+        "from collections import OrderedDict\n"
+        "assert by_key({'b': 2, 'a': 1}) == OrderedDict([('a', 1), ('b', 2)])\n",
+        "from collections import OrderedDict\n"
+        "def by_key(d):\n    return OrderedDict(sorted(d.items()))\n",
+        "from collections import OrderedDict\ndef by_key(d):\n    return OrderedDict(d)\n",
+    ),
+    "an OrderedDict nested in a list": (
+        "from collections import OrderedDict\n"
+        "assert rows() == [OrderedDict([('x', 1), ('y', 2)])]\n",
+        "from collections import OrderedDict\n"
+        "def rows():\n    return [OrderedDict([('x', 1), ('y', 2)])]\n",
+        "from collections import OrderedDict\n"
+        "def rows():\n    return [OrderedDict([('y', 2), ('x', 1)])]\n",
+    ),
+    "a Counter's most_common": (
+        "assert tally('abca').most_common(1) == [('a', 2)]\n",
+        "from collections import Counter\ndef tally(s):\n    return Counter(s)\n",
+        "from collections import Counter\ndef tally(s):\n    return Counter(s[1:])\n",
+    ),
+    "a Counter's comparison, zero counts as missing": (
+        "from collections import Counter\nassert spent('ab', 'b') == Counter({'a': 1})\n",
+        "from collections import Counter\n"
+        "def spent(s, t):\n"
+        "    c = Counter(s)\n"
+        "    for ch in t:\n"
+        "        c[ch] -= 1\n"
+        "    return c\n",
+        "from collections import Counter\n"
+        "def spent(s, t):\n"
+        "    c = Counter(s)\n"
+        "    for ch in t:\n"
+        "        c[ch] += 1\n"
+        "    return c\n",
+    ),
+    "a defaultdict's missing key": (
+        "g = groups([1, 2, 3])\nassert g['odd'] == [1, 3]\nassert g['none'] == []\n",
+        "from collections import defaultdict\n"
+        "def groups(xs):\n"
+        "    d = defaultdict(list)\n"
+        "    for x in xs:\n"
+        "        d['odd' if x % 2 else 'even'].append(x)\n"
+        "    return d\n",
+        "def groups(xs):\n"
+        "    d = {}\n"
+        "    for x in xs:\n"
+        "        d.setdefault('odd' if x % 2 else 'even', []).append(x)\n"
+        "    return d\n",
+    ),
+    "a deque passed and returned": (
+        "from collections import deque\nassert turn(deque([1, 2, 3]), 1) == deque([3, 1, 2])\n",
+        "def turn(d, n):\n    d.rotate(n)\n    return d\n",
+        "def turn(d, n):\n    d.rotate(-n)\n    return d\n",
+    ),
+    "a deque changed in place": (
+        "from collections import deque\n"
+        "d = deque([1, 2, 3], maxlen=3)\n"
+        "push(d, 4)\n"
+        "assert d == deque([2, 3, 4]) and d.maxlen == 3\n",
+        "def push(d, x):\n    d.append(x)\n",
+        "def push(d, x):\n    d.appendleft(x)\n",
+    ),
+    "a Counter changed in place": (
+        "from collections import Counter\n"
+        "c = Counter('ab')\n"
+        "bump(c, 'a')\n"
+        "assert c == Counter('aab')\n",
+        "def bump(c, k):\n    c[k] += 1\n",
+        "def bump(c, k):\n    c[k] -= 1\n",
+    ),
+    "a Fraction": (
+        "from fractions import Fraction\nassert half(Fraction(1, 3)) == Fraction(1, 6)\n",
+        "def half(x):\n    return x / 2\n",
+        "def half(x):\n    return x / 3\n",
+    ),
+    "a Decimal": (
+        "from decimal import Decimal\n"
+        "assert total([Decimal('0.1'), Decimal('0.2')]) == Decimal('0.3')\n",
+        "def total(xs):\n    return sum(xs)\n",
+        "def total(xs):\n    return float(sum(xs))\n",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STDLIB_VALUES))
+async def test_the_standard_librarys_values_keep_their_type(pool: SandboxPool, name: str) -> None:
+    tests, right, wrong = STDLIB_VALUES[name]
+    assert classic(right, tests) and not classic(wrong, tests)
+    assert (await judge(pool, right, tests)).score() == 1.0
+    assert (await judge(pool, wrong, tests)).score() == 0.0

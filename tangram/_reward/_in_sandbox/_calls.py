@@ -11,6 +11,7 @@ Nothing the answer's process sends is trusted beyond the data :func:`._wire.deco
 
 import ast
 import builtins
+import collections
 import json
 import os
 import select
@@ -379,7 +380,8 @@ def _handle_of(value: Any) -> int:
 
 
 def _update(args: Sequence[Any], after: Mapping[str, Any], remote: Callable[[int], Any]) -> None:
-    """Mutations the answer made to list, dict, set and bytearray arguments, made here."""
+    """Mutations the answer made to list, dict, set, bytearray and deque arguments (and
+    the standard library's dicts), made here."""
     for key, data in after.items():
         index = int(key)
         if not 0 <= index < len(args):
@@ -389,9 +391,12 @@ def _update(args: Sequence[Any], after: Mapping[str, Any], remote: Callable[[int
             continue
         if isinstance(original, (list, bytearray)):
             original[:] = new
-        elif isinstance(original, (dict, set)):
-            original.clear()
-            original.update(new)
+        elif isinstance(original, (dict, set, collections.deque)):
+            original.clear()  # then a Counter's update sets, as a dict's does
+            if isinstance(original, collections.deque):
+                original.extend(new)
+            else:
+                original.update(new)
 
 
 def _class_name(name: str) -> bool:

@@ -21,6 +21,7 @@ the forker fails its own next test.
 
 import array
 import builtins
+import collections
 import ctypes
 import functools
 import io
@@ -182,6 +183,17 @@ class _Printed:
 
 
 _DEPTH = 100
+# The arguments whose changes a call that returns None makes in the tests' copies too.
+_CHANGED = (
+    list,
+    dict,
+    set,
+    bytearray,
+    collections.OrderedDict,
+    collections.Counter,
+    collections.defaultdict,
+    collections.deque,
+)
 
 
 class Forker:
@@ -524,9 +536,7 @@ def answer_main(mode: str, source_fd: int, requests_fd: int = -1, replies: int =
             finally:
                 sys.stdout, sys.stderr = streams
             after = {
-                str(i): encode(arg, keep)
-                for i, arg in enumerate(args)
-                if type(arg) in (list, dict, set, bytearray)
+                str(i): encode(arg, keep) for i, arg in enumerate(args) if type(arg) in _CHANGED
             }
             reply = {"ok": True, "value": encode(_plain(result), keep), "args": after}
         except BaseException as exc:
@@ -570,18 +580,27 @@ def _lift_recursion_limit(frames: int) -> None:
 def _plain(value: Any, depth: int = 0) -> Any:
     """The answer's result as the builtin values the wire carries, where it is one.
 
-    Subclasses of the builtins (``Counter``, ``defaultdict``, ``OrderedDict``, a
-    namedtuple, a ``str`` subclass) become the builtin, at any depth, as do numpy scalars
-    and arrays (``tolist``); iterators and generators are sent :class:`Lazy`, their items
-    taken as the tests ask (``__take__``), and dict views as lists. Left as handles, a
-    right answer returning a ``Counter`` failed ``assert f(x) == {...}`` (MBPP task 40's
-    reference solution).
+    The standard library's ``OrderedDict``, ``Counter``, ``defaultdict`` and ``deque``
+    stay themselves, their items made plain (the wire carries them: :mod:`._wire`).
+    Other subclasses of the builtins (a namedtuple, a ``str`` subclass, a class of the
+    answer's deriving from ``dict``) become the builtin, at any depth, as do numpy
+    scalars and arrays (``tolist``); iterators and generators are sent :class:`Lazy`,
+    their items taken as the tests ask (``__take__``), and dict views as lists. Left as
+    handles, a right answer returning a ``Counter`` failed ``assert f(x) == {...}``
+    (MBPP task 40's reference solution).
     """
     kind = type(value)
     if value is None or kind in (bool, int, float, complex, str, bytes, bytearray, range):
         return value
     if depth > _DEPTH:
         return value
+    if kind in (collections.OrderedDict, collections.Counter, collections.defaultdict):
+        factory = value.default_factory if kind is collections.defaultdict else None
+        same: dict[Any, Any] = collections.defaultdict(factory) if factory is not None else kind()
+        same.update({_plain(k, depth + 1): _plain(v, depth + 1) for k, v in value.items()})
+        return same
+    if kind is collections.deque:
+        return collections.deque((_plain(item, depth + 1) for item in value), value.maxlen)
     if isinstance(value, dict):
         return {_plain(k, depth + 1): _plain(v, depth + 1) for k, v in value.items()}
     if isinstance(value, (list, tuple, set, frozenset)):

@@ -10,6 +10,8 @@ object naming its type; a JSON object is therefore always such a tag. Handles st
 objects of the answer's own classes, which stay in its process.
 """
 
+import collections
+import sys
 from collections.abc import Callable
 
 if __name__ != "__main__":  # for the type checker: the sandbox's program needs none
@@ -26,6 +28,20 @@ _SEQUENCES: dict[type, str] = {tuple: "t", set: "s", frozenset: "fs"}
 _BUILD: dict[str, Callable[[Any], Any]] = {"t": tuple, "s": set, "fs": frozenset}
 _HEX: dict[type, str] = {bytes: "b", bytearray: "ba"}
 _FROM_HEX: dict[str, Callable[[str], Any]] = {"b": bytes.fromhex, "ba": bytearray.fromhex}
+# The standard library's mappings travel as themselves, with their own comparison and
+# lookups: as a dict, a wrong order passed ``== OrderedDict(...)``, and a right answer's
+# ``Counter(...).most_common()`` or a ``defaultdict``'s missing key failed.
+_MAPPINGS: dict[type, str] = {
+    collections.OrderedDict: "od",
+    collections.Counter: "ct",
+    collections.defaultdict: "dd",
+}
+# The factories a ``defaultdict`` travels with, by name; any other is sent as none (its
+# missing keys then raise ``KeyError``, as a dict's did before).
+_FACTORIES: dict[str, Callable[[], Any]] = {
+    factory.__name__: factory
+    for factory in (int, float, complex, str, bytes, bool, list, dict, set, frozenset, tuple)
+}
 
 
 class Lazy:
@@ -79,6 +95,21 @@ def encode(value: Any, handle: Callable[[Any], int], depth: int = 0) -> Any:
         return {"r": [value.start, value.stop, value.step]}
     if kind is slice:  # ``s[1:]`` on an object the tests built
         return {"sl": [inner(value.start), inner(value.stop), inner(value.step)]}
+    if kind in _MAPPINGS:
+        pairs = [[inner(k), inner(v)] for k, v in value.items()]
+        if kind is collections.defaultdict:
+            factory = value.default_factory
+            name = next((n for n, made in _FACTORIES.items() if made is factory), None)
+            return {"dd": [name, pairs]}
+        return {_MAPPINGS[kind]: pairs}
+    if kind is collections.deque:
+        return {"dq": [[inner(item) for item in value], value.maxlen]}
+    # Imported where the value was made, so looked up, never imported, to send one.
+    fractions, decimal = sys.modules.get("fractions"), sys.modules.get("decimal")
+    if fractions is not None and kind is fractions.Fraction:
+        return {"fr": [inner(value.numerator), inner(value.denominator)]}
+    if decimal is not None and kind is decimal.Decimal:
+        return {"dc": str(value)}
     if kind is Lazy:
         return {"g": handle(value.iterator)}
     if value is METHOD:
@@ -127,9 +158,37 @@ def decode(
     if tag in _FROM_HEX and type(body) is str:
         return _FROM_HEX[tag](body)
     if tag == "d" and type(body) is list:
-        pairs = [inner(pair) for pair in body]
-        if all(type(pair) is list and len(pair) == 2 for pair in pairs):
-            return {k: v for k, v in pairs}
+        return dict(_pairs(body, inner))
+    if tag in ("od", "ct") and type(body) is list:
+        mapping: dict[Any, Any] = (
+            collections.OrderedDict() if tag == "od" else collections.Counter()
+        )
+        mapping.update(dict(_pairs(body, inner)))  # a Counter's update of a dict sets
+        return mapping
+    if tag == "dd" and type(body) is list and len(body) == 2 and type(body[1]) is list:
+        name = body[0]
+        if name is None or (type(name) is str and name in _FACTORIES):
+            return collections.defaultdict(
+                None if name is None else _FACTORIES[name], _pairs(body[1], inner)
+            )
+    if tag == "dq" and type(body) is list and len(body) == 2 and type(body[0]) is list:
+        maxlen = body[1]
+        bounded = maxlen is None or (type(maxlen) is int and 0 <= maxlen <= sys.maxsize)
+        if bounded:
+            return collections.deque((inner(item) for item in body[0]), maxlen)
+    if tag == "fr" and type(body) is list and len(body) == 2:
+        numerator, denominator = (inner(part) for part in body)
+        if type(numerator) is int and type(denominator) is int and denominator:
+            import fractions
+
+            return fractions.Fraction(numerator, denominator)
+    if tag == "dc" and type(body) is str:
+        import decimal
+
+        try:
+            return decimal.Decimal(body)
+        except decimal.InvalidOperation:
+            raise ValueError("malformed decimal") from None
     if tag == "c" and type(body) is list and len(body) == 2:
         real, imag = (inner(part) for part in body)
         if type(real) is float and type(imag) is float:
@@ -151,3 +210,11 @@ def decode(
     if tag == "m" and body == 0 and type(body) is int and method and depth == 0:
         return METHOD
     raise ValueError(f"malformed value (tag {str(tag)[:20]!r})")
+
+
+def _pairs(body: list[Any], inner: Callable[[Any], Any]) -> list[tuple[Any, Any]]:
+    """A mapping's items, each sent as a two-item list."""
+    pairs = [inner(pair) for pair in body]
+    if not all(type(pair) is list and len(pair) == 2 for pair in pairs):
+        raise ValueError("malformed mapping")
+    return [(k, v) for k, v in pairs]
