@@ -300,8 +300,9 @@ async def test_writelines_to_a_captured_stdout_works(pool: SandboxPool) -> None:
 # 12. The standard library's value types, each (tests, right answer, wrong answer). An
 #     ``OrderedDict`` travelled as a dict, so a wrong order passed ``== OrderedDict(...)``
 #     where the classic recipe compares orders; a ``Counter``, a ``defaultdict`` and a
-#     ``deque`` lost their own methods, lookups and comparisons, and a ``deque``, a
-#     ``Fraction`` or a ``Decimal`` could not be passed at all: right answers scored 0.
+#     ``deque`` lost their own methods, lookups and comparisons, a namedtuple its fields
+#     (``cache_info().hits``), and a ``deque``, a ``Fraction`` or a ``Decimal`` could not
+#     be passed at all: right answers scored 0.
 STDLIB_VALUES = {
     "an OrderedDict's order": (
         "from collections import OrderedDict\n"
@@ -372,6 +373,37 @@ STDLIB_VALUES = {
         "assert c == Counter('aab')\n",
         "def bump(c, k):\n    c[k] += 1\n",
         "def bump(c, k):\n    c[k] -= 1\n",
+    ),
+    "a namedtuple's fields": (
+        "p = point()\nassert p.x == 1 and p == (1, 2) and repr(p) == 'P(x=1, y=2)'\n",
+        "from collections import namedtuple\n"
+        "P = namedtuple('P', 'x y')\n"
+        "def point():\n    return P(1, 2)\n",
+        "from collections import namedtuple\n"
+        "P = namedtuple('P', 'x y')\n"
+        "def point():\n    return P(2, 1)\n",
+    ),
+    "a typing.NamedTuple in a list": (
+        "assert [p.y for p in points()] == [2, 4]\n",
+        "from typing import NamedTuple\n"
+        "class P(NamedTuple):\n    x: int\n    y: int\n"
+        "def points():\n    return [P(1, 2), P(3, 4)]\n",
+        "from typing import NamedTuple\n"
+        "class P(NamedTuple):\n    y: int\n    x: int\n"
+        "def points():\n    return [P(1, 2), P(3, 4)]\n",
+    ),
+    "lru_cache's cache_info": (
+        "fib(10)\nassert fib.cache_info().hits == 8\n",
+        "from functools import lru_cache\n"
+        "@lru_cache(maxsize=None)\n"
+        "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
+        "from functools import lru_cache\n"
+        "@lru_cache(maxsize=None)\n"
+        "def fib(n):\n"
+        "    a, b = 0, 1\n"
+        "    for _ in range(n):\n"
+        "        a, b = b, a + b\n"
+        "    return a\n",
     ),
     "a Fraction": (
         "from fractions import Fraction\nassert half(Fraction(1, 3)) == Fraction(1, 6)\n",

@@ -37,7 +37,7 @@ from collections.abc import Callable, ItemsView, KeysView, Mapping, Sequence, Va
 if __name__ != "__main__":  # imported by tangram; in the sandbox the program holds them
     from typing import Any
 
-    from ._wire import METHOD, Lazy, decode, encode
+    from ._wire import METHOD, Lazy, decode, encode, namedtuple_fields
 
 __all__ = ["Child", "Forker", "answer_main"]
 
@@ -581,13 +581,13 @@ def _plain(value: Any, depth: int = 0) -> Any:
     """The answer's result as the builtin values the wire carries, where it is one.
 
     The standard library's ``OrderedDict``, ``Counter``, ``defaultdict`` and ``deque``
-    stay themselves, their items made plain (the wire carries them: :mod:`._wire`).
-    Other subclasses of the builtins (a namedtuple, a ``str`` subclass, a class of the
-    answer's deriving from ``dict``) become the builtin, at any depth, as do numpy
-    scalars and arrays (``tolist``); iterators and generators are sent :class:`Lazy`,
-    their items taken as the tests ask (``__take__``), and dict views as lists. Left as
-    handles, a right answer returning a ``Counter`` failed ``assert f(x) == {...}``
-    (MBPP task 40's reference solution).
+    stay themselves, their items made plain, and so does a namedtuple (the wire carries
+    them: :mod:`._wire`). Other subclasses of the builtins (a ``str`` subclass, a class
+    of the answer's deriving from ``dict`` or ``tuple``) become the builtin, at any
+    depth, as do numpy scalars and arrays (``tolist``); iterators and generators are
+    sent :class:`Lazy`, their items taken as the tests ask (``__take__``), and dict
+    views as lists. Left as handles, a right answer returning a ``Counter`` failed
+    ``assert f(x) == {...}`` (MBPP task 40's reference solution).
     """
     kind = type(value)
     if value is None or kind in (bool, int, float, complex, str, bytes, bytearray, range):
@@ -608,7 +608,9 @@ def _plain(value: Any, depth: int = 0) -> Any:
         if isinstance(value, list):
             return items
         if isinstance(value, tuple):
-            return tuple(items)
+            # A namedtuple stays one, its fields sent with it (``._wire``).
+            named = namedtuple_fields(kind) is not None
+            return tuple.__new__(kind, items) if named else tuple(items)
         return frozenset(items) if isinstance(value, frozenset) else set(items)
     if isinstance(value, (ItemsView, KeysView, ValuesView)):
         return [_plain(item, depth + 1) for item in value]

@@ -17,7 +17,7 @@ from collections.abc import Callable
 if __name__ != "__main__":  # for the type checker: the sandbox's program needs none
     from typing import Any
 
-__all__ = ["METHOD", "Lazy", "decode", "encode"]
+__all__ = ["METHOD", "Lazy", "decode", "encode", "namedtuple_fields"]
 
 _MAX_DEPTH = 200
 # Ints past this many bits travel as hex: CPython refuses to parse decimal strings over
@@ -36,6 +36,13 @@ _MAPPINGS: dict[type, str] = {
     collections.Counter: "ct",
     collections.defaultdict: "dd",
 }
+# A namedtuple travels with its class's name and fields, and the harness makes a class of
+# those (one per name and fields, at most so many, each of at most so many fields): as a
+# tuple, a right answer's ``p.x`` or ``cache_info().hits`` failed. Its comparison is a
+# tuple's either way; the class is the harness's, so nothing of the answer's runs there.
+_NAMED: dict[tuple[str, tuple[str, ...]], type] = {}
+_MOST_NAMED = 1024
+_MOST_FIELDS = 256
 # The factories a ``defaultdict`` travels with, by name; any other is sent as none (its
 # missing keys then raise ``KeyError``, as a dict's did before).
 _FACTORIES: dict[str, Callable[[], Any]] = {
@@ -95,6 +102,10 @@ def encode(value: Any, handle: Callable[[Any], int], depth: int = 0) -> Any:
         return {"r": [value.start, value.stop, value.step]}
     if kind is slice:  # ``s[1:]`` on an object the tests built
         return {"sl": [inner(value.start), inner(value.stop), inner(value.step)]}
+    fields = namedtuple_fields(kind)
+    if fields is not None and len(fields) == tuple.__len__(value):
+        items = [inner(item) for item in tuple.__iter__(value)]
+        return {"nt": [kind.__name__, list(fields), items]}
     if kind in _MAPPINGS:
         pairs = [[inner(k), inner(v)] for k, v in value.items()]
         if kind is collections.defaultdict:
@@ -176,6 +187,11 @@ def decode(
         bounded = maxlen is None or (type(maxlen) is int and 0 <= maxlen <= sys.maxsize)
         if bounded:
             return collections.deque((inner(item) for item in body[0]), maxlen)
+    if tag == "nt" and type(body) is list and len(body) == 3:
+        name, fields, items = body
+        named = type(name) is str and _field_names(fields) and type(items) is list
+        if named and len(fields) == len(items):
+            return tuple.__new__(_named(name, tuple(fields)), [inner(item) for item in items])
     if tag == "fr" and type(body) is list and len(body) == 2:
         numerator, denominator = (inner(part) for part in body)
         if type(numerator) is int and type(denominator) is int and denominator:
@@ -218,3 +234,32 @@ def _pairs(body: list[Any], inner: Callable[[Any], Any]) -> list[tuple[Any, Any]
     if not all(type(pair) is list and len(pair) == 2 for pair in pairs):
         raise ValueError("malformed mapping")
     return [(k, v) for k, v in pairs]
+
+
+def namedtuple_fields(kind: type) -> "tuple[str, ...] | None":
+    """The fields of a namedtuple class, as the wire sends them; ``None`` for any other."""
+    fields = getattr(kind, "_fields", None) if issubclass(kind, tuple) else None
+    return fields if type(fields) is tuple and _field_names(fields) else None
+
+
+def _field_names(fields: Any) -> bool:
+    """Whether ``fields`` can be a namedtuple's, as the wire carries them."""
+    return (
+        type(fields) in (tuple, list)
+        and len(fields) <= _MOST_FIELDS
+        and all(type(field) is str for field in fields)
+    )
+
+
+def _named(name: str, fields: tuple[str, ...]) -> type:
+    """The harness's namedtuple class of this name and these fields.
+
+    :raises ValueError: a name or field that a namedtuple cannot have.
+    """
+    if (name, fields) in _NAMED:
+        return _NAMED[(name, fields)]
+    make: Any = collections.namedtuple  # of names known only as it runs
+    made: type = make(name, fields)  # checks each is an identifier
+    if len(_NAMED) < _MOST_NAMED:
+        _NAMED[(name, fields)] = made
+    return made
