@@ -468,6 +468,89 @@ async def test_an_exception_that_steers_control_flow_is_still_never_rebuilt(
     assert (await judge(pool, answer, tests)).score() == 0.0
 
 
+BANK = (
+    "class BankError(Exception):\n    pass\n"
+    "class InsufficientFunds(BankError):\n"
+    "    def __init__(self, balance, amount):\n"
+    "        super().__init__(f'balance {balance} < {amount}')\n"
+    "class Account:\n"
+    "    def __init__(self, balance):\n        self.balance = balance\n"
+    "    def withdraw(self, amount):\n"
+    "        if amount > self.balance:\n"
+    "            raise InsufficientFunds(self.balance, amount)\n"
+    "        self.balance -= amount\n"
+    "        return self.balance\n"
+)
+# Wrong: it raises a builtin where the task asks for its own class.
+BANK_WRONG = BANK.replace("raise InsufficientFunds(self.balance, amount)", "raise ValueError('no')")
+PARSER = (
+    "class ParseError(ValueError):\n"
+    "    def __init__(self, line):\n        self.line = line\n"
+    "    def __str__(self):\n        return f'line {self.line}'\n"
+    "def parse(text):\n"
+    "    for number, line in enumerate(text.splitlines(), 1):\n"
+    "        if not line.strip().isdigit():\n            raise ParseError(number)\n"
+    "    return [int(line) for line in text.splitlines()]\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("tests", "right", "wrong"),
+    [
+        pytest.param(
+            "import unittest\n"
+            "class T(unittest.TestCase):\n"
+            "    def test_over(self):\n"
+            "        with self.assertRaises(InsufficientFunds):\n"
+            "            Account(5).withdraw(10)\n"
+            "    def test_ok(self):\n"
+            "        self.assertEqual(Account(5).withdraw(3), 2)\n"
+            "unittest.main()\n",
+            BANK,
+            BANK_WRONG,
+            id="assertRaises",
+        ),
+        pytest.param(
+            "try:\n    Account(5).withdraw(10)\n    ok = False\n"
+            "except BankError as e:\n    ok = str(e) == 'balance 5 < 10'\nassert ok\n",
+            BANK,
+            BANK_WRONG,
+            id="except its base",
+        ),
+        pytest.param(
+            "try:\n    Account(1).withdraw(2)\nexcept Exception as e:\n    err = e\n"
+            "assert isinstance(err, InsufficientFunds) and isinstance(err, BankError)\n"
+            "assert issubclass(InsufficientFunds, BankError)\n",
+            BANK,
+            BANK.replace(
+                "class InsufficientFunds(BankError)", "class InsufficientFunds(Exception)"
+            ),
+            id="isinstance and issubclass",
+        ),
+        pytest.param(
+            "try:\n    parse('1\\nx')\n    ok = False\n"
+            "except ParseError as e:\n    ok = str(e) == 'line 2'\nassert ok\n"
+            "assert parse('1\\n2') == [1, 2]\n",
+            PARSER,
+            PARSER.replace(
+                "number, line in enumerate(text.splitlines(), 1)",
+                "number, line in enumerate(text.splitlines())",
+            ),
+            id="its own __str__",
+        ),
+    ],
+)
+async def test_the_answers_exception_classes_are_classes_to_the_tests(
+    pool: SandboxPool, tests: str, right: str, wrong: str
+) -> None:
+    """Class-design tasks test that the answer raises its own exceptions: the tests'
+    ``InsufficientFunds`` was a stand-in for calling the answer, no class, so
+    ``assertRaises`` and ``except`` raised ``TypeError`` and a right answer scored 0."""
+    assert classic(right, tests) and not classic(wrong, tests)
+    assert (await judge(pool, right, tests)).score() == 1.0
+    assert (await judge(pool, wrong, tests)).score() < 1.0
+
+
 STACK = (
     "class Stack:\n"
     "    def __init__(self):\n        self.items = []\n"

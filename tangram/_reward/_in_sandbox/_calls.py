@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 if __name__ != "__main__":  # imported by tangram; in the sandbox the program holds them
-    from typing import Any
+    from typing import Any, TypeGuard
 
     from ._fork import Child, Forker
     from ._wire import METHOD, decode, encode
@@ -43,13 +43,72 @@ class AnswerError(Exception):
     """The answer's process could not give a result (it raised, died, hung, or lied)."""
 
 
-def _exception(name: Any, message: Any, kinds: Any = None, args: Any = None) -> Exception:
+def _rebuildable(found: Any) -> "TypeGuard[type[Exception]]":
+    """Whether an exception of class ``found`` may be raised in the tests as the answer
+    raised it (see :func:`_exception`)."""
+    return (
+        isinstance(found, type)
+        and issubclass(found, Exception)
+        and not issubclass(found, (StopIteration, StopAsyncIteration))
+    )
+
+
+def _text_of(error: BaseException) -> str:
+    """``str()`` of one of :func:`exception_classes`' exceptions: the answer's own text
+    for one it raised (its class's ``__str__`` ran there), else its builtin base's."""
+    said = vars(error).get("_said")
+    if type(said) is str:
+        return said
+    base = next(k for k in type(error).__mro__ if k.__module__ == "builtins")
+    return base.__str__(error)  # type: ignore[call-arg]
+
+
+def exception_classes(body: Sequence[ast.stmt]) -> dict[str, type]:
+    """The answer's top-level exception classes, made here as classes of the same names
+    and bases (read from its text; bases that are neither builtin exceptions nor another
+    of these are left out), so that the tests' ``except InsufficientFunds``,
+    ``assertRaises`` and ``isinstance`` name a class: a stand-in for calling the answer
+    was none, and a right answer scored 0. Only subclasses of ``Exception`` that do not
+    steer control flow (see :func:`_exception`); nothing of the answer's runs here."""
+    made: dict[str, type] = {}
+    classes: set[str] = set()  # every class defined so far, an exception or not
+    for node in body:  # in order: a class is defined after its bases
+        if not isinstance(node, ast.ClassDef):
+            continue
+        bases: list[type] = []
+        for base in node.bases:
+            named = base.id if isinstance(base, ast.Name) else ""
+            found = made.get(named) if named in classes else getattr(builtins, named, None)
+            if _rebuildable(found) and found not in bases:
+                bases.append(found)
+        classes.add(node.name)
+        made.pop(node.name, None)  # defined again: as this definition says
+        for chosen in (bases, bases[:1]):
+            try:
+                if chosen:
+                    made[node.name] = type(node.name, tuple(chosen), {"__str__": _text_of})
+                break
+            except TypeError:  # bases whose layouts conflict: its first alone
+                continue
+    return made
+
+
+def _exception(
+    name: Any,
+    message: Any,
+    kinds: Any = None,
+    args: Any = None,
+    classes: Mapping[str, type] | None = None,
+) -> Exception:
     """What a call raises here when the answer's function raised ``name``.
 
-    The builtin ``Exception`` subclass nearest its class (its own, else the first of its
-    bases, ``kinds``, that is one), made from its ``args`` where they came as data, so
-    ``except ValueError`` catches a ``json.JSONDecodeError`` and ``str(e)`` and ``e.args``
-    are as raised (a ``KeyError('x')`` rebuilt from its text said ``"'x'"``). Never one
+    The class nearest its own among the answer's exception ``classes`` (see
+    :func:`exception_classes`) and the builtin ``Exception`` subclasses (its own, else
+    the first of its bases, ``kinds``, that is one), made from its ``args`` where they
+    came as data, so ``except ValueError`` catches a ``json.JSONDecodeError`` and
+    ``str(e)`` and ``e.args`` are as raised (a ``KeyError('x')`` rebuilt from its text
+    said ``"'x'"``; one of the answer's classes says its text, as its ``__str__`` made
+    it). Never one
     that steers control flow: ``GeneratorExit``, ``KeyboardInterrupt`` and ``SystemExit``
     (not ``Exception``s), nor ``StopIteration`` and ``StopAsyncIteration``, which raised
     inside ``map``'s or a generator's ``__next__`` end the iteration silently
@@ -61,12 +120,9 @@ def _exception(name: Any, message: Any, kinds: Any = None, args: Any = None) -> 
     said = args if type(args) is tuple else (text,)
     bases = [k for k in kinds[:64] if type(k) is str] if type(kinds) is list else []
     for kind in (label, *bases):
-        found = getattr(builtins, kind, None)
-        if not (
-            isinstance(found, type)
-            and issubclass(found, Exception)
-            and not issubclass(found, (StopIteration, StopAsyncIteration))
-        ):
+        own = (classes or {}).get(kind)
+        found = own or getattr(builtins, kind, None)
+        if not _rebuildable(found):
             continue
         for given in (said, (text,)):
             try:
@@ -74,6 +130,8 @@ def _exception(name: Any, message: Any, kinds: Any = None, args: Any = None) -> 
             except Exception:
                 continue
             if isinstance(error, found):
+                if own is not None:
+                    vars(error)["_said"] = text
                 return error
     return AnswerError(f"{label}: {text}")
 
@@ -150,6 +208,8 @@ class Answer:
         """Builtins the tests use that the plans read as the real ones: one the answer
         binds after all ends the plans (:class:`_Rebound`)."""
         self.classes = frozenset(s.name for s in self.body if isinstance(s, ast.ClassDef))
+        self.exceptions = exception_classes(self.body)
+        """Its exception classes, as the tests name them (:func:`exception_classes`)."""
         self._buffer = bytearray()
         self._requests = -1
         self._replies = -1
@@ -340,6 +400,7 @@ class Answer:
             reply.get("message"),
             reply.get("kinds"),
             tuple(raised) if type(raised) is list else None,
+            self.exceptions,
         )
 
     def _remote(self, number: int) -> "Remote":

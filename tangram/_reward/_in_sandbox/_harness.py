@@ -215,7 +215,7 @@ def _assert_plans(suite: Mapping[str, Any], answer: Answer) -> list[_Plan]:
             # use but neither they nor the prompt define is a helper the answer must not
             # decide (``encode_cyclic``); without the prompt, such a test fails.
             if not entry_point:
-                namespace[name] = Function(answer, name)
+                namespace[name] = answer.exceptions.get(name) or Function(answer, name)
         if entry_point:
             namespace[entry_point] = Function(answer, entry_point, builds=not declared)
         plans.append((list(steps), bool(check), module))
