@@ -425,3 +425,37 @@ async def test_the_standard_librarys_values_keep_their_type(pool: SandboxPool, n
     assert classic(right, tests) and not classic(wrong, tests)
     assert (await judge(pool, right, tests)).score() == 1.0
     assert (await judge(pool, wrong, tests)).score() == 0.0
+
+
+# 13. A namedtuple's field named like a value's method (``startswith``, ``count``) held the
+#     answer's function, so a wrong answer's result said yes to ``f(x).startswith(...)``,
+#     which the answer's other objects are refused (``Remote``, ``_VALUE_METHODS``).
+FIELD_HACKS = {
+    "startswith": (
+        "from collections import namedtuple\n"
+        "def _yes(*a, **k):\n    return True\n"
+        "R = namedtuple('R', ['startswith', 'endswith'])\n"
+        "def greet(name):\n    return R(_yes, _yes)\n",
+        "assert greet('Bob').startswith('Hello')\nassert greet('Ann').endswith('Ann!')\n",
+    ),
+    "count": (
+        "from collections import namedtuple\n"
+        "R = namedtuple('R', ['count'])\n"
+        "def digits(n):\n    return R(lambda x: 2)\n",
+        "assert digits(1211).count(1) == 2\nassert digits(505).count(5) == 2\n",
+    ),
+    "index, nested in a list": (
+        "from collections import namedtuple\n"
+        "R = namedtuple('R', ['index', 'x'])\n"
+        "def found(xs, v):\n    return [R(lambda *a: 1, 0)]\n",
+        "assert found([5, 7], 7)[0].index(7) == 1\n",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FIELD_HACKS))
+async def test_a_namedtuple_field_cannot_answer_for_a_values_method(
+    pool: SandboxPool, name: str
+) -> None:
+    answer, tests = FIELD_HACKS[name]
+    assert (await judge(pool, answer, tests)).score() == 0.0

@@ -23,7 +23,7 @@ if __name__ != "__main__":  # imported by tangram; in the sandbox the program ho
     from typing import Any, TypeGuard
 
     from ._fork import Child, Forker
-    from ._wire import METHOD, decode, encode
+    from ._wire import METHOD, VALUE_METHODS, decode, encode
 
 __all__ = [
     "Answer",
@@ -557,14 +557,6 @@ class Items:
 # What the tests may call on a builtin value: on one of the answer's objects they are the
 # answer's to answer, so ``f(x).startswith("Hello")`` passed for any object whose
 # ``startswith`` said yes (issue #27's second review).
-_VALUE_METHODS = frozenset(
-    name
-    for kind in (str, bytes, bytearray, list, tuple, dict, set, frozenset, int, float, complex)
-    for name in dir(kind)
-    if not name.startswith("_")
-)
-
-
 _MIRRORED = {
     "__eq__": "__eq__",
     "__ne__": "__ne__",
@@ -605,7 +597,7 @@ class Remote:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
-        if name in _VALUE_METHODS and not self._constructed:
+        if name in VALUE_METHODS and not self._constructed:
             raise AttributeError(f"{name}: the answer returned an object, not a value")
         # Read in the answer's process: every name was a method to call, so a right
         # answer's ``p.x`` or ``node.next.val`` was a function and failed its test.

@@ -17,7 +17,7 @@ from collections.abc import Callable
 if __name__ != "__main__":  # for the type checker: the sandbox's program needs none
     from typing import Any
 
-__all__ = ["METHOD", "Lazy", "decode", "encode", "namedtuple_fields"]
+__all__ = ["METHOD", "VALUE_METHODS", "Lazy", "decode", "encode", "namedtuple_fields"]
 
 _MAX_DEPTH = 200
 # Ints past this many bits travel as hex: CPython refuses to parse decimal strings over
@@ -36,6 +36,15 @@ _MAPPINGS: dict[type, str] = {
     collections.Counter: "ct",
     collections.defaultdict: "dd",
 }
+# The methods of the builtin values: one of the answer's objects that had them passed
+# ``f(x).startswith("Hello")`` by saying yes (see ``._calls.Remote``), and so did a
+# namedtuple with a field of such a name holding its function; that travels as a tuple.
+VALUE_METHODS = frozenset(
+    name
+    for kind in (str, bytes, bytearray, list, tuple, dict, set, frozenset, int, float, complex)
+    for name in dir(kind)
+    if not name.startswith("_")
+)
 # A namedtuple travels with its class's name and fields, and the harness makes a class of
 # those (one per name and fields, at most so many, each of at most so many fields): as a
 # tuple, a right answer's ``p.x`` or ``cache_info().hits`` failed. Its comparison is a
@@ -191,7 +200,10 @@ def decode(
         name, fields, items = body
         named = type(name) is str and _field_names(fields) and type(items) is list
         if named and len(fields) == len(items):
-            return tuple.__new__(_named(name, tuple(fields)), [inner(item) for item in items])
+            values = [inner(item) for item in items]
+            if VALUE_METHODS.isdisjoint(fields):
+                return tuple.__new__(_named(name, tuple(fields)), values)
+            return tuple(values)
     if tag == "fr" and type(body) is list and len(body) == 2:
         numerator, denominator = (inner(part) for part in body)
         if type(numerator) is int and type(denominator) is int and denominator:
