@@ -391,6 +391,30 @@ DEPTH = "def depth(n):\n    return 0 if n == 0 else 1 + depth(n - 1)\n"
             id="its limit as it set it",
         ),
         pytest.param(
+            "import sys\nsys.setrecursionlimit(2**31 - 1)\n" + DEPTH,
+            "assert depth(3000) == 3000\n",
+            id="the largest limit",
+        ),
+        pytest.param(
+            "import sys\n"
+            "def refused():\n"
+            "    said = []\n"
+            "    for limit in (2**31, 0, '9'):\n"
+            "        try:\n            sys.setrecursionlimit(limit)\n"
+            "        except (OverflowError, ValueError, TypeError) as e:\n"
+            "            said.append(type(e).__name__)\n"
+            "    return said\n",
+            "assert refused() == ['OverflowError', 'ValueError', 'TypeError']\n",
+            id="limits Python refuses",
+        ),
+        pytest.param(
+            "import sys\nsys.setrecursionlimit(2**31 - 1)\n"
+            + DEPTH
+            + "print(depth(int(input())))\n",
+            {"inputs": ["3000\n"], "outputs": ["3000\n"]},
+            id="the largest limit, a program",
+        ),
+        pytest.param(
             DEPTH + "print(depth(int(input())))\n",
             {"inputs": ["993\n"], "outputs": ["993\n"]},
             id="a program",

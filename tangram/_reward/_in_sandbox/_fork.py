@@ -558,6 +558,9 @@ def answer_main(mode: str, source_fd: int, requests_fd: int = -1, replies: int =
     os._exit(0)
 
 
+_INT_MAX = 2**31 - 1  # the largest recursion limit Python takes
+
+
 def _lift_recursion_limit(frames: int) -> None:
     """Raise the recursion limit by ``frames``, the harness's below the answer, and keep
     it raised when the answer sets its own: ``setrecursionlimit(1100)`` left it about
@@ -567,9 +570,10 @@ def _lift_recursion_limit(frames: int) -> None:
     real_set(real_get() + frames)
 
     def setrecursionlimit(limit: int) -> None:
-        if isinstance(limit, int) and limit < 1:
-            real_set(limit)  # Python's own ``ValueError``
-        real_set(limit + frames)
+        if not isinstance(limit, int) or not 1 <= limit <= _INT_MAX:
+            real_set(limit)  # Python's own error (``ValueError``, ``OverflowError``)
+        # Past the C int, the lift overflowed where the answer's own limit did not.
+        real_set(min(limit + frames, _INT_MAX))
 
     def getrecursionlimit() -> int:
         return real_get() - frames
