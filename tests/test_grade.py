@@ -371,6 +371,33 @@ async def test_unittest_main_runs_the_tests_test_cases(
     assert verdict.passed == verdict.total if answer == RIGHT else verdict.passed < verdict.total
 
 
+# Ways the tests run their ``TestCase`` classes without ending the program: the run's
+# result is printed and the program goes on to exit 0, whatever failed.
+_NOT_EXITING = {
+    "exit=False": "unittest.main(argv=[''], exit=False)\n",
+    "exit=False, kept": "program = unittest.main(argv=['tests'], exit=False, verbosity=0)\n",
+    "a runner, then an assert": (
+        "unittest.TextTestRunner().run(unittest.TestLoader().loadTestsFromTestCase(T))\n"
+        "assert True\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("check", _NOT_EXITING.values(), ids=_NOT_EXITING.keys())
+@pytest.mark.parametrize("answer", [RIGHT, WRONG], ids=["right", "wrong"])
+async def test_a_unittest_run_that_does_not_exit_fails_with_its_tests(
+    pool: SandboxPool, answer: str, check: str
+) -> None:
+    """Notebook-made tests call ``unittest.main(exit=False)``: the classic recipe exits 0
+    after it whatever failed, and so every answer scored full marks here too. The run's
+    result decides now: a step in which a ``unittest`` run failed fails."""
+    tests = _unittest(check)
+    assert classic(answer, tests)  # the classic recipe cannot tell them apart
+    verdict = await judge(pool, answer, tests)
+    assert verdict.judged and verdict.total == 1
+    assert verdict.passed == (1 if answer == RIGHT else 0)
+
+
 async def test_a_function_that_dies_in_one_call_fails_only_that_test(pool: SandboxPool) -> None:
     answer = "import os\ndef add(a, b):\n    if a < 0:\n        os._exit(0)\n    return a + b\n"
     tests = "assert add(2, 3) == 5\nassert add(-1, 4) == 3\nassert add(1, 1) == 2\n"

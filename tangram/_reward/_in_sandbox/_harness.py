@@ -182,6 +182,8 @@ def _assert_plans(suite: Mapping[str, Any], answer: Answer) -> list[_Plan]:
     """
     entry_point = suite.get("entry_point")
     tree, steps, check = test_plan(suite["source"], entry_point)
+    if _imports_unittest(tree):
+        __import__("unittest")  # and its runs are read (:class:`_UnittestRuns`)
     # An entry point the prompt declares with ``def`` is a function, whatever the answer
     # makes it: calling an answer's class of that name builds no object the tests chose.
     helpers, declared = _helpers(suite, entry_point)
@@ -244,6 +246,52 @@ def _run(code: Callable[[], object]) -> bool:
     return True
 
 
+def _imports_unittest(tree: ast.Module) -> bool:
+    return any(
+        (isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "unittest")
+        or (
+            isinstance(node, ast.Import)
+            and any(alias.name.split(".")[0] == "unittest" for alias in node.names)
+        )
+        for node in ast.walk(tree)
+    )
+
+
+class _UnittestRuns:
+    """The ``unittest`` runs of the tests, each step's read when it ends.
+
+    ``unittest.main(exit=False)`` (tests made in notebooks) and a ``TextTestRunner`` print
+    their result and go on, and the classic recipe exits 0 after them whatever failed:
+    every answer scored full marks. A step in which a run failed fails; one that exits
+    (``unittest.main()``) ends the program as its status says (:class:`_Ended`).
+    """
+
+    def __init__(self) -> None:
+        self._made: list[Any] = []
+        module = sys.modules.get("unittest")  # imported before the tests, if they name it
+        self._result = getattr(module, "TestResult", None)
+        if self._result is None:
+            return
+        made, init = self._made, self._result.__init__
+        self._init = init
+
+        def kept(result: Any, *args: Any, **kwargs: Any) -> None:
+            init(result, *args, **kwargs)
+            made.append(result)
+
+        self._result.__init__ = kept
+
+    def passed(self) -> bool:
+        """Whether every run since the last step passed; forgets them."""
+        made = self._made[:]
+        self._made.clear()
+        return all(result.wasSuccessful() for result in made)
+
+    def close(self) -> None:
+        if self._result is not None:
+            self._result.__init__ = self._init
+
+
 def _run_asserts(
     suite: Mapping[str, Any], plan: _Plan, results: list[bool], replan: Callable[[], None]
 ) -> None:
@@ -265,6 +313,7 @@ def _run_asserts(
     broken = False
     harness = sys.modules["__main__"]
     sys.modules["__main__"] = module
+    runs = _UnittestRuns()
     try:
         for step, is_test in steps:
             if broken and is_test:
@@ -273,6 +322,7 @@ def _run_asserts(
             code = compile(step, "<tests>", "exec", dont_inherit=True)
             try:
                 ok = _run(lambda code=code: exec(code, namespace))  # type: ignore[misc]
+                ok = runs.passed() and ok
             finally:
                 replan()
             broken = broken or (not ok and not is_test)
@@ -288,6 +338,7 @@ def _run_asserts(
         results += [end.ok] * (total - len(results))
     finally:
         sys.modules["__main__"] = harness
+        runs.close()
 
 
 def _run_readings(
