@@ -758,6 +758,44 @@ async def test_a_class_named_as_the_function_the_tests_call_builds_no_trusted_ob
 @pytest.mark.parametrize(
     "tests",
     [
+        pytest.param("assert abs(Area(2) - 12.566) < 0.01\n", id="-"),
+        pytest.param("assert abs(12.566 - Area(2)) < 0.01\n", id="reflected -"),
+        pytest.param("assert round(Area(2) / 12.566, 2) == 1\n", id="/"),
+        pytest.param(
+            "import unittest\n"
+            "class T(unittest.TestCase):\n"
+            "    def test_area(self):\n"
+            "        self.assertAlmostEqual(Area(2), 12.566, places=2)\n"
+            "unittest.main()\n",
+            id="assertAlmostEqual",
+        ),
+    ],
+)
+async def test_arithmetic_with_a_value_gives_none_of_the_answers_values(
+    pool: SandboxPool, tests: str
+) -> None:
+    """MBPP names functions like classes (``Area``), so the tests' call of a class of
+    that name built an object whose arithmetic with their expected value was its own:
+    ``__sub__`` returning 0 passed ``abs(Area(2) - 12.566) < 0.01`` and
+    ``assertAlmostEqual`` (a hostile review; the classic recipe passes it too). Its
+    comparison with a value was closed before; arithmetic with a value now gives only
+    more of its objects, never a value of its choosing."""
+    wrong = (
+        "class Area:\n"
+        "    def __init__(self, r):\n        pass\n"
+        "    def __sub__(self, other):\n        return 0\n"
+        "    __rsub__ = __sub__\n"
+        "    def __truediv__(self, other):\n        return 1\n"
+    )
+    right = "def Area(r):\n    return 3.14159 * r * r\n"
+    assert classic(right, tests)
+    assert (await judge(pool, wrong, tests)).score() == 0.0
+    assert (await judge(pool, right, tests)).score() == 1.0
+
+
+@pytest.mark.parametrize(
+    "tests",
+    [
         pytest.param("assert callable(make_adder(1))\n", id="callable"),
         pytest.param(
             "import collections.abc\nassert isinstance(make_adder(1), collections.abc.Callable)\n",

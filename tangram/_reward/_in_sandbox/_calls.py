@@ -640,7 +640,8 @@ class Remote:
         # ``__eq__`` is the oldest hack, and a function the tests name like a class
         # (MBPP's ``Split``) can be the answer's class, ``Split(xs) == [2, 4]`` built
         # by the tests' own call. Arithmetic with a built object on either side is its
-        # operators', as Python runs them: what it makes is compared by these rules.
+        # operators', as Python runs them: what it makes is compared by these rules, and
+        # with a value on the other side it must make one of its objects.
         built_side = self._constructed or (isinstance(other, Remote) and other._constructed)
         mirrored = _MIRRORED.get(name)
         if mirrored is not None:
@@ -658,7 +659,12 @@ class Remote:
             return NotImplemented
         if not built_side:
             return NotImplemented
-        return self._answer.call(self._number, name, (other,), {}, generation=self._generation)
+        made = self._answer.call(self._number, name, (other,), {}, generation=self._generation)
+        if not isinstance(other, Remote) and not isinstance(made, Remote):
+            # With a value, only more of its objects: a value of its choosing answered for
+            # the value the tests expected (MBPP's ``Area(2) - 12.566`` gave 0).
+            raise TypeError(f"{name}: the answer's object and a value made no object of it")
+        return made
 
     __hash__ = object.__hash__  # identity, as an object of a class without ``__eq__``
     __eq__ = _answered("__eq__")
