@@ -459,3 +459,51 @@ async def test_a_namedtuple_field_cannot_answer_for_a_values_method(
 ) -> None:
     answer, tests = FIELD_HACKS[name]
     assert (await judge(pool, answer, tests)).score() == 0.0
+
+
+# 14. Changes to arguments: copied back only after a call that returned None (an answer
+#     that emptied its argument and returned a value rewrote what ``f(xs) == sum(xs)``
+#     compared it with), so a wrong answer that changed an argument the task says to
+#     leave alone passed the tests' check that it is unchanged, after a value or a raise;
+#     and a change to a keyword argument was never copied. Each (tests, right, wrong).
+ARGUMENT_CHANGES = {
+    "changed, then a value returned": (
+        "xs = [3, 1, 2]\nassert sorted_copy(xs) == [1, 2, 3]\nassert xs == [3, 1, 2]\n",
+        "def sorted_copy(xs):\n    return sorted(xs)\n",
+        "def sorted_copy(xs):\n    xs.sort()\n    return xs\n",
+    ),
+    "changed, then raised": (
+        "xs = [1, -2]\n"
+        "try:\n    check_all(xs)\nexcept ValueError:\n    pass\n"
+        "assert xs == [1, -2]\n",
+        "def check_all(xs):\n"
+        "    if any(x < 0 for x in xs):\n"
+        "        raise ValueError('negative')\n",
+        "def check_all(xs):\n    xs.clear()\n    raise ValueError('negative')\n",
+    ),
+    "a keyword argument changed in place": (
+        "xs = [1, 2]\nscale(values=xs, k=3)\nassert xs == [3, 6]\n",
+        "def scale(values, k):\n    for i in range(len(values)):\n        values[i] *= k\n",
+        "def scale(values, k):\n    values = [v * k for v in values]\n",
+    ),
+    "a keyword argument changed, then a value returned": (
+        "xs = [1, 3]\nassert largest(items=xs) == 3\nassert xs == [1, 3]\n",
+        "def largest(items):\n    return max(items)\n",
+        "def largest(items):\n    items.sort()\n    return items.pop()\n",
+    ),
+    "a dict changed, then a value returned": (
+        "d = {'a': 1}\nassert total(d) == 1\nassert d == {'a': 1}\n",
+        "def total(d):\n    return sum(d.values())\n",
+        "def total(d):\n    return d.pop('a')\n",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ARGUMENT_CHANGES))
+async def test_a_change_to_an_argument_reaches_the_tests_as_in_one_program(
+    pool: SandboxPool, name: str
+) -> None:
+    tests, right, wrong = ARGUMENT_CHANGES[name]
+    assert classic(right, tests) and not classic(wrong, tests)
+    assert (await judge(pool, right, tests)).score() == 1.0
+    assert (await judge(pool, wrong, tests)).score() < 1.0

@@ -208,6 +208,11 @@ class Answer:
         """Builtins the tests use that the plans read as the real ones: one the answer
         binds after all ends the plans (:class:`_Rebound`)."""
         self.classes = frozenset(s.name for s in self.body if isinstance(s, ast.ClassDef))
+        self.faithful = False
+        """Whether every call's changes to its arguments are copied back, not only a
+        call's that returned None (:meth:`_copy_back`)."""
+        self.diverged = False
+        """Whether a call changed an argument that was not copied back."""
         self.exceptions = exception_classes(self.body)
         """Its exception classes, as the tests name them (:func:`exception_classes`)."""
         self._buffer = bytearray()
@@ -338,8 +343,8 @@ class Answer:
         changes: bool = True,
     ) -> Any:
         """``target(*args, **kwargs)`` in the answer's process: its result, as plain data;
-        with ``changes``, what a call returning ``None`` did to its arguments is done to
-        the tests' (an attribute the tests set is no such call: an answer's
+        with ``changes``, what the call did to its arguments is done to the tests' (see
+        :meth:`_copy_back`; an attribute the tests set is no such call: an answer's
         ``__setattr__`` emptied the list the tests then computed the expected value of).
 
         :raises AnswerError: the answer could not answer (see the class).
@@ -378,14 +383,11 @@ class Answer:
                     call=self._callable,
                     method=method == "__getattr__",
                 )
-                after = reply.get("args")
-                # Only a call that returns None changes its arguments here, as Python's
-                # own in-place functions do (``list.sort``): an answer that returned a
-                # value and emptied its argument rewrote what ``f(xs) == sum(xs)``
-                # compared it with, in one statement or the next.
-                if changes and value is None and type(after) is dict:
-                    _update(args, after, self._remote)
+                if changes:
+                    self._copy_back(args, kwargs, reply, settled=value is None)
                 return value
+            if changes:
+                self._copy_back(args, kwargs, reply, settled=False)
         except (AnswerError, ValueError, TypeError, KeyError, RecursionError, MemoryError) as exc:
             # A process that hung, died or garbled its reply is not trusted with the next
             # call: it is killed, and the next call starts a new one.
@@ -402,6 +404,32 @@ class Answer:
             tuple(raised) if type(raised) is list else None,
             self.exceptions,
         )
+
+    def _copy_back(
+        self, args: Sequence[Any], kwargs: Mapping[str, Any], reply: Any, settled: bool
+    ) -> None:
+        """Do to the tests' arguments what the call did to the answer's copies.
+
+        Where the call returned None (``settled``), as Python's own in-place functions
+        do (``list.sort``), or in the faithful reading (:func:`._harness._run_readings`).
+        Otherwise the change waits for that reading, which the tests then must pass too:
+        copied back, an answer that returned a value and emptied its argument rewrote
+        what ``f(xs) == sum(xs)`` compared it with, in one statement or the next; never
+        copied, one that sorted an argument the task said to leave alone passed the
+        tests' check that it was unchanged, after a value or a raise.
+
+        :raises ValueError: the changes came malformed.
+        """
+        after, named = reply.get("args"), reply.get("kwargs")
+        positional = after if type(after) is dict else {}
+        keyword = named if type(named) is dict else {}
+        if not (positional or keyword):
+            return
+        if not (settled or self.faithful):
+            self.diverged = True
+            return
+        _update({str(i): arg for i, arg in enumerate(args)}, positional, self._remote)
+        _update(kwargs, keyword, self._remote)
 
     def _remote(self, number: int) -> "Remote":
         return Remote(self, number, self.generation)
@@ -440,14 +468,15 @@ def _handle_of(value: Any) -> int:
     raise TypeError(f"cannot pass {type(value).__name__} to the answer")
 
 
-def _update(args: Sequence[Any], after: Mapping[str, Any], remote: Callable[[int], Any]) -> None:
+def _update(
+    originals: Mapping[str, Any], after: Mapping[str, Any], remote: Callable[[int], Any]
+) -> None:
     """Mutations the answer made to list, dict, set, bytearray and deque arguments (and
     the standard library's dicts), made here."""
     for key, data in after.items():
-        index = int(key)
-        if not 0 <= index < len(args):
+        if key not in originals:
             continue
-        original, new = args[index], decode(data, remote)
+        original, new = originals[key], decode(data, remote)
         if type(original) is not type(new):
             continue
         if isinstance(original, (list, bytearray)):

@@ -506,6 +506,7 @@ def answer_main(mode: str, source_fd: int, requests_fd: int = -1, replies: int =
 
     for line in requests:
         printed = None
+        called: tuple[Any, list[Any], dict[str, Any]] | None = None
         try:
             request = json.loads(line)
             target, method = request["target"], request["method"]
@@ -524,7 +525,8 @@ def answer_main(mode: str, source_fd: int, requests_fd: int = -1, replies: int =
                 function = getattr(namespace["Solution"](), target)
             else:
                 raise NameError(f"name {target!r} is not defined")
-            args = decode(request["args"], find)
+            args, kwargs = decode(request["args"], find), decode(request["kwargs"], find)
+            called = (request, args, kwargs)
             # What the call prints is the tests' to read where they capture it
             # (``redirect_stdout`` around it in one program): recorded here, both streams
             # in the order written, and sent along; elsewhere it goes where it went.
@@ -532,13 +534,10 @@ def answer_main(mode: str, source_fd: int, requests_fd: int = -1, replies: int =
             streams = (sys.stdout, sys.stderr)
             sys.stdout, sys.stderr = printed.streams(streams)
             try:
-                result = function(*args, **decode(request["kwargs"], find))
+                result = function(*args, **kwargs)
             finally:
                 sys.stdout, sys.stderr = streams
-            after = {
-                str(i): encode(arg, keep) for i, arg in enumerate(args) if type(arg) in _CHANGED
-            }
-            reply = {"ok": True, "value": encode(_plain(result), keep), "args": after}
+            reply = {"ok": True, "value": encode(_plain(result), keep)}
         except BaseException as exc:
             reply = {
                 "ok": False,
@@ -550,12 +549,43 @@ def answer_main(mode: str, source_fd: int, requests_fd: int = -1, replies: int =
                 reply["raised"] = encode(_plain(list(exc.args)), keep)
             except BaseException:
                 reply["raised"] = None
+        if called is not None:
+            try:  # returned or raised: the harness decides what it copies (``Answer.call``)
+                reply["args"], reply["kwargs"] = _changes(*called, keep)
+            except BaseException:
+                reply["args"] = reply["kwargs"] = None
         reply["binds"] = binds()
         if printed is not None and (printed.runs or printed.overflow):
             reply["printed"] = printed.log()
             reply["overflow"] = printed.overflow
         send(reply)
     os._exit(0)
+
+
+def _changes(
+    request: "dict[str, Any]",
+    args: "list[Any]",
+    kwargs: "dict[str, Any]",
+    keep: "Callable[[Any], int]",
+) -> "tuple[dict[str, Any], dict[str, Any]]":
+    """The arguments a call changed, as they are now: positional ones by index, keyword
+    ones by name, each a list, dict, set, bytearray or deque whose encoding is not the
+    one the harness sent (one it left as it came is not sent back)."""
+    sent = request["kwargs"]
+    named = dict(sent["d"]) if type(sent) is dict and type(sent.get("d")) is list else {}
+    changed: dict[str, Any] = {}
+    for index, arg in enumerate(args):
+        if type(arg) in _CHANGED:
+            now = encode(arg, keep)
+            if now != request["args"][index]:
+                changed[str(index)] = now
+    changed_named: dict[str, Any] = {}
+    for name, arg in kwargs.items():
+        if type(arg) in _CHANGED:
+            now = encode(arg, keep)
+            if now != named.get(name):
+                changed_named[name] = now
+    return changed, changed_named
 
 
 _INT_MAX = 2**31 - 1  # the largest recursion limit Python takes

@@ -353,17 +353,28 @@ def _run_readings(
     then bound a builtin the tests use to start over, and answered from what it learnt
     (a wrong answer scored 1.0). Each reading starts a new answer process, so no state
     one reading left in it decides the next.
+
+    Where a call changed an argument and did not return None, its change is not copied
+    back to the tests (``Answer._copy_back``), and the readings run again with every
+    change copied, as in one program: a test passes only where it passes both ways.
+    Copied, an answer that emptied its argument rewrote the expected side of
+    ``f(xs) == sum(xs)``; never copied, one that changed an argument the task says to
+    leave alone passed the tests' check that it was unchanged.
     """
-    for number, plan in enumerate(plans):
-        if number:
-            answer.close()
-        results: list[bool] = []
-        try:
-            _run_asserts(suite, plan, results, answer.replan)
-        finally:
-            for index, ok in enumerate(results):
-                before = kept[index]
-                kept[index] = ok if before is None else before and ok
+    for faithful in (False, True):
+        if faithful and not answer.diverged:
+            break
+        answer.faithful = faithful
+        for number, plan in enumerate(plans):
+            if number or faithful:
+                answer.close()
+            results: list[bool] = []
+            try:
+                _run_asserts(suite, plan, results, answer.replan)
+            finally:
+                for index, ok in enumerate(results):
+                    before = kept[index]
+                    kept[index] = ok if before is None else before and ok
     return sum(ok is True for ok in kept)
 
 
