@@ -507,3 +507,64 @@ async def test_a_change_to_an_argument_reaches_the_tests_as_in_one_program(
     assert classic(right, tests) and not classic(wrong, tests)
     assert (await judge(pool, right, tests)).score() == 1.0
     assert (await judge(pool, wrong, tests)).score() < 1.0
+
+
+# 15. A result was a copy, built afresh: no part of it was another part, or the tests'
+#     argument, as in one program. A wrong ``[[0] * n] * n`` (one row three times) passed
+#     the tests' change of one cell, a shallow copy their change of an inner list, and
+#     ``return xs`` their ``is not``. Each (tests, right, wrong).
+ALIASES = {
+    "one row, three times": (
+        "g = grid(3)\ng[0][0] = 1\nassert g == [[1, 0, 0], [0, 0, 0], [0, 0, 0]]\n",
+        "def grid(n):\n    return [[0] * n for _ in range(n)]\n",
+        "def grid(n):\n    return [[0] * n] * n\n",
+    ),
+    "one dict under two keys": (
+        "d = defaults(['a', 'b'])\nd['a']['x'] = 1\nassert d['b'] == {}\n",
+        "def defaults(keys):\n    return {k: {} for k in keys}\n",
+        "def defaults(keys):\n    shared = {}\n    return {k: shared for k in keys}\n",
+    ),
+    "a shallow copy": (
+        "a = [[1], [2]]\nb = deep_copy(a)\nb[0].append(9)\nassert a == [[1], [2]]\n",
+        "def deep_copy(a):\n    return [list(x) for x in a]\n",
+        "def deep_copy(a):\n    return list(a)\n",
+    ),
+    "the argument itself": (
+        "a = [1, 2]\nb = copy_list(a)\nassert b == a and b is not a\n",
+        "def copy_list(xs):\n    return list(xs)\n",
+        "def copy_list(xs):\n    return xs\n",
+    ),
+    "a keyword argument's inner dict": (
+        "cfg = {'db': {'port': 1}}\n"
+        "out = merged(base=cfg, port=2)\n"
+        "assert out['db']['port'] == 2 and cfg['db']['port'] == 1\n",
+        "def merged(base, port):\n    return {**base, 'db': {**base['db'], 'port': port}}\n",
+        "def merged(base, port):\n"
+        "    out = dict(base)\n"
+        "    out['db']['port'] = port\n"
+        "    return out\n",
+    ),
+    "the argument, returned as itself": (
+        "xs = [2, 1]\nassert chained(xs) is xs\nassert chained(xs) == [2, 1]\n",
+        "def chained(xs):\n    return xs\n",
+        "def chained(xs):\n    return list(xs)\n",
+    ),
+    "a nested argument, returned as itself": (
+        "rows = [[1], [2]]\nout = same_rows(rows)\nassert out is rows and out[1] is rows[1]\n",
+        "def same_rows(rows):\n    return rows\n",
+        "def same_rows(rows):\n    return [list(row) for row in rows]\n",
+    ),
+    "an inner list, among others": (
+        "rows = [[1], [2]]\nfirst = pick(rows, 0)\nfirst.append(5)\nassert rows == [[1, 5], [2]]\n",
+        "def pick(rows, i):\n    return rows[i]\n",
+        "def pick(rows, i):\n    return list(rows[i])\n",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ALIASES))
+async def test_a_result_shares_what_it_shares_in_one_program(pool: SandboxPool, name: str) -> None:
+    tests, right, wrong = ALIASES[name]
+    assert classic(right, tests) and not classic(wrong, tests)
+    assert (await judge(pool, right, tests)).score() == 1.0
+    assert (await judge(pool, wrong, tests)).score() < 1.0

@@ -12,6 +12,7 @@ Nothing the answer's process sends is trusted beyond the data :func:`._wire.deco
 import ast
 import builtins
 import collections
+import functools
 import json
 import os
 import select
@@ -376,16 +377,17 @@ class Answer:
             self.replan()
             _print(reply)
             if reply.get("ok") is True:
-                value = decode(
+                # Copied back first: a result that holds an argument holds it as changed.
+                settled = reply.get("value") is None
+                pending = self._copy_back(args, kwargs, reply, settled) if changes else set()
+                return decode(
                     reply.get("value"),
                     self._remote,
                     lazy=self._lazy,
                     call=self._callable,
                     method=method == "__getattr__",
+                    alias=functools.partial(self._alias, args, kwargs, pending),
                 )
-                if changes:
-                    self._copy_back(args, kwargs, reply, settled=value is None)
-                return value
             if changes:
                 self._copy_back(args, kwargs, reply, settled=False)
         except (AnswerError, ValueError, TypeError, KeyError, RecursionError, MemoryError) as exc:
@@ -407,7 +409,7 @@ class Answer:
 
     def _copy_back(
         self, args: Sequence[Any], kwargs: Mapping[str, Any], reply: Any, settled: bool
-    ) -> None:
+    ) -> set[str]:
         """Do to the tests' arguments what the call did to the answer's copies.
 
         Where the call returned None (``settled``), as Python's own in-place functions
@@ -418,18 +420,59 @@ class Answer:
         copied, one that sorted an argument the task said to leave alone passed the
         tests' check that it was unchanged, after a value or a raise.
 
+        Returns the arguments changed and not copied back: their index, or keyword.
+
         :raises ValueError: the changes came malformed.
         """
         after, named = reply.get("args"), reply.get("kwargs")
         positional = after if type(after) is dict else {}
         keyword = named if type(named) is dict else {}
         if not (positional or keyword):
-            return
+            return set()
         if not (settled or self.faithful):
             self.diverged = True
-            return
+            return {str(key) for key in (*positional, *keyword)}
         _update({str(i): arg for i, arg in enumerate(args)}, positional, self._remote)
         _update(kwargs, keyword, self._remote)
+        return set()
+
+    def _alias(
+        self,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        pending: set[str],
+        place: list[Any],
+        copy: Any,
+    ) -> Any:
+        """What a result holds where the answer's held one of its arguments (or a part of
+        one, at ``place``): the tests' own, as in one program (``f(a) is a``, a shallow
+        copy's inner lists), unless the call changed that argument and the change was
+        not copied back (:meth:`_copy_back`), where it is ``copy``, as it was sent.
+
+        :raises ValueError: no such place among the tests' arguments, or not one like
+            ``copy`` there.
+        """
+        head = place[0] if place else None
+        if type(head) is int and 0 <= head < len(args):
+            found, key = args[head], str(head)
+        elif type(head) is str and head in kwargs:
+            found, key = kwargs[head], head
+        else:
+            raise ValueError("malformed alias")
+        if key in pending:
+            return copy
+        for step in place[1:]:
+            if type(found) in (list, collections.deque) and type(step) is int:
+                if not 0 <= step < len(found):
+                    raise ValueError("malformed alias")
+                found = found[step]
+            elif isinstance(found, dict) and type(step) in (int, str) and step in found:
+                found = dict.__getitem__(found, step)
+            else:
+                raise ValueError("malformed alias")
+        if type(found) is not type(copy):
+            raise ValueError("malformed alias")
+        return found
 
     def _remote(self, number: int) -> "Remote":
         return Remote(self, number, self.generation)

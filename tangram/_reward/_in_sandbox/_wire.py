@@ -12,7 +12,7 @@ objects of the answer's own classes, which stay in its process.
 
 import collections
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 if __name__ != "__main__":  # for the type checker: the sandbox's program needs none
     from typing import Any
@@ -24,14 +24,14 @@ _MAX_DEPTH = 200
 # 4300 digits, and hex is linear both ways.
 _BIG_INT_BITS = 10_000
 
-_SEQUENCES: dict[type, str] = {tuple: "t", set: "s", frozenset: "fs"}
-_BUILD: dict[str, Callable[[Any], Any]] = {"t": tuple, "s": set, "fs": frozenset}
-_HEX: dict[type, str] = {bytes: "b", bytearray: "ba"}
+_SEQUENCES: dict[type, str] = {tuple: "t", frozenset: "fs"}
+_BUILD: dict[str, Callable[[Any], Any]] = {"t": tuple, "fs": frozenset}
 _FROM_HEX: dict[str, Callable[[str], Any]] = {"b": bytes.fromhex, "ba": bytearray.fromhex}
 # The standard library's mappings travel as themselves, with their own comparison and
 # lookups: as a dict, a wrong order passed ``== OrderedDict(...)``, and a right answer's
 # ``Counter(...).most_common()`` or a ``defaultdict``'s missing key failed.
 _MAPPINGS: dict[type, str] = {
+    dict: "d",
     collections.OrderedDict: "od",
     collections.Counter: "ct",
     collections.defaultdict: "dd",
@@ -52,6 +52,9 @@ VALUE_METHODS = frozenset(
 _NAMED: dict[tuple[str, tuple[str, ...]], type] = {}
 _MOST_NAMED = 1024
 _MOST_FIELDS = 256
+# What can be changed in place, and so shared: sent once per value (see ``encode``).
+_SHARED = frozenset({list, set, bytearray, collections.deque, *_MAPPINGS})
+_SHARED_TAGS = frozenset({"s", "ba", "dq", *_MAPPINGS.values()})
 # The factories a ``defaultdict`` travels with, by name; any other is sent as none (its
 # missing keys then raise ``KeyError``, as a dict's did before).
 _FACTORIES: dict[str, Callable[[], Any]] = {
@@ -79,10 +82,25 @@ class _Method:
 METHOD = _Method()
 
 
-def encode(value: Any, handle: Callable[[Any], int], depth: int = 0) -> Any:
+def encode(
+    value: Any,
+    handle: Callable[[Any], int],
+    depth: int = 0,
+    *,
+    memo: "dict[int, int] | None" = None,
+    places: "Mapping[int, list[Any]] | None" = None,
+) -> Any:
     """``value`` as JSON-able data; ``handle`` names an object that cannot be sent.
 
-    :raises ValueError: nested deeper than the wire allows.
+    A list, dict, set, bytearray or deque met again is sent as the first (``same``,
+    by the order each was finished in, ``memo``), so a result shares what it shares in
+    one program: a wrong ``[[0] * n] * n`` passed the tests' change of one cell, as a
+    copy. One of the call's arguments, or a part of one (``places``: where each is, by
+    ``id``, after the call), is sent as that place with its items (``al``), and the
+    harness decides whether it is the tests' own (``Answer``): a shallow copy passed
+    their change of an inner list, and ``return xs`` their ``is not``.
+
+    :raises ValueError: nested deeper than the wire allows (a cycle is).
     """
     if depth > _MAX_DEPTH:
         raise ValueError("value nested too deeply to send")
@@ -94,17 +112,24 @@ def encode(value: Any, handle: Callable[[Any], int], depth: int = 0) -> Any:
     if kind is float:
         return value if value - value == 0 else {"f": repr(value)}
 
-    def inner(item: Any) -> Any:
-        return encode(item, handle, depth + 1)
+    if memo is None:
+        memo = {}
 
-    if kind is list:
-        return [inner(item) for item in value]
+    def inner(item: Any) -> Any:
+        return encode(item, handle, depth + 1, memo=memo, places=places)
+
+    if kind in _SHARED:
+        known = memo.get(id(value))
+        if known is not None:
+            return {"same": known}
+        data = _container(value, kind, inner)
+        memo[id(value)] = len(memo)  # finished: the decoder numbers them in this order
+        place = places.get(id(value)) if places else None
+        return data if place is None else {"al": [place, data]}
     if kind in _SEQUENCES:
         return {_SEQUENCES[kind]: [inner(item) for item in value]}
-    if kind in _HEX:
-        return {_HEX[kind]: value.hex()}
-    if kind is dict:
-        return {"d": [[inner(k), inner(v)] for k, v in value.items()]}
+    if kind is bytes:
+        return {"b": value.hex()}
     if kind is complex:
         return {"c": [inner(value.real), inner(value.imag)]}
     if kind is range:
@@ -115,15 +140,6 @@ def encode(value: Any, handle: Callable[[Any], int], depth: int = 0) -> Any:
     if fields is not None and len(fields) == tuple.__len__(value):
         items = [inner(item) for item in tuple.__iter__(value)]
         return {"nt": [kind.__name__, list(fields), items]}
-    if kind in _MAPPINGS:
-        pairs = [[inner(k), inner(v)] for k, v in value.items()]
-        if kind is collections.defaultdict:
-            factory = value.default_factory
-            name = next((n for n, made in _FACTORIES.items() if made is factory), None)
-            return {"dd": [name, pairs]}
-        return {_MAPPINGS[kind]: pairs}
-    if kind is collections.deque:
-        return {"dq": [[inner(item) for item in value], value.maxlen]}
     # Imported where the value was made, so looked up, never imported, to send one.
     fractions, decimal = sys.modules.get("fractions"), sys.modules.get("decimal")
     if fractions is not None and kind is fractions.Fraction:
@@ -139,6 +155,24 @@ def encode(value: Any, handle: Callable[[Any], int], depth: int = 0) -> Any:
     return {"hc": handle(value)} if callable(value) else {"h": handle(value)}
 
 
+def _container(value: Any, kind: type, inner: Callable[[Any], Any]) -> Any:
+    """One of the ``_SHARED`` kinds as data, its items by ``inner``."""
+    if kind is list:
+        return [inner(item) for item in value]
+    if kind is set:
+        return {"s": [inner(item) for item in value]}
+    if kind is bytearray:
+        return {"ba": value.hex()}
+    if kind is collections.deque:
+        return {"dq": [[inner(item) for item in value], value.maxlen]}
+    pairs = [[inner(k), inner(v)] for k, v in value.items()]
+    if kind is collections.defaultdict:
+        factory = value.default_factory
+        name = next((n for n, made in _FACTORIES.items() if made is factory), None)
+        return {"dd": [name, pairs]}
+    return {_MAPPINGS[kind]: pairs}
+
+
 def decode(
     data: Any,
     handle: Callable[[int], Any],
@@ -147,16 +181,20 @@ def decode(
     *,
     call: Callable[[int], Any] | None = None,
     method: bool = False,
+    alias: "Callable[[list[Any], Any], Any] | None" = None,
+    made: "list[Any] | None" = None,
 ) -> Any:
     """Plain Python data from :func:`encode`'s output; ``handle`` resolves a handle,
     ``call`` one of an object that can be called (``handle`` without it), and ``lazy``
     an iterator's (none is accepted without it). :data:`METHOD` is accepted only where
     ``method`` says it is the answer to an attribute read, and only as the whole value:
     anywhere else it was one object every call of the answer could return, equal to
-    itself (``f(a) == f(b)`` for any ``a`` and ``b``).
+    itself (``f(a) == f(b)`` for any ``a`` and ``b``). ``alias`` is given an argument's
+    place and the copy made of it, and says which of the two the value holds; without
+    it, the copy. ``made``: the values that can be shared, in the order finished.
 
-    Builds only literals (and what ``handle``, ``call`` and ``lazy`` return), whatever
-    the sender was.
+    Builds only literals (and what ``handle``, ``call``, ``lazy`` and ``alias`` return),
+    whatever the sender was.
 
     :raises ValueError: anything :func:`encode` does not write.
     """
@@ -164,38 +202,32 @@ def decode(
         raise ValueError("value nested too deeply")
     if data is None or type(data) in (bool, str, int, float):
         return data
+    if made is None:
+        made = []
 
     def inner(item: Any) -> Any:
-        return decode(item, handle, depth + 1, lazy, call=call)
+        return decode(item, handle, depth + 1, lazy, call=call, alias=alias, made=made)
 
     if type(data) is list:
-        return [inner(item) for item in data]
+        return _made(made, [inner(item) for item in data])
     if type(data) is not dict or len(data) != 1:
         raise ValueError("malformed value")
     ((tag, body),) = data.items()
+    if tag in _SHARED_TAGS:
+        return _made(made, _shared(tag, body, inner))
+    if tag == "same" and type(body) is int and 0 <= body < len(made):
+        return made[body]
+    if tag == "al" and type(body) is list and len(body) == 2 and type(body[0]) is list:
+        before = len(made)
+        copy = inner(body[1])
+        if len(made) == before or made[-1] is not copy:
+            raise ValueError("malformed alias")  # it was no value that can be shared
+        made[-1] = alias(body[0], copy) if alias is not None else copy
+        return made[-1]
     if tag in _BUILD and type(body) is list:
         return _BUILD[tag](inner(item) for item in body)
-    if tag in _FROM_HEX and type(body) is str:
-        return _FROM_HEX[tag](body)
-    if tag == "d" and type(body) is list:
-        return dict(_pairs(body, inner))
-    if tag in ("od", "ct") and type(body) is list:
-        mapping: dict[Any, Any] = (
-            collections.OrderedDict() if tag == "od" else collections.Counter()
-        )
-        mapping.update(dict(_pairs(body, inner)))  # a Counter's update of a dict sets
-        return mapping
-    if tag == "dd" and type(body) is list and len(body) == 2 and type(body[1]) is list:
-        name = body[0]
-        if name is None or (type(name) is str and name in _FACTORIES):
-            return collections.defaultdict(
-                None if name is None else _FACTORIES[name], _pairs(body[1], inner)
-            )
-    if tag == "dq" and type(body) is list and len(body) == 2 and type(body[0]) is list:
-        maxlen = body[1]
-        bounded = maxlen is None or (type(maxlen) is int and 0 <= maxlen <= sys.maxsize)
-        if bounded:
-            return collections.deque((inner(item) for item in body[0]), maxlen)
+    if tag == "b" and type(body) is str:
+        return bytes.fromhex(body)
     if tag == "nt" and type(body) is list and len(body) == 3:
         name, fields, items = body
         named = type(name) is str and _field_names(fields) and type(items) is list
@@ -240,12 +272,48 @@ def decode(
     raise ValueError(f"malformed value (tag {str(tag)[:20]!r})")
 
 
+def _made(made: "list[Any]", value: Any) -> Any:
+    made.append(value)
+    return value
+
+
+def _shared(tag: str, body: Any, inner: Callable[[Any], Any]) -> Any:
+    """One of the values that can be shared (``_SHARED_TAGS``), from its body.
+
+    :raises ValueError: a body :func:`encode` does not write.
+    """
+    if tag == "s" and type(body) is list:
+        return {inner(item) for item in body}
+    if tag == "ba" and type(body) is str:
+        return bytearray.fromhex(body)
+    if tag == "d" and type(body) is list:
+        return dict(_pairs(body, inner))
+    if tag in ("od", "ct") and type(body) is list:
+        mapping: dict[Any, Any] = (
+            collections.OrderedDict() if tag == "od" else collections.Counter()
+        )
+        mapping.update(dict(_pairs(body, inner)))  # a Counter's update of a dict sets
+        return mapping
+    if tag == "dd" and type(body) is list and len(body) == 2 and type(body[1]) is list:
+        name = body[0]
+        if name is None or (type(name) is str and name in _FACTORIES):
+            return collections.defaultdict(
+                None if name is None else _FACTORIES[name], _pairs(body[1], inner)
+            )
+    if tag == "dq" and type(body) is list and len(body) == 2 and type(body[0]) is list:
+        maxlen = body[1]
+        bounded = maxlen is None or (type(maxlen) is int and 0 <= maxlen <= sys.maxsize)
+        if bounded:
+            return collections.deque((inner(item) for item in body[0]), maxlen)
+    raise ValueError(f"malformed value (tag {tag!r})")
+
+
 def _pairs(body: list[Any], inner: Callable[[Any], Any]) -> list[tuple[Any, Any]]:
-    """A mapping's items, each sent as a two-item list."""
-    pairs = [inner(pair) for pair in body]
-    if not all(type(pair) is list and len(pair) == 2 for pair in pairs):
+    """A mapping's items, each sent as a two-item list (itself no value: not numbered
+    among those that can be shared)."""
+    if not all(type(pair) is list and len(pair) == 2 for pair in body):
         raise ValueError("malformed mapping")
-    return [(k, v) for k, v in pairs]
+    return [(inner(k), inner(v)) for k, v in body]
 
 
 def namedtuple_fields(kind: type) -> "tuple[str, ...] | None":
