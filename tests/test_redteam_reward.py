@@ -575,6 +575,46 @@ async def test_the_answers_exception_classes_are_classes_to_the_tests(
     assert (await judge(pool, wrong, tests)).score() < 1.0
 
 
+SHAPES = (
+    "class Shape:\n    pass\n"
+    "class Square(Shape):\n    def __init__(self, side):\n        self.side = side\n"
+    "def make(side):\n    return Square(side)\n"
+)
+
+
+@pytest.mark.parametrize(
+    "tests",
+    [
+        pytest.param(
+            "sq = make(2)\nassert isinstance(sq, Square) and isinstance(sq, Shape)\n",
+            id="a returned object",
+        ),
+        pytest.param(
+            "assert isinstance(Square(1), Shape) and not isinstance(5, Shape)\n"
+            "assert isinstance(make(1), (int, Square))\n",
+            id="a built object, a tuple, a value",
+        ),
+        pytest.param(
+            "import unittest\n"
+            "class T(unittest.TestCase):\n"
+            "    def test_kind(self):\n"
+            "        self.assertIsInstance(make(2), Square)\n"
+            "        self.assertNotIsInstance(make(2), int)\n"
+            "unittest.main()\n",
+            id="assertIsInstance",
+        ),
+    ],
+)
+async def test_isinstance_asks_the_answers_class(pool: SandboxPool, tests: str) -> None:
+    """Class-design tests check what kind of object came back: the tests' ``Square`` was
+    a stand-in for calling the answer, no class, and ``isinstance`` raised ``TypeError``
+    for a right answer."""
+    wrong = SHAPES.replace("return Square(side)", "return Shape()")
+    assert classic(SHAPES, tests) and not classic(wrong, tests)
+    assert (await judge(pool, SHAPES, tests)).score() == 1.0
+    assert (await judge(pool, wrong, tests)).score() == 0.0
+
+
 STACK = (
     "class Stack:\n"
     "    def __init__(self):\n        self.items = []\n"

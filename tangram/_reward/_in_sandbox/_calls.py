@@ -563,6 +563,15 @@ class Function:
             result._constructed = True
         return result
 
+    def __instancecheck__(self, instance: Any) -> bool:
+        # ``isinstance(s, Stack)``, ``assertIsInstance``: asked of the answer's class where
+        # its objects are (a stand-in is no class, and ``isinstance`` raised TypeError).
+        # The answer decides, as its metaclass's ``__instancecheck__`` would in one program.
+        found = self._answer.call(self._name, "__instancecheck__", (instance,), {})
+        if type(found) is not bool:
+            raise TypeError(f"isinstance() arg 2: {self._name} is not a class of the answer")
+        return found
+
     def __getattr__(self, name: str) -> Any:
         # Read in the answer's process, as an object's are (``Remote``): a class's static
         # method (``Geometry.area(2)``), a cache's ``fib.cache_clear()``. Names with an

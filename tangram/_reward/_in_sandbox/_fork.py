@@ -109,6 +109,7 @@ _PROTOCOLS: "dict[str, Callable[..., Any]]" = {
     "__str__": str,
     "__repr__": repr,
     "__take__": _take,
+    "__instancecheck__": lambda kind, value: isinstance(value, kind),
     # Comparison and arithmetic, with one of the answer's objects the tests built on
     # either side (``Point(1, 2) == Point(1, 2)``, ``V(1) + V(2)``), run where the
     # objects are: a comparison is the built object's class's (``_own``), arithmetic
@@ -118,8 +119,8 @@ _PROTOCOLS: "dict[str, Callable[..., Any]]" = {
     **{f"__r{name}__": _reflected(getattr(operator, name)) for name in _ARITHMETIC},
 }
 """What the harness may ask of an object by name: the protocols on one the tests built
-(``Remote``), an attribute of any (``__getattr__``), and ``__take__`` on an iterator the
-answer returned (``Lazy``)."""
+(``Remote``), an attribute of any (``__getattr__``), ``__take__`` on an iterator the
+answer returned (``Lazy``), and ``isinstance`` of one of its names (``Function``)."""
 
 _PRINTED = 1 << 20
 """Characters of what one call prints that reach the tests; past them the call fails."""
