@@ -405,6 +405,33 @@ STDLIB_VALUES = {
         "        a, b = b, a + b\n"
         "    return a\n",
     ),
+    "a date": (
+        "from datetime import date\nassert next_day(date(2024, 2, 28)) == date(2024, 2, 29)\n",
+        "from datetime import timedelta\ndef next_day(d):\n    return d + timedelta(days=1)\n",
+        "from datetime import timedelta\ndef next_day(d):\n    return d + timedelta(days=2)\n",
+    ),
+    "a datetime and a timedelta": (
+        "from datetime import datetime, timedelta\n"
+        "a, b = datetime(2024, 1, 1, 12), datetime(2024, 1, 2, 13, 0, 0, 5)\n"
+        "assert gap(a, b) == timedelta(days=1, hours=1, microseconds=5)\n",
+        "def gap(a, b):\n    return b - a\n",
+        "def gap(a, b):\n    return a - b\n",
+    ),
+    "an aware datetime": (
+        "from datetime import datetime, timezone\n"
+        "t = datetime(2024, 1, 1, 12, tzinfo=timezone.utc)\n"
+        "assert shifted(t, 2).hour == 14 and shifted(t, 2) == t\n",
+        "from datetime import timezone, timedelta\n"
+        "def shifted(t, h):\n    return t.astimezone(timezone(timedelta(hours=h)))\n",
+        "def shifted(t, h):\n    return t.replace(hour=t.hour + h)\n",
+    ),
+    "a time": (
+        "from datetime import time\nassert later(time(9, 30), 45) == time(10, 15)\n",
+        "def later(t, m):\n"
+        "    total = t.hour * 60 + t.minute + m\n"
+        "    return t.replace(hour=total // 60, minute=total % 60)\n",
+        "def later(t, m):\n    return t.replace(minute=(t.minute + m) % 60)\n",
+    ),
     "a Fraction": (
         "from fractions import Fraction\nassert half(Fraction(1, 3)) == Fraction(1, 6)\n",
         "def half(x):\n    return x / 2\n",

@@ -52,6 +52,8 @@ VALUE_METHODS = frozenset(
 _NAMED: dict[tuple[str, tuple[str, ...]], type] = {}
 _MOST_NAMED = 1024
 _MOST_FIELDS = 256
+# ``datetime``'s values by class name, sent as ISO text (see ``encode``).
+_DATES = {"datetime": "dt", "date": "da", "time": "tm"}
 # What can be changed in place, and so shared: sent once per value (see ``encode``).
 _SHARED = frozenset({list, set, bytearray, collections.deque, *_MAPPINGS})
 _SHARED_TAGS = frozenset({"s", "ba", "dq", *_MAPPINGS.values()})
@@ -146,6 +148,13 @@ def encode(
         return {"fr": [inner(value.numerator), inner(value.denominator)]}
     if decimal is not None and kind is decimal.Decimal:
         return {"dc": str(value)}
+    dates = sys.modules.get("datetime")
+    if dates is not None and kind in (dates.datetime, dates.date, dates.time):
+        # As ISO text: a time zone travels as its offset (one of ``zoneinfo``'s arrives
+        # as that fixed offset, equal as an instant, its name not there).
+        return {_DATES[kind.__name__]: value.isoformat()}
+    if dates is not None and kind is dates.timedelta:
+        return {"td": [value.days, value.seconds, value.microseconds]}
     if kind is Lazy:
         return {"g": handle(value.iterator)}
     if value is METHOD:
@@ -249,6 +258,18 @@ def decode(
             return decimal.Decimal(body)
         except decimal.InvalidOperation:
             raise ValueError("malformed decimal") from None
+    if tag in ("dt", "da", "tm") and type(body) is str:
+        import datetime
+
+        kind: Any = {"dt": datetime.datetime, "da": datetime.date, "tm": datetime.time}[tag]
+        return kind.fromisoformat(body)  # malformed: ValueError
+    if tag == "td" and type(body) is list and [type(part) for part in body] == [int] * 3:
+        import datetime
+
+        try:
+            return datetime.timedelta(*body)
+        except OverflowError:
+            raise ValueError("malformed timedelta") from None
     if tag == "c" and type(body) is list and len(body) == 2:
         real, imag = (inner(part) for part in body)
         if type(real) is float and type(imag) is float:
