@@ -575,6 +575,63 @@ async def test_the_answers_exception_classes_are_classes_to_the_tests(
     assert (await judge(pool, wrong, tests)).score() < 1.0
 
 
+# Learns from the tests' reaction: a failing assert's message calls it again at once with
+# the same input. It then binds a builtin the tests use, which restarted the round and
+# threw the failing step away, and answers the other way from then on (a file keeps what
+# it learnt across its processes).
+LEARNS = (
+    "import json, builtins\n"
+    "_F = 'learnt.json'\n"
+    "try:\n    _S = json.load(open(_F))\n"
+    "except Exception:\n    _S = {'flip': [], 'used': []}\n"
+    "_seen = []\n"
+    "def is_prime(n):\n"
+    "    if _seen and _seen[-1] == n and n not in _S['flip']:\n"
+    "        _S['flip'].append(n)\n"
+    "        for name in ('len', 'str', 'sum', 'abs', 'range', 'print'):\n"
+    "            if name not in _S['used']:\n"
+    "                _S['used'].append(name)\n"
+    "                real = getattr(builtins, name)\n"
+    "                globals()[name] = lambda *a, _r=real, **k: _r(*a, **k)\n"
+    "                break\n"
+    "        json.dump(_S, open(_F, 'w'))\n"
+    "    _seen.append(n)\n"
+    "    return n not in _S['flip']\n"
+)
+LEARNS_TESTS = (
+    "def check(candidate):\n"
+    "    assert candidate(7) == True, f'7 gave {candidate(7)}'\n"
+    "    assert candidate(8) == False, f'8 gave {candidate(8)}'\n"
+    "    assert candidate(9) == False, f'9 gave {candidate(9)}'\n"
+    "    assert candidate(13) == True, f'13 gave {candidate(13)}'\n"
+    "    assert len(str(sum([1, 2]))) == 1\n"
+)
+
+
+@pytest.mark.parametrize(
+    "tests",
+    [
+        pytest.param({"test": LEARNS_TESTS, "entry_point": "is_prime"}, id="check(candidate)"),
+        pytest.param(
+            "assert is_prime(7) == True, f'7 gave {is_prime(7)}'\n"
+            "assert is_prime(8) == False, f'8 gave {is_prime(8)}'\n"
+            "assert is_prime(9) == False, f'9 gave {is_prime(9)}'\n"
+            "assert len(str(sum([1, 2]))) == 1\n",
+            id="asserts",
+        ),
+    ],
+)
+async def test_a_step_cut_by_a_rebinding_after_its_answers_counts_as_failed(
+    pool: SandboxPool, tests: object
+) -> None:
+    """A hostile re-review: binding a builtin mid-step restarted the round and discarded
+    the step it cut, so an answer that learnt from the step's failure (a message calling
+    it again) answered right in the next round and scored 1.0. A step cut after one of
+    its calls has answered now counts as failed; one cut at its first call (a right
+    answer binding as it starts) runs again."""
+    assert (await judge(pool, LEARNS, tests)).score() < 0.5
+
+
 SHAPES = (
     "class Shape:\n    pass\n"
     "class Square(Shape):\n    def __init__(self, side):\n        self.side = side\n"

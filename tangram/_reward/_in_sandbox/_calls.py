@@ -209,6 +209,8 @@ class Answer:
         """Builtins the tests use that the plans read as the real ones: one the answer
         binds after all ends the plans (:class:`_Rebound`)."""
         self.classes = frozenset(s.name for s in self.body if isinstance(s, ast.ClassDef))
+        self.answered = 0
+        """Calls answered: a step cut after one of them counts (``_harness._run_asserts``)."""
         self.faithful = False
         """Whether every call's changes to its arguments are copied back, not only a
         call's that returned None (:meth:`_copy_back`)."""
@@ -375,6 +377,7 @@ class Answer:
             reply = self._receive(until)
             self._note(reply)
             self.replan()
+            self.answered += 1
             _print(reply)
             if reply.get("ok") is True:
                 # Copied back first: a result that holds an argument holds it as changed.

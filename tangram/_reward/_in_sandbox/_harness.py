@@ -293,7 +293,7 @@ class _UnittestRuns:
 
 
 def _run_asserts(
-    suite: Mapping[str, Any], plan: _Plan, results: list[bool], replan: Callable[[], None]
+    suite: Mapping[str, Any], plan: _Plan, results: list[bool], answer: Answer
 ) -> None:
     """Whether each test passed, appended to ``results`` in order (``check(entry_point)``
     last) as each ends: a run cut short (:class:`_Rebound`) leaves those that ended.
@@ -301,10 +301,14 @@ def _run_asserts(
     Tests that end the program (``check(f); exit(0)``) end here too: as in one program,
     what comes after counts as the status says, all passed for 0, all failed otherwise.
 
-    ``replan`` raises :class:`_Rebound` where the answer bound a builtin the plan reads,
-    asked before each result is kept: a call raises it too, but code of the tests can
-    catch it (``unittest`` catches everything in a test method), and the test that
-    failed for it was kept as failed where the tests, run again, passed.
+    ``answer.replan`` raises :class:`_Rebound` where the answer bound a builtin the plan
+    reads, asked before each result is kept: a call raises it too, but code of the tests
+    can catch it (``unittest`` catches everything in a test method), and the test that
+    failed for it was kept as failed where the tests, run again, passed. A step cut so
+    after one of its calls was answered counts as failed: it was thrown away, and an
+    answer that learnt from the step (a failing assert's message calling it again) bound
+    a builtin to be asked again, and answered right (a hostile re-review). One cut at its
+    first call, as a right answer binding as it starts is, runs again.
     """
     entry_point = suite.get("entry_point")
     steps, check, module = plan
@@ -320,25 +324,38 @@ def _run_asserts(
                 results.append(False)
                 continue
             code = compile(step, "<tests>", "exec", dont_inherit=True)
+            answered = answer.answered
             try:
                 ok = _run(lambda code=code: exec(code, namespace))  # type: ignore[misc]
                 ok = runs.passed() and ok
             finally:
-                replan()
+                _replan(answer, answered, is_test, results)
             broken = broken or (not ok and not is_test)
             if is_test:
                 results.append(ok)
         if check and entry_point:
+            answered = answer.answered
             try:
                 ok = not broken and _run(lambda: namespace["check"](namespace[entry_point]))
             finally:
-                replan()
+                _replan(answer, answered, True, results)
             results.append(ok)
     except _Ended as end:
         results += [end.ok] * (total - len(results))
     finally:
         sys.modules["__main__"] = harness
         runs.close()
+
+
+def _replan(answer: Answer, answered: int, is_test: bool, results: list[bool]) -> None:
+    """:raises _Rebound: as ``answer.replan``, the step counted as failed if it was a test
+    and a call was answered since ``answered`` (see :func:`_run_asserts`)."""
+    try:
+        answer.replan()
+    except _Rebound:
+        if is_test and answer.answered > answered:
+            results.append(False)
+        raise
 
 
 def _run_readings(
@@ -370,7 +387,7 @@ def _run_readings(
                 answer.close()
             results: list[bool] = []
             try:
-                _run_asserts(suite, plan, results, answer.replan)
+                _run_asserts(suite, plan, results, answer)
             finally:
                 for index, ok in enumerate(results):
                     before = kept[index]
