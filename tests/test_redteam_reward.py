@@ -562,6 +562,17 @@ PARSER = (
             ),
             id="its own __str__",
         ),
+        pytest.param(
+            "try:\n    check(-1)\n    ok = False\nexcept ValueError:\n    ok = True\nassert ok\n",
+            "class NegativeError(ValueError):\n    pass\n"
+            "def check(n):\n    if n < 0:\n        raise NegativeError(n)\n",
+            # Wrong: what it raises is another class of the same name, no ValueError.
+            "class NegativeError(ValueError):\n    pass\n"
+            "def check(n):\n"
+            "    class NegativeError(Exception):\n        pass\n"
+            "    if n < 0:\n        raise NegativeError(n)\n",
+            id="a class of the same name, raised",
+        ),
     ],
 )
 async def test_the_answers_exception_classes_are_classes_to_the_tests(

@@ -64,6 +64,14 @@ def _text_of(error: BaseException) -> str:
     return base.__str__(error)  # type: ignore[call-arg]
 
 
+def _agrees(made: type, bases: Sequence[str]) -> bool:
+    """Whether the bases a raised exception's class has (``bases``, its MRO's names, as
+    its process said) hold those of the class made of its name (in order, others
+    between: bases the text gives that are not exceptions are left out of it)."""
+    said = iter(bases)
+    return all(kind.__name__ in said for kind in made.__mro__[1:] if kind is not object)
+
+
 def exception_classes(body: Sequence[ast.stmt]) -> dict[str, type]:
     """The answer's top-level exception classes, made here as classes of the same names
     and bases (read from its text; bases that are neither builtin exceptions nor another
@@ -120,8 +128,11 @@ def _exception(
     label = name[:100] if type(name) is str else "an exception"
     said = args if type(args) is tuple else (text,)
     bases = [k for k in kinds[:64] if type(k) is str] if type(kinds) is list else []
-    for kind in (label, *bases):
+    names = [label, *bases]
+    for position, kind in enumerate(names):
         own = (classes or {}).get(kind)
+        if own is not None and not _agrees(own, names[position + 1 :]):
+            own = None  # another class of that name (one in a function) was raised
         found = own or getattr(builtins, kind, None)
         if not _rebuildable(found):
             continue
