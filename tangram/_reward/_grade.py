@@ -38,7 +38,7 @@ from .._core._demand import Elastic
 from .._core._validate import seconds
 from .._sandbox._pool import Sandbox, utf8
 from ..errors import InvalidSettingError, SandboxBrokenError, SettingTypeError
-from ._in_sandbox import _calls, _checks, _fork, _harness, _wire
+from ._in_sandbox import _calls, _checks, _fork, _harness, _raised, _wire
 
 __all__ = [
     "DEFAULT_CASE_TIMEOUT",
@@ -65,7 +65,14 @@ _HARNESS_MARGIN = 2.0
 def _harness_source() -> str:
     """The program the sandbox runs: the harness, then the modules it imports (which it
     does not import there: it is no package), then the call of its ``main``."""
-    paths = (_harness.__file__, _calls.__file__, _checks.__file__, _wire.__file__, _fork.__file__)
+    paths = (
+        _harness.__file__,
+        _calls.__file__,
+        _raised.__file__,
+        _checks.__file__,
+        _wire.__file__,
+        _fork.__file__,
+    )
     parts = [Path(path).read_text(encoding="utf-8") for path in paths]
     return "\n".join([*parts, "main()\n"])
 

@@ -235,7 +235,7 @@ def _run(code: Callable[[], object]) -> bool:
     """Whether one step of the tests ran without raising.
 
     :raises _Ended: the tests called ``sys.exit``. Only the tests can: the answer's
-        exceptions are rebuilt here without ``SystemExit`` (see :func:`_exception`).
+        exceptions are rebuilt here without ``SystemExit`` (see :func:`._raised.rebuilt`).
     """
     try:
         code()
