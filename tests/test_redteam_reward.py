@@ -643,6 +643,60 @@ async def test_a_step_cut_by_a_rebinding_after_its_answers_counts_as_failed(
     assert (await judge(pool, LEARNS, tests)).score() < 0.5
 
 
+_NAMED_POINT = "from typing import NamedTuple\nclass Point(NamedTuple):\n    x: int\n    y: int\n"
+_DIST = (
+    _NAMED_POINT + "    def dist(self, other):\n"
+    "        return ((self.x - other.x) ** 2 + (self.y - other.y) ** 2) ** 0.5\n"
+)
+_STACK_LIST = "class Stack(list):\n    def push(self, item):\n        self.append(item)\n"
+
+
+@pytest.mark.parametrize(
+    ("tests", "right", "wrong"),
+    [
+        pytest.param(
+            "assert Point(1, 2) != Point(1, 3)\nassert Point(1, 2) == Point(1, 2)\n",
+            _NAMED_POINT,
+            _NAMED_POINT + "    def __eq__(self, other):\n        return self.x == other.x\n"
+            "    def __ne__(self, other):\n        return not self == other\n"
+            "    __hash__ = tuple.__hash__\n",
+            id="a namedtuple's own ==",
+        ),
+        pytest.param(
+            "s = Stack()\ns.push(1)\ns.push(2)\nassert s.pop() == 2 and len(s) == 1\n",
+            _STACK_LIST,
+            _STACK_LIST + "    def pop(self):\n        return self[0]\n",
+            id="a list's own pop",
+        ),
+        pytest.param(
+            "assert Point(0, 0).dist(Point(3, 4)) == 5\n",
+            _DIST,
+            _DIST.replace("** 0.5", "** 0.5 - 1"),
+            id="a namedtuple's method",
+        ),
+        pytest.param(
+            "assert color() == 'red' and color() != 'blue'\n",
+            "import enum\nclass Color(str, enum.Enum):\n    RED = 'red'\n    BLUE = 'blue'\n"
+            "def color():\n    return Color.RED\n",
+            "import enum\nclass Color(str, enum.Enum):\n    RED = 'red'\n    BLUE = 'blue'\n"
+            "def color():\n    return Color.BLUE\n",
+            id="an Enum of str, as its value",
+        ),
+    ],
+)
+async def test_a_builtins_subclass_with_its_own_behaviour_keeps_it(
+    pool: SandboxPool, tests: str, right: str, wrong: str
+) -> None:
+    """A hostile re-review: a subclass of a builtin value travelled as that value, so its
+    own ``__eq__`` or ``pop`` was never asked (a wrong one passed) and its methods could
+    not be called (a right ``Stack(list).push`` scored 0). One that defines behaviour of
+    its own stays the answer's object; an ``Enum`` of ``str`` is its value (it said
+    ``"Color.RED"``)."""
+    assert classic(right, tests) and not classic(wrong, tests)
+    assert (await judge(pool, right, tests)).score() == 1.0
+    assert (await judge(pool, wrong, tests)).score() == 0.0
+
+
 SHAPES = (
     "class Shape:\n    pass\n"
     "class Square(Shape):\n    def __init__(self, side):\n        self.side = side\n"

@@ -383,6 +383,15 @@ STDLIB_VALUES = {
         "P = namedtuple('P', 'x y')\n"
         "def point():\n    return P(2, 1)\n",
     ),
+    "a namedtuple's fields named like a str's methods": (
+        "b = book()\nassert b.title == 'Dune' and b.count == 2\n",
+        "from collections import namedtuple\n"
+        "Book = namedtuple('Book', 'title count')\n"
+        "def book():\n    return Book('Dune', 2)\n",
+        "from collections import namedtuple\n"
+        "Book = namedtuple('Book', 'title count')\n"
+        "def book():\n    return Book('Dune', 3)\n",
+    ),
     "a typing.NamedTuple in a list": (
         "assert [p.y for p in points()] == [2, 4]\n",
         "from typing import NamedTuple\n"
@@ -595,3 +604,23 @@ async def test_a_result_shares_what_it_shares_in_one_program(pool: SandboxPool, 
     assert classic(right, tests) and not classic(wrong, tests)
     assert (await judge(pool, right, tests)).score() == 1.0
     assert (await judge(pool, wrong, tests)).score() < 1.0
+
+
+async def test_a_fraction_too_large_to_reduce_fails_its_call_not_the_harness(
+    pool: SandboxPool,
+) -> None:
+    """An answer's unreduced ``Fraction`` of millions of bits took the harness minutes to
+    reduce, past every deadline, and no verdict came (a hostile re-review): it fails the
+    call that returned it, and the tests after it run."""
+    answer = (
+        "import fractions, random\n"
+        "def f():\n"
+        "    r = random.Random(1)\n"
+        "    q = fractions.Fraction.__new__(fractions.Fraction)\n"
+        "    q._numerator = r.getrandbits(8_000_000) | 1\n"
+        "    q._denominator = r.getrandbits(8_000_000) | 1\n"
+        "    return q\n"
+    )
+    tests = "assert f() != 0\nassert 1 == 1\n"
+    verdict = await judge(pool, answer, tests, timeout=20.0, case_timeout=10.0)
+    assert verdict.judged and (verdict.passed, verdict.total) == (1, 2)

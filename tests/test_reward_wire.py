@@ -66,6 +66,8 @@ def test_an_argument_travels_as_its_place_and_its_items() -> None:
         {"al": [0, [1]]},
         {"d": [[1]]},
         {"s": "x"},
+        {"fr": [{"i": format(1 << 400_000, "x")}, 3]},
+        {"nt": ["P Q", ["x"], [1]]},
     ],
 )
 def test_a_share_or_alias_the_encoder_never_writes_is_refused(data: Any) -> None:

@@ -37,7 +37,7 @@ from collections.abc import Callable, ItemsView, KeysView, Mapping, Sequence, Va
 if __name__ != "__main__":  # imported by tangram; in the sandbox the program holds them
     from typing import Any
 
-    from ._wire import METHOD, Lazy, decode, encode, namedtuple_fields
+    from ._wire import METHOD, Lazy, decode, encode, namedtuple_fields, own_behaviour
 
 __all__ = ["Child", "Forker", "answer_main"]
 
@@ -677,8 +677,26 @@ def _plain(value: Any, depth: int = 0, seen: "dict[int, tuple[Any, Any]] | None"
     return plain
 
 
+# The classes :func:`_plain` sends as they are (items made plain): no subclass of theirs.
+_KNOWN = frozenset(
+    {
+        list,
+        tuple,
+        dict,
+        set,
+        frozenset,
+        collections.OrderedDict,
+        collections.Counter,
+        collections.defaultdict,
+        collections.deque,
+    }
+)
+
+
 def _made_plain(value: Any, kind: type, plain: "Callable[[Any], Any]") -> Any:
     """:func:`_plain` of one value, its items made plain by ``plain``."""
+    if kind not in _KNOWN and own_behaviour(kind):
+        return value  # a handle (see ``own_behaviour``)
     if kind in (collections.OrderedDict, collections.Counter, collections.defaultdict):
         pairs = [(plain(k), plain(v)) for k, v in value.items()]
         if all(k is a and v is b for (k, v), (a, b) in zip(pairs, value.items(), strict=True)):
@@ -714,9 +732,16 @@ def _made_plain(value: Any, kind: type, plain: "Callable[[Any], Any]") -> Any:
     tolist = getattr(value, "tolist", None)
     if callable(tolist):
         return tolist()
-    for base in (bool, int, float, str, bytes):
-        if isinstance(value, base):
-            return base(value)  # type: ignore[arg-type]
+    # The value itself, not what its class's ``__str__`` or ``__int__`` makes of it: an
+    # ``Enum`` of ``str`` said ``"Color.RED"`` where the tests compared it with ``"red"``.
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, bytes):
+        return bytes.__getitem__(value, slice(None))
     if hasattr(value, "__next__"):  # an iterator, to Python's ``for``, with or without __iter__
         return Lazy(value)
     return value

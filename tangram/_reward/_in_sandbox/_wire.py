@@ -17,7 +17,15 @@ from collections.abc import Callable, Mapping
 if __name__ != "__main__":  # for the type checker: the sandbox's program needs none
     from typing import Any
 
-__all__ = ["METHOD", "VALUE_METHODS", "Lazy", "decode", "encode", "namedtuple_fields"]
+__all__ = [
+    "METHOD",
+    "VALUE_METHODS",
+    "Lazy",
+    "decode",
+    "encode",
+    "namedtuple_fields",
+    "own_behaviour",
+]
 
 _MAX_DEPTH = 200
 # Ints past this many bits travel as hex: CPython refuses to parse decimal strings over
@@ -57,6 +65,9 @@ _DATES = {"datetime": "dt", "date": "da", "time": "tm"}
 # What can be changed in place, and so shared: sent once per value (see ``encode``).
 _SHARED = frozenset({list, set, bytearray, collections.deque, *_MAPPINGS})
 _SHARED_TAGS = frozenset({"s", "ba", "dq", *_MAPPINGS.values()})
+# Bits of a Fraction's parts at most: reducing it (a gcd) takes a second near 1,000,000,
+# and an answer's unreduced one of millions stalled the harness past every deadline.
+_FRACTION_BITS = 300_000
 # The factories a ``defaultdict`` travels with, by name; any other is sent as none (its
 # missing keys then raise ``KeyError``, as a dict's did before).
 _FACTORIES: dict[str, Callable[[], Any]] = {
@@ -242,12 +253,16 @@ def decode(
         named = type(name) is str and _field_names(fields) and type(items) is list
         if named and len(fields) == len(items):
             values = [inner(item) for item in items]
-            if VALUE_METHODS.isdisjoint(fields):
-                return tuple.__new__(_named(name, tuple(fields)), values)
-            return tuple(values)
+            # A field named like a value's method may hold data (``book.title``), not
+            # something to call there: that answered ``f(x).startswith(...)``.
+            held = zip(fields, values, strict=True)
+            if any(field in VALUE_METHODS and callable(value) for field, value in held):
+                return tuple(values)
+            return tuple.__new__(_named(name, tuple(fields)), values)
     if tag == "fr" and type(body) is list and len(body) == 2:
         numerator, denominator = (inner(part) for part in body)
-        if type(numerator) is int and type(denominator) is int and denominator:
+        whole = type(numerator) is int and type(denominator) is int and denominator
+        if whole and max(numerator.bit_length(), denominator.bit_length()) <= _FRACTION_BITS:
             import fractions
 
             return fractions.Fraction(numerator, denominator)
@@ -337,10 +352,62 @@ def _pairs(body: list[Any], inner: Callable[[Any], Any]) -> list[tuple[Any, Any]
     return [(inner(k), inner(v)) for k, v in body]
 
 
+# The builtin values a class of the answer's may derive from.
+_VALUES = (list, tuple, dict, set, frozenset, str, int, float, complex, bytes, bytearray)
+# What a class may define and still be sent as the builtin value it derives from.
+_INERT = frozenset(
+    {
+        "__init__",
+        "__new__",
+        "__init_subclass__",
+        "__class_getitem__",
+        "__post_init__",
+        "__getnewargs__",
+        "__reduce__",
+        "__reduce_ex__",
+        "__getstate__",
+        "__setstate__",
+        "__copy__",
+        "__deepcopy__",
+    }
+)
+
+
+def own_behaviour(kind: type) -> bool:
+    """Whether a subclass of a builtin value defines behaviour of its own: a method, a
+    property or one of Python's protocols (``__eq__``, ``__len__``, ``__str__``), in a
+    class of the answer's (``enum``'s, ``collections``' and ``typing``'s make none).
+
+    Such an object stays the answer's (``Remote``): sent as the builtin's data, its own
+    were never asked, and a namedtuple whose ``__eq__`` compared one field passed
+    ``Point(1, 2) != Point(1, 3)``, a ``list`` subclass's wrong ``pop`` was a list's
+    right one; and the tests could not call its methods (``Stack(list).push``)."""
+    if not issubclass(kind, _VALUES):
+        return False  # no value: sent as the answer's object anyway
+    for klass in kind.__mro__:
+        if klass.__module__ == "builtins":
+            return False  # the builtin it derives from: nothing past it is the answer's
+        if klass.__module__ in ("enum", "collections", "typing", "abc"):
+            continue
+        if type(klass).__module__ == "enum":
+            continue  # an Enum's member is its value, as the tests compare it
+        for name, attr in vars(klass).items():
+            if name in _INERT or hasattr(attr, "__objclass__"):
+                continue  # a builtin's own slot, or one that does not change the value
+            if getattr(attr, "__module__", None) in ("enum", "collections", "typing"):
+                continue  # made by namedtuple, NamedTuple or Enum
+            if callable(attr) or isinstance(attr, (property, classmethod, staticmethod)):
+                return True
+    return False
+
+
 def namedtuple_fields(kind: type) -> "tuple[str, ...] | None":
-    """The fields of a namedtuple class, as the wire sends them; ``None`` for any other."""
+    """The fields of a namedtuple class, as the wire sends them; ``None`` for any other,
+    and for one with behaviour of its own (:func:`own_behaviour`)."""
     fields = getattr(kind, "_fields", None) if issubclass(kind, tuple) else None
-    return fields if type(fields) is tuple and _field_names(fields) else None
+    if type(fields) is not tuple or not _field_names(fields) or own_behaviour(kind):
+        return None
+    return fields
 
 
 def _field_names(fields: Any) -> bool:
@@ -360,7 +427,7 @@ def _named(name: str, fields: tuple[str, ...]) -> type:
     if (name, fields) in _NAMED:
         return _NAMED[(name, fields)]
     make: Any = collections.namedtuple  # of names known only as it runs
-    made: type = make(name, fields)  # checks each is an identifier
+    made: type = make(name, fields, rename=True)  # ``_1`` as ``rename=True`` made it
     if len(_NAMED) < _MOST_NAMED:
         _NAMED[(name, fields)] = made
     return made
