@@ -527,6 +527,26 @@ ARGUMENT_CHANGES = {
         "def largest(items):\n    return max(items)\n",
         "def largest(items):\n    items.sort()\n    return items.pop()\n",
     ),
+    "a list inside a tuple argument": (
+        "p = ([3, 1, 2], [5])\nassert smallest(p) == 1\nassert p[0] == [3, 1, 2]\n",
+        "def smallest(pair):\n    return min(pair[0])\n",
+        "def smallest(pair):\n    pair[0].sort()\n    return pair[0][0]\n",
+    ),
+    "1 made True": (
+        "xs = [1, 0]\nassert count_true(xs) == 1\nassert [type(x) for x in xs] == [int, int]\n",
+        "def count_true(xs):\n    return sum(1 for x in xs if x)\n",
+        "def count_true(xs):\n    xs[:] = [bool(x) for x in xs]\n    return sum(xs)\n",
+    ),
+    "an inner list the tests hold, emptied": (
+        "m = [[1, 2], [3]]\nrow = m[0]\nclear_first(m)\nassert row == [] and m[0] is row\n",
+        "def clear_first(m):\n    m[0].clear()\n",
+        "def clear_first(m):\n    m[0] = []\n",
+    ),
+    "an inner list the tests hold, replaced": (
+        "m = [[1, 2], [3]]\nrow = m[0]\nreset_first(m)\nassert row == [1, 2] and m[0] == []\n",
+        "def reset_first(m):\n    m[0] = []\n",
+        "def reset_first(m):\n    m[0].clear()\n",
+    ),
     "a dict changed, then a value returned": (
         "d = {'a': 1}\nassert total(d) == 1\nassert d == {'a': 1}\n",
         "def total(d):\n    return sum(d.values())\n",

@@ -24,7 +24,7 @@ if __name__ != "__main__":  # imported by tangram; in the sandbox the program ho
 
     from ._fork import Child, Forker
     from ._raised import MESSAGE_LIMIT, AnswerError, exception_classes, rebuilt
-    from ._wire import METHOD, VALUE_METHODS, decode, encode
+    from ._wire import METHOD, VALUE_METHODS, decode, encode, places_of
 
 __all__ = [
     "Answer",
@@ -328,16 +328,36 @@ class Answer:
 
         :raises ValueError: the changes came malformed.
         """
-        after, named = reply.get("args"), reply.get("kwargs")
-        positional = after if type(after) is dict else {}
-        keyword = named if type(named) is dict else {}
-        if not (positional or keyword):
+        after = reply.get("after")
+        if after is None:
+            return set()
+        if after == "unread":
+            # A change that cannot be copied back, in either reading, is no change the
+            # tests can check: the call fails (a cycle it made of its argument).
+            raise AnswerError("the call left its arguments past what can be read back")
+        if type(after) is not dict or type(after.get("changed")) is not list:
+            raise ValueError("malformed changes")
+        changed = {key for key in after["changed"] if type(key) is str}
+        if not changed:
             return set()
         if not (settled or self.faithful):
             self.diverged = True
-            return {str(key) for key in (*positional, *keyword)}
-        _update({str(i): arg for i, arg in enumerate(args)}, positional, self._remote)
-        _update(kwargs, keyword, self._remote)
+            return changed
+        # Each part that was there before the call comes as its place then: the tests'
+        # part there is refilled, as the answer's was changed (``_refill``), and holds
+        # the others as they are now; a new one comes as a copy.
+        parts = {tuple(path): part for path, part in places_of(list(args), kwargs).values()}
+
+        def refilled(place: list[Any], copy: Any) -> Any:
+            known = all(type(step) in (int, str) for step in place)
+            part = parts.get(tuple(place)) if known else None
+            if type(part) is not type(copy):
+                raise ValueError("malformed changes")
+            _refill(part, copy)
+            return part
+
+        for data in (after.get("args"), after.get("kwargs")):
+            decode(data, self._remote, alias=refilled)
         return set()
 
     def _alias(
@@ -366,7 +386,7 @@ class Answer:
         if key in pending:
             return copy
         for step in place[1:]:
-            if type(found) in (list, collections.deque) and type(step) is int:
+            if type(found) in (list, tuple, collections.deque) and type(step) is int:
                 if not 0 <= step < len(found):
                     raise ValueError("malformed alias")
                 found = found[step]
@@ -415,25 +435,17 @@ def _handle_of(value: Any) -> int:
     raise TypeError(f"cannot pass {type(value).__name__} to the answer")
 
 
-def _update(
-    originals: Mapping[str, Any], after: Mapping[str, Any], remote: Callable[[int], Any]
-) -> None:
-    """Mutations the answer made to list, dict, set, bytearray and deque arguments (and
-    the standard library's dicts), made here."""
-    for key, data in after.items():
-        if key not in originals:
-            continue
-        original, new = originals[key], decode(data, remote)
-        if type(original) is not type(new):
-            continue
-        if isinstance(original, (list, bytearray)):
-            original[:] = new
-        elif isinstance(original, (dict, set, collections.deque)):
-            original.clear()  # then a Counter's update sets, as a dict's does
-            if isinstance(original, collections.deque):
-                original.extend(new)
-            else:
-                original.update(new)
+def _refill(part: Any, copy: Any) -> None:
+    """Make the tests' ``part`` (a list, bytearray, deque, set or dict, the standard
+    library's too) hold what ``copy`` holds, in place."""
+    if isinstance(part, (list, bytearray)):
+        part[:] = copy
+    else:
+        part.clear()  # then a Counter's update sets, as a dict's does
+        if isinstance(part, collections.deque):
+            part.extend(copy)
+        else:
+            part.update(copy)
 
 
 def _class_name(name: str) -> bool:

@@ -37,7 +37,15 @@ from collections.abc import Callable, ItemsView, KeysView, Mapping, Sequence, Va
 if __name__ != "__main__":  # imported by tangram; in the sandbox the program holds them
     from typing import Any
 
-    from ._wire import METHOD, Lazy, decode, encode, namedtuple_fields, own_behaviour
+    from ._wire import (
+        METHOD,
+        Lazy,
+        decode,
+        encode,
+        namedtuple_fields,
+        own_behaviour,
+        places_of,
+    )
 
 __all__ = ["Child", "Forker", "answer_main"]
 
@@ -184,7 +192,7 @@ class _Printed:
 
 
 _DEPTH = 100
-# The arguments whose changes a call that returns None makes in the tests' copies too.
+# What a call can change in place: the parts of its arguments a result may hold.
 _CHANGED = (
     list,
     dict,
@@ -507,7 +515,7 @@ def answer_main(mode: str, source_fd: int, requests_fd: int = -1, replies: int =
 
     for line in requests:
         printed = None
-        called: tuple[Any, list[Any], dict[str, Any]] | None = None
+        called: tuple[Any, list[Any], dict[str, Any], dict[int, Any]] | None = None
         try:
             request = json.loads(line)
             target, method = request["target"], request["method"]
@@ -527,7 +535,9 @@ def answer_main(mode: str, source_fd: int, requests_fd: int = -1, replies: int =
             else:
                 raise NameError(f"name {target!r} is not defined")
             args, kwargs = decode(request["args"], find), decode(request["kwargs"], find)
-            called = (request, args, kwargs)
+            # Where each of their parts is before the call: what it changes in place is
+            # sent back as that place, so the tests change their own (``_changes``).
+            called = (request, args, kwargs, places_of(args, kwargs))
             # What the call prints is the tests' to read where they capture it
             # (``redirect_stdout`` around it in one program): recorded here, both streams
             # in the order written, and sent along; elsewhere it goes where it went.
@@ -540,8 +550,9 @@ def answer_main(mode: str, source_fd: int, requests_fd: int = -1, replies: int =
                 sys.stdout, sys.stderr = streams
             plain = _plain(result)
             # Scalars hold no argument: their places are not looked for.
-            places = _places(args, kwargs) if isinstance(plain, _HOLDERS) else None
-            reply = {"ok": True, "value": encode(plain, keep, places=places)}
+            parts = places_of(args, kwargs) if isinstance(plain, _HOLDERS) else {}
+            where = {number: path for number, (path, _) in parts.items()}
+            reply = {"ok": True, "value": encode(plain, keep, places=where)}
         except BaseException as exc:
             reply = {
                 "ok": False,
@@ -554,10 +565,13 @@ def answer_main(mode: str, source_fd: int, requests_fd: int = -1, replies: int =
             except BaseException:
                 reply["raised"] = None
         if called is not None:
+            after: Any
             try:  # returned or raised: the harness decides what it copies (``Answer.call``)
-                reply["args"], reply["kwargs"] = _changes(*called, keep)
+                after = _changes(*called, keep)
             except BaseException:
-                reply["args"] = reply["kwargs"] = None
+                after = "unread"  # left nested past the wire's depth, or in a cycle
+            if after is not None:
+                reply["after"] = after
         reply["binds"] = binds()
         if printed is not None and (printed.runs or printed.overflow):
             reply["printed"] = printed.log()
@@ -568,60 +582,64 @@ def answer_main(mode: str, source_fd: int, requests_fd: int = -1, replies: int =
 
 # Results that can hold one of the call's arguments.
 _HOLDERS = (list, tuple, set, frozenset, dict, bytearray, collections.deque)
-_MOST_PLACES = 100_000  # containers of the arguments a result is looked up among
-
-
-def _places(args: "list[Any]", kwargs: "dict[str, Any]") -> "dict[int, list[Any]]":
-    """Where each list, dict, set, bytearray or deque of the call's arguments is now, by
-    ``id``: a path from the argument (its index, or its keyword's name) through list
-    indices and dict keys that are ``int`` or ``str``. A result that holds one is sent
-    as that place (:func:`._wire.encode`)."""
-    places: dict[int, list[Any]] = {}
-    stack: list[tuple[list[Any], Any]] = [([index], arg) for index, arg in enumerate(args)]
-    stack += [([name], arg) for name, arg in kwargs.items()]
-    while stack and len(places) < _MOST_PLACES:
-        path, value = stack.pop()
-        kind = type(value)
-        if kind not in _CHANGED or id(value) in places:
-            continue
-        places[id(value)] = path
-        if len(path) > _DEPTH:
-            continue
-        if kind in (list, collections.deque):
-            stack += [([*path, i], item) for i, item in enumerate(value) if type(item) in _CHANGED]
-        elif isinstance(value, dict):
-            stack += [
-                ([*path, k], v)
-                for k, v in value.items()
-                if type(k) in (int, str) and type(v) in _CHANGED
-            ]
-    return places
 
 
 def _changes(
     request: "dict[str, Any]",
     args: "list[Any]",
     kwargs: "dict[str, Any]",
+    before: "dict[int, tuple[list[Any], Any]]",
     keep: "Callable[[Any], int]",
-) -> "tuple[dict[str, Any], dict[str, Any]]":
-    """The arguments a call changed, as they are now: positional ones by index, keyword
-    ones by name, each a list, dict, set, bytearray or deque whose encoding is not the
-    one the harness sent (one it left as it came is not sent back)."""
-    sent = request["kwargs"]
-    named = dict(sent["d"]) if type(sent) is dict and type(sent.get("d")) is list else {}
-    changed: dict[str, Any] = {}
-    for index, arg in enumerate(args):
-        if type(arg) in _CHANGED:
-            now = encode(arg, keep)
-            if now != request["args"][index]:
-                changed[str(index)] = now
-    changed_named: dict[str, Any] = {}
-    for name, arg in kwargs.items():
-        if type(arg) in _CHANGED:
-            now = encode(arg, keep)
-            if now != named.get(name):
-                changed_named[name] = now
-    return changed, changed_named
+) -> "dict[str, Any] | None":
+    """What a call did to its arguments: ``None`` where it changed none, else all of
+    them as they are now, encoded as the harness sent them (one value for the
+    positional ones, one for the keyword ones, so what they share travels), and which
+    changed (``changed``: indices as text, and names).
+
+    Every argument is read again, a tuple's lists too (a change inside one went unseen),
+    and compared as text, a set's items in order of their own text (``1`` is no
+    ``True``, and a set rebuilt here may iterate in another order). A part that was
+    there ``before`` the call is sent as its place then (``al``): the harness changes
+    its own there, so an inner list the tests hold sees the change, and one the call
+    replaced does not, as in one program."""
+    places = {number: path for number, (path, _) in before.items()}
+    now_args = encode(list(args), keep, places=places)
+    now_kwargs = encode(dict(kwargs), keep, places=places)
+    sent_args, sent_kwargs = request["args"], request["kwargs"]
+    changed = [
+        str(index)
+        for index, (now, sent) in enumerate(zip(now_args, sent_args, strict=True))
+        if _text(now) != _text(sent)
+    ]
+    named_now, named_sent = dict(_named_items(now_kwargs)), dict(_named_items(sent_kwargs))
+    changed += [name for name, now in named_now.items() if _text(now) != _text(named_sent[name])]
+    if not changed:
+        return None
+    return {"args": now_args, "kwargs": now_kwargs, "changed": changed}
+
+
+def _named_items(data: Any) -> "list[Any]":
+    """The ``[name, value]`` pairs of keyword arguments encoded as a dict (``{"d": ...}``;
+    one met again is ``{"same": n}``, which holds none)."""
+    return data["d"] if type(data) is dict and "d" in data else []
+
+
+def _text(data: Any) -> str:
+    """Encoded ``data`` as one text, a set's items sorted by theirs."""
+    return json.dumps(_canonical(data))
+
+
+def _canonical(data: Any) -> Any:
+    if type(data) is list:
+        return [_canonical(item) for item in data]
+    if type(data) is dict and len(data) == 1:
+        ((tag, body),) = data.items()
+        if tag == "al" and type(body) is list and len(body) == 2:
+            return _canonical(body[1])  # where it was is no change
+        if tag in ("s", "fs") and type(body) is list:
+            return {tag: sorted((_canonical(item) for item in body), key=json.dumps)}
+        return {tag: _canonical(body)}
+    return data
 
 
 _INT_MAX = 2**31 - 1  # the largest recursion limit Python takes

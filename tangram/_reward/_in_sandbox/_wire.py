@@ -25,6 +25,7 @@ __all__ = [
     "encode",
     "namedtuple_fields",
     "own_behaviour",
+    "places_of",
 ]
 
 _MAX_DEPTH = 200
@@ -431,3 +432,41 @@ def _named(name: str, fields: tuple[str, ...]) -> type:
     if len(_NAMED) < _MOST_NAMED:
         _NAMED[(name, fields)] = made
     return made
+
+
+_MOST_PLACES = 100_000  # parts of a call's arguments indexed at most
+
+
+def places_of(args: "list[Any]", kwargs: "Mapping[str, Any]") -> "dict[int, tuple[list[Any], Any]]":
+    """Where each part of a call's arguments that can change in place (a list, dict,
+    set, bytearray or deque, in them or in their tuples) is, by ``id``: a path from the
+    argument (its index, or its keyword's name) through list and tuple indices and dict
+    keys that are ``int`` or ``str``, and the part. The first path found is a part's
+    place; both sides find the same, as they walk the same arguments alike."""
+    places: dict[int, tuple[list[Any], Any]] = {}
+    stack: list[tuple[list[Any], Any]] = [([index], arg) for index, arg in enumerate(args)]
+    stack += [([name], arg) for name, arg in kwargs.items()]
+    stack.reverse()  # in order: the first argument's parts first
+    while stack and len(places) < _MOST_PLACES:
+        path, value = stack.pop()
+        kind = type(value)
+        if kind is not tuple:
+            if kind not in _SHARED or id(value) in places:
+                continue
+            places[id(value)] = (path, value)  # kept: its id is no other's meanwhile
+        if len(path) > _MAX_DEPTH // 2:
+            continue
+        if kind in (list, tuple, collections.deque):
+            children = [([*path, i], item) for i, item in enumerate(value) if _held(item)]
+        elif isinstance(value, dict):
+            children = [
+                ([*path, k], v) for k, v in value.items() if type(k) in (int, str) and _held(v)
+            ]
+        else:
+            continue
+        stack += reversed(children)
+    return places
+
+
+def _held(value: Any) -> bool:
+    return type(value) in _SHARED or type(value) is tuple
