@@ -58,3 +58,11 @@ def classic(answer: str, tests: str) -> bool:
             cwd=cwd,
         )
     return done.returncode == 0
+
+
+async def wrong_scores(pool: SandboxPool, tests: str, right: str, wrong: str) -> float:
+    """What ``wrong`` scores, once the case is checked: the classic recipe passes
+    ``right`` and fails ``wrong``, and ``right`` scores 1.0 here."""
+    assert classic(right, tests) and not classic(wrong, tests)
+    assert (await judge(pool, right, tests)).score() == 1.0
+    return (await judge(pool, wrong, tests)).score()

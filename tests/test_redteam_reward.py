@@ -12,7 +12,7 @@ import builtins
 import keyword
 
 import pytest
-from _grading import anyio_backend, classic, judge, pool  # noqa: F401 (fixtures)
+from _grading import anyio_backend, classic, judge, pool, wrong_scores  # noqa: F401 (fixtures)
 from _hacks import HUMANEVAL_4, HUMANEVAL_38, HUMANEVAL_38_PROMPT, MBPP_2, ROUND_3, WRONG, YES
 from _reward_attacks import LEAK, LEAK_TESTS, LIMITS, ORACLE, ORACLE_TESTS, STAGES, limit_attack
 
@@ -581,9 +581,7 @@ async def test_the_answers_exception_classes_are_classes_to_the_tests(
     """Class-design tasks test that the answer raises its own exceptions: the tests'
     ``InsufficientFunds`` was a stand-in for calling the answer, no class, so
     ``assertRaises`` and ``except`` raised ``TypeError`` and a right answer scored 0."""
-    assert classic(right, tests) and not classic(wrong, tests)
-    assert (await judge(pool, right, tests)).score() == 1.0
-    assert (await judge(pool, wrong, tests)).score() < 1.0
+    assert await wrong_scores(pool, tests, right, wrong) < 1.0
 
 
 # Learns from the tests' reaction: a failing assert's message calls it again at once with
@@ -692,9 +690,7 @@ async def test_a_builtins_subclass_with_its_own_behaviour_keeps_it(
     not be called (a right ``Stack(list).push`` scored 0). One that defines behaviour of
     its own stays the answer's object; an ``Enum`` of ``str`` is its value (it said
     ``"Color.RED"``)."""
-    assert classic(right, tests) and not classic(wrong, tests)
-    assert (await judge(pool, right, tests)).score() == 1.0
-    assert (await judge(pool, wrong, tests)).score() == 0.0
+    assert await wrong_scores(pool, tests, right, wrong) == 0.0
 
 
 SHAPES = (
