@@ -606,6 +606,26 @@ ALIASES = {
         "def same_rows(rows):\n    return rows\n",
         "def same_rows(rows):\n    return [list(row) for row in rows]\n",
     ),
+    "one object, returned twice": (
+        "c1 = make_counter()\nc2 = make_counter()\nassert c1 is not c2 and c1 != c2\n",
+        "class Counter:\n    def __init__(self):\n        self.n = 0\n"
+        "    def bump(self):\n        self.n += 1\n"
+        "def make_counter():\n    return Counter()\n",
+        "class Counter:\n    def __init__(self):\n        self.n = 0\n"
+        "    def bump(self):\n        self.n += 1\n"
+        "_one = Counter()\n"
+        "def make_counter():\n    return _one\n",
+    ),
+    "a singleton": (
+        "assert config() is config()\n",
+        "class Config:\n    pass\n_one = Config()\ndef config():\n    return _one\n",
+        "class Config:\n    pass\ndef config():\n    return Config()\n",
+    ),
+    "one list, positional and by keyword": (
+        "a = [1, 2]\ndouble_into(a, out=a)\nassert a == [2, 4]\n",
+        "def double_into(xs, out):\n    out[:] = [2 * x for x in xs]\n",
+        "def double_into(xs, out):\n    out = [2 * x for x in xs]\n",
+    ),
     "an inner list, among others": (
         "rows = [[1], [2]]\nfirst = pick(rows, 0)\nfirst.append(5)\nassert rows == [[1, 5], [2]]\n",
         "def pick(rows, i):\n    return rows[i]\n",

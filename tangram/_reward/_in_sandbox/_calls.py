@@ -110,6 +110,7 @@ class Answer:
         """Builtins the tests use that the plans read as the real ones: one the answer
         binds after all ends the plans (:class:`_Rebound`)."""
         self.classes = frozenset(s.name for s in self.body if isinstance(s, ast.ClassDef))
+        self._proxies: dict[tuple[int, int, type], Remote] = {}
         self.answered = 0
         """Calls answered: a step cut after one of them counts (``_harness._run_asserts``)."""
         self.faithful = False
@@ -124,6 +125,7 @@ class Answer:
         self._replies = -1
 
     def close(self) -> None:
+        self._proxies.clear()
         if self.process is not None:
             self.process.kill()
             self.process = None
@@ -262,11 +264,13 @@ class Answer:
         if self.process is None:
             self._start()
             self.replan()
+        memo: dict[int, int] = {}
         request = {
             "target": target,
             "method": method,
-            "args": encode(list(args), _handle_of),
-            "kwargs": encode(dict(kwargs), _handle_of),
+            # One memo: an argument passed twice (``f(a, out=a)``) is one there too.
+            "args": encode(list(args), _handle_of, memo=memo),
+            "kwargs": encode(dict(kwargs), _handle_of, memo=memo),
             "solution": solution,
             # Whether the tests capture each stream now: only then is what the call prints
             # recorded and sent (it overfilled the reply where nothing would read it).
@@ -356,8 +360,9 @@ class Answer:
             _refill(part, copy)
             return part
 
+        made: list[Any] = []  # one numbering for both, as they were sent
         for data in (after.get("args"), after.get("kwargs")):
-            decode(data, self._remote, alias=refilled)
+            decode(data, self._remote, alias=refilled, made=made)
         return set()
 
     def _alias(
@@ -399,10 +404,20 @@ class Answer:
         return found
 
     def _remote(self, number: int) -> "Remote":
-        return Remote(self, number, self.generation)
+        return self._proxy(number, Remote)
 
     def _callable(self, number: int) -> "Remote":
-        return CallableRemote(self, number, self.generation)
+        return self._proxy(number, CallableRemote)
+
+    def _proxy(self, number: int, kind: "type[Remote]") -> "Remote":
+        """The one stand-in of the answer's object ``number`` (of this process), so that
+        ``is``, identity's ``==`` and hashing are its object's: a new one each time made
+        ``make() is not make()`` true where ``make`` returned one object twice."""
+        key = (self.generation, number, kind)
+        found = self._proxies.get(key)
+        if found is None:
+            found = self._proxies[key] = kind(self, number, self.generation)
+        return found
 
     def _lazy(self, number: int) -> "Items":
         return Items(self, number, self.generation)

@@ -534,7 +534,9 @@ def answer_main(mode: str, source_fd: int, requests_fd: int = -1, replies: int =
                 function = getattr(namespace["Solution"](), target)
             else:
                 raise NameError(f"name {target!r} is not defined")
-            args, kwargs = decode(request["args"], find), decode(request["kwargs"], find)
+            made: list[Any] = []  # one numbering: ``f(a, out=a)`` gets one list
+            args = decode(request["args"], find, made=made)
+            kwargs = decode(request["kwargs"], find, made=made)
             # Where each of their parts is before the call: what it changes in place is
             # sent back as that place, so the tests change their own (``_changes``).
             called = (request, args, kwargs, places_of(args, kwargs))
@@ -603,8 +605,9 @@ def _changes(
     its own there, so an inner list the tests hold sees the change, and one the call
     replaced does not, as in one program."""
     places = {number: path for number, (path, _) in before.items()}
-    now_args = encode(list(args), keep, places=places)
-    now_kwargs = encode(dict(kwargs), keep, places=places)
+    memo: dict[int, int] = {}  # one numbering for both, as the harness sent them
+    now_args = encode(list(args), keep, memo=memo, places=places)
+    now_kwargs = encode(dict(kwargs), keep, memo=memo, places=places)
     sent_args, sent_kwargs = request["args"], request["kwargs"]
     changed = [
         str(index)
