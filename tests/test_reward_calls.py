@@ -545,6 +545,25 @@ ARGUMENT_CHANGES = {
         "def reset_first(m):\n    m[0] = []\n",
         "def reset_first(m):\n    m[0].clear()\n",
     ),
+    "changed by a generator as the tests take its items": (
+        "data = [3, 1, 2]\nassert list(ascending(data)) == [1, 2, 3]\nassert data == [3, 1, 2]\n",
+        "def ascending(xs):\n    yield from sorted(xs)\n",
+        "def ascending(xs):\n    xs.sort()\n    yield from xs\n",
+    ),
+    "kept by an object and changed by a later call": (
+        "data = [1, 2, 3]\nq = Queue(data)\nassert q.take() == 1\nassert data == [1, 2, 3]\n",
+        "class Queue:\n    def __init__(self, items):\n        self.items = list(items)\n"
+        "    def take(self):\n        return self.items.pop(0)\n",
+        "class Queue:\n    def __init__(self, items):\n        self.items = items\n"
+        "    def take(self):\n        return self.items.pop(0)\n",
+    ),
+    "kept by an object and written by a later call": (
+        "out = []\nlog = Logger(out)\nlog.write('a')\nassert out == ['a']\n",
+        "class Logger:\n    def __init__(self, out):\n        self.out = out\n"
+        "    def write(self, line):\n        self.out.append(line)\n",
+        "class Logger:\n    def __init__(self, out):\n        self.out = list(out)\n"
+        "    def write(self, line):\n        self.out.append(line)\n",
+    ),
     "a dict changed, then a value returned": (
         "d = {'a': 1}\nassert total(d) == 1\nassert d == {'a': 1}\n",
         "def total(d):\n    return sum(d.values())\n",

@@ -24,7 +24,7 @@ if __name__ != "__main__":  # imported by tangram; in the sandbox the program ho
 
     from ._fork import Child, Forker
     from ._raised import MESSAGE_LIMIT, AnswerError, exception_classes, rebuilt
-    from ._wire import METHOD, VALUE_METHODS, decode, encode, places_of
+    from ._wire import KEPT, METHOD, VALUE_METHODS, decode, encode, places_of
 
 __all__ = [
     "Answer",
@@ -111,6 +111,9 @@ class Answer:
         binds after all ends the plans (:class:`_Rebound`)."""
         self.classes = frozenset(s.name for s in self.body if isinstance(s, ast.ClassDef))
         self._proxies: dict[tuple[int, int, type], Remote] = {}
+        self._seq = 0  # calls made, each's number in its request
+        self._kept: dict[int, dict[tuple[Any, ...], Any]] = {}
+        """The last ``_KEPT`` calls' arguments' parts, by their places then."""
         self.answered = 0
         """Calls answered: a step cut after one of them counts (``_harness._run_asserts``)."""
         self.faithful = False
@@ -126,6 +129,7 @@ class Answer:
 
     def close(self) -> None:
         self._proxies.clear()
+        self._kept.clear()
         if self.process is not None:
             self.process.kill()
             self.process = None
@@ -265,7 +269,14 @@ class Answer:
             self._start()
             self.replan()
         memo: dict[int, int] = {}
+        self._seq += 1
+        parts = {tuple(path): part for path, part in places_of(list(args), kwargs).values()}
+        if parts:  # the answer's process keeps them too, as long (``_fork._later``)
+            self._kept[self._seq] = parts
+            while len(self._kept) > KEPT:
+                del self._kept[next(iter(self._kept))]
         request = {
+            "seq": self._seq,
             "target": target,
             "method": method,
             # One memo: an argument passed twice (``f(a, out=a)``) is one there too.
@@ -287,7 +298,8 @@ class Answer:
             if reply.get("ok") is True:
                 # Copied back first: a result that holds an argument holds it as changed.
                 settled = reply.get("value") is None
-                pending = self._copy_back(args, kwargs, reply, settled) if changes else set()
+                self._later(reply, settled)
+                pending = self._copy_back(parts, reply, settled) if changes else set()
                 return decode(
                     reply.get("value"),
                     self._remote,
@@ -296,8 +308,9 @@ class Answer:
                     method=method == "__getattr__",
                     alias=functools.partial(self._alias, args, kwargs, pending),
                 )
+            self._later(reply, settled=False)
             if changes:
-                self._copy_back(args, kwargs, reply, settled=False)
+                self._copy_back(parts, reply, settled=False)
         except (AnswerError, ValueError, TypeError, KeyError, RecursionError, MemoryError) as exc:
             # A process that hung, died or garbled its reply is not trusted with the next
             # call: it is killed, and the next call starts a new one.
@@ -316,7 +329,7 @@ class Answer:
         )
 
     def _copy_back(
-        self, args: Sequence[Any], kwargs: Mapping[str, Any], reply: Any, settled: bool
+        self, parts: "dict[tuple[Any, ...], Any]", reply: Any, settled: bool
     ) -> set[str]:
         """Do to the tests' arguments what the call did to the answer's copies.
 
@@ -328,7 +341,8 @@ class Answer:
         copied, one that sorted an argument the task said to leave alone passed the
         tests' check that it was unchanged, after a value or a raise.
 
-        Returns the arguments changed and not copied back: their index, or keyword.
+        ``parts``: the tests' arguments' parts by their places before the call. Returns
+        the arguments changed and not copied back: their index, or keyword.
 
         :raises ValueError: the changes came malformed.
         """
@@ -347,10 +361,38 @@ class Answer:
         if not (settled or self.faithful):
             self.diverged = True
             return changed
-        # Each part that was there before the call comes as its place then: the tests'
-        # part there is refilled, as the answer's was changed (``_refill``), and holds
-        # the others as they are now; a new one comes as a copy.
-        parts = {tuple(path): part for path, part in places_of(list(args), kwargs).values()}
+        self._refill_from(parts, after)
+        return set()
+
+    def _later(self, reply: Any, settled: bool) -> None:
+        """What the call did to earlier calls' arguments (``_fork._later``), done to the
+        tests' where it returned None or in the faithful reading, as :meth:`_copy_back`
+        does; otherwise the faithful reading is owed.
+
+        :raises ValueError: the changes came malformed.
+        """
+        later = reply.get("later")
+        if later is None:
+            return
+        if type(later) is not list:
+            raise AnswerError("the call left earlier arguments past what can be read back")
+        for entry in later:
+            if type(entry) is not dict:
+                raise ValueError("malformed changes")
+            if entry.get("seq") not in self._kept:
+                continue  # one this side no longer keeps (a failed call's came first)
+            if settled or self.faithful:
+                self._refill_from(self._kept[entry["seq"]], entry)
+            else:
+                self.diverged = True
+
+    def _refill_from(self, parts: "dict[tuple[Any, ...], Any]", after: Any) -> None:
+        """Refill the tests' ``parts`` (by their places) as ``after`` (the arguments as
+        the answer's process sent them) says: each part that was there comes as its
+        place (``al``), and holds the others as they are now; a new one is a copy.
+
+        :raises ValueError: a place that is no part of the tests', or not one like it.
+        """
 
         def refilled(place: list[Any], copy: Any) -> Any:
             known = all(type(step) in (int, str) for step in place)
@@ -363,7 +405,6 @@ class Answer:
         made: list[Any] = []  # one numbering for both, as they were sent
         for data in (after.get("args"), after.get("kwargs")):
             decode(data, self._remote, alias=refilled, made=made)
-        return set()
 
     def _alias(
         self,

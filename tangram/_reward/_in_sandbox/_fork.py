@@ -32,19 +32,18 @@ import select
 import sys
 import time
 import types
-from collections.abc import Callable, ItemsView, KeysView, Mapping, Sequence, ValuesView
+from collections.abc import Callable, Mapping, Sequence
 
 if __name__ != "__main__":  # imported by tangram; in the sandbox the program holds them
     from typing import Any
 
     from ._wire import (
+        KEPT,
         METHOD,
-        Lazy,
         decode,
         encode,
-        namedtuple_fields,
-        own_behaviour,
         places_of,
+        plain_value,
     )
 
 __all__ = ["Child", "Forker", "answer_main"]
@@ -189,20 +188,6 @@ class _Printed:
     def log(self) -> "list[list[Any]]":
         """The runs, each ``[stream, text]``, for the reply."""
         return [[index, "".join(pieces)] for index, pieces in self.runs]
-
-
-_DEPTH = 100
-# What a call can change in place: the parts of its arguments a result may hold.
-_CHANGED = (
-    list,
-    dict,
-    set,
-    bytearray,
-    collections.OrderedDict,
-    collections.Counter,
-    collections.defaultdict,
-    collections.deque,
-)
 
 
 class Forker:
@@ -513,6 +498,10 @@ def answer_main(mode: str, source_fd: int, requests_fd: int = -1, replies: int =
     def find(number: int) -> Any:
         return objects[number]
 
+    # Earlier calls' arguments, by the harness's number of the call: an object that kept
+    # one (``Queue(data)``), or a generator taking its items from one, changes it in a
+    # later call, which the tests see in one program (``_later``).
+    kept: dict[Any, tuple[Any, ...]] = {}
     for line in requests:
         printed = None
         called: tuple[Any, list[Any], dict[str, Any], dict[int, Any]] | None = None
@@ -550,7 +539,7 @@ def answer_main(mode: str, source_fd: int, requests_fd: int = -1, replies: int =
                 result = function(*args, **kwargs)
             finally:
                 sys.stdout, sys.stderr = streams
-            plain = _plain(result)
+            plain = plain_value(result)
             # Scalars hold no argument: their places are not looked for.
             parts = places_of(args, kwargs) if isinstance(plain, _HOLDERS) else {}
             where = {number: path for number, (path, _) in parts.items()}
@@ -563,17 +552,29 @@ def answer_main(mode: str, source_fd: int, requests_fd: int = -1, replies: int =
                 "kinds": [kind.__name__ for kind in type(exc).__mro__[1:]],
             }
             try:  # as raised, where they are data: the harness rebuilds it from them
-                reply["raised"] = encode(_plain(list(exc.args)), keep)
+                reply["raised"] = encode(plain_value(list(exc.args)), keep)
             except BaseException:
                 reply["raised"] = None
         if called is not None:
             after: Any
             try:  # returned or raised: the harness decides what it copies (``Answer.call``)
-                after = _changes(*called, keep)
+                after, now = _changes(*called, keep)
+                if called[3]:  # it holds parts a later call may change
+                    kept[called[0].get("seq")] = (*called[1:], now)
+                    # Each is read again after every call: so many, of so much text.
+                    while len(kept) > KEPT or sum(len(k[3]) for k in kept.values()) > _KEPT_TEXT:
+                        del kept[next(iter(kept))]
             except BaseException:
                 after = "unread"  # left nested past the wire's depth, or in a cycle
             if after is not None:
                 reply["after"] = after
+        later: Any
+        try:  # what this call did to the arguments of earlier ones
+            later = _later(kept, called[0].get("seq") if called else None, keep)
+        except BaseException:
+            later = "unread"
+        if later:
+            reply["later"] = later
         reply["binds"] = binds()
         if printed is not None and (printed.runs or printed.overflow):
             reply["printed"] = printed.log()
@@ -592,7 +593,7 @@ def _changes(
     kwargs: "dict[str, Any]",
     before: "dict[int, tuple[list[Any], Any]]",
     keep: "Callable[[Any], int]",
-) -> "dict[str, Any] | None":
+) -> "tuple[dict[str, Any] | None, str]":
     """What a call did to its arguments: ``None`` where it changed none, else all of
     them as they are now, encoded as the harness sent them (one value for the
     positional ones, one for the keyword ones, so what they share travels), and which
@@ -603,7 +604,8 @@ def _changes(
     ``True``, and a set rebuilt here may iterate in another order). A part that was
     there ``before`` the call is sent as its place then (``al``): the harness changes
     its own there, so an inner list the tests hold sees the change, and one the call
-    replaced does not, as in one program."""
+    replaced does not, as in one program. And their text now, which later calls'
+    changes are read against (:func:`_later`)."""
     places = {number: path for number, (path, _) in before.items()}
     memo: dict[int, int] = {}  # one numbering for both, as the harness sent them
     now_args = encode(list(args), keep, memo=memo, places=places)
@@ -616,9 +618,36 @@ def _changes(
     ]
     named_now, named_sent = dict(_named_items(now_kwargs)), dict(_named_items(sent_kwargs))
     changed += [name for name, now in named_now.items() if _text(now) != _text(named_sent[name])]
+    now = _text([now_args, now_kwargs])
     if not changed:
-        return None
-    return {"args": now_args, "kwargs": now_kwargs, "changed": changed}
+        return None, now
+    return {"args": now_args, "kwargs": now_kwargs, "changed": changed}, now
+
+
+_KEPT_TEXT = 1 << 20  # characters of earlier calls' arguments read again after each
+
+
+def _later(
+    kept: "dict[Any, tuple[Any, ...]]", current: Any, keep: "Callable[[Any], int]"
+) -> "list[dict[str, Any]]":
+    """The arguments of earlier calls (``kept``: args, kwargs, their places then, and
+    their text as last sent) that changed since, each as :func:`_changes` sends them,
+    with its call's number (``seq``): a generator that sorted its argument as the tests
+    took its items, or a ``Queue(data)`` popping from ``data`` later, changed the tests'
+    list in one program and here went unseen (a hostile review)."""
+    later = []
+    for seq, (args, kwargs, before, text) in list(kept.items()):
+        if seq == current:
+            continue
+        places = {number: path for number, (path, _) in before.items()}
+        memo: dict[int, int] = {}
+        now_args = encode(list(args), keep, memo=memo, places=places)
+        now_kwargs = encode(dict(kwargs), keep, memo=memo, places=places)
+        now = _text([now_args, now_kwargs])
+        if now != text:
+            kept[seq] = (args, kwargs, before, now)
+            later.append({"seq": seq, "args": now_args, "kwargs": now_kwargs})
+    return later
 
 
 def _named_items(data: Any) -> "list[Any]":
@@ -666,103 +695,3 @@ def _lift_recursion_limit(frames: int) -> None:
         return real_get() - frames
 
     sys.setrecursionlimit, sys.getrecursionlimit = setrecursionlimit, getrecursionlimit
-
-
-def _plain(value: Any, depth: int = 0, seen: "dict[int, tuple[Any, Any]] | None" = None) -> Any:
-    """The answer's result as the builtin values the wire carries, where it is one.
-
-    The standard library's ``OrderedDict``, ``Counter``, ``defaultdict`` and ``deque``
-    stay themselves, their items made plain, and so does a namedtuple (the wire carries
-    them: :mod:`._wire`). Other subclasses of the builtins (a ``str`` subclass, a class
-    of the answer's deriving from ``dict`` or ``tuple``) become the builtin, at any
-    depth, as do numpy scalars and arrays (``tolist``); iterators and generators are
-    sent :class:`Lazy`, their items taken as the tests ask (``__take__``), and dict
-    views as lists. Left as handles, a right answer returning a ``Counter`` failed
-    ``assert f(x) == {...}`` (MBPP task 40's reference solution).
-
-    A value already plain is itself, and one met again (``seen``) is made once: the wire
-    sends what the result shares, and what it shares with the call's arguments.
-    """
-    kind = type(value)
-    if value is None or kind in (bool, int, float, complex, str, bytes, bytearray, range):
-        return value
-    if depth > _DEPTH:
-        return value
-    if seen is None:
-        seen = {}
-    known = seen.get(id(value))
-    if known is not None:
-        return known[1]
-    plain = _made_plain(value, kind, lambda item: _plain(item, depth + 1, seen))
-    seen[id(value)] = (value, plain)  # the value kept, so its id is no other's meanwhile
-    return plain
-
-
-# The classes :func:`_plain` sends as they are (items made plain): no subclass of theirs.
-_KNOWN = frozenset(
-    {
-        list,
-        tuple,
-        dict,
-        set,
-        frozenset,
-        collections.OrderedDict,
-        collections.Counter,
-        collections.defaultdict,
-        collections.deque,
-    }
-)
-
-
-def _made_plain(value: Any, kind: type, plain: "Callable[[Any], Any]") -> Any:
-    """:func:`_plain` of one value, its items made plain by ``plain``."""
-    if kind not in _KNOWN and own_behaviour(kind):
-        return value  # a handle (see ``own_behaviour``)
-    if kind in (collections.OrderedDict, collections.Counter, collections.defaultdict):
-        pairs = [(plain(k), plain(v)) for k, v in value.items()]
-        if all(k is a and v is b for (k, v), (a, b) in zip(pairs, value.items(), strict=True)):
-            return value
-        factory = value.default_factory if kind is collections.defaultdict else None
-        same: dict[Any, Any] = collections.defaultdict(factory) if factory is not None else kind()
-        same.update(dict(pairs))
-        return same
-    if isinstance(value, dict):
-        pairs = [(plain(k), plain(v)) for k, v in value.items()]
-        unchanged = all(
-            k is a and v is b for (k, v), (a, b) in zip(pairs, value.items(), strict=True)
-        )
-        return value if kind is dict and unchanged else dict(pairs)
-    if kind is collections.deque:
-        items = [plain(item) for item in value]
-        unchanged = all(a is b for a, b in zip(items, value, strict=True))
-        return value if unchanged else collections.deque(items, value.maxlen)
-    if isinstance(value, (list, tuple, set, frozenset)):
-        items = [plain(item) for item in value]
-        unchanged = all(a is b for a, b in zip(items, value, strict=True))
-        if kind in (list, tuple, set, frozenset) and unchanged:
-            return value
-        if isinstance(value, list):
-            return items
-        if isinstance(value, tuple):
-            # A namedtuple stays one, its fields sent with it (``._wire``).
-            named = namedtuple_fields(kind) is not None
-            return tuple.__new__(kind, items) if named else tuple(items)
-        return frozenset(items) if isinstance(value, frozenset) else set(items)
-    if isinstance(value, (ItemsView, KeysView, ValuesView)):
-        return [plain(item) for item in value]
-    tolist = getattr(value, "tolist", None)
-    if callable(tolist):
-        return tolist()
-    # The value itself, not what its class's ``__str__`` or ``__int__`` makes of it: an
-    # ``Enum`` of ``str`` said ``"Color.RED"`` where the tests compared it with ``"red"``.
-    if isinstance(value, str):
-        return str.__str__(value)
-    if isinstance(value, int):
-        return int.__int__(value)
-    if isinstance(value, float):
-        return float.__float__(value)
-    if isinstance(value, bytes):
-        return bytes.__getitem__(value, slice(None))
-    if hasattr(value, "__next__"):  # an iterator, to Python's ``for``, with or without __iter__
-        return Lazy(value)
-    return value
