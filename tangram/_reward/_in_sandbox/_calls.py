@@ -11,7 +11,6 @@ Nothing the answer's process sends is trusted beyond the data :func:`._wire.deco
 
 import ast
 import collections
-import functools
 import json
 import os
 import select
@@ -306,7 +305,7 @@ class Answer:
                     lazy=self._lazy,
                     call=self._callable,
                     method=method == "__getattr__",
-                    alias=functools.partial(self._alias, args, kwargs, pending),
+                    alias=_Aliases(args, kwargs, pending),
                 )
             self._later(reply, settled=False)
             if changes:
@@ -406,44 +405,6 @@ class Answer:
         for data in (after.get("args"), after.get("kwargs")):
             decode(data, self._remote, alias=refilled, made=made)
 
-    def _alias(
-        self,
-        args: Sequence[Any],
-        kwargs: Mapping[str, Any],
-        pending: set[str],
-        place: list[Any],
-        copy: Any,
-    ) -> Any:
-        """What a result holds where the answer's held one of its arguments (or a part of
-        one, at ``place``): the tests' own, as in one program (``f(a) is a``, a shallow
-        copy's inner lists), unless the call changed that argument and the change was
-        not copied back (:meth:`_copy_back`), where it is ``copy``, as it was sent.
-
-        :raises ValueError: no such place among the tests' arguments, or not one like
-            ``copy`` there.
-        """
-        head = place[0] if place else None
-        if type(head) is int and 0 <= head < len(args):
-            found, key = args[head], str(head)
-        elif type(head) is str and head in kwargs:
-            found, key = kwargs[head], head
-        else:
-            raise ValueError("malformed alias")
-        if key in pending:
-            return copy
-        for step in place[1:]:
-            if type(found) in (list, tuple, collections.deque) and type(step) is int:
-                if not 0 <= step < len(found):
-                    raise ValueError("malformed alias")
-                found = found[step]
-            elif isinstance(found, dict) and type(step) in (int, str) and step in found:
-                found = dict.__getitem__(found, step)
-            else:
-                raise ValueError("malformed alias")
-        if type(found) is not type(copy):
-            raise ValueError("malformed alias")
-        return found
-
     def _remote(self, number: int) -> "Remote":
         return self._proxy(number, Remote)
 
@@ -489,6 +450,33 @@ def _handle_of(value: Any) -> int:
     if isinstance(value, Remote):
         return value._number
     raise TypeError(f"cannot pass {type(value).__name__} to the answer")
+
+
+class _Aliases:
+    """What a result holds where the answer's held one of its call's arguments (or a
+    part of one, at a place :func:`._wire.places_of` names): the tests' own, as in one
+    program (``f(a) is a``, a shallow copy's inner lists), unless the call changed that
+    argument and the change was not copied back (``pending``: ``Answer._copy_back``),
+    where it is the copy, as it was sent."""
+
+    def __init__(self, args: Sequence[Any], kwargs: Mapping[str, Any], pending: set[str]):
+        self._arguments = (list(args), kwargs)
+        self._pending = pending
+        self._parts: dict[tuple[Any, ...], Any] | None = None
+
+    def __call__(self, place: list[Any], copy: Any) -> Any:
+        """:raises ValueError: no such part of the tests' arguments, or not one like
+        ``copy`` there."""
+        head = place[0] if place else None
+        if str(head) in self._pending:
+            return copy
+        if self._parts is None:  # as they are after the call's changes were copied back
+            self._parts = {tuple(path): part for path, part in places_of(*self._arguments).values()}
+        known = all(type(step) in (int, str) for step in place)
+        found = self._parts.get(tuple(place)) if known else None
+        if type(found) is not type(copy):
+            raise ValueError("malformed alias")
+        return found
 
 
 def _refill(part: Any, copy: Any) -> None:

@@ -606,10 +606,7 @@ def _changes(
     its own there, so an inner list the tests hold sees the change, and one the call
     replaced does not, as in one program. And their text now, which later calls'
     changes are read against (:func:`_later`)."""
-    places = {number: path for number, (path, _) in before.items()}
-    memo: dict[int, int] = {}  # one numbering for both, as the harness sent them
-    now_args = encode(list(args), keep, memo=memo, places=places)
-    now_kwargs = encode(dict(kwargs), keep, memo=memo, places=places)
+    now_args, now_kwargs = _arguments(args, kwargs, before, keep)
     sent_args, sent_kwargs = request["args"], request["kwargs"]
     changed = [
         str(index)
@@ -622,6 +619,22 @@ def _changes(
     if not changed:
         return None, now
     return {"args": now_args, "kwargs": now_kwargs, "changed": changed}, now
+
+
+def _arguments(
+    args: "list[Any]",
+    kwargs: "dict[str, Any]",
+    before: "dict[int, tuple[list[Any], Any]]",
+    keep: "Callable[[Any], int]",
+) -> "tuple[Any, Any]":
+    """A call's arguments encoded as the harness sent them (one numbering for both), each
+    part that was there ``before`` it as its place then."""
+    places = {number: path for number, (path, _) in before.items()}
+    memo: dict[int, int] = {}
+    return (
+        encode(list(args), keep, memo=memo, places=places),
+        encode(dict(kwargs), keep, memo=memo, places=places),
+    )
 
 
 _KEPT_TEXT = 1 << 20  # characters of earlier calls' arguments read again after each
@@ -639,10 +652,7 @@ def _later(
     for seq, (args, kwargs, before, text) in list(kept.items()):
         if seq == current:
             continue
-        places = {number: path for number, (path, _) in before.items()}
-        memo: dict[int, int] = {}
-        now_args = encode(list(args), keep, memo=memo, places=places)
-        now_kwargs = encode(dict(kwargs), keep, memo=memo, places=places)
+        now_args, now_kwargs = _arguments(args, kwargs, before, keep)
         now = _text([now_args, now_kwargs])
         if now != text:
             kept[seq] = (args, kwargs, before, now)
