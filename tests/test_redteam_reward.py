@@ -1374,3 +1374,45 @@ async def test_what_the_second_reading_shows_is_not_replayed_in_a_new_round(
     assert not classic(LEAK, LEAK_TESTS)
     verdict = await judge(pool, LEAK, LEAK_TESTS, timeout=20.0)
     assert verdict.passed <= 1, verdict
+
+
+_LEAKING_STACK = (
+    "class Stack:\n"
+    "    def __init__(self):\n        self._items = []\n"
+    "    def push(self, x):\n        self._items.append(x)\n"
+    "    def items(self):\n        return self._items\n"
+    "    def size(self):\n        return len(self._items)\n"
+)
+
+
+@pytest.mark.parametrize(
+    "tests",
+    [
+        pytest.param(
+            "s = Stack()\nxs = s.items()\nxs.append(xs)\ns.push(1)\nassert s.size() >= 1\n"
+            "assert s.items() is not None\n",
+            id="a cycle the tests make in a value they share",
+        ),
+        pytest.param(
+            "s = Stack()\nxs = s.items()\nxs.extend(range(3_000_000))\ns.push(1)\n"
+            "assert s.items()[-1] == 1\nassert s.size() >= 1\n",
+            id="a value the tests grow past what is carried",
+        ),
+        pytest.param(
+            "s = Stack()\nxs = s.items()\nxs.append('x' * 5_000_000)\ns.push(1)\n"
+            "assert s.items()[-1] == 1\nassert s.size() >= 1\n",
+            id="a string too long to carry in a value the tests share",
+        ),
+    ],
+)
+async def test_a_shared_value_past_what_is_carried_fails_nothing_else(
+    pool: SandboxPool, tests: str
+) -> None:
+    """The tests' changes to a value they share with the answer are carried to it before
+    its next call, up to a bound: past it (a cycle, more than a MiB of text) the value is
+    no longer shared, as before, and neither the harness nor the next call fails for
+    it, nor does it wait on the value's size."""
+    assert classic(_LEAKING_STACK, tests)
+    verdict = await judge(pool, _LEAKING_STACK, tests, timeout=20.0, case_timeout=10.0)
+    assert verdict.judged and verdict.total == 2
+    assert verdict.passed == 2, verdict

@@ -677,3 +677,173 @@ async def test_a_fraction_too_large_to_reduce_fails_its_call_not_the_harness(
     tests = "assert f() != 0\nassert 1 == 1\n"
     verdict = await judge(pool, answer, tests, timeout=20.0, case_timeout=10.0)
     assert verdict.judged and (verdict.passed, verdict.total) == (1, 2)
+
+
+# 16. Values both sides hold, changed by the tests: a result the answer keeps too (its
+#     getter leaks its state) was a copy, so the tests' change to it never reached the
+#     answer, and a wrong answer passed the tests' check that its state was unchanged; and
+#     a list the tests passed and the answer kept (``self.data = data``) did not see the
+#     tests' later change, so a right answer reading it failed and a wrong one that was to
+#     copy it passed. Each (tests, right, wrong); the classic recipe tells them apart.
+def _holder(name: str, made: str, returned: str) -> str:
+    return (
+        "import collections, copy\n"
+        f"class {name}:\n"
+        f"    def __init__(self):\n        self._v = {made}\n"
+        f"    def get(self):\n        return {returned}\n"
+        "    def size(self):\n        return len(self._v)\n"
+    )
+
+
+_STACK = (
+    "class Stack:\n"
+    "    def __init__(self):\n        self._items = []\n"
+    "    def push(self, x):\n        self._items.append(x)\n"
+    "    def items(self):\n        return %s\n"
+)
+_TOTAL = (
+    "class Total:\n"
+    "    def __init__(self, data):\n        self.data = %s\n"
+    "    def total(self):\n        return sum(self.data)\n"
+)
+SHARED_CHANGES = {
+    "a getter that leaks its list": (
+        "s = Stack()\ns.push(1)\nxs = s.items()\nxs.append(99)\nassert s.items() == [1]\n",
+        _STACK % "list(self._items)",
+        _STACK % "self._items",
+    ),
+    "a getter that leaks its dict": (
+        "c = Config()\nc.set('a', 1)\nd = c.as_dict()\nd['b'] = 2\nassert c.get('b') is None\n",
+        "class Config:\n    def __init__(self):\n        self._d = {}\n"
+        "    def set(self, k, v):\n        self._d[k] = v\n"
+        "    def get(self, k):\n        return self._d.get(k)\n"
+        "    def as_dict(self):\n        return dict(self._d)\n",
+        "class Config:\n    def __init__(self):\n        self._d = {}\n"
+        "    def set(self, k, v):\n        self._d[k] = v\n"
+        "    def get(self, k):\n        return self._d.get(k)\n"
+        "    def as_dict(self):\n        return self._d\n",
+    ),
+    "a shallow copy of nested rows": (
+        "g = Grid(2)\nrows = g.rows()\nrows[0][0] = 5\nassert g.cell(0, 0) == 0\n",
+        "class Grid:\n    def __init__(self, n):\n"
+        "        self._rows = [[0] * n for _ in range(n)]\n"
+        "    def rows(self):\n        return [list(r) for r in self._rows]\n"
+        "    def cell(self, i, j):\n        return self._rows[i][j]\n",
+        "class Grid:\n    def __init__(self, n):\n"
+        "        self._rows = [[0] * n for _ in range(n)]\n"
+        "    def rows(self):\n        return list(self._rows)\n"
+        "    def cell(self, i, j):\n        return self._rows[i][j]\n",
+    ),
+    "an inner row taken out, then changed": (
+        "g = Grid(2)\nrows = g.rows()\nrow = rows.pop()\nrow.append(7)\nassert g.width(1) == 2\n",
+        "class Grid:\n    def __init__(self, n):\n"
+        "        self._rows = [[0] * n for _ in range(n)]\n"
+        "    def rows(self):\n        return [list(r) for r in self._rows]\n"
+        "    def width(self, i):\n        return len(self._rows[i])\n",
+        "class Grid:\n    def __init__(self, n):\n"
+        "        self._rows = [[0] * n for _ in range(n)]\n"
+        "    def rows(self):\n        return list(self._rows)\n"
+        "    def width(self, i):\n        return len(self._rows[i])\n",
+    ),
+    "a list the answer keeps, changed by the tests": (
+        "d = [1, 2]\na = Total(d)\nd.append(5)\nassert a.total() == 8\n",
+        _TOTAL % "data",
+        _TOTAL % "list(data)",
+    ),
+    "a list the answer must copy, changed by the tests": (
+        "d = [1, 2]\na = Total(d)\nd.append(5)\nassert a.total() == 3\n",
+        _TOTAL % "list(data)",
+        _TOTAL % "data",
+    ),
+    "a list inside a dict the answer keeps": (
+        "cfg = {'ports': [1]}\ns = Server(cfg)\ncfg['ports'].append(2)\nassert s.count() == 2\n",
+        "class Server:\n    def __init__(self, cfg):\n        self.cfg = cfg\n"
+        "    def count(self):\n        return len(self.cfg['ports'])\n",
+        "import copy\nclass Server:\n    def __init__(self, cfg):\n"
+        "        self.cfg = copy.deepcopy(cfg)\n"
+        "    def count(self):\n        return len(self.cfg['ports'])\n",
+    ),
+    "a list the answer keeps, by keyword": (
+        "d = [1]\na = Total(data=d)\nd[0] = 4\nassert a.total() == 4\n",
+        _TOTAL % "data",
+        _TOTAL % "data[:]",
+    ),
+    "a list set as an attribute, then changed": (
+        "a = Total([])\nd = [1]\na.data = d\nd.append(2)\nassert a.total() == 3\n",
+        _TOTAL % "data",
+        "class Total:\n    def __init__(self, data):\n        self.data = data\n"
+        "    def __setattr__(self, k, v):\n        object.__setattr__(self, k, list(v))\n"
+        "    def total(self):\n        return sum(self.data)\n",
+    ),
+    **{
+        f"a leaked {kind}": (
+            f"b = Box()\nv = b.get()\n{change}\nassert b.size() == {size}\n",
+            _holder("Box", made, "copy.copy(self._v)"),
+            _holder("Box", made, "self._v"),
+        )
+        for kind, made, change, size in (
+            ("set", "{1, 2}", "v.add(3)", 2),
+            ("bytearray", "bytearray(b'ab')", "v.extend(b'c')", 2),
+            ("deque", "collections.deque([1, 2])", "v.append(3)", 2),
+            ("Counter", "collections.Counter('ab')", "v['c'] += 1", 2),
+            ("OrderedDict", "collections.OrderedDict(a=1)", "v['b'] = 2", 1),
+            ("defaultdict", "collections.defaultdict(list, a=[1])", "v['b'].append(2)", 1),
+        )
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHARED_CHANGES))
+async def test_a_change_the_tests_make_reaches_the_answer_as_in_one_program(
+    pool: SandboxPool, name: str
+) -> None:
+    tests, right, wrong = SHARED_CHANGES[name]
+    assert await wrong_scores(pool, tests, right, wrong) == 0.0
+
+
+# 17. Re-attacks of 16: what the classic recipe passes must pass here, where the answer
+#     shares its values with the tests: one it replaced since, one reached by two calls,
+#     an argument it returns in a later call. Each (answer, tests).
+SHARED_AS_IN_ONE_PROGRAM = {
+    "a list the answer replaced since it leaked it": (
+        _STACK % "self._items" + "    def reset(self):\n        self._items = []\n",
+        "s = Stack()\ns.push(1)\nxs = s.items()\ns.reset()\nxs.append(99)\n"
+        "assert s.items() == []\nassert xs == [1, 99]\n",
+    ),
+    "an argument the answer replaced since it kept it": (
+        _TOTAL % "data" + "    def reset(self):\n        self.data = []\n",
+        "d = [1]\na = Total(d)\na.reset()\nd.append(5)\n"
+        "assert a.total() == 0\nassert d == [1, 5]\n",
+    ),
+    "one list returned by two calls": (
+        _STACK % "self._items",
+        "s = Stack()\ns.push(1)\nxs = s.items()\nys = s.items()\nassert xs is ys\n"
+        "xs.append(5)\ns.push(7)\nassert s.items() == [1, 5, 7]\nassert ys == [1, 5, 7]\n",
+    ),
+    "a change the answer makes to a list it leaked": (
+        _STACK % "self._items",
+        "s = Stack()\nxs = s.items()\ns.push(1)\nassert xs == [1]\n",
+    ),
+    "an argument the answer kept, returned by a later call": (
+        _TOTAL % "data" + "    def view(self):\n        return self.data\n",
+        "d = [1]\na = Total(d)\nv = a.view()\nassert v is d\nv.append(2)\n"
+        "assert a.total() == 3\nassert d == [1, 2]\n",
+    ),
+    "a leaked list the tests change twice between calls": (
+        _STACK % "self._items" + "    def size(self):\n        return len(self._items)\n",
+        "s = Stack()\nxs = s.items()\nxs.append(1)\nxs.append(2)\nxs.remove(1)\n"
+        "assert s.size() == 1\nassert s.items() == [2]\n",
+    ),
+    "a copy the tests change, then the answer's own list": (
+        _STACK % "list(self._items)" + "    def size(self):\n        return len(self._items)\n",
+        "s = Stack()\ns.push(1)\nxs = s.items()\nxs.clear()\nassert s.size() == 1\n"
+        "s.push(2)\nassert xs == [] and s.items() == [1, 2]\n",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHARED_AS_IN_ONE_PROGRAM))
+async def test_values_both_sides_hold_stay_one_value(pool: SandboxPool, name: str) -> None:
+    answer, tests = SHARED_AS_IN_ONE_PROGRAM[name]
+    assert classic(answer, tests)
+    assert (await judge(pool, answer, tests)).score() == 1.0

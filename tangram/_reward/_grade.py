@@ -38,7 +38,7 @@ from .._core._demand import Elastic
 from .._core._validate import seconds
 from .._sandbox._pool import Sandbox, utf8
 from ..errors import InvalidSettingError, SandboxBrokenError, SettingTypeError
-from ._in_sandbox import _calls, _checks, _fork, _harness, _raised, _wire
+from ._in_sandbox import _calls, _checks, _fork, _harness, _kept, _raised, _wire
 
 __all__ = [
     "DEFAULT_CASE_TIMEOUT",
@@ -71,6 +71,7 @@ def _harness_source() -> str:
         _raised.__file__,
         _checks.__file__,
         _wire.__file__,
+        _kept.__file__,
         _fork.__file__,
     )
     parts = [Path(path).read_text(encoding="utf-8") for path in paths]

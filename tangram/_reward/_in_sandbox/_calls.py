@@ -22,8 +22,9 @@ if __name__ != "__main__":  # imported by tangram; in the sandbox the program ho
     from typing import Any
 
     from ._fork import Child, Forker
+    from ._kept import Shared, refill_parts
     from ._raised import MESSAGE_LIMIT, AnswerError, exception_classes, rebuilt
-    from ._wire import KEPT, METHOD, VALUE_METHODS, decode, encode, places_of
+    from ._wire import METHOD, VALUE_METHODS, decode, encode, places_of
 
 __all__ = [
     "Answer",
@@ -111,8 +112,8 @@ class Answer:
         self.classes = frozenset(s.name for s in self.body if isinstance(s, ast.ClassDef))
         self._proxies: dict[tuple[int, int, type], Remote] = {}
         self._seq = 0  # calls made, each's number in its request
-        self._kept: dict[int, dict[tuple[Any, ...], Any]] = {}
-        """The last ``_KEPT`` calls' arguments' parts, by their places then."""
+        self._shared = Shared()
+        """The values both sides keep: earlier calls' arguments and results (``_kept``)."""
         self.answered = 0
         """Calls answered: a step cut after one of them counts (``_harness._run_asserts``)."""
         self.faithful = False
@@ -128,7 +129,7 @@ class Answer:
 
     def close(self) -> None:
         self._proxies.clear()
-        self._kept.clear()
+        self._shared.clear()
         if self.process is not None:
             self.process.kill()
             self.process = None
@@ -270,10 +271,8 @@ class Answer:
         memo: dict[int, int] = {}
         self._seq += 1
         parts = {tuple(path): part for path, part in places_of(list(args), kwargs).values()}
-        if parts:  # the answer's process keeps them too, as long (``_fork._later``)
-            self._kept[self._seq] = parts
-            while len(self._kept) > KEPT:
-                del self._kept[next(iter(self._kept))]
+        # What the tests did to the values both sides keep, done there before the call.
+        sync, drop = self._shared.changes(_handle_of)
         request = {
             "seq": self._seq,
             "target": target,
@@ -285,6 +284,8 @@ class Answer:
             # Whether the tests capture each stream now: only then is what the call prints
             # recorded and sent (it overfilled the reply where nothing would read it).
             "capture": [sys.stdout is not sys.__stdout__, sys.stderr is not sys.__stderr__],
+            "sync": sync,
+            "drop": drop,
         }
         until = self.deadline.case()
         try:
@@ -293,23 +294,26 @@ class Answer:
             self._note(reply)
             self.replan()
             self.answered += 1
+            self._shared.forget(reply.get("forgot"))
             _print(reply)
             if reply.get("ok") is True:
                 # Copied back first: a result that holds an argument holds it as changed.
                 settled = reply.get("value") is None
                 self._later(reply, settled)
                 pending = self._copy_back(parts, reply, settled) if changes else set()
-                return decode(
+                value = decode(
                     reply.get("value"),
                     self._remote,
                     lazy=self._lazy,
                     call=self._callable,
                     method=method == "__getattr__",
-                    alias=_Aliases(args, kwargs, pending),
+                    alias=_Aliases(args, kwargs, pending, self._shared),
                 )
+                self._keep(parts, pending, value)
+                return value
             self._later(reply, settled=False)
-            if changes:
-                self._copy_back(parts, reply, settled=False)
+            pending = self._copy_back(parts, reply, settled=False) if changes else set()
+            self._keep(parts, pending, None)
         except (AnswerError, ValueError, TypeError, KeyError, RecursionError, MemoryError) as exc:
             # A process that hung, died or garbled its reply is not trusted with the next
             # call: it is killed, and the next call starts a new one.
@@ -363,6 +367,19 @@ class Answer:
         self._refill_from(parts, after)
         return set()
 
+    def _keep(self, parts: "dict[tuple[Any, ...], Any]", pending: set[str], value: Any) -> None:
+        """Keep this call's arguments and result as the answer's process does (``_kept``)."""
+        if parts:
+            self._shared.keep(self._seq, parts, _handle_of)
+            if pending:
+                self._shared.pend(self._seq)
+        if isinstance(value, (list, tuple, dict, set, bytearray, collections.deque)):
+            places = places_of([value], {}).values()
+            if places:
+                kept = {tuple(path): part for path, part in places}
+                self._shared.keep(-self._seq, kept, _handle_of)
+        self._shared.rebase(_handle_of)
+
     def _later(self, reply: Any, settled: bool) -> None:
         """What the call did to earlier calls' arguments (``_fork._later``), done to the
         tests' where it returned None or in the faithful reading, as :meth:`_copy_back`
@@ -378,12 +395,14 @@ class Answer:
         for entry in later:
             if type(entry) is not dict:
                 raise ValueError("malformed changes")
-            if entry.get("seq") not in self._kept:
+            parts = self._shared.parts(entry.get("seq"))
+            if parts is None:
                 continue  # one this side no longer keeps (a failed call's came first)
             if settled or self.faithful:
-                self._refill_from(self._kept[entry["seq"]], entry)
+                self._refill_from(parts, entry)
             else:
                 self.diverged = True
+                self._shared.pend(entry["seq"])
 
     def _refill_from(self, parts: "dict[tuple[Any, ...], Any]", after: Any) -> None:
         """Refill the tests' ``parts`` (by their places) as ``after`` (the arguments as
@@ -392,18 +411,9 @@ class Answer:
 
         :raises ValueError: a place that is no part of the tests', or not one like it.
         """
-
-        def refilled(place: list[Any], copy: Any) -> Any:
-            known = all(type(step) in (int, str) for step in place)
-            part = parts.get(tuple(place)) if known else None
-            if type(part) is not type(copy):
-                raise ValueError("malformed changes")
-            _refill(part, copy)
-            return part
-
-        made: list[Any] = []  # one numbering for both, as they were sent
-        for data in (after.get("args"), after.get("kwargs")):
-            decode(data, self._remote, alias=refilled, made=made)
+        # One numbering for both, as they were sent: a list around them is numbered last.
+        refill_parts(parts, [after.get("args"), after.get("kwargs")], self._remote)
+        self._shared.touched = True
 
     def _remote(self, number: int) -> "Remote":
         return self._proxy(number, Remote)
@@ -457,17 +467,24 @@ class _Aliases:
     part of one, at a place :func:`._wire.places_of` names): the tests' own, as in one
     program (``f(a) is a``, a shallow copy's inner lists), unless the call changed that
     argument and the change was not copied back (``pending``: ``Answer._copy_back``),
-    where it is the copy, as it was sent."""
+    where it is the copy, as it was sent. A part of an earlier call's arguments or
+    result (its place headed ``[seq]``) is the tests' own by the same rule
+    (``_kept.Shared.alias``): ``s.items() is s.items()`` where it returns one list."""
 
-    def __init__(self, args: Sequence[Any], kwargs: Mapping[str, Any], pending: set[str]):
+    def __init__(
+        self, args: Sequence[Any], kwargs: Mapping[str, Any], pending: set[str], shared: Shared
+    ):
         self._arguments = (list(args), kwargs)
         self._pending = pending
         self._parts: dict[tuple[Any, ...], Any] | None = None
+        self._shared = shared
 
     def __call__(self, place: list[Any], copy: Any) -> Any:
         """:raises ValueError: no such part of the tests' arguments, or not one like
         ``copy`` there."""
         head = place[0] if place else None
+        if type(head) is list:  # a part of an earlier call's arguments or result
+            return self._shared.alias(head, place[1:], copy)
         if str(head) in self._pending:
             return copy
         if self._parts is None:  # as they are after the call's changes were copied back
@@ -477,19 +494,6 @@ class _Aliases:
         if type(found) is not type(copy):
             raise ValueError("malformed alias")
         return found
-
-
-def _refill(part: Any, copy: Any) -> None:
-    """Make the tests' ``part`` (a list, bytearray, deque, set or dict, the standard
-    library's too) hold what ``copy`` holds, in place."""
-    if isinstance(part, (list, bytearray)):
-        part[:] = copy
-    else:
-        part.clear()  # then a Counter's update sets, as a dict's does
-        if isinstance(part, collections.deque):
-            part.extend(copy)
-        else:
-            part.update(copy)
 
 
 def _class_name(name: str) -> bool:
@@ -586,7 +590,7 @@ class Items:
             items, done = got
             if len(items) > 1 or (not items and done is not True):
                 raise AnswerError("the answer's iterator sent no items")
-            self._items, self._done = items, done is True
+            self._items, self._done = list(items), done is True  # the result left whole
             if not self._items:
                 raise StopIteration
         return self._items.pop()

@@ -37,6 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 if __name__ != "__main__":  # imported by tangram; in the sandbox the program holds them
     from typing import Any
 
+    from ._kept import KEPT_TEXT, arguments, refill_parts, text, unheld
     from ._wire import (
         KEPT,
         METHOD,
@@ -505,8 +506,11 @@ def answer_main(mode: str, source_fd: int, requests_fd: int = -1, replies: int =
     for line in requests:
         printed = None
         called: tuple[Any, list[Any], dict[str, Any], dict[int, Any]] | None = None
+        plain: Any = None
+        forgot: list[Any] = []
         try:
             request = json.loads(line)
+            forgot = _synced(kept, request, find, keep)  # what the tests did to what both keep
             target, method = request["target"], request["method"]
             if type(target) is str and method is not None and target not in namespace:
                 raise NameError(f"name {target!r} is not defined")
@@ -540,9 +544,15 @@ def answer_main(mode: str, source_fd: int, requests_fd: int = -1, replies: int =
             finally:
                 sys.stdout, sys.stderr = streams
             plain = plain_value(result)
-            # Scalars hold no argument: their places are not looked for.
-            parts = places_of(args, kwargs) if isinstance(plain, _HOLDERS) else {}
-            where = {number: path for number, (path, _) in parts.items()}
+            # Scalars hold no argument: their places are not looked for. A part of an
+            # earlier call's arguments or result is sent as its place there, ``[[seq]]``
+            # first: the tests' own (``_kept``), as in one program.
+            where: dict[int, list[Any]] = {}
+            if isinstance(plain, _HOLDERS):
+                for seq, (_, _, before, _) in kept.items():
+                    where.update((n, [[seq], *path]) for n, (path, _) in before.items())
+                parts = places_of(args, kwargs)
+                where.update((number, path) for number, (path, _) in parts.items())
             reply = {"ok": True, "value": encode(plain, keep, places=where)}
         except BaseException as exc:
             reply = {
@@ -561,20 +571,24 @@ def answer_main(mode: str, source_fd: int, requests_fd: int = -1, replies: int =
                 after, now = _changes(*called, keep)
                 if called[3]:  # it holds parts a later call may change
                     kept[called[0].get("seq")] = (*called[1:], now)
-                    # Each is read again after every call: so many, of so much text.
-                    while len(kept) > KEPT or sum(len(k[3]) for k in kept.values()) > _KEPT_TEXT:
-                        del kept[next(iter(kept))]
             except BaseException:
                 after = "unread"  # left nested past the wire's depth, or in a cycle
             if after is not None:
                 reply["after"] = after
+            if reply.get("ok") is True and isinstance(plain, _HOLDERS):
+                _keep_result(kept, called[0].get("seq"), plain, keep)
+            # Each is read again after every call: so many, of so much text.
+            while len(kept) > KEPT or sum(len(k[3]) for k in kept.values()) > KEPT_TEXT:
+                del kept[next(iter(kept))]
         later: Any
-        try:  # what this call did to the arguments of earlier ones
+        try:  # what this call did to the arguments and results of earlier ones
             later = _later(kept, called[0].get("seq") if called else None, keep)
         except BaseException:
             later = "unread"
         if later:
             reply["later"] = later
+        if forgot:
+            reply["forgot"] = forgot
         reply["binds"] = binds()
         if printed is not None and (printed.runs or printed.overflow):
             reply["printed"] = printed.log()
@@ -606,38 +620,68 @@ def _changes(
     its own there, so an inner list the tests hold sees the change, and one the call
     replaced does not, as in one program. And their text now, which later calls'
     changes are read against (:func:`_later`)."""
-    now_args, now_kwargs = _arguments(args, kwargs, before, keep)
+    now_args, now_kwargs = arguments(args, kwargs, before, keep)
     sent_args, sent_kwargs = request["args"], request["kwargs"]
     changed = [
         str(index)
         for index, (now, sent) in enumerate(zip(now_args, sent_args, strict=True))
-        if _text(now) != _text(sent)
+        if text(now) != text(sent)
     ]
     named_now, named_sent = dict(_named_items(now_kwargs)), dict(_named_items(sent_kwargs))
-    changed += [name for name, now in named_now.items() if _text(now) != _text(named_sent[name])]
-    now = _text([now_args, now_kwargs])
+    changed += [name for name, now in named_now.items() if text(now) != text(named_sent[name])]
+    now = text([now_args, now_kwargs])
     if not changed:
         return None, now
     return {"args": now_args, "kwargs": now_kwargs, "changed": changed}, now
 
 
-def _arguments(
-    args: "list[Any]",
-    kwargs: "dict[str, Any]",
-    before: "dict[int, tuple[list[Any], Any]]",
+def _synced(
+    kept: "dict[Any, tuple[Any, ...]]",
+    request: Any,
+    find: "Callable[[int], Any]",
     keep: "Callable[[Any], int]",
-) -> "tuple[Any, Any]":
-    """A call's arguments encoded as the harness sent them (one numbering for both), each
-    part that was there ``before`` it as its place then."""
-    places = {number: path for number, (path, _) in before.items()}
-    memo: dict[int, int] = {}
-    return (
-        encode(list(args), keep, memo=memo, places=places),
-        encode(dict(kwargs), keep, memo=memo, places=places),
-    )
+) -> "list[Any]":
+    """Before a call: forget the values the tests no longer hold (``drop``), and do to
+    the others what the tests did to theirs (``sync``: each root's parts as the harness
+    reads them, ``_kept.Shared.changes``), in place; their text then is theirs now, so
+    that no later call sends the tests' own change back to them (``_later``). Then
+    forget those no part of which is held here either (its copy of an argument the
+    answer did not keep): each is read again after every call. Returns those."""
+    for key in request.get("drop") or ():
+        kept.pop(key, None)
+    for entry in request.get("sync") or ():
+        root = kept.get(entry.get("seq"))
+        if root is None:
+            continue  # past what this side keeps
+        args, kwargs, before, _ = root
+        parts = {tuple(path): part for path, part in before.values()}
+        try:
+            refill_parts(parts, entry.get("parts"), find)
+            now = text(list(arguments(args, kwargs, before, keep)))
+        except BaseException:
+            kept.pop(entry.get("seq"), None)  # nothing the harness sends does this
+            continue
+        kept[entry["seq"]] = (args, kwargs, before, now)
+    forgot = unheld(kept)
+    for key in forgot:
+        del kept[key]
+    return forgot
 
 
-_KEPT_TEXT = 1 << 20  # characters of earlier calls' arguments read again after each
+def _keep_result(
+    kept: "dict[Any, tuple[Any, ...]]", seq: Any, plain: Any, keep: "Callable[[Any], int]"
+) -> None:
+    """Keep a call's result as the harness does (``-seq``): the tests change their copy,
+    as they would the answer's own where it keeps it (``return self._items``)."""
+    if type(seq) is not int:
+        return
+    before = places_of([plain], {})
+    if not before:
+        return
+    try:  # noqa: SIM105 (contextlib is a tenth of the harness's start)
+        kept[-seq] = ([plain], {}, before, text(list(arguments([plain], {}, before, keep))))
+    except BaseException:
+        pass  # nested past the wire: the call failed for it already
 
 
 def _later(
@@ -649,12 +693,12 @@ def _later(
     took its items, or a ``Queue(data)`` popping from ``data`` later, changed the tests'
     list in one program and here went unseen (a hostile review)."""
     later = []
-    for seq, (args, kwargs, before, text) in list(kept.items()):
-        if seq == current:
+    for seq, (args, kwargs, before, then) in list(kept.items()):
+        if current is not None and seq in (current, -current):
             continue
-        now_args, now_kwargs = _arguments(args, kwargs, before, keep)
-        now = _text([now_args, now_kwargs])
-        if now != text:
+        now_args, now_kwargs = arguments(args, kwargs, before, keep)
+        now = text([now_args, now_kwargs])
+        if now != then:
             kept[seq] = (args, kwargs, before, now)
             later.append({"seq": seq, "args": now_args, "kwargs": now_kwargs})
     return later
@@ -664,24 +708,6 @@ def _named_items(data: Any) -> "list[Any]":
     """The ``[name, value]`` pairs of keyword arguments encoded as a dict (``{"d": ...}``;
     one met again is ``{"same": n}``, which holds none)."""
     return data["d"] if type(data) is dict and "d" in data else []
-
-
-def _text(data: Any) -> str:
-    """Encoded ``data`` as one text, a set's items sorted by theirs."""
-    return json.dumps(_canonical(data))
-
-
-def _canonical(data: Any) -> Any:
-    if type(data) is list:
-        return [_canonical(item) for item in data]
-    if type(data) is dict and len(data) == 1:
-        ((tag, body),) = data.items()
-        if tag == "al" and type(body) is list and len(body) == 2:
-            return _canonical(body[1])  # where it was is no change
-        if tag in ("s", "fs") and type(body) is list:
-            return {tag: sorted((_canonical(item) for item in body), key=json.dumps)}
-        return {tag: _canonical(body)}
-    return data
 
 
 _INT_MAX = 2**31 - 1  # the largest recursion limit Python takes
