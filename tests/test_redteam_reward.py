@@ -507,6 +507,13 @@ BANK = (
 )
 # Wrong: it raises a builtin where the task asks for its own class.
 BANK_WRONG = BANK.replace("raise InsufficientFunds(self.balance, amount)", "raise ValueError('no')")
+AGES = (
+    "InvalidAge = ValueError\n"
+    "def set_age(age):\n"
+    "    if age < 0:\n"
+    "        raise InvalidAge('negative')\n"
+    "    return age\n"
+)
 PARSER = (
     "class ParseError(ValueError):\n"
     "    def __init__(self, line):\n        self.line = line\n"
@@ -572,6 +579,41 @@ PARSER = (
             "    class NegativeError(Exception):\n        pass\n"
             "    if n < 0:\n        raise NegativeError(n)\n",
             id="a class of the same name, raised",
+        ),
+        pytest.param(
+            "try:\n    set_age(-1)\n    ok = False\nexcept InvalidAge:\n    ok = True\n"
+            "assert ok and set_age(3) == 3\n",
+            AGES,
+            AGES.replace("raise InvalidAge('negative')", "raise TypeError('negative')"),
+            id="an alias of a builtin",
+        ),
+        pytest.param(
+            "import unittest\n"
+            "class T(unittest.TestCase):\n"
+            "    def test_over(self):\n"
+            "        with self.assertRaises(NoFunds):\n"
+            "            Account(5).withdraw(10)\n"
+            "unittest.main()\n",
+            BANK + "NoFunds = InsufficientFunds\n",
+            BANK_WRONG + "NoFunds = InsufficientFunds\n",
+            id="an alias of its own class",
+        ),
+        pytest.param(
+            "try:\n    set_age(-1)\n    ok = False\nexcept InvalidAge:\n    ok = True\nassert ok\n",
+            AGES,
+            # Wrong: what it raises is a class of the alias's name, no ValueError.
+            AGES.replace(
+                "    if age < 0:",
+                "    class InvalidAge(Exception):\n        pass\n    if age < 0:",
+            ),
+            id="a class of an alias's name, raised",
+        ),
+        pytest.param(
+            "try:\n    set_age(-1)\n    ok = False\nexcept InvalidAge:\n    ok = True\nassert ok\n",
+            AGES,
+            # Wrong: the name is bound again, to a function, before the tests run.
+            AGES + "def InvalidAge(*args):\n    return TypeError(*args)\n",
+            id="an alias bound again",
         ),
     ],
 )

@@ -62,6 +62,8 @@ def exception_classes(body: Sequence[ast.stmt]) -> dict[str, type]:
     made: dict[str, type] = {}
     classes: set[str] = set()  # every class defined so far, an exception or not
     for node in body:  # in order: a class is defined after its bases
+        if isinstance(node, (ast.Assign, ast.FunctionDef, ast.AsyncFunctionDef)):
+            _alias(node, made, classes)
         if not isinstance(node, ast.ClassDef):
             continue
         bases: list[type] = []
@@ -80,6 +82,30 @@ def exception_classes(body: Sequence[ast.stmt]) -> dict[str, type]:
             except TypeError:  # bases whose layouts conflict: its first alone
                 continue
     return made
+
+
+def _alias(node: ast.stmt, made: dict[str, type], classes: set[str]) -> None:
+    """A name bound at the top level: ``InvalidAge = ValueError`` (or another of the
+    answer's exception classes) names that class for the tests, as ``except
+    InvalidAge`` does in one program; a name bound to anything else names none. A
+    builtin's name is left to the rules for a builtin the answer binds (contested:
+    ``_harness``), as it was."""
+    found = None
+    if isinstance(node, ast.Assign) and isinstance(node.value, ast.Name):
+        named = node.value.id
+        found = made.get(named) if named in classes else getattr(builtins, named, None)
+    targets = node.targets if isinstance(node, ast.Assign) else []
+    names = [t.id for t in targets if isinstance(t, ast.Name)]
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        names = [node.name]
+    for name in names:
+        if hasattr(builtins, name):
+            continue
+        made.pop(name, None)
+        classes.discard(name)
+        if _rebuildable(found):
+            made[name] = found
+            classes.add(name)
 
 
 def rebuilt(
@@ -111,8 +137,10 @@ def rebuilt(
     names = [label, *bases]
     for position, kind in enumerate(names):
         own = (classes or {}).get(kind)
-        if own is not None and not _agrees(own, names[position + 1 :]):
-            own = None  # another class of that name (one in a function) was raised
+        if own is not None and (own.__name__ != kind or not _agrees(own, names[position + 1 :])):
+            # Another class of that name (one in a function) was raised, or one that an
+            # alias of the answer's names (``InvalidAge = ValueError``) was not.
+            own = None
         found = own or getattr(builtins, kind, None)
         if not _rebuildable(found):
             continue
