@@ -615,6 +615,31 @@ PARSER = (
             AGES + "def InvalidAge(*args):\n    return TypeError(*args)\n",
             id="an alias bound again",
         ),
+        pytest.param(
+            "try:\n    parse('1\\nx')\n    ok = False\n"
+            "except ParseError as e:\n    ok = e.line == 2\nassert ok\n",
+            PARSER,
+            PARSER.replace(
+                "number, line in enumerate(text.splitlines(), 1)",
+                "number, line in enumerate(text.splitlines())",
+            ),
+            id="its attributes",
+        ),
+        pytest.param(
+            "try:\n    check(-1)\n    ok = False\n"
+            "except ValueError as e:\n    ok = e.code == 3 and e.value == [-1]\nassert ok\n",
+            "def check(n):\n"
+            "    if n < 0:\n"
+            "        e = ValueError('negative')\n"
+            "        e.code, e.value = 3, [n]\n"
+            "        raise e\n",
+            "def check(n):\n"
+            "    if n < 0:\n"
+            "        e = ValueError('negative')\n"
+            "        e.code, e.value = 3, [0]\n"
+            "        raise e\n",
+            id="a builtin's attributes",
+        ),
     ],
 )
 async def test_the_answers_exception_classes_are_classes_to_the_tests(

@@ -319,17 +319,16 @@ class Answer:
             # call: it is killed, and the next call starts a new one.
             self.close()
             raise AnswerError(f"no result: {exc}"[:MESSAGE_LIMIT]) from None
-        try:
-            raised = decode(reply.get("raised"), self._remote, lazy=self._lazy)
-        except (ValueError, TypeError, KeyError, RecursionError, MemoryError):
-            raised = None
-        raise rebuilt(
-            reply.get("error"),
-            reply.get("message"),
-            reply.get("kinds"),
-            tuple(raised) if type(raised) is list else None,
-            self.exceptions,
-        )
+        said: list[Any] = []
+        for key in ("raised", "fields"):  # its args and attributes, where they are data
+            try:
+                said.append(decode(reply.get(key), self._remote, lazy=self._lazy))
+            except (ValueError, TypeError, KeyError, RecursionError, MemoryError):
+                said.append(None)
+        raised, fields = said
+        error, message, kinds = reply.get("error"), reply.get("message"), reply.get("kinds")
+        given = tuple(raised) if type(raised) is list else None
+        raise rebuilt(error, message, kinds, given, self.exceptions, fields)
 
     def _copy_back(
         self, parts: "dict[tuple[Any, ...], Any]", reply: Any, settled: bool

@@ -38,6 +38,7 @@ if __name__ != "__main__":  # imported by tangram; in the sandbox the program ho
     from typing import Any
 
     from ._kept import KEPT_TEXT, arguments, refill_parts, text, unheld
+    from ._raised import FIELDS
     from ._wire import (
         KEPT,
         METHOD,
@@ -565,6 +566,11 @@ def answer_main(mode: str, source_fd: int, requests_fd: int = -1, replies: int =
                 reply["raised"] = encode(plain_value(list(exc.args)), keep)
             except BaseException:
                 reply["raised"] = None
+            try:  # and its attributes (``e.line``), read from its dict, not computed
+                fields = dict(list(vars(exc).items())[:FIELDS])
+                reply["fields"] = encode(plain_value(fields), keep)
+            except BaseException:
+                reply["fields"] = None
         if called is not None:
             after: Any
             try:  # returned or raised: the harness decides what it copies (``Answer.call``)

@@ -14,10 +14,12 @@ from collections.abc import Mapping, Sequence
 if __name__ != "__main__":  # for the type checker: the sandbox's program needs none
     from typing import Any, TypeGuard
 
-__all__ = ["MESSAGE_LIMIT", "AnswerError", "exception_classes", "rebuilt"]
+__all__ = ["FIELDS", "MESSAGE_LIMIT", "AnswerError", "exception_classes", "rebuilt"]
 
 MESSAGE_LIMIT = 1000
 """Characters of an error's text that reach the tests."""
+FIELDS = 64
+"""Attributes of a raised exception that reach the tests (``e.line``), the first set."""
 
 
 class AnswerError(Exception):
@@ -114,6 +116,7 @@ def rebuilt(
     kinds: Any = None,
     args: Any = None,
     classes: Mapping[str, type] | None = None,
+    fields: Any = None,
 ) -> Exception:
     """What a call raises here when the answer's function raised ``name``.
 
@@ -150,6 +153,10 @@ def rebuilt(
             except Exception:
                 continue
             if isinstance(error, found):
+                if type(fields) is dict:  # its attributes as raised; none of the harness's
+                    for key, value in list(fields.items())[:FIELDS]:
+                        if type(key) is str and not key.startswith("__") and key != "_said":
+                            vars(error)[key] = value
                 if own is not None:
                     vars(error)["_said"] = text
                 return error
