@@ -701,6 +701,19 @@ _STACK = (
     "    def push(self, x):\n        self._items.append(x)\n"
     "    def items(self):\n        return %s\n"
 )
+_SIZE = "    def size(self):\n        return len(self._items)\n"
+_ACC = (
+    "class Acc:\n"
+    "    def __init__(self, data):\n        self.data = %s\n"
+    "    def add(self, x):\n        self.data.append(x)\n"
+    "    def total(self):\n        return sum(self.data)\n"
+)
+_BAG = (
+    "class Bag:\n"
+    "    def __init__(self):\n        self._xs = []\n"
+    "    @property\n    def items(self):\n        return list(self._xs)\n"
+    "    @items.setter\n    def items(self, v):\n        self._xs = %s\n"
+)
 _TOTAL = (
     "class Total:\n"
     "    def __init__(self, data):\n        self.data = %s\n"
@@ -790,6 +803,29 @@ SHARED_CHANGES = {
             ("defaultdict", "collections.defaultdict(list, a=[1])", "v['b'].append(2)", 1),
         )
     },
+    # A fourth review: a change to a value the tests then let go of was dropped with it,
+    # unsent; one list given to two calls was read as sent to both once either copied a
+    # change back; a setter's change waited for no reading.
+    "a result changed, then let go": (
+        "s = Stack()\ns.push(1)\ns.items().append(99)\nassert s.size() == 1\n",
+        _STACK % "list(self._items)" + _SIZE,
+        _STACK % "self._items" + _SIZE,
+    ),
+    "a result changed, then deleted": (
+        "s = Stack()\ns.push(1)\nxs = s.items()\nxs.append(99)\ndel xs\nassert s.size() == 1\n",
+        _STACK % "list(self._items)" + _SIZE,
+        _STACK % "self._items" + _SIZE,
+    ),
+    "one list given to two calls": (
+        "d = [1]\na = Acc(d)\nb = Acc(d)\na.add(3)\nassert b.total() == 1\n",
+        _ACC % "list(data)",
+        _ACC % "data",
+    ),
+    "a setter that sorts the tests' list": (
+        "b = Bag()\nxs = [3, 1, 2]\nb.items = xs\nassert xs == [3, 1, 2]\n",
+        _BAG % "sorted(v)",
+        _BAG % "v; v.sort()",
+    ),
 }
 
 
@@ -833,6 +869,20 @@ SHARED_AS_IN_ONE_PROGRAM = {
         _STACK % "self._items" + "    def size(self):\n        return len(self._items)\n",
         "s = Stack()\nxs = s.items()\nxs.append(1)\nxs.append(2)\nxs.remove(1)\n"
         "assert s.size() == 1\nassert s.items() == [2]\n",
+    ),
+    "a tree built through its node's list": (
+        "class Node:\n    def __init__(self, v):\n        self.v = v\n        self.children = []\n"
+        "    def count(self):\n        return 1 + sum(c.count() for c in self.children)\n",
+        "root = Node(1)\nroot.children.append(Node(2))\nassert root.count() == 2\n",
+    ),
+    "one list given to two calls, changed by one": (
+        _ACC % "data",
+        "d = [1]\na = Acc(d)\nb = Acc(d)\na.add(3)\nassert b.total() == 4\nassert d == [1, 3]\n",
+    ),
+    "a leaked list the tests change after a pop": (
+        _STACK % "self._items" + _SIZE + "    def pop(self):\n        return self._items.pop()\n",
+        "s = Stack()\ns.push(1)\ns.push(2)\nxs = s.items()\nassert s.pop() == 2\n"
+        "xs[0] = 10\nassert s.size() == 1\n",
     ),
     "a copy the tests change, then the answer's own list": (
         _STACK % "list(self._items)" + "    def size(self):\n        return len(self._items)\n",

@@ -250,12 +250,15 @@ class Answer:
         *,
         generation: int | None = None,
         solution: bool = False,
-        changes: bool = True,
+        settles: bool = True,
     ) -> Any:
         """``target(*args, **kwargs)`` in the answer's process: its result, as plain data;
-        with ``changes``, what the call did to its arguments is done to the tests' (see
-        :meth:`_copy_back`; an attribute the tests set is no such call: an answer's
-        ``__setattr__`` emptied the list the tests then computed the expected value of).
+        what the call did to its arguments is done to the tests' by the rules of
+        :meth:`_copy_back`. ``settles``: whether returning None settles it, as an in-place
+        function's does; an attribute the tests set does not (an answer's ``__setattr__``
+        emptied the list the tests then computed the expected value of), and its change
+        waits for the faithful reading (a setter that sorted the tests' list, with no
+        reading owed, passed their check that it was unchanged).
 
         :raises AnswerError: the answer could not answer (see the class).
         """
@@ -298,9 +301,9 @@ class Answer:
             _print(reply)
             if reply.get("ok") is True:
                 # Copied back first: a result that holds an argument holds it as changed.
-                settled = reply.get("value") is None
+                settled = settles and reply.get("value") is None
                 self._later(reply, settled)
-                pending = self._copy_back(parts, reply, settled) if changes else set()
+                pending = self._copy_back(parts, reply, settled)
                 value = decode(
                     reply.get("value"),
                     self._remote,
@@ -312,8 +315,7 @@ class Answer:
                 self._keep(parts, pending, value)
                 return value
             self._later(reply, settled=False)
-            pending = self._copy_back(parts, reply, settled=False) if changes else set()
-            self._keep(parts, pending, None)
+            self._keep(parts, self._copy_back(parts, reply, settled=False), None)
         except (AnswerError, ValueError, TypeError, KeyError, RecursionError, MemoryError) as exc:
             # A process that hung, died or garbled its reply is not trusted with the next
             # call: it is killed, and the next call starts a new one.
@@ -399,6 +401,7 @@ class Answer:
                 continue  # one this side no longer keeps (a failed call's came first)
             if settled or self.faithful:
                 self._refill_from(parts, entry)
+                self._shared.touched.add(entry["seq"])
             else:
                 self.diverged = True
                 self._shared.pend(entry["seq"])
@@ -412,7 +415,6 @@ class Answer:
         """
         # One numbering for both, as they were sent: a list around them is numbered last.
         refill_parts(parts, [after.get("args"), after.get("kwargs")], self._remote)
-        self._shared.touched = True
 
     def _remote(self, number: int) -> "Remote":
         return self._proxy(number, Remote)
@@ -667,7 +669,7 @@ class Remote:
             (name, value),
             {},
             generation=self._generation,
-            changes=False,
+            settles=False,
         )
 
     # Python's protocols, on an object the tests built, as its methods are: a right

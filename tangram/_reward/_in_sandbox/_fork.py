@@ -647,14 +647,13 @@ def _synced(
     find: "Callable[[int], Any]",
     keep: "Callable[[Any], int]",
 ) -> "list[Any]":
-    """Before a call: forget the values the tests no longer hold (``drop``), and do to
-    the others what the tests did to theirs (``sync``: each root's parts as the harness
-    reads them, ``_kept.Shared.changes``), in place; their text then is theirs now, so
-    that no later call sends the tests' own change back to them (``_later``). Then
-    forget those no part of which is held here either (its copy of an argument the
-    answer did not keep): each is read again after every call. Returns those."""
-    for key in request.get("drop") or ():
-        kept.pop(key, None)
+    """Before a call: do to the values both sides keep what the tests did to theirs
+    (``sync``: each root's parts as the harness reads them, ``_kept.Shared.changes``),
+    in place; their text then is theirs now, so that no later call sends the tests' own
+    change back to them (``_later``). Then forget the values the tests no longer hold
+    (``drop``: after their last change, which came with them), and those no part of
+    which is held here either (its copy of an argument the answer did not keep): each
+    is read again after every call. Returns those."""
     for entry in request.get("sync") or ():
         root = kept.get(entry.get("seq"))
         if root is None:
@@ -668,6 +667,8 @@ def _synced(
             kept.pop(entry.get("seq"), None)  # nothing the harness sends does this
             continue
         kept[entry["seq"]] = (args, kwargs, before, now)
+    for key in request.get("drop") or ():
+        kept.pop(key, None)
     forgot = unheld(kept)
     for key in forgot:
         del kept[key]

@@ -125,13 +125,15 @@ class Shared:
     def __init__(self) -> None:
         self._roots: dict[int, _Root] = {}
         self._pending: set[int] = set()
-        self.touched = False
-        """Whether a call refilled the tests' parts: every text is read again after it."""
+        self.touched: set[int] = set()
+        """The roots a call refilled from the answer's copies: their texts are read again
+        after it (only theirs: another root of the same parts still owes the answer's
+        copy of it the change)."""
 
     def clear(self) -> None:
         self._roots.clear()
         self._pending.clear()
-        self.touched = False
+        self.touched.clear()
 
     def parts(self, key: Any) -> "dict[tuple[Any, ...], Any] | None":
         """The tests' parts of root ``key``, by place; None for one not kept."""
@@ -176,15 +178,16 @@ class Shared:
     def changes(self, handle: Any) -> "tuple[list[dict[str, Any]], list[int]]":
         """Before a call: the tests' changes to the roots, each as its parts now (for
         :func:`refill_parts` in the answer's process), and the roots the tests no longer
-        hold any part of (dropped here, for the answer's process to drop)."""
-        dropped = self._unheld()
-        for key in dropped:
-            del self._roots[key]
-            self._pending.discard(key)
+        hold any part of (dropped here, for the answer's process to drop, after their
+        last changes: ``s.items().append(9)`` changes a result the tests then let go).
+
+        A root whose change by the answer was not copied back in this reading (pending)
+        sends none: the tests' part is the older copy, and sent whole it undid the
+        answer's change."""
         changed = []
         read: dict[Any, tuple[Any, str | None]] = {}  # roots of the same parts: read once
         for key, root in self._roots.items():
-            if root.text is None:
+            if root.text is None or key in self._pending:
                 continue
             same = tuple((place, id(part)) for place, part in root.parts.items())
             if same not in read:
@@ -194,6 +197,10 @@ class Shared:
                 root.text = now
                 if now is not None:
                     changed.append({"seq": key, "parts": data})
+        dropped = self._unheld()
+        for key in dropped:
+            del self._roots[key]
+            self._pending.discard(key)
         self._bound()
         return changed, dropped
 
@@ -201,10 +208,11 @@ class Shared:
         """After a call that refilled the tests' parts: their texts as they are now, so
         that what the answer did is not sent back to it as the tests' change."""
         if self.touched:
-            for root in self._roots.values():
-                if root.text is not None:
+            for key in self.touched:
+                root = self._roots.get(key)
+                if root is not None and root.text is not None:
                     root.text = self._read(root, handle)[1]
-            self.touched = False
+            self.touched.clear()
             self._bound()
 
     def _read(self, root: _Root, handle: Any) -> "tuple[Any, str | None]":
