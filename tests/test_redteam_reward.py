@@ -616,6 +616,15 @@ PARSER = (
             id="an alias bound again",
         ),
         pytest.param(
+            "try:\n    set_age(-1)\n    ok = False\nexcept InvalidAge:\n    ok = True\n"
+            "assert ok and set_age(3) == 3\n",
+            AGES.replace("InvalidAge = ValueError", "InvalidAge: type = ValueError"),
+            AGES.replace("InvalidAge = ValueError", "InvalidAge: type = ValueError").replace(
+                "raise InvalidAge('negative')", "raise TypeError('negative')"
+            ),
+            id="an annotated alias",
+        ),
+        pytest.param(
             "try:\n    parse('1\\nx')\n    ok = False\n"
             "except ParseError as e:\n    ok = e.line == 2\nassert ok\n",
             PARSER,

@@ -708,6 +708,25 @@ _ACC = (
     "    def add(self, x):\n        self.data.append(x)\n"
     "    def total(self):\n        return sum(self.data)\n"
 )
+_DECK = (
+    "from collections import namedtuple\nCard = namedtuple('Card', 'rank suit')\n"
+    "class Deck:\n    def __init__(self):\n"
+    "        self._cards = [Card(r, s) for s in 'SHDC' for r in range(1, 14)]\n"
+    "    def cards(self):\n        return %s\n"
+    "    def size(self):\n        return len(self._cards)\n"
+)
+_BIG = (
+    "class Stack:\n    def __init__(self):\n        self._items = []\n"
+    "    def push(self, x):\n        self._items.append(x)\n        return ('x' * (1 << 20), [])\n"
+    "    def size(self):\n        return len(self._items)\n"
+    "    def items(self):\n        return %s\n"
+)
+_DB = (
+    "from collections import namedtuple\nRec = namedtuple('Rec', 'k v')\n"
+    "class Db:\n    def __init__(self):\n        self._rows = []\n"
+    "    def add(self, k, v):\n        self._rows.append(Rec(k, v))\n"
+    "    def rows(self):\n        return self._rows\n"
+)
 _BAG = (
     "class Bag:\n"
     "    def __init__(self):\n        self._xs = []\n"
@@ -821,6 +840,18 @@ SHARED_CHANGES = {
         _ACC % "list(data)",
         _ACC % "data",
     ),
+    # A fifth review: a list of namedtuples was a copy (each made again), and one large
+    # result made the answer's side forget every kept value the tests still changed.
+    "a leaked list of namedtuples": (
+        "d = Deck()\ncs = d.cards()\ncs.pop()\nassert d.size() == 52\n",
+        _DECK % "list(self._cards)",
+        _DECK % "self._cards",
+    ),
+    "a leaked list, then a large result": (
+        "s = Stack()\ns.push(1)\nxs = s.items()\ns.push(2)\nxs.append(99)\nassert s.size() == 2\n",
+        _BIG % "list(self._items)",
+        _BIG % "self._items",
+    ),
     "a setter that sorts the tests' list": (
         "b = Bag()\nxs = [3, 1, 2]\nb.items = xs\nassert xs == [3, 1, 2]\n",
         _BAG % "sorted(v)",
@@ -883,6 +914,27 @@ SHARED_AS_IN_ONE_PROGRAM = {
         _STACK % "self._items" + _SIZE + "    def pop(self):\n        return self._items.pop()\n",
         "s = Stack()\ns.push(1)\ns.push(2)\nxs = s.items()\nassert s.pop() == 2\n"
         "xs[0] = 10\nassert s.size() == 1\n",
+    ),
+    "a list of namedtuples returned as it was passed": (
+        "def ident(xs):\n    return xs\n",
+        "from collections import namedtuple\nP = namedtuple('P', 'x y')\nxs = [P(1, 2)]\n"
+        "assert ident(xs) is xs\n",
+    ),
+    "kept rows of namedtuples, then an add": (
+        _DB,
+        "d = Db()\nd.add('a', 1)\nr = d.rows()\nd.add('b', 2)\nassert len(r) == 2\n"
+        "assert d.rows() is d.rows()\n",
+    ),
+    "a kept list beside a large argument": (
+        _TOTAL % "data" + "    def note(self, msg, tags):\n        return len(msg)\n",
+        "d = [1]\nt = Total(d)\nt.note('y' * (1 << 20), [])\nd.append(5)\nassert t.total() == 6\n",
+    ),
+    "a setter that sorts the list its object kept": (
+        "class View:\n    def __init__(self, data):\n        self.data = data\n"
+        "    @property\n    def descending(self):\n        return False\n"
+        "    @descending.setter\n    def descending(self, flag):\n"
+        "        self.data.sort(reverse=flag)\n",
+        "d = [3, 1, 2]\nv = View(d)\nv.descending = True\nassert d == [3, 2, 1]\n",
     ),
     "a copy the tests change, then the answer's own list": (
         _STACK % "list(self._items)" + "    def size(self):\n        return len(self._items)\n",

@@ -7,10 +7,9 @@ arguments spend most of its time re-reading values nobody held.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-from tangram._reward._in_sandbox._kept import Shared, unheld
+from tangram._reward._in_sandbox._kept import KEPT_TEXT, Shared, _ours, unheld
 from tangram._reward._in_sandbox._wire import places_of
 
 
@@ -59,22 +58,36 @@ def test_the_answers_side_forgets_what_it_no_longer_holds() -> None:
 
 
 def test_a_long_flat_value_is_not_read_item_by_item() -> None:
+    """Only parts that hold parts are read item by item for references (a list of a
+    million numbers the tests hold was read at every call)."""
+    numbers = list(range(1000))
+    rows = [[1], [2]]
+    roots = {1: _parts(numbers), 2: _parts(rows)}
+    _, ours, nesting = _ours(roots, lambda parts: parts.items(), [])
+    assert id(numbers) not in nesting and id(rows) in nesting
+    assert ours[id(numbers)] == 1 and ours[id(rows[0])] == 2  # its root, and rows
+
+
+def test_the_tests_side_carries_the_smallest_values_and_names_them() -> None:
+    """What is carried past the bound is decided here, smallest first, and named to the
+    answer's process at each call (``carried``): the largest value is a copy, not the
+    older ones (an answer returning one large value made them all copies)."""
     shared = Shared()
-    numbers = list(range(2_000_000))
-    shared.keep(1, _parts(numbers), _handle)  # past what is carried, kept for refills
-    started = time.perf_counter()
-    for _ in range(100):
-        assert shared._unheld() == []
-    assert time.perf_counter() - started < 0.5
-    changed, dropped = shared.changes(_handle)
-    assert (changed, dropped) == ([], [])
+    small, older, newer = [1], ["x" * (KEPT_TEXT * 3 // 5)], ["y" * (KEPT_TEXT * 3 // 5)]
+    shared.keep(1, _parts(small), _handle)
+    shared.keep(2, _parts(older), _handle)
+    shared.keep(3, _parts(newer), _handle)  # the two large ones pass the bound together
+    assert shared.changes(_handle) == ([], [1, 2])
+    small.append(2)
+    changed, carried = shared.changes(_handle)
+    assert [entry["seq"] for entry in changed] == [1] and carried == [1, 2]
 
 
 def test_a_change_the_tests_make_is_sent_once_as_places_of_the_parts() -> None:
     shared = Shared()
     rows = [[0, 0], [0, 0]]
     shared.keep(-5, _parts(rows), _handle)
-    assert shared.changes(_handle) == ([], [])
+    assert shared.changes(_handle) == ([], [-5])
     rows[1][0] = 7
     row = rows.pop(0)  # taken out, then changed: still read
     row.append(9)
@@ -85,4 +98,4 @@ def test_a_change_the_tests_make_is_sent_once_as_places_of_the_parts() -> None:
         {"al": [[0, 0], [0, 0, 9]]},
         {"same": 0},
     ]
-    assert shared.changes(_handle) == ([], [])
+    assert shared.changes(_handle) == ([], [-5])

@@ -254,11 +254,12 @@ class Answer:
     ) -> Any:
         """``target(*args, **kwargs)`` in the answer's process: its result, as plain data;
         what the call did to its arguments is done to the tests' by the rules of
-        :meth:`_copy_back`. ``settles``: whether returning None settles it, as an in-place
-        function's does; an attribute the tests set does not (an answer's ``__setattr__``
-        emptied the list the tests then computed the expected value of), and its change
-        waits for the faithful reading (a setter that sorted the tests' list, with no
-        reading owed, passed their check that it was unchanged).
+        :meth:`_copy_back`. ``settles``: whether returning None settles what it did to
+        its arguments, as an in-place function's does; an attribute the tests set does
+        not (an answer's ``__setattr__`` emptied the list the tests then computed the
+        expected value of), and its change to the value set waits for the faithful
+        reading (a setter that sorted the tests' list, with no reading owed, passed
+        their check that it was unchanged).
 
         :raises AnswerError: the answer could not answer (see the class).
         """
@@ -275,7 +276,7 @@ class Answer:
         self._seq += 1
         parts = {tuple(path): part for path, part in places_of(list(args), kwargs).values()}
         # What the tests did to the values both sides keep, done there before the call.
-        sync, drop = self._shared.changes(_handle_of)
+        sync, carried = self._shared.changes(_handle_of)
         request = {
             "seq": self._seq,
             "target": target,
@@ -288,7 +289,7 @@ class Answer:
             # recorded and sent (it overfilled the reply where nothing would read it).
             "capture": [sys.stdout is not sys.__stdout__, sys.stderr is not sys.__stderr__],
             "sync": sync,
-            "drop": drop,
+            "carried": carried,
         }
         until = self.deadline.case()
         try:
@@ -301,9 +302,11 @@ class Answer:
             _print(reply)
             if reply.get("ok") is True:
                 # Copied back first: a result that holds an argument holds it as changed.
-                settled = settles and reply.get("value") is None
+                # What a setter did to values kept from earlier calls is settled as by
+                # any call that returns None (``View(d)``'s setter sorting ``d``).
+                settled = reply.get("value") is None
                 self._later(reply, settled)
-                pending = self._copy_back(parts, reply, settled)
+                pending = self._copy_back(parts, reply, settles and settled)
                 value = decode(
                     reply.get("value"),
                     self._remote,

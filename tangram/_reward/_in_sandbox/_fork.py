@@ -37,10 +37,9 @@ from collections.abc import Callable, Mapping, Sequence
 if __name__ != "__main__":  # imported by tangram; in the sandbox the program holds them
     from typing import Any
 
-    from ._kept import KEPT_TEXT, arguments, refill_parts, text, unheld
+    from ._kept import arguments, refill_parts, text, unheld
     from ._raised import FIELDS
     from ._wire import (
-        KEPT,
         METHOD,
         decode,
         encode,
@@ -583,9 +582,6 @@ def answer_main(mode: str, source_fd: int, requests_fd: int = -1, replies: int =
                 reply["after"] = after
             if reply.get("ok") is True and isinstance(plain, _HOLDERS):
                 _keep_result(kept, called[0].get("seq"), plain, keep)
-            # Each is read again after every call: so many, of so much text.
-            while len(kept) > KEPT or sum(len(k[3]) for k in kept.values()) > KEPT_TEXT:
-                del kept[next(iter(kept))]
         later: Any
         try:  # what this call did to the arguments and results of earlier ones
             later = _later(kept, called[0].get("seq") if called else None, keep)
@@ -650,10 +646,11 @@ def _synced(
     """Before a call: do to the values both sides keep what the tests did to theirs
     (``sync``: each root's parts as the harness reads them, ``_kept.Shared.changes``),
     in place; their text then is theirs now, so that no later call sends the tests' own
-    change back to them (``_later``). Then forget the values the tests no longer hold
-    (``drop``: after their last change, which came with them), and those no part of
-    which is held here either (its copy of an argument the answer did not keep): each
-    is read again after every call. Returns those."""
+    change back to them (``_later``). Then keep only the values the tests carry on
+    (``carried``: not those they no longer hold, whose last change came with them, nor
+    those past the bounds, which they decide), and forget those no part of which is held
+    here either (its copy of an argument the answer did not keep): each is read again
+    after every call. Returns those."""
     for entry in request.get("sync") or ():
         root = kept.get(entry.get("seq"))
         if root is None:
@@ -667,8 +664,11 @@ def _synced(
             kept.pop(entry.get("seq"), None)  # nothing the harness sends does this
             continue
         kept[entry["seq"]] = (args, kwargs, before, now)
-    for key in request.get("drop") or ():
-        kept.pop(key, None)
+    carried = request.get("carried")
+    if type(carried) is list:
+        carried = {key for key in carried if type(key) is int}
+        for key in [key for key in kept if key not in carried]:
+            del kept[key]
     forgot = unheld(kept)
     for key in forgot:
         del kept[key]

@@ -22,13 +22,17 @@ dicts) named by the places :func:`._wire.places_of` gives them, alike on both si
   s.items()`` where it leaks one list, ``a.view() is data`` where it kept ``data``.
 
 A root the tests no longer hold any part of is forgotten on both sides (nothing can
-change it or see it change again); so is the oldest past ``KEPT`` roots. One whose text
-passes a MiB (:data:`KEPT_TEXT`), or that cannot be read (a cycle), is no longer carried
-to the answer: past those bounds the tests' change stays theirs, as before.
+change it or see it change again); so is the oldest past ``KEPT`` roots, and the largest
+past a MiB of text together (:data:`KEPT_TEXT`), or one that cannot be read (a cycle):
+past those bounds a value is a copy on each side, as before. The tests' side decides
+what is carried and names it at each call (``carried``); the answer's keeps those and
+no others, so the two never disagree (counted apart, one call's large result made the
+answer's side forget what the tests went on sending changes to, unheard).
 """
 
 import collections
 import json
+import math
 import sys
 from collections.abc import Callable, Mapping
 
@@ -158,10 +162,17 @@ class Shared:
         root = self._roots[key] = _Root(parts)
         root.text = self._read(root, handle)[1]
         while len(self._roots) > KEPT:
-            old = next(iter(self._roots))
-            del self._roots[old]
-            self._pending.discard(old)
+            self._drop(next(iter(self._roots)))
         self._bound()
+
+    def carried(self) -> "list[int]":
+        """The roots this side carries: the answer's process keeps these and no others."""
+        return list(self._roots)
+
+    def _drop(self, key: int) -> None:
+        del self._roots[key]
+        self._pending.discard(key)
+        self.touched.discard(key)
 
     def alias(self, head: "list[Any]", path: "list[Any]", copy: Any) -> Any:
         """What a result holds where the answer's held a part of an earlier root (``head``
@@ -169,7 +180,7 @@ class Shared:
         not the tests' in this reading; else the copy."""
         key = head[0] if len(head) == 1 else None
         root = self._roots.get(key) if type(key) is int else None
-        if root is None or root.text is None or key in self._pending:
+        if root is None or key in self._pending:
             return copy
         known = all(type(step) in (int, str) for step in path)
         part = root.parts.get(tuple(path)) if known else None
@@ -177,9 +188,10 @@ class Shared:
 
     def changes(self, handle: Any) -> "tuple[list[dict[str, Any]], list[int]]":
         """Before a call: the tests' changes to the roots, each as its parts now (for
-        :func:`refill_parts` in the answer's process), and the roots the tests no longer
-        hold any part of (dropped here, for the answer's process to drop, after their
-        last changes: ``s.items().append(9)`` changes a result the tests then let go).
+        :func:`refill_parts` in the answer's process), and the roots carried on (for the
+        answer's process to keep, and no others: the ones the tests no longer hold any
+        part of are dropped after their last changes, ``s.items().append(9)`` changing
+        a result the tests then let go).
 
         A root whose change by the answer was not copied back in this reading (pending)
         sends none: the tests' part is the older copy, and sent whole it undid the
@@ -187,7 +199,7 @@ class Shared:
         changed = []
         read: dict[Any, tuple[Any, str | None]] = {}  # roots of the same parts: read once
         for key, root in self._roots.items():
-            if root.text is None or key in self._pending:
+            if key in self._pending:
                 continue
             same = tuple((place, id(part)) for place, part in root.parts.items())
             if same not in read:
@@ -197,12 +209,10 @@ class Shared:
                 root.text = now
                 if now is not None:
                     changed.append({"seq": key, "parts": data})
-        dropped = self._unheld()
-        for key in dropped:
-            del self._roots[key]
-            self._pending.discard(key)
+        for key in self._unheld():
+            self._drop(key)
         self._bound()
-        return changed, dropped
+        return changed, self.carried()
 
     def rebase(self, handle: Any) -> None:
         """After a call that refilled the tests' parts: their texts as they are now, so
@@ -210,7 +220,7 @@ class Shared:
         if self.touched:
             for key in self.touched:
                 root = self._roots.get(key)
-                if root is not None and root.text is not None:
+                if root is not None:
                     root.text = self._read(root, handle)[1]
             self.touched.clear()
             self._bound()
@@ -229,13 +239,19 @@ class Shared:
         return (data, now) if len(now) <= KEPT_TEXT else (None, None)
 
     def _bound(self) -> None:
-        """Carry at most :data:`KEPT_TEXT` characters of roots, the newest first."""
-        total = 0
-        for root in reversed(self._roots.values()):
-            if root.text is not None:
-                total += len(root.text)
-                if total > KEPT_TEXT:
-                    root.text = None
+        """Carry at most :data:`KEPT_TEXT` characters of roots, the smallest first, and
+        none that cannot be read: the others are dropped, here and (not carried) in the
+        answer's process. Newest first, an answer that returned one large value made
+        every older one a copy again (its leaked list among them)."""
+        sizes = sorted(
+            (math.inf if root.text is None else len(root.text), index, key)
+            for index, (key, root) in enumerate(self._roots.items())
+        )
+        total = 0.0
+        for size, _, key in sizes:
+            total += size
+            if total > KEPT_TEXT:
+                self._drop(key)
 
     def _unheld(self) -> "list[int]":
         """The roots the tests hold no part of: each part's references are all from

@@ -64,7 +64,7 @@ def exception_classes(body: Sequence[ast.stmt]) -> dict[str, type]:
     made: dict[str, type] = {}
     classes: set[str] = set()  # every class defined so far, an exception or not
     for node in body:  # in order: a class is defined after its bases
-        if isinstance(node, (ast.Assign, ast.FunctionDef, ast.AsyncFunctionDef)):
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.FunctionDef, ast.AsyncFunctionDef)):
             _alias(node, made, classes)
         if not isinstance(node, ast.ClassDef):
             continue
@@ -93,10 +93,15 @@ def _alias(node: ast.stmt, made: dict[str, type], classes: set[str]) -> None:
     builtin's name is left to the rules for a builtin the answer binds (contested:
     ``_harness``), as it was."""
     found = None
-    if isinstance(node, ast.Assign) and isinstance(node.value, ast.Name):
-        named = node.value.id
+    value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+    if isinstance(value, ast.Name):
+        named = value.id
         found = made.get(named) if named in classes else getattr(builtins, named, None)
     targets = node.targets if isinstance(node, ast.Assign) else []
+    if isinstance(node, ast.AnnAssign):
+        if node.value is None:
+            return  # an annotation alone binds nothing
+        targets = [node.target]
     names = [t.id for t in targets if isinstance(t, ast.Name)]
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         names = [node.name]

@@ -557,8 +557,11 @@ def _made_plain(value: Any, kind: type, plain: "Callable[[Any], Any]") -> Any:
         if isinstance(value, list):
             return items
         if isinstance(value, tuple):
-            # A namedtuple stays one, its fields sent with it (``._wire``).
+            # A namedtuple stays one, its fields sent with it (``._wire``): itself where
+            # its items are (made again, a list of them was a copy, not the answer's).
             named = namedtuple_fields(kind) is not None
+            if named and unchanged:
+                return value
             return tuple.__new__(kind, items) if named else tuple(items)
         return frozenset(items) if isinstance(value, frozenset) else set(items)
     if isinstance(value, (ItemsView, KeysView, ValuesView)):
