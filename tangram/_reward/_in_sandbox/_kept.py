@@ -148,9 +148,8 @@ class Shared:
         """Forget the roots the answer's process says it holds no part of (``keys``)."""
         if type(keys) is list:
             for key in keys:
-                if type(key) is int:
-                    self._roots.pop(key, None)
-                    self._pending.discard(key)
+                if type(key) is int and key in self._roots:
+                    self._drop(key)
 
     def pend(self, key: int) -> None:
         """The answer changed root ``key`` and the change was not copied back: its parts
